@@ -1,0 +1,66 @@
+// Config: the static description of one MoE layer's routed experts across an EP group.
+// Field names are shared with the Python dataclass `poise.Config`.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+namespace poise {
+
+enum class Activation {
+  swiglu,          // silu(g) * u
+  swiglu_clamped,  // min(g,limit) * sigmoid(alpha*min(g,limit)) * (clamp(u,-limit,limit) + 1)
+};
+
+enum class Balance {
+  exact,     // every rank computes exactly T*K rows, hot experts replicated on underloaded ranks
+  capacity,  // dropless; each rank receives up to receive_capacity_factor * T*K rows
+};
+
+enum class DType { bf16, fp32 };
+
+const char* to_string(Activation a);
+const char* to_string(Balance b);
+const char* to_string(DType d);
+Activation activation_from_string(const std::string& s);  // throws InvalidArgument("activation")
+Balance balance_from_string(const std::string& s);        // throws InvalidArgument("balance")
+DType dtype_from_string(const std::string& s, const std::string& field);
+
+struct Config {
+  int64_t num_local_input_tokens = 0;  // T: physical rows per rank and call (padding rows carry zero scores)
+  int64_t hidden_dim = 0;              // D: multiple of 64
+  int64_t intermediate_dim = 0;        // F: multiple of 64
+  int64_t top_k = 0;                   // K
+  int64_t num_experts = 0;             // E: divisible by the EP size
+
+  Activation activation = Activation::swiglu;
+  double swiglu_alpha = 1.702;  // used by swiglu_clamped
+  double swiglu_limit = 7.0;    // used by swiglu_clamped
+
+  Balance balance = Balance::exact;
+  double receive_capacity_factor = 2.0;  // capacity mode: receive rows = factor * T*K
+
+  // Activation slots: where forward keeps what backward needs. A slot serves up to
+  // max_moe_layers_per_activation_slot layers; what does not fit is recomputed in backward.
+  int64_t num_activation_slots = 1;
+  int64_t max_moe_layers_per_activation_slot = 1;
+  std::optional<double> activation_slot_capacity_factor;  // x the balanced full-save bytes
+  std::optional<int64_t> activation_slot_bytes;           // or an absolute size per slot
+
+  double device_scratch_capacity_factor = 1.0;  // device rows = factor * balanced rows
+  double host_overflow_scratch_factor = 0.0;    // host-backed (VMM) rows = factor * balanced rows
+
+  DType wgrad_dtype = DType::fp32;
+  bool inference = false;  // no backward: no activation slots, no weight-grad buffers
+
+  // Throws InvalidArgument naming the field and the rule.
+  void validate(int64_t ep_size) const;
+
+  int64_t num_local_experts(int64_t ep_size) const { return num_experts / ep_size; }
+};
+
+// Rows of one expert group are padded to this height so GEMM tiles never straddle experts.
+inline constexpr int64_t kExpertRowAlignment = 128;
+
+}  // namespace poise

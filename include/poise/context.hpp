@@ -1,0 +1,81 @@
+// Context and the routed_experts entry points on raw device pointers + cudaStream_t.
+//
+// Contract (what an EP user must know):
+//  - A Context is created collectively: every rank of the EP group creates it with the same Config.
+//  - It is sequentially reusable: one call in flight per context, calls ordered on the stream.
+//  - After an aborted call (an exception, a device timeout), call reset() before the next call.
+//  - close() releases every buffer; it is collective too. The destructor closes if needed.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+
+#include "poise/config.hpp"
+#include "poise/memory_plan.hpp"
+
+// Keeps this header free of CUDA headers: cudaStream_t is a pointer to this opaque struct.
+struct CUstream_st;
+
+namespace poise {
+
+using Stream = CUstream_st*;
+
+// How W13 is stored. All shapes below share one memory order per layout:
+// [E_local, 2, F, D] == [E_local, 2F, D] == [E_local*2F, D] (gate rows, then up rows, per expert).
+enum class W13Layout {
+  gate_up_blocked,      // rows [0,F) gate, [F,2F) up
+  gate_up_interleaved,  // row 2f gate, row 2f+1 up (gpt-oss checkpoints)
+};
+
+struct ForwardArgs {
+  const void* x_TD = nullptr;          // bf16 [T, D]
+  const int32_t* ids_TK = nullptr;     // int32 [T, K], global expert ids
+  const void* scores_TK = nullptr;     // scores_dtype [T, K]
+  DType scores_dtype = DType::fp32;
+  const void* w13 = nullptr;           // bf16 [E_local, 2F, D]
+  W13Layout w13_layout = W13Layout::gate_up_blocked;
+  const void* w2 = nullptr;            // bf16 [E_local, D, F]
+  void* out_TD = nullptr;              // bf16 [T, D]
+};
+
+struct BackwardArgs {
+  ForwardArgs forward;                 // the same inputs as the forward call being differentiated
+  const void* grad_out_TD = nullptr;   // bf16 [T, D]
+  void* grad_x_TD = nullptr;           // bf16 [T, D]
+  void* grad_scores_TK = nullptr;      // scores_dtype [T, K]
+  void* grad_w13 = nullptr;            // wgrad_dtype, w13's shape
+  void* grad_w2 = nullptr;             // wgrad_dtype, w2's shape
+  bool accumulate_wgrad = false;       // add into grad_w13/grad_w2 instead of overwriting
+};
+
+class Context {
+ public:
+  // In-process (virtual ranks / single GPU) context. ep_size ranks, this one is `rank`.
+  static std::unique_ptr<Context> create(const Config& config, int64_t ep_size, int64_t rank);
+  ~Context();
+
+  const Config& config() const;
+  const MemoryPlan& plan() const;
+  int64_t ep_size() const;
+  int64_t rank() const;
+  bool closed() const;
+
+  void reset();
+  void close();
+
+  Context(const Context&) = delete;
+  Context& operator=(const Context&) = delete;
+
+ private:
+  Context(const Config& config, int64_t ep_size, int64_t rank);
+  struct State;
+  std::unique_ptr<State> state_;
+  friend void routed_experts_forward(Context&, const ForwardArgs&, Stream);
+  friend void routed_experts_backward(Context&, const BackwardArgs&, Stream);
+};
+
+// Validate arguments on the host (InvalidArgument naming the argument), then enqueue on stream.
+void routed_experts_forward(Context& context, const ForwardArgs& args, Stream stream);
+void routed_experts_backward(Context& context, const BackwardArgs& args, Stream stream);
+
+}  // namespace poise

@@ -1,0 +1,43 @@
+// plan_memory: a pure host function (no CUDA) that sizes every region a Context will own.
+// The formulas are written down in docs/memory_plan.md; explain() prints them with the numbers.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "poise/config.hpp"
+
+namespace poise {
+
+struct MemoryPlan {
+  Config config;
+  int64_t ep_size = 1;
+  int64_t num_local_experts = 0;    // E / ep_size
+  int64_t num_replica_slots = 0;    // B: replica expert slots per rank (exact balance)
+
+  // Rows a rank computes per call.
+  int64_t balanced_rows = 0;  // T*K + per-expert padding (what exact balance guarantees)
+  int64_t device_rows = 0;    // rows the device receive buffers and scratch hold
+  int64_t total_rows = 0;     // device rows + host-backed overflow rows
+
+  // Bytes per region.
+  int64_t communication_bytes = 0;             // symmetric window: dispatch receive, combine, signals
+  int64_t replica_weight_bytes = 0;            // B replica experts' weights (+ fp32 grads in training)
+  int64_t activation_slot_min_bytes = 0;       // per slot: routing layout only, everything recomputed
+  int64_t activation_slot_full_save_bytes = 0; // per slot: saves all of backward's inputs at balance
+  int64_t activation_slot_max_useful_bytes = 0;// per slot: full save when every row is on the device
+  int64_t activation_slot_bytes = 0;           // per slot, as configured
+  int64_t activation_slots_total_bytes = 0;    // num_activation_slots * activation_slot_bytes
+  int64_t device_scratch_bytes = 0;            // per-call intermediates (h13, a, grads) on the device
+  int64_t host_overflow_scratch_bytes = 0;     // host-backed virtual memory for overflow rows
+  int64_t total_device_bytes = 0;
+  int64_t total_virtual_bytes = 0;
+
+  // Human-readable summary: one line per region, sizes in MiB/GiB, with the rule that sized it.
+  std::string explain() const;
+};
+
+// Validates config for ep_size (throws InvalidArgument) and sizes the regions.
+MemoryPlan plan_memory(const Config& config, int64_t ep_size);
+
+}  // namespace poise

@@ -1,0 +1,108 @@
+#include "poise/config.hpp"
+
+#include <cmath>
+#include <sstream>
+
+#include "poise/errors.hpp"
+
+namespace poise {
+
+const char* to_string(Activation a) {
+  return a == Activation::swiglu ? "swiglu" : "swiglu_clamped";
+}
+const char* to_string(Balance b) { return b == Balance::exact ? "exact" : "capacity"; }
+const char* to_string(DType d) { return d == DType::bf16 ? "bf16" : "fp32"; }
+
+Activation activation_from_string(const std::string& s) {
+  if (s == "swiglu") return Activation::swiglu;
+  if (s == "swiglu_clamped") return Activation::swiglu_clamped;
+  throw InvalidArgument("activation", "must be 'swiglu' or 'swiglu_clamped', got '" + s + "'");
+}
+
+Balance balance_from_string(const std::string& s) {
+  if (s == "exact") return Balance::exact;
+  if (s == "capacity") return Balance::capacity;
+  throw InvalidArgument("balance", "must be 'exact' or 'capacity', got '" + s + "'");
+}
+
+DType dtype_from_string(const std::string& s, const std::string& field) {
+  if (s == "bf16" || s == "bfloat16") return DType::bf16;
+  if (s == "fp32" || s == "float32") return DType::fp32;
+  throw InvalidArgument(field, "must be 'bf16' or 'fp32', got '" + s + "'");
+}
+
+namespace {
+
+template <typename V>
+std::string show(V v) {
+  std::ostringstream os;
+  os << v;
+  return os.str();
+}
+
+void require(bool ok, const char* field, const std::string& rule) {
+  if (!ok) throw InvalidArgument(field, rule);
+}
+
+void require_positive(int64_t v, const char* field) {
+  require(v > 0, field, "must be > 0, got " + show(v));
+}
+
+void require_multiple_of_64(int64_t v, const char* field) {
+  require_positive(v, field);
+  require(v % 64 == 0, field, "must be a multiple of 64, got " + show(v));
+}
+
+void require_finite_positive(double v, const char* field) {
+  require(std::isfinite(v) && v > 0, field, "must be a finite number > 0, got " + show(v));
+}
+
+}  // namespace
+
+void Config::validate(int64_t ep_size) const {
+  require(ep_size > 0, "ep_size", "must be > 0, got " + show(ep_size));
+  require_positive(num_local_input_tokens, "num_local_input_tokens");
+  require_multiple_of_64(hidden_dim, "hidden_dim");
+  require_multiple_of_64(intermediate_dim, "intermediate_dim");
+  require_positive(num_experts, "num_experts");
+  require_positive(top_k, "top_k");
+  require(top_k <= num_experts, "top_k",
+          "must be <= num_experts (" + show(num_experts) + "), got " + show(top_k));
+  require(num_experts % ep_size == 0, "num_experts",
+          "must be divisible by the EP size " + show(ep_size) + ", got " + show(num_experts));
+  if (activation == Activation::swiglu_clamped) {
+    require_finite_positive(swiglu_alpha, "swiglu_alpha");
+    require_finite_positive(swiglu_limit, "swiglu_limit");
+  }
+  if (balance == Balance::capacity) {
+    require(std::isfinite(receive_capacity_factor) && receive_capacity_factor >= 1.0,
+            "receive_capacity_factor", "must be >= 1, got " + show(receive_capacity_factor));
+  }
+  require(num_activation_slots >= 0, "num_activation_slots",
+          "must be >= 0, got " + show(num_activation_slots));
+  require_positive(max_moe_layers_per_activation_slot, "max_moe_layers_per_activation_slot");
+  require(!(activation_slot_capacity_factor && activation_slot_bytes), "activation_slot_bytes",
+          "is mutually exclusive with activation_slot_capacity_factor: set one of them");
+  if (activation_slot_capacity_factor) {
+    require(std::isfinite(*activation_slot_capacity_factor) && *activation_slot_capacity_factor >= 0,
+            "activation_slot_capacity_factor",
+            "must be a finite number >= 0, got " + show(*activation_slot_capacity_factor));
+  }
+  if (activation_slot_bytes) {
+    require(*activation_slot_bytes >= 0, "activation_slot_bytes",
+            "must be >= 0, got " + show(*activation_slot_bytes));
+  }
+  require(std::isfinite(device_scratch_capacity_factor) && device_scratch_capacity_factor >= 1.0,
+          "device_scratch_capacity_factor",
+          "must be >= 1 (the balanced rows always fit on the device), got " +
+              show(device_scratch_capacity_factor));
+  require(std::isfinite(host_overflow_scratch_factor) && host_overflow_scratch_factor >= 0,
+          "host_overflow_scratch_factor",
+          "must be >= 0, got " + show(host_overflow_scratch_factor));
+  if (inference) {
+    require(!activation_slot_capacity_factor && !activation_slot_bytes, "activation_slot_bytes",
+            "must be unset when inference=true (inference saves nothing for backward)");
+  }
+}
+
+}  // namespace poise
