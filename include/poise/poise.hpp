@@ -1,0 +1,8 @@
+// Umbrella header of the Poise C++ API.
+#pragma once
+
+#include "poise/config.hpp"
+#include "poise/context.hpp"
+#include "poise/errors.hpp"
+#include "poise/memory_plan.hpp"
+

@@ -1,0 +1,150 @@
+// The memory planner: pure host arithmetic, no CUDA. docs/memory_plan.md states every formula used here.
+#include "poise/memory_plan.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <sstream>
+
+#include "poise/errors.hpp"
+
+namespace poise {
+namespace {
+
+constexpr int64_t kBf16Bytes = 2;
+constexpr int64_t kFp32Bytes = 4;
+constexpr int64_t kRegionAlignment = 256;              // every region starts on a 256 B boundary
+constexpr int64_t kWindowGranularity = 2 << 20;        // VMM / NCCL window granularity (2 MiB)
+constexpr int64_t kRowMetadataBytes = 8;               // per received row: source token (int32) + score (fp32)
+constexpr int64_t kSignalBytesPerPeer = 256;           // readiness counters and barrier words per peer
+
+int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
+int64_t ceil_times(double factor, int64_t v) { return static_cast<int64_t>(std::ceil(factor * double(v))); }
+
+std::string human_bytes(int64_t bytes) {
+  char buf[32];
+  const double b = double(bytes);
+  if (b >= double(1 << 30)) std::snprintf(buf, sizeof buf, "%.2f GiB", b / double(1 << 30));
+  else if (b >= double(1 << 20)) std::snprintf(buf, sizeof buf, "%.1f MiB", b / double(1 << 20));
+  else if (b >= 1024) std::snprintf(buf, sizeof buf, "%.1f KiB", b / 1024.0);
+  else std::snprintf(buf, sizeof buf, "%lld B", static_cast<long long>(bytes));
+  return buf;
+}
+
+}  // namespace
+
+MemoryPlan plan_memory(const Config& c, int64_t ep_size) {
+  c.validate(ep_size);
+  MemoryPlan p;
+  p.config = c;
+  p.ep_size = ep_size;
+  p.num_local_experts = c.num_local_experts(ep_size);
+  p.num_replica_slots = c.balance == Balance::exact ? p.num_local_experts : 0;
+
+  const int64_t T = c.num_local_input_tokens, K = c.top_k, D = c.hidden_dim, F = c.intermediate_dim;
+  const int64_t routed_rows = T * K;
+  const int64_t expert_slots = p.num_local_experts + p.num_replica_slots;
+  // Each expert group is padded to the tile height, so padding adds at most (alignment - 1) per slot.
+  const int64_t max_padding = expert_slots * (kExpertRowAlignment - 1);
+
+  p.balanced_rows = round_up(routed_rows + max_padding, kExpertRowAlignment);
+  // Rows the dispatch receive buffer accepts; more is an overflow the host reports.
+  const int64_t receive_rows =
+      c.balance == Balance::exact
+          ? p.balanced_rows
+          : round_up(ceil_times(c.receive_capacity_factor, routed_rows) + max_padding, kExpertRowAlignment);
+  p.device_rows = std::min(
+      receive_rows, round_up(ceil_times(c.device_scratch_capacity_factor, p.balanced_rows), kExpertRowAlignment));
+  const int64_t host_rows = std::min(
+      receive_rows - p.device_rows,
+      round_up(ceil_times(c.host_overflow_scratch_factor, p.balanced_rows), kExpertRowAlignment));
+  p.total_rows = p.device_rows + host_rows;
+
+  // Communication window: received rows (+ metadata), the combine buffer of this rank's T*K outputs, signals.
+  p.communication_bytes =
+      round_up(receive_rows * (D * kBf16Bytes + kRowMetadataBytes) + routed_rows * D * kBf16Bytes +
+                   ep_size * kSignalBytesPerPeer,
+               kWindowGranularity);
+
+  // Replica experts: weights always; an fp32 gradient each in training, reduced back to the owner.
+  const int64_t expert_params = 3 * F * D;  // W13 (2F x D) + W2 (D x F)
+  p.replica_weight_bytes = round_up(
+      p.num_replica_slots * expert_params * (kBf16Bytes + (c.inference ? 0 : kFp32Bytes)), kRegionAlignment);
+
+  // Activation slot, per layer: the routing layout always; per row x (D) and h13 (2F) in bf16.
+  // `a` is recomputed from h13 in the backward epilogue, so it is never saved.
+  const int64_t layers = c.max_moe_layers_per_activation_slot;
+  const int64_t layout_bytes =
+      round_up(routed_rows * 2 * kFp32Bytes + receive_rows * 2 * kFp32Bytes + 2 * (c.num_experts + 1) * kFp32Bytes,
+               kRegionAlignment);
+  const int64_t saved_row_bytes = (D + 2 * F) * kBf16Bytes;
+  if (!c.inference) {
+    p.activation_slot_min_bytes = layers * layout_bytes;
+    p.activation_slot_full_save_bytes = layers * (layout_bytes + p.balanced_rows * saved_row_bytes);
+    p.activation_slot_max_useful_bytes = layers * (layout_bytes + receive_rows * saved_row_bytes);
+    if (c.activation_slot_bytes) {
+      if (*c.activation_slot_bytes < p.activation_slot_min_bytes) {
+        throw InvalidArgument("activation_slot_bytes",
+                              "must be >= the slot minimum (routing layout of " + std::to_string(layers) +
+                                  " layer(s)) of " + std::to_string(p.activation_slot_min_bytes) + " bytes, got " +
+                                  std::to_string(*c.activation_slot_bytes));
+      }
+      p.activation_slot_bytes = std::min(*c.activation_slot_bytes, p.activation_slot_max_useful_bytes);
+    } else {
+      const double factor = c.activation_slot_capacity_factor.value_or(1.0);
+      const int64_t rows_saved = std::min(receive_rows, ceil_times(factor, p.balanced_rows));
+      p.activation_slot_bytes = layers * (layout_bytes + rows_saved * saved_row_bytes);
+    }
+    p.activation_slot_bytes = round_up(p.activation_slot_bytes, kRegionAlignment);
+    p.activation_slots_total_bytes = c.num_activation_slots * p.activation_slot_bytes;
+  }
+
+  // Per-row bf16 intermediates of one call, the larger of the two passes. Forward: h13 (2F) + a (F) + y (D).
+  // Backward: recomputed h13 (2F) + a (F), grad_h13 (2F), grad_x rows (D).
+  const int64_t forward_row_bytes = (3 * F + D) * kBf16Bytes;
+  const int64_t backward_row_bytes = (5 * F + D) * kBf16Bytes;
+  const int64_t scratch_row_bytes = c.inference ? forward_row_bytes : std::max(forward_row_bytes, backward_row_bytes);
+  p.device_scratch_bytes = round_up(p.device_rows * scratch_row_bytes, kRegionAlignment);
+  p.host_overflow_scratch_bytes = round_up(host_rows * scratch_row_bytes, kRegionAlignment);
+
+  p.total_device_bytes =
+      p.communication_bytes + p.replica_weight_bytes + p.activation_slots_total_bytes + p.device_scratch_bytes;
+  p.total_virtual_bytes = p.total_device_bytes + p.host_overflow_scratch_bytes;
+  return p;
+}
+
+std::string MemoryPlan::explain() const {
+  const Config& c = config;
+  std::ostringstream os;
+  char line[256];
+  auto row = [&](const char* name, int64_t bytes, const std::string& rule) {
+    std::snprintf(line, sizeof line, "  %-26s %12s   %s\n", name, human_bytes(bytes).c_str(), rule.c_str());
+    os << line;
+  };
+  os << "Poise memory plan (per rank): EP=" << ep_size << ", T=" << c.num_local_input_tokens
+     << ", D=" << c.hidden_dim << ", F=" << c.intermediate_dim << ", E=" << c.num_experts << " ("
+     << num_local_experts << " local + " << num_replica_slots << " replica slots), K=" << c.top_k
+     << ", balance=" << to_string(c.balance) << ", " << (c.inference ? "inference" : "training") << "\n";
+  os << "  rows: balanced " << balanced_rows << " (T*K=" << c.num_local_input_tokens * c.top_k
+     << " + expert padding to " << kExpertRowAlignment << "), device " << device_rows << ", total " << total_rows
+     << "\n";
+  row("communication window", communication_bytes, "received rows x (2D+8) + T*K x 2D combine + signals, 2 MiB granules");
+  row("replica experts", replica_weight_bytes,
+      c.inference ? "B x 3FD bf16 weights" : "B x 3FD x (bf16 weights + fp32 grads)");
+  if (!c.inference) {
+    std::snprintf(line, sizeof line, "%lld slot(s) x %lld layer(s); min %s, full save %s, max useful %s",
+                  static_cast<long long>(c.num_activation_slots),
+                  static_cast<long long>(c.max_moe_layers_per_activation_slot),
+                  human_bytes(activation_slot_min_bytes).c_str(), human_bytes(activation_slot_full_save_bytes).c_str(),
+                  human_bytes(activation_slot_max_useful_bytes).c_str());
+    row("activation slot (each)", activation_slot_bytes, line);
+    row("activation slots (all)", activation_slots_total_bytes, "rows beyond a slot's room are recomputed in backward");
+  }
+  row("device scratch", device_scratch_bytes, c.inference ? "device rows x (3F+D) x 2" : "device rows x (5F+D) x 2");
+  row("host overflow scratch", host_overflow_scratch_bytes, "host-backed (VMM) rows beyond the device rows");
+  row("total device", total_device_bytes, "");
+  row("total virtual", total_virtual_bytes, "device + host overflow");
+  return os.str();
+}
+
+}  // namespace poise

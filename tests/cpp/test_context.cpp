@@ -1,0 +1,87 @@
+// Context lifecycle and host-side argument validation of the routed_experts entry points.
+#include <gtest/gtest.h>
+
+#include "poise/poise.hpp"
+
+namespace poise {
+namespace {
+
+Config small_config() {
+  Config c;
+  c.num_local_input_tokens = 16;
+  c.hidden_dim = 64;
+  c.intermediate_dim = 64;
+  c.top_k = 2;
+  c.num_experts = 4;
+  return c;
+}
+
+template <typename Fn>
+std::string rejected_name(Fn&& fn) {
+  try {
+    fn();
+  } catch (const InvalidArgument& e) {
+    return e.name();
+  }
+  return "<accepted>";
+}
+
+// Non-null placeholders: validation must fail on the named argument before anything dereferences them.
+ForwardArgs fake_forward_args() {
+  static int32_t dummy[4];
+  ForwardArgs a;
+  a.x_TD = a.scores_TK = a.w13 = a.w2 = dummy;
+  a.ids_TK = dummy;
+  a.out_TD = dummy;
+  return a;
+}
+
+TEST(Context, LifecycleAndPlan) {
+  auto ctx = Context::create(small_config(), 2, 1);
+  EXPECT_EQ(ctx->ep_size(), 2);
+  EXPECT_EQ(ctx->rank(), 1);
+  EXPECT_EQ(ctx->plan().num_local_experts, 2);
+  EXPECT_NO_THROW(ctx->reset());
+  ctx->close();
+  EXPECT_TRUE(ctx->closed());
+  EXPECT_NO_THROW(ctx->close());  // closing twice is harmless
+  EXPECT_EQ(rejected_name([&] { ctx->reset(); }), "context");
+  EXPECT_EQ(rejected_name([&] { routed_experts_forward(*ctx, fake_forward_args(), nullptr); }), "context");
+}
+
+TEST(Context, CreateValidates) {
+  EXPECT_EQ(rejected_name([] { Context::create(small_config(), 2, 2); }), "rank");
+  EXPECT_EQ(rejected_name([] { Context::create(small_config(), 3, 0); }), "num_experts");
+}
+
+TEST(Context, ForwardNamesTheMissingArgument) {
+  auto ctx = Context::create(small_config(), 1, 0);
+  ForwardArgs a = fake_forward_args();
+  a.ids_TK = nullptr;
+  EXPECT_EQ(rejected_name([&] { routed_experts_forward(*ctx, a, nullptr); }), "ids_TK");
+  a = fake_forward_args();
+  a.out_TD = nullptr;
+  EXPECT_EQ(rejected_name([&] { routed_experts_forward(*ctx, a, nullptr); }), "out_TD");
+}
+
+TEST(Context, BackwardNamesTheMissingArgument) {
+  auto ctx = Context::create(small_config(), 1, 0);
+  BackwardArgs b;
+  b.forward = fake_forward_args();
+  b.grad_out_TD = b.grad_x_TD = b.grad_scores_TK = b.grad_w13 = b.grad_w2 = const_cast<void*>(b.forward.x_TD);
+  b.grad_w2 = nullptr;
+  EXPECT_EQ(rejected_name([&] { routed_experts_backward(*ctx, b, nullptr); }), "grad_w2");
+  Config inference = small_config();
+  inference.inference = true;
+  auto ictx = Context::create(inference, 1, 0);
+  EXPECT_EQ(rejected_name([&] { routed_experts_backward(*ictx, b, nullptr); }), "context");
+}
+
+TEST(Context, GpuPathReportsNotAvailableInsteadOfFakeResult) {
+  // Until the GPU pipeline is wired, a valid call must fail loudly, never return a made-up output.
+  auto ctx = Context::create(small_config(), 1, 0);
+  EXPECT_THROW(routed_experts_forward(*ctx, fake_forward_args(), nullptr), NotAvailable);
+}
+
+}  // namespace
+}  // namespace poise

@@ -1,0 +1,128 @@
+// plan_memory: regions add up, scale the way the formulas in docs/memory_plan.md say, and explain() shows them.
+#include <gtest/gtest.h>
+
+#include "poise/errors.hpp"
+#include "poise/memory_plan.hpp"
+
+namespace poise {
+namespace {
+
+Config deepseek_v3() {
+  Config c;
+  c.num_local_input_tokens = 4096;
+  c.hidden_dim = 7168;
+  c.intermediate_dim = 2048;
+  c.top_k = 8;
+  c.num_experts = 256;
+  return c;
+}
+
+TEST(MemoryPlan, TotalsAreSumsOfRegions) {
+  const MemoryPlan p = plan_memory(deepseek_v3(), 8);
+  EXPECT_EQ(p.num_local_experts, 32);
+  EXPECT_EQ(p.num_replica_slots, 32);
+  EXPECT_EQ(p.total_device_bytes,
+            p.communication_bytes + p.replica_weight_bytes + p.activation_slots_total_bytes + p.device_scratch_bytes);
+  EXPECT_EQ(p.total_virtual_bytes, p.total_device_bytes + p.host_overflow_scratch_bytes);
+  EXPECT_EQ(p.activation_slots_total_bytes, p.activation_slot_bytes);  // one slot by default
+}
+
+TEST(MemoryPlan, RowsFollowTheFormulas) {
+  const MemoryPlan p = plan_memory(deepseek_v3(), 8);
+  // T*K plus at most 127 padding rows for each of the 64 expert slots, rounded to the tile height.
+  const int64_t expected = (32768 + 64 * 127 + 127) / 128 * 128;
+  EXPECT_EQ(p.balanced_rows, expected);
+  EXPECT_EQ(p.device_rows, p.balanced_rows);  // exact balance: nothing beyond the balanced rows arrives
+  EXPECT_EQ(p.total_rows, p.device_rows);
+  EXPECT_EQ(p.host_overflow_scratch_bytes, 0);
+}
+
+TEST(MemoryPlan, SlotBoundsAreOrderedAndDefaultIsFullSave) {
+  const MemoryPlan p = plan_memory(deepseek_v3(), 8);
+  EXPECT_LT(p.activation_slot_min_bytes, p.activation_slot_full_save_bytes);
+  EXPECT_LE(p.activation_slot_full_save_bytes, p.activation_slot_max_useful_bytes);
+  EXPECT_EQ(p.activation_slot_bytes, p.activation_slot_full_save_bytes);
+  // Saved per row: x (D) and h13 (2F) in bf16; that is under half of the eager baseline's 1.87 GiB.
+  EXPECT_LT(double(p.activation_slot_full_save_bytes), 0.5 * 1.87 * double(1 << 30));
+}
+
+TEST(MemoryPlan, SlotsScaleWithCountAndLayers) {
+  Config c = deepseek_v3();
+  const MemoryPlan one = plan_memory(c, 8);
+  c.num_activation_slots = 3;
+  c.max_moe_layers_per_activation_slot = 2;
+  const MemoryPlan many = plan_memory(c, 8);
+  EXPECT_EQ(many.activation_slot_bytes, 2 * one.activation_slot_bytes);
+  EXPECT_EQ(many.activation_slots_total_bytes, 3 * many.activation_slot_bytes);
+}
+
+TEST(MemoryPlan, SlotCapacityFactorAndBytes) {
+  Config c = deepseek_v3();
+  c.activation_slot_capacity_factor = 0.0;
+  const MemoryPlan none = plan_memory(c, 8);
+  EXPECT_EQ(none.activation_slot_bytes, none.activation_slot_min_bytes);
+  c.activation_slot_capacity_factor.reset();
+  c.activation_slot_bytes = int64_t(1) << 40;  // more than useful: clamped to the maximum useful size
+  const MemoryPlan clamped = plan_memory(c, 8);
+  EXPECT_EQ(clamped.activation_slot_bytes, clamped.activation_slot_max_useful_bytes);
+  c.activation_slot_bytes = 16;  // below the routing layout: rejected, naming the field
+  try {
+    plan_memory(c, 8);
+    FAIL();
+  } catch (const InvalidArgument& e) {
+    EXPECT_EQ(e.name(), "activation_slot_bytes");
+  }
+}
+
+TEST(MemoryPlan, CapacityModeAndOverflowScratch) {
+  Config c = deepseek_v3();
+  c.balance = Balance::capacity;
+  c.receive_capacity_factor = 2.0;
+  c.device_scratch_capacity_factor = 1.25;
+  c.host_overflow_scratch_factor = 0.5;
+  const MemoryPlan p = plan_memory(c, 8);
+  EXPECT_EQ(p.num_replica_slots, 0);
+  EXPECT_EQ(p.replica_weight_bytes, 0);
+  EXPECT_GT(p.device_rows, p.balanced_rows);
+  EXPECT_GT(p.total_rows, p.device_rows);
+  EXPECT_GT(p.host_overflow_scratch_bytes, 0);
+  EXPECT_GT(p.total_virtual_bytes, p.total_device_bytes);
+}
+
+TEST(MemoryPlan, InferenceSavesNothing) {
+  Config c = deepseek_v3();
+  c.inference = true;
+  const MemoryPlan p = plan_memory(c, 8);
+  EXPECT_EQ(p.activation_slots_total_bytes, 0);
+  EXPECT_LT(p.replica_weight_bytes, plan_memory(deepseek_v3(), 8).replica_weight_bytes);
+}
+
+TEST(MemoryPlan, MonotoneInTokens) {
+  Config c = deepseek_v3();
+  const MemoryPlan small = plan_memory(c, 8);
+  c.num_local_input_tokens *= 2;
+  const MemoryPlan large = plan_memory(c, 8);
+  EXPECT_GT(large.balanced_rows, small.balanced_rows);
+  EXPECT_GT(large.total_device_bytes, small.total_device_bytes);
+}
+
+TEST(MemoryPlan, ExplainNamesEveryRegion) {
+  const std::string text = plan_memory(deepseek_v3(), 8).explain();
+  for (const char* region : {"communication window", "replica experts", "activation slot", "device scratch",
+                             "host overflow scratch", "total device", "total virtual", "EP=8"}) {
+    EXPECT_NE(text.find(region), std::string::npos) << region << "\n" << text;
+  }
+}
+
+TEST(MemoryPlan, InvalidConfigNamesField) {
+  Config c = deepseek_v3();
+  try {
+    plan_memory(c, 3);  // 256 experts do not split over 3 ranks
+    FAIL();
+  } catch (const InvalidArgument& e) {
+    EXPECT_EQ(e.name(), "num_experts");
+  }
+}
+
+}  // namespace
+}  // namespace poise
