@@ -1,0 +1,104 @@
+"""poise.Config: the static description of one MoE layer's routed experts across an EP group.
+
+The field names, defaults and meanings are those of the C++ ``poise::Config``
+(include/poise/config.hpp). This module only holds the data; the rules are checked by the C++
+``Config::validate`` (the one source of truth), reached through ``to_cpp`` below, the one place
+where a Python Config becomes a C++ one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal, Optional
+
+from . import _poise
+from .errors import InvalidArgument, as_index
+
+Activation = Literal["swiglu", "swiglu_clamped"]
+Balance = Literal["exact", "capacity"]
+WgradDType = Literal["fp32", "bf16", "float32", "bfloat16"]
+
+
+@dataclasses.dataclass(kw_only=True)
+class Config:
+    """One MoE layer's routed experts: shapes, balance, activation slots, scratch sizes.
+
+    A Config is plain data: build it freely, then ``validate(ep_size)``, ``plan_memory`` or
+    ``create_context`` check it and raise ``poise.InvalidArgument`` naming the field at fault.
+    """
+
+    num_local_input_tokens: int = 0
+    """T: physical rows per rank and call (padding rows carry zero scores)."""
+    hidden_dim: int = 0
+    """D: a multiple of 64."""
+    intermediate_dim: int = 0
+    """F: a multiple of 64."""
+    top_k: int = 0
+    """K: experts per token, at most num_experts."""
+    num_experts: int = 0
+    """E: divisible by the EP size."""
+
+    activation: Activation = "swiglu"
+    """'swiglu': silu(g) * u; 'swiglu_clamped': the gpt-oss form, uses swiglu_alpha and swiglu_limit."""
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+
+    balance: Balance = "exact"
+    """'exact': every rank computes T*K rows (hot experts replicated); 'capacity': dropless up to a factor."""
+    receive_capacity_factor: float = 2.0
+    """Capacity mode: a rank receives up to factor * T*K rows."""
+
+    num_activation_slots: int = 1
+    """Where forward keeps what backward needs; each slot serves max_moe_layers_per_activation_slot layers."""
+    max_moe_layers_per_activation_slot: int = 1
+    activation_slot_capacity_factor: Optional[float] = None
+    """Slot size as a multiple of the balanced full-save bytes (set this or activation_slot_bytes)."""
+    activation_slot_bytes: Optional[int] = None
+    """Slot size in bytes (set this or activation_slot_capacity_factor)."""
+
+    device_scratch_capacity_factor: float = 1.0
+    """Device rows = factor * balanced rows (>= 1)."""
+    host_overflow_scratch_factor: float = 0.0
+    """Host-backed (VMM) overflow rows = factor * balanced rows."""
+
+    wgrad_dtype: WgradDType = "fp32"
+    """Weight-gradient dtype: 'fp32' or 'bf16' ('float32', 'bfloat16' and torch dtypes are accepted)."""
+    inference: bool = False
+    """No backward: no activation slots, no weight-gradient buffers."""
+
+    def validate(self, ep_size: int) -> None:
+        """Raises poise.InvalidArgument (with ``.name``) if this Config cannot run on ep_size ranks."""
+        to_cpp(self).validate(as_index("ep_size", ep_size))
+
+
+def _dtype_name(value: object) -> object:
+    """'bf16', 'bfloat16', torch.bfloat16 and 'torch.bfloat16' all name the same dtype for C++."""
+    name = value if isinstance(value, str) else str(value)
+    return name.removeprefix("torch.")
+
+
+def _type_rule(expected: str, value: object) -> str:
+    if type(value) is int:  # the right type, but C++ stores it in 64 bits
+        return f"must fit in a signed 64-bit integer, got {value}"
+    return f"must be {expected}, got {type(value).__name__} {value!r}"
+
+
+def to_cpp(config: Config) -> _poise.Config:
+    """The one conversion Python Config -> C++ Config. Enum strings are parsed by C++."""
+    if not isinstance(config, Config):
+        raise TypeError(f"config must be a poise.Config, got {type(config).__name__}")
+    cpp = _poise.Config()
+    for field in dataclasses.fields(Config):
+        value = getattr(config, field.name)
+        if field.name == "wgrad_dtype":
+            value = _dtype_name(value)
+        try:
+            setattr(cpp, field.name, value)
+        except TypeError:
+            raise InvalidArgument(field.name, _type_rule(field.type, value)) from None
+    return cpp
+
+
+def from_cpp(cpp: _poise.Config) -> Config:
+    """C++ Config -> Python Config (enum fields come back in their canonical spelling)."""
+    return Config(**{field.name: getattr(cpp, field.name) for field in dataclasses.fields(Config)})

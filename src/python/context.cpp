@@ -1,0 +1,26 @@
+// poise::Context lifecycle. create/reset/close may be collective across the EP group (virtual ranks
+// are threads of one process), so they run without the GIL: other ranks' threads must get to run.
+#include <nanobind/stl/unique_ptr.h>
+
+#include "poise/context.hpp"
+#include "python/bindings.hpp"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace poise::python {
+
+void bind_context(nb::module_& m) {
+  using release_gil = nb::call_guard<nb::gil_scoped_release>;
+  nb::class_<Context>(m, "Context", "The C++ poise::Context. Use poise.create_context().")
+      .def_static("create", &Context::create, "config"_a, "ep_size"_a, "rank"_a, release_gil())
+      .def_prop_ro("config", &Context::config)
+      .def_prop_ro("plan", &Context::plan)
+      .def_prop_ro("ep_size", &Context::ep_size)
+      .def_prop_ro("rank", &Context::rank)
+      .def_prop_ro("closed", &Context::closed)
+      .def("reset", &Context::reset, release_gil())
+      .def("close", &Context::close, release_gil());
+}
+
+}  // namespace poise::python

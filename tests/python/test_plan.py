@@ -1,0 +1,179 @@
+"""poise.plan_memory: every C++ MemoryPlan field, numbers that add up, explain() covering each region."""
+
+import dataclasses
+import itertools
+
+import pytest
+
+import poise
+
+BASE = dict(num_local_input_tokens=1024, hidden_dim=2048, intermediate_dim=768, top_k=8, num_experts=64)
+EP_SIZE = 8
+
+REGIONS = [  # (field, label that explain() prints for it)
+    ("communication_bytes", "communication window"),
+    ("replica_weight_bytes", "replica experts"),
+    ("activation_slot_bytes", "activation slot (each)"),
+    ("activation_slots_total_bytes", "activation slots (all)"),
+    ("device_scratch_bytes", "device scratch"),
+    ("host_overflow_scratch_bytes", "host overflow scratch"),
+    ("total_device_bytes", "total device"),
+    ("total_virtual_bytes", "total virtual"),
+]
+
+# A spread of configurations: training and inference, both balance modes, host overflow on and off,
+# odd dims (multiples of 64 but not 128), slot sizing by factor and by bytes.
+VARIANTS = [
+    dict(),
+    dict(inference=True),
+    dict(balance="capacity", receive_capacity_factor=1.5),
+    dict(balance="capacity", receive_capacity_factor=3.0, host_overflow_scratch_factor=1.0),
+    dict(balance="capacity", receive_capacity_factor=3.0, device_scratch_capacity_factor=1.25,
+         host_overflow_scratch_factor=0.5, num_activation_slots=3, max_moe_layers_per_activation_slot=2),
+    dict(hidden_dim=64 * 15, intermediate_dim=64 * 7, top_k=1),
+    dict(activation_slot_capacity_factor=0.25, wgrad_dtype="bf16"),
+    dict(activation_slot_capacity_factor=0.0),
+    dict(num_activation_slots=0),
+    dict(activation="swiglu_clamped", num_experts=8, top_k=8),
+]
+
+
+def plan(ep_size=EP_SIZE, **changes) -> poise.MemoryPlan:
+    return poise.plan_memory(poise.Config(**{**BASE, **changes}), ep_size)
+
+
+def numbers(p: poise.MemoryPlan) -> dict:
+    return {f.name: getattr(p, f.name) for f in dataclasses.fields(p) if f.name not in ("config", "_cpp")}
+
+
+def test_every_cpp_field_is_an_attribute(cpp_fields):
+    python_fields = [f.name for f in dataclasses.fields(poise.MemoryPlan) if f.name != "_cpp"]
+    assert python_fields == cpp_fields("memory_plan.hpp", "MemoryPlan")
+    p = plan()
+    for name, value in numbers(p).items():
+        assert type(value) is int, name
+        assert value >= 0, name
+
+
+def test_the_plan_carries_its_config_and_ep_size():
+    config = poise.Config(**BASE, balance="capacity")
+    p = poise.plan_memory(config, 4)
+    assert p.config == config
+    assert p.ep_size == 4
+    assert p.num_local_experts == BASE["num_experts"] // 4
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.total_device_bytes = 0
+
+
+@pytest.mark.parametrize("changes", VARIANTS, ids=[str(i) for i in range(len(VARIANTS))])
+@pytest.mark.parametrize("ep_size", [1, 8])
+def test_regions_sum_to_the_totals(changes, ep_size):
+    p = plan(ep_size, **changes)
+    assert p.total_device_bytes == (
+        p.communication_bytes + p.replica_weight_bytes + p.activation_slots_total_bytes + p.device_scratch_bytes
+    )
+    assert p.total_virtual_bytes == p.total_device_bytes + p.host_overflow_scratch_bytes
+    assert p.activation_slots_total_bytes == p.config.num_activation_slots * p.activation_slot_bytes
+    # Rows: the balanced rows cover T*K, padded to whole tiles; host rows only exist with a host factor.
+    T, K = p.config.num_local_input_tokens, p.config.top_k
+    assert p.balanced_rows >= T * K
+    assert p.balanced_rows % 128 == 0
+    assert p.balanced_rows <= p.device_rows or p.config.balance == "capacity"
+    assert p.device_rows <= p.total_rows
+    assert (p.total_rows > p.device_rows) == (p.host_overflow_scratch_bytes > 0)
+    if p.config.host_overflow_scratch_factor == 0:
+        assert p.total_rows == p.device_rows
+    # Slot sizes are ordered: routing layout only <= full save at balance <= full save of every row.
+    if not p.config.inference:
+        assert 0 < p.activation_slot_min_bytes <= p.activation_slot_full_save_bytes
+        assert p.activation_slot_full_save_bytes <= p.activation_slot_max_useful_bytes
+        assert p.activation_slot_min_bytes <= p.activation_slot_bytes <= p.activation_slot_max_useful_bytes
+
+
+def test_inference_saves_nothing_and_keeps_no_weight_grads():
+    training, inference = plan(), plan(inference=True)
+    for field in ("activation_slot_min_bytes", "activation_slot_full_save_bytes",
+                  "activation_slot_max_useful_bytes", "activation_slot_bytes", "activation_slots_total_bytes"):
+        assert getattr(inference, field) == 0, field
+    assert inference.replica_weight_bytes < training.replica_weight_bytes
+    assert inference.device_scratch_bytes <= training.device_scratch_bytes
+    assert inference.total_device_bytes < training.total_device_bytes
+
+
+@pytest.mark.parametrize("changes", VARIANTS, ids=[str(i) for i in range(len(VARIANTS))])
+def test_every_size_is_monotone_in_tokens(changes):
+    plans = [plan(**{**changes, "num_local_input_tokens": t}) for t in (1, 7, 128, 1000, 4096, 4097, 16384)]
+    for smaller, larger in itertools.pairwise(plans):
+        for name, value in numbers(smaller).items():
+            if name.endswith("_bytes") or name.endswith("_rows"):
+                assert numbers(larger)[name] >= value, name
+        assert larger.balanced_rows >= smaller.balanced_rows
+    assert plans[-1].total_device_bytes > plans[0].total_device_bytes
+
+
+def test_slots_scale_with_num_activation_slots():
+    plans = {n: plan(num_activation_slots=n) for n in range(5)}
+    slot = plans[1].activation_slot_bytes
+    assert slot > 0
+    for n, p in plans.items():
+        assert p.activation_slot_bytes == slot
+        assert p.activation_slots_total_bytes == n * slot
+        assert p.total_device_bytes == plans[0].total_device_bytes + n * slot
+        assert p.device_scratch_bytes == plans[0].device_scratch_bytes
+
+
+def test_layers_per_slot_scale_the_slot():
+    one, three = plan(max_moe_layers_per_activation_slot=1), plan(max_moe_layers_per_activation_slot=3)
+    assert three.activation_slot_min_bytes == 3 * one.activation_slot_min_bytes
+    assert three.activation_slot_full_save_bytes == 3 * one.activation_slot_full_save_bytes
+
+
+def test_slot_sizing_by_factor_and_by_bytes():
+    full = plan()
+    half = plan(activation_slot_capacity_factor=0.5)
+    none = plan(activation_slot_capacity_factor=0.0)
+    assert none.activation_slot_bytes < half.activation_slot_bytes < full.activation_slot_bytes
+    # An absolute size between the minimum and the useful maximum is kept (rounded up to 256 B).
+    wanted = (full.activation_slot_min_bytes + full.activation_slot_full_save_bytes) // 2 + 1
+    sized = plan(activation_slot_bytes=wanted)
+    assert wanted <= sized.activation_slot_bytes < wanted + 256
+    # Beyond the useful maximum it is clamped; below the minimum it is an error naming the field.
+    huge = plan(activation_slot_bytes=10 * full.activation_slot_max_useful_bytes)
+    assert huge.activation_slot_bytes == full.activation_slot_max_useful_bytes
+    with pytest.raises(poise.InvalidArgument) as raised:
+        plan(activation_slot_bytes=full.activation_slot_min_bytes - 1)
+    assert raised.value.name == "activation_slot_bytes"
+
+
+def test_more_ranks_mean_fewer_local_experts():
+    assert plan(1).num_local_experts == BASE["num_experts"]
+    assert plan(8).num_local_experts == BASE["num_experts"] // 8
+    assert plan(8).replica_weight_bytes < plan(1).replica_weight_bytes
+
+
+@pytest.mark.parametrize("changes", VARIANTS, ids=[str(i) for i in range(len(VARIANTS))])
+def test_explain_mentions_each_region(changes):
+    p = plan(**changes)
+    text = p.explain()
+    for field, label in REGIONS:
+        if p.config.inference and field.startswith("activation_slot"):
+            assert label not in text  # inference has no activation slots
+        else:
+            assert label in text, label
+    assert f"EP={p.ep_size}" in text
+    assert f"T={p.config.num_local_input_tokens}" in text
+    assert f"balanced {p.balanced_rows}" in text
+
+
+def test_repr_names_the_shape_and_the_totals():
+    p = plan()
+    text = repr(p)
+    assert text.startswith("MemoryPlan(")
+    assert f"ep_size={EP_SIZE}" in text and f"D={BASE['hidden_dim']}" in text
+    assert f"{p.total_device_bytes / 2**30:.3f} GiB" in text
+    assert "_cpp" not in text
+
+
+def test_plans_compare_by_value():
+    assert plan() == plan()
+    assert plan() != plan(num_activation_slots=2)
