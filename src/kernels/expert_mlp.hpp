@@ -1,0 +1,100 @@
+// Host API of the SM90 expert-MLP kernels: BF16 grouped GEMMs over rows grouped by expert,
+// SwiGLU fused into the epilogues, forward and backward.
+//
+// Grouped rows: every [R, *] buffer holds the rows of all local experts; expert e owns rows
+// [row_offsets_E[e], row_offsets_E[e] + row_counts_E[e]). Offsets and counts live on the device
+// (no host sync, CUDA-graph capturable). Contract the caller keeps (not checkable on the host):
+// offsets are multiples of 128 (kExpertRowAlignment), groups do not overlap, and
+// offset + round_up(count, 128) <= max_rows. Rows past an expert's count are padding: never
+// written by these kernels and never contributing to weight gradients (their content is ignored).
+//
+// Every entry point validates its arguments on the host (poise::InvalidArgument naming the
+// argument) before launching, enqueues on `stream`, and throws poise::DeviceError on a launch error.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "poise/config.hpp"
+#include "poise/context.hpp"
+
+namespace poise::sm90 {
+
+struct GroupedRows {
+  const int32_t* row_offsets_E = nullptr;  // device int32 [E]
+  const int32_t* row_counts_E = nullptr;   // device int32 [E]
+  int64_t num_experts = 0;                 // E: 1..1024
+  int64_t max_rows = 0;                    // R: rows of every [R, *] buffer
+};
+
+struct ExpertMlpShape {
+  int64_t hidden_dim = 0;        // D: multiple of 64
+  int64_t intermediate_dim = 0;  // F: multiple of 64
+  Activation activation = Activation::swiglu;
+  float swiglu_alpha = 1.702f;
+  float swiglu_limit = 7.0f;
+  W13Layout w13_layout = W13Layout::gate_up_blocked;
+};
+
+// h13 = x . W13[e]^T, a = act(h13).  x_RD, a_RF, h13_R2F bf16; h13 keeps W13's row order.
+struct FpropW13Args {
+  const void* x_RD = nullptr;
+  const void* w13_E2FD = nullptr;
+  void* a_RF = nullptr;
+  void* h13_R2F = nullptr;  // nullable: do not save h13 for backward
+};
+void expert_mlp_fprop_w13(const GroupedRows& rows, const ExpertMlpShape& shape,
+                          const FpropW13Args& args, cudaStream_t stream);
+
+// y = (a . W2[e]^T) * score (per row, when scores_R is set).
+struct FpropW2Args {
+  const void* a_RF = nullptr;
+  const void* w2_EDF = nullptr;
+  const float* scores_R = nullptr;  // nullable
+  void* y_RD = nullptr;
+};
+void expert_mlp_fprop_w2(const GroupedRows& rows, const ExpertMlpShape& shape,
+                         const FpropW2Args& args, cudaStream_t stream);
+
+// grad_a = score * (grad_y . W2[e]);  grad_h13 = swiglu_backward(h13, grad_a).
+// Also writes score * act(h13) into a_RF (the W2 wgrad operand) and, when grad_scores_R is set,
+// adds sum_f (grad_y . W2)[r, f] * a[r, f] into grad_scores_R[r] (zero it first).
+struct DgradW2Args {
+  const void* grad_y_RD = nullptr;
+  const void* w2_EDF = nullptr;
+  const void* h13_R2F = nullptr;
+  const float* scores_R = nullptr;  // nullable
+  void* grad_h13_R2F = nullptr;
+  void* a_RF = nullptr;             // nullable
+  float* grad_scores_R = nullptr;   // nullable
+};
+void expert_mlp_dgrad_w2(const GroupedRows& rows, const ExpertMlpShape& shape,
+                         const DgradW2Args& args, cudaStream_t stream);
+
+// grad_x = grad_h13 . W13[e].
+struct DgradW13Args {
+  const void* grad_h13_R2F = nullptr;
+  const void* w13_E2FD = nullptr;
+  void* grad_x_RD = nullptr;
+};
+void expert_mlp_dgrad_w13(const GroupedRows& rows, const ExpertMlpShape& shape,
+                          const DgradW13Args& args, cudaStream_t stream);
+
+// Weight gradients, fp32 accumulation over each expert's rows; output bf16 or fp32, overwritten
+// or accumulated into (an expert with no rows then writes zeros / leaves the target unchanged).
+struct WgradOutput {
+  void* grad_w = nullptr;  // [E, D, F] for W2, [E, 2F, D] for W13 (W13's row order)
+  DType dtype = DType::fp32;
+  bool accumulate = false;
+};
+// grad_W2[e] = grad_y[e]^T . a[e]   (a as written by expert_mlp_dgrad_w2: already score-scaled)
+void expert_mlp_wgrad_w2(const GroupedRows& rows, const ExpertMlpShape& shape,
+                         const void* grad_y_RD, const void* a_RF, const WgradOutput& out,
+                         cudaStream_t stream);
+// grad_W13[e] = grad_h13[e]^T . x[e]
+void expert_mlp_wgrad_w13(const GroupedRows& rows, const ExpertMlpShape& shape,
+                          const void* grad_h13_R2F, const void* x_RD, const WgradOutput& out,
+                          cudaStream_t stream);
+
+}  // namespace poise::sm90

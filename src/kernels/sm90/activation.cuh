@@ -1,0 +1,49 @@
+// SwiGLU forward and backward on one (gate, up) pair, shared by the fprop and dgrad epilogues.
+//   swiglu:          a = silu(g) * u
+//   swiglu_clamped:  g' = min(g, limit), u' = clamp(u, -limit, limit), a = g' * sigmoid(alpha g') * (u' + 1)
+// The clamps pass gradient where the input lies inside the closed interval (torch.clamp's rule).
+#pragma once
+
+#include <cstdint>
+
+namespace poise::sm90 {
+
+struct ActivationParams {
+  int32_t clamped = 0;  // 0: swiglu, 1: swiglu_clamped
+  float alpha = 1.702f;
+  float limit = 7.0f;
+};
+
+__device__ __forceinline__ float fast_sigmoid(float x) { return 1.0f / (1.0f + __expf(-x)); }
+
+__device__ __forceinline__ float swiglu_forward(float g, float u, const ActivationParams& p) {
+  if (p.clamped) {
+    const float gc = fminf(g, p.limit);
+    const float uc = fminf(fmaxf(u, -p.limit), p.limit);
+    return gc * fast_sigmoid(p.alpha * gc) * (uc + 1.0f);
+  }
+  return g * fast_sigmoid(g) * u;
+}
+
+// Given grad_a, returns the activation a and the gradients of gate and up.
+__device__ __forceinline__ void swiglu_backward(float g, float u, float grad_a,
+                                                const ActivationParams& p, float& a, float& grad_g,
+                                                float& grad_u) {
+  if (p.clamped) {
+    const float gc = fminf(g, p.limit);
+    const float uc = fminf(fmaxf(u, -p.limit), p.limit);
+    const float s = fast_sigmoid(p.alpha * gc);
+    const float glu = gc * s;  // d(glu)/d(gc) = s + alpha*gc*s*(1-s)
+    a = glu * (uc + 1.0f);
+    grad_g = (g <= p.limit) ? grad_a * (uc + 1.0f) * (s + p.alpha * gc * s * (1.0f - s)) : 0.0f;
+    grad_u = (u >= -p.limit && u <= p.limit) ? grad_a * glu : 0.0f;
+    return;
+  }
+  const float s = fast_sigmoid(g);
+  const float silu = g * s;
+  a = silu * u;
+  grad_g = grad_a * u * (s + g * s * (1.0f - s));
+  grad_u = grad_a * silu;
+}
+
+}  // namespace poise::sm90

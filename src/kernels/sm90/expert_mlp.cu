@@ -1,0 +1,220 @@
+// Host launchers of the expert-MLP kernels: validate, build TMA descriptors, launch.
+#include "kernels/expert_mlp.hpp"
+
+#include <cuda_runtime.h>
+
+#include <string>
+
+#include "kernels/sm90/epilogues.cuh"
+#include "kernels/sm90/grouped_gemm.cuh"
+#include "kernels/sm90/tensor_map.hpp"
+#include "poise/errors.hpp"
+
+namespace poise::sm90 {
+namespace {
+
+constexpr int kBlockN = 256;
+constexpr int kStages = 4;
+
+void check_cuda(cudaError_t err, const char* what) {
+  if (err != cudaSuccess)
+    throw DeviceError(std::string(what) + ": " + cudaGetErrorString(err));
+}
+
+void require(bool ok, const char* name, const char* rule) {
+  if (!ok) throw InvalidArgument(name, rule);
+}
+
+void validate(const GroupedRows& rows, const ExpertMlpShape& shape) {
+  require(rows.num_experts >= 1 && rows.num_experts <= kMaxExperts, "num_experts",
+          "must be in [1, 1024]");
+  require(rows.row_offsets_E != nullptr, "row_offsets_E", "must be a device pointer");
+  require(rows.row_counts_E != nullptr, "row_counts_E", "must be a device pointer");
+  require(rows.max_rows >= 0 && rows.max_rows < (int64_t{1} << 31), "max_rows",
+          "must be in [0, 2^31)");
+  require(shape.hidden_dim > 0 && shape.hidden_dim % 64 == 0, "hidden_dim",
+          "must be a positive multiple of 64");
+  require(shape.intermediate_dim > 0 && shape.intermediate_dim % 64 == 0, "intermediate_dim",
+          "must be a positive multiple of 64");
+  require(shape.hidden_dim < (1 << 20) && shape.intermediate_dim < (1 << 20), "hidden_dim",
+          "D and F must be below 2^20");
+  require(rows.num_experts * 2 * shape.intermediate_dim < (int64_t{1} << 31) &&
+              rows.num_experts * shape.hidden_dim < (int64_t{1} << 31),
+          "num_experts", "E*2F and E*D must fit in int32 (TMA coordinates)");
+  if (shape.activation == Activation::swiglu_clamped)
+    require(shape.swiglu_limit > 0.0f, "swiglu_limit", "must be positive");
+}
+
+void require_ptr(const void* p, const char* name) { require(p != nullptr, name, "must not be null"); }
+
+ActivationParams activation_params(const ExpertMlpShape& shape) {
+  ActivationParams p;
+  p.clamped = shape.activation == Activation::swiglu_clamped ? 1 : 0;
+  p.alpha = shape.swiglu_alpha;
+  p.limit = shape.swiglu_limit;
+  return p;
+}
+
+int sm_count() {
+  int device = 0;
+  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+  int sms = 0;
+  check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device),
+             "cudaDeviceGetAttribute");
+  return sms;
+}
+
+GroupedGemmShape base_shape(const GroupedRows& rows) {
+  GroupedGemmShape s;
+  s.row_offsets_E = rows.row_offsets_E;
+  s.row_counts_E = rows.row_counts_E;
+  s.num_experts = static_cast<int32_t>(rows.num_experts);
+  return s;
+}
+
+int32_t ceil_div(int64_t a, int64_t b) { return static_cast<int32_t>((a + b - 1) / b); }
+
+template <RowsAre kRows, bool kBMnMajor, class Epilogue>
+void launch(const CUtensorMap& map_a, const CUtensorMap& map_b, const GroupedGemmShape& shape,
+            const Epilogue& epilogue, cudaStream_t stream) {
+  auto kernel = grouped_gemm_kernel<kBlockN, kStages, kRows, kBMnMajor, Epilogue>;
+  constexpr uint32_t smem = GroupedGemmSmem<kBlockN, kStages>::kTotalBytes;
+  check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
+             "cudaFuncSetAttribute(grouped_gemm_kernel)");
+  kernel<<<sm_count(), kThreadsPerCta, smem, stream>>>(map_a, map_b, shape, epilogue);
+  check_cuda(cudaGetLastError(), "grouped_gemm_kernel launch");
+}
+
+__nv_bfloat16* bf16(void* p) { return static_cast<__nv_bfloat16*>(p); }
+const __nv_bfloat16* bf16(const void* p) { return static_cast<const __nv_bfloat16*>(p); }
+
+}  // namespace
+
+void expert_mlp_fprop_w13(const GroupedRows& rows, const ExpertMlpShape& shape,
+                          const FpropW13Args& args, cudaStream_t stream) {
+  validate(rows, shape);
+  require_ptr(args.x_RD, "x_RD");
+  require_ptr(args.w13_E2FD, "w13_E2FD");
+  require_ptr(args.a_RF, "a_RF");
+  if (rows.max_rows == 0) return;
+  const int64_t D = shape.hidden_dim, F = shape.intermediate_dim, E = rows.num_experts;
+  const bool blocked = shape.w13_layout == W13Layout::gate_up_blocked;
+  const CUtensorMap map_a = make_bf16_tensor_map(args.x_RD, rows.max_rows, D, kTileM, "x_RD");
+  const CUtensorMap map_b =
+      make_bf16_tensor_map(args.w13_E2FD, E * 2 * F, D, blocked ? kBlockN / 2 : kBlockN, "w13_E2FD");
+  GroupedGemmShape s = base_shape(rows);
+  s.k_blocks = static_cast<int32_t>(D / kTileK);
+  s.n_blocks = ceil_div(F, kBlockN / 2);
+  s.b_rows_per_expert = static_cast<int32_t>(2 * F);
+  s.b_split_rows = blocked ? static_cast<int32_t>(F) : 0;
+  const SwigluFpropEpilogue epi{bf16(args.a_RF), bf16(args.h13_R2F), static_cast<int32_t>(F),
+                                blocked ? 0 : 1, activation_params(shape)};
+  launch<RowsAre::M, false>(map_a, map_b, s, epi, stream);
+}
+
+void expert_mlp_fprop_w2(const GroupedRows& rows, const ExpertMlpShape& shape,
+                         const FpropW2Args& args, cudaStream_t stream) {
+  validate(rows, shape);
+  require_ptr(args.a_RF, "a_RF");
+  require_ptr(args.w2_EDF, "w2_EDF");
+  require_ptr(args.y_RD, "y_RD");
+  if (rows.max_rows == 0) return;
+  const int64_t D = shape.hidden_dim, F = shape.intermediate_dim, E = rows.num_experts;
+  const CUtensorMap map_a = make_bf16_tensor_map(args.a_RF, rows.max_rows, F, kTileM, "a_RF");
+  const CUtensorMap map_b = make_bf16_tensor_map(args.w2_EDF, E * D, F, kBlockN, "w2_EDF");
+  GroupedGemmShape s = base_shape(rows);
+  s.k_blocks = static_cast<int32_t>(F / kTileK);
+  s.n_blocks = ceil_div(D, kBlockN);
+  s.b_rows_per_expert = static_cast<int32_t>(D);
+  const RowsStoreEpilogue epi{bf16(args.y_RD), args.scores_R, static_cast<int32_t>(D)};
+  launch<RowsAre::M, false>(map_a, map_b, s, epi, stream);
+}
+
+void expert_mlp_dgrad_w2(const GroupedRows& rows, const ExpertMlpShape& shape,
+                         const DgradW2Args& args, cudaStream_t stream) {
+  validate(rows, shape);
+  require_ptr(args.grad_y_RD, "grad_y_RD");
+  require_ptr(args.w2_EDF, "w2_EDF");
+  require_ptr(args.h13_R2F, "h13_R2F");
+  require_ptr(args.grad_h13_R2F, "grad_h13_R2F");
+  if (rows.max_rows == 0) return;
+  const int64_t D = shape.hidden_dim, F = shape.intermediate_dim, E = rows.num_experts;
+  const CUtensorMap map_a = make_bf16_tensor_map(args.grad_y_RD, rows.max_rows, D, kTileM, "grad_y_RD");
+  // W2[e] is [D][F]: K = D rows, N = F contiguous -> MN-major B, 64 x 64 boxes.
+  const CUtensorMap map_b = make_bf16_tensor_map(args.w2_EDF, E * D, F, 64, "w2_EDF");
+  GroupedGemmShape s = base_shape(rows);
+  s.k_blocks = static_cast<int32_t>(D / kTileK);
+  s.n_blocks = ceil_div(F, kBlockN);
+  s.b_rows_per_expert = static_cast<int32_t>(D);
+  const SwigluDgradEpilogue epi{bf16(args.h13_R2F), bf16(args.grad_h13_R2F), bf16(args.a_RF),
+                                args.scores_R, args.grad_scores_R, static_cast<int32_t>(F),
+                                shape.w13_layout == W13Layout::gate_up_blocked ? 0 : 1,
+                                activation_params(shape)};
+  launch<RowsAre::M, true>(map_a, map_b, s, epi, stream);
+}
+
+void expert_mlp_dgrad_w13(const GroupedRows& rows, const ExpertMlpShape& shape,
+                          const DgradW13Args& args, cudaStream_t stream) {
+  validate(rows, shape);
+  require_ptr(args.grad_h13_R2F, "grad_h13_R2F");
+  require_ptr(args.w13_E2FD, "w13_E2FD");
+  require_ptr(args.grad_x_RD, "grad_x_RD");
+  if (rows.max_rows == 0) return;
+  const int64_t D = shape.hidden_dim, F = shape.intermediate_dim, E = rows.num_experts;
+  const CUtensorMap map_a =
+      make_bf16_tensor_map(args.grad_h13_R2F, rows.max_rows, 2 * F, kTileM, "grad_h13_R2F");
+  // W13[e] is [2F][D]: K = 2F rows, N = D contiguous -> MN-major B.
+  const CUtensorMap map_b = make_bf16_tensor_map(args.w13_E2FD, E * 2 * F, D, 64, "w13_E2FD");
+  GroupedGemmShape s = base_shape(rows);
+  s.k_blocks = static_cast<int32_t>(2 * F / kTileK);
+  s.n_blocks = ceil_div(D, kBlockN);
+  s.b_rows_per_expert = static_cast<int32_t>(2 * F);
+  const RowsStoreEpilogue epi{bf16(args.grad_x_RD), nullptr, static_cast<int32_t>(D)};
+  launch<RowsAre::M, true>(map_a, map_b, s, epi, stream);
+}
+
+namespace {
+
+// grad_W[e] (M x N) = A[e]^T . B[e], A = [R][M] rows, B = [R][N] rows, K = the expert's rows.
+void wgrad(const GroupedRows& rows, const void* a_RM, const char* a_name, int64_t M,
+           const void* b_RN, const char* b_name, int64_t N, const WgradOutput& out,
+           cudaStream_t stream) {
+  require_ptr(a_RM, a_name);
+  require_ptr(b_RN, b_name);
+  require_ptr(out.grad_w, "grad_w");
+  if (rows.max_rows == 0) {
+    if (!out.accumulate) {
+      const size_t bytes = rows.num_experts * M * N * (out.dtype == DType::fp32 ? 4 : 2);
+      check_cuda(cudaMemsetAsync(out.grad_w, 0, bytes, stream), "cudaMemsetAsync(grad_w)");
+    }
+    return;
+  }
+  const CUtensorMap map_a = make_bf16_tensor_map(a_RM, rows.max_rows, M, 64, a_name);
+  const CUtensorMap map_b = make_bf16_tensor_map(b_RN, rows.max_rows, N, 64, b_name);
+  GroupedGemmShape s = base_shape(rows);
+  s.m_blocks = ceil_div(M, kTileM);
+  s.n_blocks = ceil_div(N, kBlockN);
+  const WgradStoreEpilogue epi{out.grad_w, static_cast<int32_t>(M), static_cast<int32_t>(N),
+                               out.dtype == DType::fp32 ? 1 : 0, out.accumulate ? 1 : 0};
+  launch<RowsAre::K, true>(map_a, map_b, s, epi, stream);
+}
+
+}  // namespace
+
+void expert_mlp_wgrad_w2(const GroupedRows& rows, const ExpertMlpShape& shape,
+                         const void* grad_y_RD, const void* a_RF, const WgradOutput& out,
+                         cudaStream_t stream) {
+  validate(rows, shape);
+  wgrad(rows, grad_y_RD, "grad_y_RD", shape.hidden_dim, a_RF, "a_RF", shape.intermediate_dim, out,
+        stream);
+}
+
+void expert_mlp_wgrad_w13(const GroupedRows& rows, const ExpertMlpShape& shape,
+                          const void* grad_h13_R2F, const void* x_RD, const WgradOutput& out,
+                          cudaStream_t stream) {
+  validate(rows, shape);
+  wgrad(rows, grad_h13_R2F, "grad_h13_R2F", 2 * shape.intermediate_dim, x_RD, "x_RD",
+        shape.hidden_dim, out, stream);
+}
+
+}  // namespace poise::sm90

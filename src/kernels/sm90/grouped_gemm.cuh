@@ -1,0 +1,193 @@
+// Persistent, warp-specialized grouped GEMM over expert-grouped rows (sm_90a).
+//
+//   warpgroup 0 (one elected thread): TMA producer. Walks the tile schedule and fills a ring of
+//     kStages shared-memory stages; each stage's "full" mbarrier completes when its bytes land.
+//   warpgroups 1, 2: wgmma consumers. Each owns 64 of the tile's 128 rows and all kBlockN columns,
+//     accumulates in fp32 registers, releases a stage through its "empty" mbarrier as soon as the
+//     wgmma reading it retired, then hands its accumulators to the epilogue.
+//
+// Operand layouts (all 128-byte swizzled, see ptx/smem_desc.cuh):
+//   rows as M (fprop/dgrad): A = grouped rows [R][K], K-major.  B = per-expert weights, K-major
+//     ([E*N][K], one box or gate/up halves) or MN-major ([E*K][N], 64-column chunks).
+//   rows as K (wgrad): A = grouped rows [R][M], MN-major; B = grouped rows [R][N], MN-major.
+//     Rows of a K block past the expert's count are zeroed in shared memory before the wgmma
+//     (they hold padding or the next expert's rows), so they never contribute.
+#pragma once
+
+#include <cuda.h>
+#include <cstdint>
+
+#include "kernels/sm90/ptx/mbarrier.cuh"
+#include "kernels/sm90/ptx/smem_desc.cuh"
+#include "kernels/sm90/ptx/tma.cuh"
+#include "kernels/sm90/ptx/warpgroup.cuh"
+#include "kernels/sm90/ptx/wgmma.cuh"
+#include "kernels/sm90/tile_scheduler.cuh"
+
+namespace poise::sm90 {
+
+inline constexpr uint32_t kProducerRegisters = 40;
+inline constexpr uint32_t kConsumerRegisters = 232;
+inline constexpr int kConsumerWarps = 8;
+
+template <int kBlockN, int kStages>
+struct GroupedGemmSmem {
+  static constexpr uint32_t kABytes = kTileM * kTileK * 2;   // 16 KiB
+  static constexpr uint32_t kBBytes = kBlockN * kTileK * 2;  // 32 KiB at kBlockN = 256
+  static constexpr uint32_t kStageBytes = kABytes + kBBytes;
+  static constexpr uint32_t kBarrierOffset = kStages * kStageBytes;
+  static constexpr uint32_t kSchedulerOffset = kBarrierOffset + 2 * kStages * sizeof(uint64_t);
+  // + 1024 so the kernel can round the dynamic smem base up to the swizzle atom.
+  static constexpr uint32_t kTotalBytes = kSchedulerOffset + sizeof(SchedulerStorage) + 1024;
+};
+
+// Zeroes rows [valid_rows, 64) of every 64-row MN-major chunk of this stage (both operands).
+// Whole 128-byte rows are zeroed, so the swizzle (which permutes 16 B units within a row) is moot.
+template <int kBlockN>
+__device__ __forceinline__ void zero_k_tail(uint8_t* stage_a, uint8_t* stage_b, int valid_rows,
+                                            int consumer_thread) {
+  constexpr int kChunks = kTileM / 64 + kBlockN / 64;
+  const int tail_rows = kTileK - valid_rows;
+  const int units = kChunks * tail_rows * 8;  // 16-byte units
+  for (int u = consumer_thread; u < units; u += 128 * 2) {
+    const int chunk = u / (tail_rows * 8);
+    const int rem = u - chunk * tail_rows * 8;
+    const int row = valid_rows + rem / 8;
+    const int col16 = rem % 8;
+    uint8_t* base = chunk < kTileM / 64 ? stage_a + chunk * ptx::kMnChunkBytes
+                                        : stage_b + (chunk - kTileM / 64) * ptx::kMnChunkBytes;
+    *reinterpret_cast<uint4*>(base + row * 128 + col16 * 16) = make_uint4(0, 0, 0, 0);
+  }
+  ptx::fence_async_shared();
+  ptx::named_barrier_sync(1, 256);
+}
+
+template <int kBlockN, int kStages, RowsAre kRows, bool kBMnMajor, class Epilogue>
+__global__ void __launch_bounds__(kThreadsPerCta, 1)
+    grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
+                        const __grid_constant__ CUtensorMap map_b, const GroupedGemmShape shape,
+                        const Epilogue epilogue) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  using Smem = GroupedGemmSmem<kBlockN, kStages>;
+  constexpr bool kAMnMajor = kRows == RowsAre::K;
+  static_assert(kRows == RowsAre::M || kBMnMajor, "wgrad reads both operands MN-major");
+
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
+                                             ~uintptr_t(1023));
+  uint64_t* full_bar = reinterpret_cast<uint64_t*>(smem + Smem::kBarrierOffset);
+  uint64_t* empty_bar = full_bar + kStages;
+  auto& sched_storage = *reinterpret_cast<SchedulerStorage*>(smem + Smem::kSchedulerOffset);
+  auto stage_a = [&](int s) { return smem + s * Smem::kStageBytes; };
+  auto stage_b = [&](int s) { return smem + s * Smem::kStageBytes + Smem::kABytes; };
+
+  const int warpgroup = threadIdx.x / 128;
+  const int lane = threadIdx.x % 32;
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      ptx::mbarrier_init(&full_bar[s], 1);
+      ptx::mbarrier_init(&empty_bar[s], kConsumerWarps);
+    }
+    ptx::fence_barrier_init();
+  }
+  const auto scheduler = TileScheduler<kRows>::build(sched_storage, shape);  // syncs the CTA
+
+  if (warpgroup == 0) {
+    // ---------------- TMA producer ----------------
+    ptx::warpgroup_release_registers<kProducerRegisters>();
+    if (threadIdx.x == 0) {
+      ptx::tma_prefetch_descriptor(&map_a);
+      ptx::tma_prefetch_descriptor(&map_b);
+      uint32_t it = 0;
+      for (int32_t t = blockIdx.x; t < scheduler.total_tiles; t += gridDim.x) {
+        const TileInfo tile = scheduler.tile(t);
+        const int32_t k_blocks = scheduler.k_blocks(tile);
+        for (int32_t kb = 0; kb < k_blocks; ++kb, ++it) {
+          const int s = it % kStages;
+          ptx::mbarrier_wait(&empty_bar[s], ((it / kStages) & 1) ^ 1);
+          ptx::mbarrier_arrive_expect_tx(&full_bar[s], Smem::kStageBytes);
+          if constexpr (kRows == RowsAre::M) {
+            const int32_t k0 = kb * kTileK;
+            ptx::tma_load_2d(stage_a(s), &map_a, k0, tile.row_begin + tile.m_block * kTileM,
+                             &full_bar[s]);
+            const int32_t b_row0 = tile.expert * shape.b_rows_per_expert;
+            if constexpr (kBMnMajor) {
+#pragma unroll
+              for (int j = 0; j < kBlockN / 64; ++j)
+                ptx::tma_load_2d(stage_b(s) + j * ptx::kMnChunkBytes, &map_b,
+                                 tile.n_block * kBlockN + 64 * j, b_row0 + k0, &full_bar[s]);
+            } else if (shape.b_split_rows > 0) {
+              const int32_t n0 = b_row0 + tile.n_block * (kBlockN / 2);
+              ptx::tma_load_2d(stage_b(s), &map_b, k0, n0, &full_bar[s]);
+              ptx::tma_load_2d(stage_b(s) + (kBlockN / 2) * 128, &map_b, k0,
+                               n0 + shape.b_split_rows, &full_bar[s]);
+            } else {
+              ptx::tma_load_2d(stage_b(s), &map_b, k0, b_row0 + tile.n_block * kBlockN,
+                               &full_bar[s]);
+            }
+          } else {
+            const int32_t r0 = tile.row_begin + kb * kTileK;
+#pragma unroll
+            for (int j = 0; j < kTileM / 64; ++j)
+              ptx::tma_load_2d(stage_a(s) + j * ptx::kMnChunkBytes, &map_a,
+                               tile.m_block * kTileM + 64 * j, r0, &full_bar[s]);
+#pragma unroll
+            for (int j = 0; j < kBlockN / 64; ++j)
+              ptx::tma_load_2d(stage_b(s) + j * ptx::kMnChunkBytes, &map_b,
+                               tile.n_block * kBlockN + 64 * j, r0, &full_bar[s]);
+          }
+        }
+      }
+    }
+  } else {
+    // ---------------- wgmma consumers ----------------
+    ptx::warpgroup_claim_registers<kConsumerRegisters>();
+    const int consumer = warpgroup - 1;  // rows [64 * consumer, 64 * consumer + 64) of the tile
+    const int consumer_thread = threadIdx.x - 128;
+    float acc[kBlockN / 2];
+    uint32_t it = 0;
+    for (int32_t t = blockIdx.x; t < scheduler.total_tiles; t += gridDim.x) {
+      const TileInfo tile = scheduler.tile(t);
+      const int32_t k_blocks = scheduler.k_blocks(tile);
+#pragma unroll
+      for (int i = 0; i < kBlockN / 2; ++i) acc[i] = 0.0f;
+      int prev_stage = 0;
+      for (int32_t kb = 0; kb < k_blocks; ++kb, ++it) {
+        const int s = it % kStages;
+        ptx::mbarrier_wait(&full_bar[s], (it / kStages) & 1);
+        if constexpr (kRows == RowsAre::K) {
+          const int valid = tile.row_count - kb * kTileK;
+          if (valid < kTileK) zero_k_tail<kBlockN>(stage_a(s), stage_b(s), valid, consumer_thread);
+        }
+        // A: this warpgroup's 64 rows; K-major rows are 128 B, MN-major chunks are 64 M wide.
+        const uint64_t desc_a = kAMnMajor ? ptx::make_mn_major_desc(stage_a(s) + consumer * ptx::kMnChunkBytes)
+                                          : ptx::make_k_major_desc(stage_a(s) + consumer * 64 * 128);
+        const uint64_t desc_b = kBMnMajor ? ptx::make_mn_major_desc(stage_b(s))
+                                          : ptx::make_k_major_desc(stage_b(s));
+        ptx::fence_accumulators(acc);
+        ptx::wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kTileK / 16; ++kk) {
+          ptx::wgmma_k16<kBlockN, kAMnMajor ? 1 : 0, kBMnMajor ? 1 : 0>(
+              acc, ptx::desc_advance(desc_a, kk * ptx::k16_slice_bytes<kAMnMajor>()),
+              ptx::desc_advance(desc_b, kk * ptx::k16_slice_bytes<kBMnMajor>()), 1);
+        }
+        ptx::wgmma_commit_group();
+        ptx::fence_accumulators(acc);
+        // Keep one group in flight: the previous stage is free once its group retired.
+        ptx::wgmma_wait_group<1>();
+        ptx::fence_accumulators(acc);
+        if (kb > 0 && lane == 0) ptx::mbarrier_arrive(&empty_bar[prev_stage]);
+        prev_stage = s;
+      }
+      ptx::wgmma_wait_group<0>();
+      ptx::fence_accumulators(acc);
+      if (k_blocks > 0 && lane == 0) ptx::mbarrier_arrive(&empty_bar[prev_stage]);
+      epilogue.template store<kBlockN>(acc, tile, consumer, consumer_thread % 128);
+    }
+  }
+#endif
+}
+
+}  // namespace poise::sm90

@@ -1,0 +1,29 @@
+// TMA (bulk tensor copy) loads into shared memory, completing on an mbarrier.
+#pragma once
+
+#include <cuda.h>
+#include <cuda/ptx>
+#include <cstdint>
+
+namespace poise::sm90::ptx {
+
+// Copies one 2D box at (inner, outer) element coordinates of `map` into `smem_dst`.
+// Rows/columns outside the tensor are zero-filled by the hardware.
+__device__ __forceinline__ void tma_load_2d(void* smem_dst, const CUtensorMap* map, int32_t inner,
+                                            int32_t outer, uint64_t* full_bar) {
+  const int32_t coords[2] = {inner, outer};
+  cuda::ptx::cp_async_bulk_tensor(cuda::ptx::space_cluster, cuda::ptx::space_global, smem_dst,
+                                  map, coords, full_bar);
+}
+
+// Warms the descriptor cache so the first loads of a tile do not wait on the descriptor fetch.
+__device__ __forceinline__ void tma_prefetch_descriptor(const CUtensorMap* map) {
+  asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
+}
+
+// Orders this thread's ordinary shared-memory writes before later async-proxy (wgmma/TMA) access.
+__device__ __forceinline__ void fence_async_shared() {
+  cuda::ptx::fence_proxy_async(cuda::ptx::space_shared);
+}
+
+}  // namespace poise::sm90::ptx

@@ -1,0 +1,16 @@
+// Host-side TMA descriptors (CUtensorMap) for row-major bf16 matrices, 128-byte swizzled boxes.
+#pragma once
+
+#include <cuda.h>
+
+#include <cstdint>
+
+namespace poise::sm90 {
+
+// A [rows, cols] row-major bf16 matrix at `base` (16-byte aligned, cols a multiple of 8),
+// read in boxes of box_rows x 64 columns (64 bf16 = one 128-byte swizzle row).
+// Boxes reaching past the matrix are zero-filled by the hardware.
+CUtensorMap make_bf16_tensor_map(const void* base, int64_t rows, int64_t cols, int box_rows,
+                                 const char* argument_name);
+
+}  // namespace poise::sm90

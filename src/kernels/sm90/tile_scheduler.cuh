@@ -1,0 +1,122 @@
+// Persistent tile scheduler over (expert, M block, N block) for expert-grouped rows.
+//
+// The per-expert row offsets and counts live on the device; every CTA reads them once into shared
+// memory at start (no host sync), then walks tiles blockIdx.x, blockIdx.x + gridDim.x, ...
+// Both roles (TMA producer, wgmma consumers) walk the same sequence, so they agree on the stages.
+//
+//  - Rows as M (fprop, dgrad): expert e has ceil(count_e / 128) M blocks x n_blocks tiles; the
+//    tile order is expert-major, M block fastest, so concurrent CTAs share one expert's weights.
+//  - Rows as K (wgrad): every expert has m_blocks x n_blocks tiles; the K loop covers its rows.
+#pragma once
+
+#include <cub/block/block_scan.cuh>
+#include <cstdint>
+
+namespace poise::sm90 {
+
+inline constexpr int kMaxExperts = 1024;
+inline constexpr int kTileM = 128;       // rows of a tile: two consumer warpgroups x 64
+inline constexpr int kTileK = 64;        // K elements per pipeline stage
+inline constexpr int kThreadsPerCta = 384;  // producer warpgroup + two consumer warpgroups
+
+enum class RowsAre { M, K };
+
+// What the scheduler and the producer need to know about one grouped GEMM.
+struct GroupedGemmShape {
+  const int32_t* row_offsets_E = nullptr;  // device [E]: first row of each expert (multiple of 128)
+  const int32_t* row_counts_E = nullptr;   // device [E]: rows of each expert
+  int32_t num_experts = 0;
+  int32_t m_blocks = 0;          // rows-as-K: ceil(M / 128)
+  int32_t n_blocks = 0;          // tiles along N
+  int32_t k_blocks = 0;          // rows-as-M: K / 64
+  int32_t b_rows_per_expert = 0; // rows-as-M: rows of B's 2D view that belong to one expert
+  int32_t b_split_rows = 0;      // fprop blocked SwiGLU: gate-to-up row distance in B (F); 0 = one box
+};
+
+struct TileInfo {
+  int32_t expert;
+  int32_t m_block;
+  int32_t n_block;
+  int32_t row_begin;  // first row of the expert in the grouped buffers
+  int32_t row_count;  // rows of the expert
+};
+
+struct SchedulerStorage {
+  int32_t tile_prefix[kMaxExperts + 1];  // rows-as-M: first tile index of each expert
+  int2 rows[kMaxExperts];                // (offset, count) per expert
+};
+
+template <RowsAre kRows>
+struct TileScheduler {
+  const SchedulerStorage* storage;
+  GroupedGemmShape shape;
+  int32_t total_tiles;
+
+  // Called by all threads of the CTA; ends with __syncthreads().
+  __device__ static TileScheduler build(SchedulerStorage& s, const GroupedGemmShape& shape) {
+    constexpr int kItems = (kMaxExperts + kThreadsPerCta - 1) / kThreadsPerCta;
+    using Scan = cub::BlockScan<int32_t, kThreadsPerCta>;
+    __shared__ typename Scan::TempStorage scan_storage;
+    int32_t tiles[kItems];
+#pragma unroll
+    for (int i = 0; i < kItems; ++i) {
+      const int e = threadIdx.x * kItems + i;
+      tiles[i] = 0;
+      if (e < shape.num_experts) {
+        const int32_t offset = shape.row_offsets_E[e];
+        const int32_t count = shape.row_counts_E[e];
+        s.rows[e] = make_int2(offset, count);
+        tiles[i] = kRows == RowsAre::M ? (count + kTileM - 1) / kTileM * shape.n_blocks
+                                       : shape.m_blocks * shape.n_blocks;
+      }
+    }
+    int32_t total = 0;
+    Scan(scan_storage).ExclusiveSum(tiles, tiles, total);
+#pragma unroll
+    for (int i = 0; i < kItems; ++i) {
+      const int e = threadIdx.x * kItems + i;
+      if (e < shape.num_experts) s.tile_prefix[e] = tiles[i];
+    }
+    if (threadIdx.x == 0) s.tile_prefix[shape.num_experts] = total;
+    __syncthreads();
+    return TileScheduler{&s, shape, total};
+  }
+
+  __device__ TileInfo tile(int32_t t) const {
+    TileInfo info;
+    if constexpr (kRows == RowsAre::M) {
+      // Largest e with tile_prefix[e] <= t (experts without tiles have equal prefixes).
+      int lo = 0, hi = shape.num_experts - 1;
+      while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        if (storage->tile_prefix[mid] <= t) lo = mid; else hi = mid - 1;
+      }
+      const int2 rows = storage->rows[lo];
+      const int32_t m_blocks = (rows.y + kTileM - 1) / kTileM;
+      const int32_t local = t - storage->tile_prefix[lo];
+      info.expert = lo;
+      info.m_block = local % m_blocks;
+      info.n_block = local / m_blocks;
+      info.row_begin = rows.x;
+      info.row_count = rows.y;
+    } else {
+      const int32_t per_expert = shape.m_blocks * shape.n_blocks;
+      const int32_t e = t / per_expert;
+      const int32_t local = t - e * per_expert;
+      const int2 rows = storage->rows[e];
+      info.expert = e;
+      info.m_block = local % shape.m_blocks;
+      info.n_block = local / shape.m_blocks;
+      info.row_begin = rows.x;
+      info.row_count = rows.y;
+    }
+    return info;
+  }
+
+  __device__ int32_t k_blocks(const TileInfo& info) const {
+    if constexpr (kRows == RowsAre::M) return shape.k_blocks;
+    else return (info.row_count + kTileK - 1) / kTileK;
+  }
+};
+
+}  // namespace poise::sm90
