@@ -1,0 +1,172 @@
+// The CPU reference engine: the complete semantics of one routed-experts MoE layer across R
+// virtual ranks (a thread per rank, each with its own buffers, exchanging through an in-process
+// transport). Every GPU path is tested against it; docs/reference_engine.md states the semantics.
+//
+// bf16 representation: a bf16 tensor is a std::vector<float> whose values are all exactly
+// representable in bf16 (the low 16 bits of every float are zero). Inputs are checked for that;
+// outputs are produced that way. round_to_bf16 (round to nearest even) and the bits helpers below
+// convert to and from the 16-bit storage a device buffer uses.
+#pragma once
+
+#include <bit>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "poise/config.hpp"
+#include "poise/context.hpp"  // W13Layout
+#include "poise/errors.hpp"
+
+namespace poise::reference {
+
+// ---- bf16 helpers ------------------------------------------------------------------------------
+
+// Rounds to the nearest bf16 value, ties to even (what a GPU's cvt.rn.bf16.f32 does).
+// NaN stays a quiet NaN; values beyond the bf16 range round to +-infinity.
+inline float round_to_bf16(float value) {
+  uint32_t bits = std::bit_cast<uint32_t>(value);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return std::bit_cast<float>((bits | 0x00400000u) & 0xffff0000u);
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return std::bit_cast<float>(bits & 0xffff0000u);
+}
+
+inline bool is_bf16_value(float value) { return (std::bit_cast<uint32_t>(value) & 0xffffu) == 0; }
+
+inline uint16_t bf16_bits(float value) {
+  return static_cast<uint16_t>(std::bit_cast<uint32_t>(round_to_bf16(value)) >> 16);
+}
+
+inline float bf16_from_bits(uint16_t bits) { return std::bit_cast<float>(uint32_t{bits} << 16); }
+
+std::vector<uint16_t> to_bf16_bits(std::span<const float> values);
+std::vector<float> from_bf16_bits(std::span<const uint16_t> bits);
+
+// ---- inputs, options, outputs ------------------------------------------------------------------
+
+// What one rank brings to a call. Sizes: T = num_local_input_tokens, E_local = E / ep_size.
+// Rows whose scores are all zero are padding rows: still routed, contributing nothing to out_TD.
+struct RankInputs {
+  std::vector<float> x_TD;       // bf16 [T, D]
+  std::vector<int32_t> ids_TK;   // [T, K] global expert ids, distinct within a token; e lives on rank e / E_local
+  std::vector<float> scores_TK;  // [T, K] in Options::scores_dtype (bf16 values when bf16)
+  std::vector<float> w13;        // bf16 [E_local, 2F, D] (== [E_local, 2, F, D] == [E_local*2F, D]), W13Layout
+  std::vector<float> w2;         // bf16 [E_local, D, F] (== [E_local*D, F])
+};
+
+// What one rank gets back from backward. grad_w13 / grad_w2 have w13's / w2's shape and layout.
+struct RankGradients {
+  std::vector<float> grad_x_TD;       // bf16 [T, D]
+  std::vector<float> grad_scores_TK;  // [T, K] in Options::scores_dtype
+  std::vector<float> grad_w13;        // Config::wgrad_dtype [E_local, 2F, D]
+  std::vector<float> grad_w2;         // Config::wgrad_dtype [E_local, D, F]
+};
+
+struct Options {
+  DType scores_dtype = DType::fp32;
+  W13Layout w13_layout = W13Layout::gate_up_blocked;
+  // B: replica expert slots per rank in exact balance (MemoryPlan::num_replica_slots).
+  // A negative value means E_local, the training default.
+  int64_t replica_slots = -1;
+};
+
+// Routing balance of the last forward call: how many (token, k) rows each rank computes.
+struct RoutingStats {
+  std::vector<int64_t> expert_rows;          // [E] rows routed to each expert, all ranks together
+  std::vector<int64_t> owner_rows;           // [R] rows of each rank's own experts (no balancing)
+  std::vector<int64_t> computed_rows;        // [R] rows each rank computes (after the balance plan)
+  std::vector<int64_t> grouped_rows;         // [R] computed rows + per-expert padding to kExpertRowAlignment
+  std::vector<int64_t> received_token_rows;  // [R] token rows dispatched to each rank (a token once per rank)
+  std::vector<int64_t> replicas;             // [R] replica slots each rank fills
+  int64_t unplaced_surplus_rows = 0;         // exact mode: surplus that found no replica slot (stays on its owner)
+
+  // max / mean of a per-rank row vector (1.0 = perfectly balanced; 0 when all are empty).
+  static double peak_over_mean(const std::vector<int64_t>& rows_per_rank);
+  double owner_peak_over_mean() const { return peak_over_mean(owner_rows); }
+  double computed_peak_over_mean() const { return peak_over_mean(computed_rows); }
+};
+
+// Capacity balance: a rank was routed more rows than receive_capacity_factor * T*K.
+// The GPU engine reports the same condition through its device error word (a DeviceError).
+class CapacityExceeded : public DeviceError {
+ public:
+  CapacityExceeded(int64_t rank, int64_t rows, int64_t capacity_rows);
+  int64_t rank() const noexcept { return rank_; }
+  int64_t rows() const noexcept { return rows_; }
+  int64_t capacity_rows() const noexcept { return capacity_rows_; }
+
+ private:
+  int64_t rank_, rows_, capacity_rows_;
+};
+
+struct EngineState;  // src/reference/engine_state.hpp
+
+// ---- the engine --------------------------------------------------------------------------------
+
+// One MoE layer across ep_size virtual ranks. forward() keeps the routing layout and the
+// activations backward() needs, like a Context keeps them in an activation slot.
+// Every argument is validated before any rank thread starts (InvalidArgument naming it).
+class Engine {
+ public:
+  Engine(const Config& config, int64_t ep_size, Options options = {});
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  // Returns out_TD (bf16 [T, D]) for every rank.
+  std::vector<std::vector<float>> forward(const std::vector<RankInputs>& inputs_per_rank);
+
+  // Differentiates the preceding forward; inputs_per_rank must be the same inputs.
+  // grads_per_rank is resized to ep_size. grad_x_TD and grad_scores_TK are overwritten; grad_w13 and
+  // grad_w2 are overwritten, or, with accumulate_wgrad, added to (they must then have their sizes).
+  void backward(const std::vector<RankInputs>& inputs_per_rank,
+                const std::vector<std::vector<float>>& grad_out_TD_per_rank,
+                std::vector<RankGradients>& grads_per_rank, bool accumulate_wgrad = false);
+
+  const RoutingStats& routing_stats() const;  // of the last forward
+  const Config& config() const;
+  int64_t ep_size() const;
+  const Options& options() const;
+
+ private:
+  std::unique_ptr<EngineState> state_;
+};
+
+// ---- the float64 oracle ------------------------------------------------------------------------
+
+// The same layer written densely in float64: loops over ranks, tokens and k, no layout, no ranks,
+// no intermediate rounding. Tests and the demo measure the engine (and the GPU) against it.
+struct DenseFloat64Result {
+  std::vector<std::vector<double>> out_TD, grad_x_TD, grad_scores_TK, grad_w13, grad_w2;  // per rank
+};
+
+// Backward is computed when grad_out_TD_per_rank is not empty.
+DenseFloat64Result dense_float64(const Config& config, int64_t ep_size,
+                                 const std::vector<RankInputs>& inputs_per_rank,
+                                 const std::vector<std::vector<float>>& grad_out_TD_per_rank,
+                                 const Options& options);
+
+// ||got - want|| / ||want|| over all elements (NaN when got holds a NaN; 0 when both are zero).
+double relative_error(std::span<const float> got, std::span<const double> want);
+double relative_error(const std::vector<std::vector<float>>& got,
+                      const std::vector<std::vector<double>>& want);
+
+// ---- random inputs -----------------------------------------------------------------------------
+
+struct RandomInputsSpec {
+  uint64_t seed = 1;
+  // Target peak/mean of owner rows per rank: rank 0's experts are drawn more often. 1 = uniform.
+  double skew = 1.0;
+  int64_t padding_rows = 0;  // the last padding_rows tokens of every rank get all-zero scores
+};
+
+// x ~ N(0,1), W13 ~ N(0,1/D), W2 ~ N(0,1/F) (bf16), scores a softmax over the K picks (fp32 or
+// bf16 per options.scores_dtype), K distinct experts per token drawn by the skewed popularity.
+std::vector<RankInputs> random_inputs(const Config& config, int64_t ep_size,
+                                      const RandomInputsSpec& spec, const Options& options);
+
+// bf16 N(0,1) grad_out_TD for every rank.
+std::vector<std::vector<float>> random_grad_out(const Config& config, int64_t ep_size, uint64_t seed);
+
+}  // namespace poise::reference

@@ -1,0 +1,57 @@
+// Balance plan: which rank computes which rows of each expert (a pure host function; the GPU
+// routing kernel mirrors it). docs/balance.md states the algorithm and what it guarantees.
+//
+// Rows of expert e are numbered 0..count[e)-1 in a global order every rank can compute from the
+// all-gathered counts: by source rank, then token, then k. A piece is a contiguous range of them.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+namespace poise::plan {
+
+struct ExpertPiece {
+  int64_t expert = 0;
+  int64_t rank = 0;   // the rank that computes these rows
+  int64_t slot = 0;   // its expert slot there: [0, E_local) own experts by local index, then replicas
+  int64_t begin = 0;  // first row (in the expert's global row order)
+  int64_t end = 0;    // one past the last row
+  int64_t rows() const { return end - begin; }
+};
+
+struct BalancePlan {
+  int64_t num_ranks = 0;
+  int64_t num_experts = 0;
+  int64_t num_local_experts = 0;  // E / R
+  int64_t rows_per_rank = 0;      // C = T*K: the rows every rank computes when the plan is exact
+  int64_t replica_slots = 0;      // B: replica slots each rank may fill
+
+  // Non-empty pieces sorted by expert, then begin; each expert's pieces tile [0, count[e]).
+  std::vector<ExpertPiece> pieces;
+  std::vector<int64_t> owner_rows;     // [R] rows of each rank's own experts (before balancing)
+  std::vector<int64_t> computed_rows;  // [R] rows each rank computes under this plan
+  std::vector<int64_t> replicas;       // [R] replica slots used on each rank
+  // Surplus rows that found no replica slot and stay on their owner (0 when the plan is exact).
+  int64_t unplaced_surplus_rows = 0;
+
+  bool exact() const { return unplaced_surplus_rows == 0; }
+  int64_t owner_of(int64_t expert) const { return expert / num_local_experts; }
+  // The pieces of one expert (a view into `pieces`).
+  std::span<const ExpertPiece> pieces_of(int64_t expert) const;
+
+  std::vector<int64_t> first_piece_of_expert;  // [E + 1] offsets into `pieces`
+};
+
+// Exact balance. counts_E: rows per expert over all ranks; their sum must be R * rows_per_rank.
+// Every rank computes rows_per_rank rows; only the surplus of overloaded ranks moves, as replicas
+// on underloaded ranks, each (expert, rank) pair at most once, at most replica_slots per rank.
+// Surplus that finds no slot stays on its owner and is counted in unplaced_surplus_rows.
+// Throws InvalidArgument("expert_counts" / "num_ranks" / "replica_slots") on bad input.
+BalancePlan plan_exact_balance(std::span<const int64_t> counts_E, int64_t num_ranks,
+                               int64_t rows_per_rank, int64_t replica_slots);
+
+// No balancing (capacity mode): every expert's rows on its owner, in its own slot.
+BalancePlan plan_owner_only(std::span<const int64_t> counts_E, int64_t num_ranks, int64_t rows_per_rank);
+
+}  // namespace poise::plan

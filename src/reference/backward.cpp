@@ -1,0 +1,150 @@
+// Backward of one rank, the mirror of forward with the saved layout:
+// grad_y and grad_scores at the owner -> grad_y rows to the computing ranks -> expert backward ->
+// grad_x rows back and summed over k -> replica weight grads reduced to the owner in fp32.
+#include <algorithm>
+
+#include "reference/engine_state.hpp"
+
+namespace poise::reference {
+
+namespace {
+
+float to_dtype(float value, DType dtype) { return dtype == DType::bf16 ? round_to_bf16(value) : value; }
+
+// Sends each computing rank the grad_y rows of its entries; returns them placed in grouped order.
+std::vector<float> exchange_grad_y(EngineState& s, int rank, InProcessTransport& transport, const RankInputs& in,
+                                   const std::vector<float>& grad_out_TD, RankGradients& grads) {
+  RankState& st = s.ranks[rank];
+  const int64_t D = s.D(), K = s.K();
+  // grad_y[t,k] = round_bf16(score[t,k] * grad_out[t]); grad_scores[t,k] = dot(grad_out[t], y[t,k]).
+  grads.grad_scores_TK.assign(s.T() * K, kPoison);
+  std::vector<RowsMessage> to_rank(s.ep_size);
+  for (int64_t dst = 0; dst < s.ep_size; ++dst) {
+    std::vector<float>& rows = to_rank[dst].rows;
+    rows.reserve(st.dispatch.entries_to[dst].size() * D);
+    for (int64_t entry : st.dispatch.entries_to[dst]) {
+      const float score = in.scores_TK[entry];
+      const float* grad_out = grad_out_TD.data() + (entry / K) * D;
+      const float* y = st.y_TKD.data() + entry * D;
+      float grad_score = 0.0f;
+      for (int64_t d = 0; d < D; ++d) {
+        rows.push_back(round_to_bf16(score * grad_out[d]));
+        grad_score += grad_out[d] * y[d];
+      }
+      grads.grad_scores_TK[entry] = to_dtype(grad_score, s.options.scores_dtype);
+    }
+  }
+  std::vector<RowsMessage> from_rank = transport.all_to_all(rank, std::move(to_rank));
+
+  const int64_t G = st.grouped.grouped_rows_per_rank[rank];
+  std::vector<float> grad_y_GD(G * D, 0.0f);
+  for (const ExpertGroup& group : st.grouped.groups_per_rank[rank]) {
+    std::fill(grad_y_GD.begin() + group.first_row * D, grad_y_GD.begin() + (group.first_row + group.rows) * D, kPoison);
+  }
+  for (int64_t src = 0; src < s.ep_size; ++src) {
+    const std::vector<int64_t>& rows = st.rows_from[src];
+    for (size_t i = 0; i < rows.size(); ++i) {
+      std::copy_n(from_rank[src].rows.begin() + i * D, D, grad_y_GD.begin() + rows[i] * D);
+    }
+  }
+  return grad_y_GD;
+}
+
+// Returns grad_x rows to their sources, who sum them over k: grad_x[t] = round_bf16(sum_k rows).
+void return_grad_x(EngineState& s, int rank, InProcessTransport& transport, const std::vector<float>& grad_x_GD,
+                   RankGradients& grads) {
+  RankState& st = s.ranks[rank];
+  const int64_t T = s.T(), D = s.D(), K = s.K();
+  std::vector<RowsMessage> to_rank(s.ep_size);
+  for (int64_t src = 0; src < s.ep_size; ++src) {
+    std::vector<float>& rows = to_rank[src].rows;
+    rows.reserve(st.rows_from[src].size() * D);
+    for (int64_t row : st.rows_from[src]) {
+      rows.insert(rows.end(), grad_x_GD.begin() + row * D, grad_x_GD.begin() + (row + 1) * D);
+    }
+  }
+  std::vector<RowsMessage> from_rank = transport.all_to_all(rank, std::move(to_rank));
+  std::vector<float> grad_x_TKD(T * K * D, kPoison);
+  for (int64_t dst = 0; dst < s.ep_size; ++dst) {
+    const std::vector<int64_t>& entries = st.dispatch.entries_to[dst];
+    for (size_t i = 0; i < entries.size(); ++i) {
+      std::copy_n(from_rank[dst].rows.begin() + i * D, D, grad_x_TKD.begin() + entries[i] * D);
+    }
+  }
+  grads.grad_x_TD.assign(T * D, kPoison);
+  std::vector<float> sum(D);
+  for (int64_t t = 0; t < T; ++t) {
+    std::fill(sum.begin(), sum.end(), 0.0f);
+    for (int64_t k = 0; k < K; ++k) {
+      const float* rows = grad_x_TKD.data() + (t * K + k) * D;
+      for (int64_t d = 0; d < D; ++d) sum[d] += rows[d];
+    }
+    for (int64_t d = 0; d < D; ++d) grads.grad_x_TD[t * D + d] = round_to_bf16(sum[d]);
+  }
+}
+
+}  // namespace
+
+void backward_rank(EngineState& s, int rank, InProcessTransport& transport, const RankInputs& in,
+                   const std::vector<float>& grad_out_TD, RankGradients& grads, bool accumulate_wgrad) {
+  RankState& st = s.ranks[rank];
+  const int64_t D = s.D(), F = s.F(), local = s.local_experts();
+  const int64_t block13 = 2 * F * D, block2 = D * F;
+  std::vector<float> grad_y_GD = exchange_grad_y(s, rank, transport, in, grad_out_TD, grads);
+
+  // Expert backward over every group. Own experts' weight grads go straight into this rank's fp32
+  // sums; replica slots get their own fp32 partial sums, sent to the owner below.
+  const int64_t G = st.grouped.grouped_rows_per_rank[rank];
+  std::vector<float> grad_x_GD(G * D, 0.0f);
+  std::vector<float> grad_w13_fp32(local * block13, 0.0f), grad_w2_fp32(local * block2, 0.0f);
+  std::vector<float> replica_grad_w13(s.replica_slots * block13, 0.0f), replica_grad_w2(s.replica_slots * block2, 0.0f);
+  for (const ExpertGroup& group : st.grouped.groups_per_rank[rank]) {
+    const bool own = group.slot < local;
+    float* grad_w13 = own ? grad_w13_fp32.data() + group.slot * block13
+                          : replica_grad_w13.data() + (group.slot - local) * block13;
+    float* grad_w2 = own ? grad_w2_fp32.data() + group.slot * block2
+                         : replica_grad_w2.data() + (group.slot - local) * block2;
+    expert_backward(s.shape, s.act, group.rows, st.x_GD.data() + group.first_row * D,
+                    st.h13_G2F.data() + group.first_row * 2 * F, st.a_GF.data() + group.first_row * F,
+                    grad_y_GD.data() + group.first_row * D, group_w13(s, st, in, group.slot),
+                    group_w2(s, st, in, group.slot), grad_x_GD.data() + group.first_row * D, grad_w13, grad_w2);
+  }
+  return_grad_x(s, rank, transport, grad_x_GD, grads);
+
+  // Replica weight grads travel to the owner in fp32 and are added there, by source rank.
+  std::vector<ExpertBlocksMessage> to_rank(s.ep_size);
+  for (const ExpertGroup& group : st.grouped.groups_per_rank[rank]) {
+    if (group.slot < local) continue;
+    ExpertBlocksMessage& msg = to_rank[st.plan.owner_of(group.expert)];
+    const int64_t replica = group.slot - local;
+    msg.experts.push_back(group.expert);
+    msg.slots.push_back(group.slot);
+    msg.w13.insert(msg.w13.end(), replica_grad_w13.begin() + replica * block13,
+                   replica_grad_w13.begin() + (replica + 1) * block13);
+    msg.w2.insert(msg.w2.end(), replica_grad_w2.begin() + replica * block2,
+                  replica_grad_w2.begin() + (replica + 1) * block2);
+  }
+  std::vector<ExpertBlocksMessage> from_rank = transport.all_to_all(rank, std::move(to_rank));
+  for (const ExpertBlocksMessage& msg : from_rank) {
+    for (size_t i = 0; i < msg.experts.size(); ++i) {
+      const int64_t own_slot = msg.experts[i] % local;
+      for (int64_t j = 0; j < block13; ++j) grad_w13_fp32[own_slot * block13 + j] += msg.w13[i * block13 + j];
+      for (int64_t j = 0; j < block2; ++j) grad_w2_fp32[own_slot * block2 + j] += msg.w2[i * block2 + j];
+    }
+  }
+
+  // Weight grads in wgrad_dtype, overwritten or accumulated (the sum in fp32, then rounded).
+  const DType wgrad = s.config.wgrad_dtype;
+  if (!accumulate_wgrad) {
+    grads.grad_w13.assign(local * block13, 0.0f);
+    grads.grad_w2.assign(local * block2, 0.0f);
+  }
+  for (int64_t j = 0; j < local * block13; ++j) {
+    grads.grad_w13[j] = to_dtype(grads.grad_w13[j] + grad_w13_fp32[j], wgrad);
+  }
+  for (int64_t j = 0; j < local * block2; ++j) {
+    grads.grad_w2[j] = to_dtype(grads.grad_w2[j] + grad_w2_fp32[j], wgrad);
+  }
+}
+
+}  // namespace poise::reference

@@ -1,0 +1,78 @@
+#include "reference/expert_mlp.hpp"
+
+#include <vector>
+
+#include "poise/reference.hpp"
+
+namespace poise::reference {
+
+namespace {
+
+float dot(const float* a, const float* b, int64_t n) {
+  float sum = 0.0f;
+  for (int64_t i = 0; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+}  // namespace
+
+void expert_forward(const ExpertShape& shape, const SwigluParams& act, int64_t rows, const float* x_RD,
+                    const float* w13_2FD, const float* w2_DF, float* h13_R2F, float* a_RF, float* y_RD) {
+  const int64_t D = shape.hidden, F = shape.intermediate;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* x = x_RD + r * D;
+    float* h13 = h13_R2F + r * 2 * F;
+    float* a = a_RF + r * F;
+    float* y = y_RD + r * D;
+    for (int64_t j = 0; j < 2 * F; ++j) h13[j] = dot(x, w13_2FD + j * D, D);
+    for (int64_t f = 0; f < F; ++f) {
+      a[f] = round_to_bf16(swiglu_forward(h13[shape.gate_row(f)], h13[shape.up_row(f)], act));
+    }
+    for (int64_t d = 0; d < D; ++d) y[d] = round_to_bf16(dot(a, w2_DF + d * F, F));
+  }
+}
+
+void expert_backward(const ExpertShape& shape, const SwigluParams& act, int64_t rows, const float* x_RD,
+                     const float* h13_R2F, const float* a_RF, const float* grad_y_RD, const float* w13_2FD,
+                     const float* w2_DF, float* grad_x_RD, float* grad_w13_2FD, float* grad_w2_DF) {
+  const int64_t D = shape.hidden, F = shape.intermediate;
+  std::vector<float> grad_a(F), grad_h13(2 * F), grad_x(D);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* x = x_RD + r * D;
+    const float* h13 = h13_R2F + r * 2 * F;
+    const float* a = a_RF + r * F;
+    const float* grad_y = grad_y_RD + r * D;
+
+    // grad_a[f] = sum_d grad_y[d] * W2[d][f], summed over d in order.
+    std::fill(grad_a.begin(), grad_a.end(), 0.0f);
+    for (int64_t d = 0; d < D; ++d) {
+      const float* w2_row = w2_DF + d * F;
+      for (int64_t f = 0; f < F; ++f) grad_a[f] += grad_y[d] * w2_row[f];
+    }
+    for (int64_t f = 0; f < F; ++f) {
+      const int64_t g = shape.gate_row(f), u = shape.up_row(f);
+      float grad_gate, grad_up;
+      swiglu_backward(h13[g], h13[u], grad_a[f], act, grad_gate, grad_up);
+      grad_h13[g] = round_to_bf16(grad_gate);
+      grad_h13[u] = round_to_bf16(grad_up);
+    }
+    // grad_x[d] = sum_j grad_h13[j] * W13[j][d], summed over j in order.
+    std::fill(grad_x.begin(), grad_x.end(), 0.0f);
+    for (int64_t j = 0; j < 2 * F; ++j) {
+      const float* w13_row = w13_2FD + j * D;
+      for (int64_t d = 0; d < D; ++d) grad_x[d] += grad_h13[j] * w13_row[d];
+    }
+    for (int64_t d = 0; d < D; ++d) grad_x_RD[r * D + d] = round_to_bf16(grad_x[d]);
+
+    for (int64_t d = 0; d < D; ++d) {
+      float* grad_w2_row = grad_w2_DF + d * F;
+      for (int64_t f = 0; f < F; ++f) grad_w2_row[f] += grad_y[d] * a[f];
+    }
+    for (int64_t j = 0; j < 2 * F; ++j) {
+      float* grad_w13_row = grad_w13_2FD + j * D;
+      for (int64_t d = 0; d < D; ++d) grad_w13_row[d] += grad_h13[j] * x[d];
+    }
+  }
+}
+
+}  // namespace poise::reference

@@ -1,0 +1,41 @@
+// One expert's MLP over a group of rows: W13 -> SwiGLU -> W2, and its backward.
+// Plain loops with fp32 accumulation in a fixed order, so a row's result does not depend on
+// which rank computes it or which other rows share its group.
+#pragma once
+
+#include <cstdint>
+
+#include "poise/context.hpp"  // W13Layout
+#include "reference/swiglu.hpp"
+
+namespace poise::reference {
+
+struct ExpertShape {
+  int64_t hidden = 0;        // D
+  int64_t intermediate = 0;  // F
+  W13Layout w13_layout = W13Layout::gate_up_blocked;
+
+  // Rows of a [2F, D] W13 block (and columns of h13) holding gate f and up f.
+  int64_t gate_row(int64_t f) const {
+    return w13_layout == W13Layout::gate_up_blocked ? f : 2 * f;
+  }
+  int64_t up_row(int64_t f) const {
+    return w13_layout == W13Layout::gate_up_blocked ? intermediate + f : 2 * f + 1;
+  }
+};
+
+// x_RD, w13_2FD, w2_DF: bf16 values. Writes, per row:
+//   h13_R2F = x . W13^T (fp32, column j from W13 row j), a_RF = act(gate, up) rounded to bf16,
+//   y_RD = a . W2^T rounded to bf16.
+void expert_forward(const ExpertShape& shape, const SwigluParams& act, int64_t rows, const float* x_RD,
+                    const float* w13_2FD, const float* w2_DF, float* h13_R2F, float* a_RF, float* y_RD);
+
+// grad_y_RD: bf16 values. Writes, per row:
+//   grad_a = grad_y . W2 (fp32), grad_h13 = SwiGLU backward at h13 rounded to bf16,
+//   grad_x_RD = grad_h13 . W13 rounded to bf16;
+// and adds, row after row, grad_y^T a into grad_w2_DF and grad_h13^T x into grad_w13_2FD (fp32).
+void expert_backward(const ExpertShape& shape, const SwigluParams& act, int64_t rows, const float* x_RD,
+                     const float* h13_R2F, const float* a_RF, const float* grad_y_RD, const float* w13_2FD,
+                     const float* w2_DF, float* grad_x_RD, float* grad_w13_2FD, float* grad_w2_DF);
+
+}  // namespace poise::reference

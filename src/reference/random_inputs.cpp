@@ -1,0 +1,98 @@
+// Random layer inputs for tests and the demo, with a tunable routing skew.
+#include <cmath>
+#include <random>
+
+#include "poise/reference.hpp"
+#include "reference/validate.hpp"
+
+namespace poise::reference {
+
+namespace {
+
+// Popularity of each expert. Rank 0's experts weigh `hot`, the others 1, so rank 0 receives a
+// fraction hot / (hot + R - 1) of the draws, i.e. skew times the mean (before the distinct-k
+// constraint, which flattens the most extreme targets).
+std::vector<double> expert_popularity(int64_t num_experts, int64_t ep_size, double skew) {
+  const int64_t local = num_experts / ep_size;
+  double hot = 1.0;
+  if (ep_size > 1 && skew > 1.0) {
+    hot = skew < static_cast<double>(ep_size) ? skew * (ep_size - 1) / (ep_size - skew) : 1e9;
+  }
+  std::vector<double> weight(num_experts, 1.0);
+  for (int64_t e = 0; e < local; ++e) weight[e] = hot;
+  return weight;
+}
+
+std::vector<float> normal_bf16(std::mt19937_64& rng, int64_t count, float stddev) {
+  std::normal_distribution<float> normal(0.0f, stddev);
+  std::vector<float> values(count);
+  for (float& v : values) v = round_to_bf16(normal(rng));
+  return values;
+}
+
+}  // namespace
+
+std::vector<RankInputs> random_inputs(const Config& config, int64_t ep_size, const RandomInputsSpec& spec,
+                                      const Options& options) {
+  validate_setup(config, ep_size, options);
+  if (!(spec.skew >= 1.0)) throw InvalidArgument("skew", "must be >= 1 (1 = uniform), got " + std::to_string(spec.skew));
+  if (spec.padding_rows < 0 || spec.padding_rows > config.num_local_input_tokens) {
+    throw InvalidArgument("padding_rows", "must be in [0, T], got " + std::to_string(spec.padding_rows));
+  }
+  const int64_t T = config.num_local_input_tokens, D = config.hidden_dim, F = config.intermediate_dim;
+  const int64_t K = config.top_k, E = config.num_experts, local = config.num_local_experts(ep_size);
+  const std::vector<double> popularity = expert_popularity(E, ep_size, spec.skew);
+
+  std::vector<RankInputs> inputs(ep_size);
+  for (int64_t r = 0; r < ep_size; ++r) {
+    std::mt19937_64 rng(spec.seed * 0x9E3779B97F4A7C15ull + static_cast<uint64_t>(r));
+    RankInputs& in = inputs[r];
+    in.x_TD = normal_bf16(rng, T * D, 1.0f);
+    in.w13 = normal_bf16(rng, local * 2 * F * D, 1.0f / std::sqrt(static_cast<float>(D)));
+    in.w2 = normal_bf16(rng, local * D * F, 1.0f / std::sqrt(static_cast<float>(F)));
+    in.ids_TK.resize(T * K);
+    in.scores_TK.resize(T * K);
+    std::uniform_real_distribution<double> uniform(0.0, 1.0);
+    std::normal_distribution<float> logit(0.0f, 1.0f);
+    std::vector<double> weight;
+    std::vector<float> exp_logits(K);
+    for (int64_t t = 0; t < T; ++t) {
+      // K distinct experts, each drawn by popularity among those not yet picked.
+      weight = popularity;
+      for (int64_t k = 0; k < K; ++k) {
+        double total = 0.0;
+        for (double w : weight) total += w;
+        double pick = uniform(rng) * total;
+        int64_t e = 0;
+        while (e < E - 1 && (weight[e] == 0.0 || pick >= weight[e])) pick -= weight[e++];
+        while (weight[e] == 0.0) --e;  // rounding at the end of the range: the last unpicked expert
+        weight[e] = 0.0;
+        in.ids_TK[t * K + k] = static_cast<int32_t>(e);
+      }
+      // Scores: a softmax over K random logits; padding rows score zero.
+      const bool padding = t >= T - spec.padding_rows;
+      float sum = 0.0f;
+      for (int64_t k = 0; k < K; ++k) {
+        exp_logits[k] = std::exp(logit(rng));
+        sum += exp_logits[k];
+      }
+      for (int64_t k = 0; k < K; ++k) {
+        float score = padding ? 0.0f : exp_logits[k] / sum;
+        if (options.scores_dtype == DType::bf16) score = round_to_bf16(score);
+        in.scores_TK[t * K + k] = score;
+      }
+    }
+  }
+  return inputs;
+}
+
+std::vector<std::vector<float>> random_grad_out(const Config& config, int64_t ep_size, uint64_t seed) {
+  std::vector<std::vector<float>> grad_out(ep_size);
+  for (int64_t r = 0; r < ep_size; ++r) {
+    std::mt19937_64 rng(seed * 0x2545F4914F6CDD1Dull + 7919u * static_cast<uint64_t>(r + 1));
+    grad_out[r] = normal_bf16(rng, config.num_local_input_tokens * config.hidden_dim, 1.0f);
+  }
+  return grad_out;
+}
+
+}  // namespace poise::reference
