@@ -1,0 +1,379 @@
+#!/usr/bin/env python3
+"""Expert-MLP benchmark: Poise's SM90 kernels against the eager PyTorch baseline, same inputs.
+
+One EP rank's local expert compute, forward and forward+backward, at the DeepSeek-V3 EP8 rank and
+Qwen3-30B-A3B shapes, balanced routing and peak/mean ~3. The same torch tensors feed both sides
+(Poise through ctypes on raw pointers). Poise's timed region covers the same work as the baseline:
+routing layout (argsort/bincount/cumsum in torch), gathering token rows into expert-grouped order,
+the grouped GEMMs with SwiGLU and score multiply fused, and the top-k combine into out_TD; backward
+adds the grad_out gather, dgrad/wgrad GEMMs, the grad_x combine and the grad_scores gather.
+`*_kernels_ms` leave out the layout and the x gather (the EP dispatch writes grouped rows itself).
+
+Usage: python3 bench_expert_mlp.py --lib path/libpoise_expert_mlp_bench.so --out results.json
+"""
+import argparse
+import ctypes
+import json
+import math
+import statistics
+import sys
+
+import torch
+import torch.nn.functional as Fn
+
+SHAPES = {
+    # name: (T, D, F, E_local, K)
+    "deepseek_v3_ep8_rank": (4096, 7168, 2048, 32, 8),
+    "qwen3_30b_a3b": (8192, 2048, 768, 128, 8),
+}
+
+c_void_p, c_int64, c_int, c_float = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+
+
+def load_lib(path):
+    lib = ctypes.CDLL(path)
+    lib.pb_last_error.restype = ctypes.c_char_p
+    lib.pb_set_problem.argtypes = [c_void_p, c_void_p, c_int64, c_int64, c_int64, c_int64, c_int, c_int, c_float, c_float]
+    lib.pb_set_problem.restype = None
+    sigs = {
+        "pb_fprop_w13": [c_void_p] * 5,
+        "pb_fprop_w2": [c_void_p] * 5,
+        "pb_dgrad_w2": [c_void_p] * 8,
+        "pb_dgrad_w13": [c_void_p] * 4,
+        "pb_wgrad_w2": [c_void_p, c_void_p, c_void_p, c_int, c_int, c_void_p],
+        "pb_wgrad_w13": [c_void_p, c_void_p, c_void_p, c_int, c_int, c_void_p],
+        "pb_gather_rows": [c_void_p, c_int64, c_int64, c_void_p, c_void_p, c_void_p],
+        "pb_combine_rows": [c_void_p, c_int64, c_int64, c_int64, c_void_p, c_void_p, c_void_p],
+        "pb_gather_scalars": [c_void_p, c_int64, c_void_p, c_void_p, c_void_p],
+    }
+    for name, args in sigs.items():
+        fn = getattr(lib, name)
+        fn.argtypes = args
+        fn.restype = c_int
+    return lib
+
+
+def ptr(t):
+    return None if t is None else t.data_ptr()
+
+
+class Poise:
+    """Calls into the ctypes library, raising on any reported error."""
+
+    def __init__(self, lib):
+        self.lib = lib
+
+    def __getattr__(self, name):
+        fn = getattr(self.lib, "pb_" + name)
+
+        def call(*args):
+            stream = torch.cuda.current_stream().cuda_stream
+            conv = [ptr(a) if (a is None or isinstance(a, torch.Tensor)) else a for a in args]
+            if fn(*conv, stream) != 0:
+                raise RuntimeError(f"{name}: {self.lib.pb_last_error().decode()}")
+
+        return call
+
+
+# ---------------------------------------------------------------- routing
+def make_routing(T, E, K, target_skew, gen):
+    """ids [T, K] (distinct experts per token) with peak/mean rows per expert ~ target_skew."""
+    dev = "cuda"
+
+    def sample(s):
+        w = (torch.arange(E, device=dev, dtype=torch.float64) + 1.0) ** (-s)
+        w = w[torch.randperm(E, device=dev, generator=gen)]
+        ids = torch.multinomial(w.float().expand(T, E), K, replacement=False, generator=gen)
+        counts = torch.bincount(ids.flatten(), minlength=E).double()
+        return ids, (counts.max() / counts.mean()).item()
+
+    if target_skew <= 1.0:
+        return sample(0.0)
+    lo, hi = 0.0, 4.0
+    best = sample(0.0)
+    for _ in range(14):
+        mid = 0.5 * (lo + hi)
+        ids, skew = sample(mid)
+        if abs(skew - target_skew) < abs(best[1] - target_skew):
+            best = (ids, skew)
+        if skew < target_skew:
+            lo = mid
+        else:
+            hi = mid
+    return best
+
+
+# ---------------------------------------------------------------- baseline
+def baseline_forward(x, ids, scores, w13, w2):
+    """Eager PyTorch: sort-permute + _grouped_mm + SwiGLU + _grouped_mm + score multiply + index_add_."""
+    T, K = ids.shape
+    E = w13.shape[0]
+    flat = ids.flatten()
+    order = torch.argsort(flat, stable=True)
+    offs = torch.cumsum(torch.bincount(flat, minlength=E), 0, dtype=torch.int32)
+    tok = order // K
+    xs = x.index_select(0, tok)
+    h = torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs)
+    g, u = h.chunk(2, dim=-1)
+    a = Fn.silu(g) * u
+    y = torch._grouped_mm(a, w2.transpose(1, 2), offs=offs)
+    y = y * scores.flatten().index_select(0, order).unsqueeze(1).to(y.dtype)
+    return torch.zeros_like(x).index_add_(0, tok, y)
+
+
+def saved_bytes_of(fn, exclude):
+    """Bytes autograd keeps for backward (unique storages, inputs and parameters excluded)."""
+    storages = {}
+    skip = {t.untyped_storage().data_ptr() for t in exclude}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in skip:
+            storages[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, sum(storages.values())
+
+
+# ---------------------------------------------------------------- poise
+class PoiseBlock:
+    """The expert block on Poise kernels, with static buffers of R = T*K + 128*E rows."""
+
+    def __init__(self, P, T, D, F, E, K):
+        self.P, self.T, self.D, self.F, self.E, self.K = P, T, D, F, E, K
+        self.R = T * K + 128 * E
+        dev, bf = "cuda", torch.bfloat16
+        R = self.R
+        self.x_rows = torch.empty(R, D, device=dev, dtype=bf)
+        self.h13 = torch.empty(R, 2 * F, device=dev, dtype=bf)
+        self.a = torch.empty(R, F, device=dev, dtype=bf)
+        self.y_rows = torch.empty(R, D, device=dev, dtype=bf)
+        self.gy_rows = torch.empty(R, D, device=dev, dtype=bf)
+        self.gh13 = torch.empty(R, 2 * F, device=dev, dtype=bf)
+        self.gx_rows = torch.empty(R, D, device=dev, dtype=bf)
+        self.grad_scores_R = torch.empty(R, device=dev, dtype=torch.float32)
+
+    def layout(self, ids, scores):
+        T, K, E, R = self.T, self.K, self.E, self.R
+        flat = ids.flatten()
+        TK = flat.numel()
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=E)
+        padded = (counts + 127) // 128 * 128
+        offsets = torch.cumsum(padded, 0) - padded
+        starts = torch.cumsum(counts, 0) - counts
+        sorted_e = flat.index_select(0, order)
+        rows_sorted = offsets.index_select(0, sorted_e) + torch.arange(TK, device="cuda") - starts.index_select(0, sorted_e)
+        row_of_tk = torch.empty(TK, device="cuda", dtype=torch.int32)
+        row_of_tk[order] = rows_sorted.to(torch.int32)
+        token_of_row = torch.full((R,), -1, device="cuda", dtype=torch.int32)
+        token_of_row[rows_sorted] = (order // K).to(torch.int32)
+        scores_R = torch.zeros(R, device="cuda", dtype=torch.float32)
+        scores_R[rows_sorted] = scores.flatten().index_select(0, order).float()
+        self.lay = dict(offsets=offsets.to(torch.int32), counts=counts.to(torch.int32), row_of_tk=row_of_tk,
+                        token_of_row=token_of_row, scores_R=scores_R)
+        self.P.lib.pb_set_problem(self.lay["offsets"].data_ptr(), self.lay["counts"].data_ptr(), E, R, self.D,
+                                  self.F, 0, 0, 1.702, 7.0)
+
+    def gather_x(self, x):
+        self.P.gather_rows(self.lay["token_of_row"], self.R, self.D, x, self.x_rows)
+
+    def forward_kernels(self, w13, w2, out, save_h13=True):
+        P, L = self.P, self.lay
+        P.fprop_w13(self.x_rows, w13, self.a, self.h13 if save_h13 else None)
+        P.fprop_w2(self.a, w2, L["scores_R"], self.y_rows)
+        P.combine_rows(L["row_of_tk"], self.T, self.K, self.D, self.y_rows, out)
+
+    def forward(self, x, ids, scores, w13, w2, out):
+        self.layout(ids, scores)
+        self.gather_x(x)
+        self.forward_kernels(w13, w2, out)
+
+    def backward(self, grad_out, w13, w2, grad_x, grad_w13, grad_w2, grad_scores_TK):
+        P, L = self.P, self.lay
+        P.gather_rows(L["token_of_row"], self.R, self.D, grad_out, self.gy_rows)
+        self.grad_scores_R.zero_()
+        P.dgrad_w2(self.gy_rows, w2, self.h13, L["scores_R"], self.gh13, self.a, self.grad_scores_R)
+        P.wgrad_w2(self.gy_rows, self.a, grad_w2, 0, 0)
+        P.dgrad_w13(self.gh13, w13, self.gx_rows)
+        P.wgrad_w13(self.gh13, self.x_rows, grad_w13, 0, 0)
+        P.combine_rows(L["row_of_tk"], self.T, self.K, self.D, self.gx_rows, grad_x)
+        P.gather_scalars(L["row_of_tk"], self.T * self.K, self.grad_scores_R, grad_scores_TK)
+
+    def saved_bytes(self):
+        # What backward needs from forward: grouped x rows, h13 (bf16), the routing layout, scores.
+        L = self.lay
+        tensors = [self.x_rows, self.h13, L["row_of_tk"], L["token_of_row"], L["scores_R"], L["offsets"], L["counts"]]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+# ---------------------------------------------------------------- timing
+def time_ms(fn, warmup=3, reps=15):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e))
+    return statistics.median(times)
+
+
+def rel_err(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def dense_tflops():
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    ms = time_ms(lambda: torch.matmul(a, b), warmup=5, reps=20)
+    return 2 * n**3 / ms / 1e9
+
+
+def run_case(P, name, skew_target, dense, commit, gemm_detail):
+    T, D, F, E, K = SHAPES[name]
+    gen = torch.Generator(device="cuda")
+    gen.manual_seed(1234)
+    torch.manual_seed(1234)
+    dev, bf = "cuda", torch.bfloat16
+    ids, skew = make_routing(T, E, K, skew_target, gen)
+    x = torch.randn(T, D, device=dev, dtype=bf)
+    scores = torch.softmax(torch.randn(T, K, device=dev), dim=-1)
+    w13 = (torch.randn(E, 2 * F, D, device=dev) / math.sqrt(D)).to(bf)
+    w2 = (torch.randn(E, D, F, device=dev) / math.sqrt(F)).to(bf)
+    grad_out = torch.randn(T, D, device=dev, dtype=bf)
+    TK = T * K
+    flops_fwd = 6.0 * TK * D * F
+
+    # ---- baseline
+    xb = x.clone().requires_grad_(True)
+    sb = scores.clone().requires_grad_(True)
+    w13b = w13.clone().requires_grad_(True)
+    w2b = w2.clone().requires_grad_(True)
+    with torch.no_grad():
+        base_fwd_ms = time_ms(lambda: baseline_forward(x, ids, scores, w13, w2))
+
+    def base_fwdbwd():
+        for p in (xb, sb, w13b, w2b):
+            p.grad = None
+        baseline_forward(xb, ids, sb, w13b, w2b).backward(grad_out)
+
+    base_fwdbwd_ms = time_ms(base_fwdbwd)
+    out_base, base_saved = saved_bytes_of(lambda: baseline_forward(xb, ids, sb, w13b, w2b), [xb, sb, w13b, w2b, ids])
+    for p in (xb, sb, w13b, w2b):
+        p.grad = None
+    out_base.backward(grad_out)
+
+    # ---- poise
+    blk = PoiseBlock(P, T, D, F, E, K)
+    out = torch.empty(T, D, device=dev, dtype=bf)
+    grad_x = torch.empty(T, D, device=dev, dtype=bf)
+    grad_w13 = torch.empty_like(w13)
+    grad_w2 = torch.empty_like(w2)
+    grad_scores = torch.empty(T, K, device=dev, dtype=torch.float32)
+
+    def poise_fwd():
+        blk.forward(x, ids, scores, w13, w2, out)
+
+    def poise_fwdbwd():
+        blk.forward(x, ids, scores, w13, w2, out)
+        blk.backward(grad_out, w13, w2, grad_x, grad_w13, grad_w2, grad_scores)
+
+    poise_fwdbwd()
+    torch.cuda.synchronize()
+    errors = {
+        "out": rel_err(out, out_base.detach()),
+        "grad_x": rel_err(grad_x, xb.grad),
+        "grad_w13": rel_err(grad_w13, w13b.grad),
+        "grad_w2": rel_err(grad_w2, w2b.grad),
+        "grad_scores": rel_err(grad_scores, sb.grad),
+    }
+    fwd_ms = time_ms(poise_fwd)
+    fwd_kernels_ms = time_ms(lambda: blk.forward_kernels(w13, w2, out))
+    fwdbwd_ms = time_ms(poise_fwdbwd)
+
+    rec = {
+        "shape": name, "T": T, "D": D, "F": F, "E_local": E, "K": K,
+        "skew": round(skew, 3), "routing": "balanced" if skew_target <= 1 else f"peak/mean~{skew_target}",
+        "fwd_ms": fwd_ms, "fwd_kernels_ms": fwd_kernels_ms, "fwdbwd_ms": fwdbwd_ms,
+        "baseline_fwd_ms": base_fwd_ms, "baseline_fwdbwd_ms": base_fwdbwd_ms,
+        "fwd_tflops": flops_fwd / fwd_ms / 1e9, "fwd_kernels_tflops": flops_fwd / fwd_kernels_ms / 1e9,
+        "fwdbwd_tflops": 3 * flops_fwd / fwdbwd_ms / 1e9,
+        "baseline_fwd_tflops": flops_fwd / base_fwd_ms / 1e9,
+        "baseline_fwdbwd_tflops": 3 * flops_fwd / base_fwdbwd_ms / 1e9,
+        "speedup_fwd": base_fwd_ms / fwd_ms, "speedup_fwdbwd": base_fwdbwd_ms / fwdbwd_ms,
+        "dense_tflops": dense,
+        "saved_bytes": blk.saved_bytes(), "baseline_saved_bytes": base_saved,
+        "rel_err_vs_baseline": errors, "commit": commit,
+    }
+    if gemm_detail:
+        L = blk.lay
+        g = {}
+        g["fprop_w13"] = time_ms(lambda: P.fprop_w13(blk.x_rows, w13, blk.a, blk.h13))
+        g["fprop_w2"] = time_ms(lambda: P.fprop_w2(blk.a, w2, L["scores_R"], blk.y_rows))
+        g["dgrad_w2"] = time_ms(lambda: P.dgrad_w2(blk.gy_rows, w2, blk.h13, L["scores_R"], blk.gh13, blk.a, blk.grad_scores_R))
+        g["dgrad_w13"] = time_ms(lambda: P.dgrad_w13(blk.gh13, w13, blk.gx_rows))
+        g["wgrad_w2"] = time_ms(lambda: P.wgrad_w2(blk.gy_rows, blk.a, grad_w2, 0, 0))
+        g["wgrad_w13"] = time_ms(lambda: P.wgrad_w13(blk.gh13, blk.x_rows, grad_w13, 0, 0))
+        g["gather_x"] = time_ms(lambda: blk.gather_x(x))
+        g["combine"] = time_ms(lambda: P.combine_rows(L["row_of_tk"], T, K, D, blk.y_rows, out))
+        # torch._grouped_mm on the same (unpadded) problem, GEMM for GEMM.
+        flat = ids.flatten()
+        order = torch.argsort(flat, stable=True)
+        offs = torch.cumsum(torch.bincount(flat, minlength=E), 0, dtype=torch.int32)
+        xs = x.index_select(0, order // K)
+        a_t = torch.randn(TK, F, device=dev, dtype=bf)
+        g["torch_grouped_mm_w13"] = time_ms(lambda: torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs))
+        g["torch_grouped_mm_w2"] = time_ms(lambda: torch._grouped_mm(a_t, w2.transpose(1, 2), offs=offs))
+        tf = {}
+        for k, v in g.items():
+            if "w13" in k and "gather" not in k:
+                tf[k] = 2.0 * TK * D * 2 * F / v / 1e9
+            elif "w2" in k:
+                tf[k] = 2.0 * TK * D * F / v / 1e9
+        rec["gemm_ms"] = g
+        rec["gemm_tflops"] = tf
+    return rec
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--lib", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--commit", default="unknown")
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--skews", default="1,3")
+    args = ap.parse_args()
+    P = Poise(load_lib(args.lib))
+    dense = dense_tflops()
+    print(f"dense bf16 matmul 8192^3: {dense:.0f} TFLOP/s", flush=True)
+    records = []
+    for name in args.shapes.split(","):
+        for skew in [float(s) for s in args.skews.split(",")]:
+            rec = run_case(P, name, skew, dense, args.commit, gemm_detail=True)
+            records.append(rec)
+            print(json.dumps(rec), flush=True)
+            with open(args.out, "w") as f:
+                json.dump(records, f, indent=1)
+    print("\nshape                 skew  fwd_ms (base)   fwdbwd_ms (base)  fwd TF/s  x fwd  x fwdbwd  saved GiB (base)  err(out)")
+    for r in records:
+        print(f"{r['shape']:<21} {r['skew']:4.2f}  {r['fwd_ms']:6.2f} ({r['baseline_fwd_ms']:5.2f})  "
+              f"{r['fwdbwd_ms']:6.2f} ({r['baseline_fwdbwd_ms']:6.2f})   {r['fwd_tflops']:6.0f}   {r['speedup_fwd']:4.2f}  "
+              f"{r['speedup_fwdbwd']:5.2f}     {r['saved_bytes']/2**30:5.2f} ({r['baseline_saved_bytes']/2**30:5.2f})  "
+              f"{r['rel_err_vs_baseline']['out']:.1e}")
+        if "gemm_ms" in r:
+            print("   gemm ms:", {k: round(v, 3) for k, v in r["gemm_ms"].items()})
+            print("   gemm TF/s:", {k: round(v) for k, v in r["gemm_tflops"].items()})
+            print("   rel err vs baseline:", {k: f"{v:.1e}" for k, v in r["rel_err_vs_baseline"].items()})
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,145 @@
+// extern "C" surface of the expert-MLP kernels for the Python benchmark (ctypes), plus the
+// glue a full expert block needs around them: gathering token rows into expert-grouped order and
+// the top-k combine. The glue kernels here are simple bench stand-ins for the dispatch/combine
+// kernels of the EP data path; they are timed with the rest so the comparison covers the same work.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdio>
+#include <exception>
+#include <string>
+
+#include "kernels/expert_mlp.hpp"
+
+namespace {
+
+std::string g_last_error;
+poise::sm90::GroupedRows g_rows;
+poise::sm90::ExpertMlpShape g_shape;
+
+template <class Fn>
+int guarded(Fn&& fn) {
+  try {
+    fn();
+    return 0;
+  } catch (const std::exception& e) {
+    g_last_error = e.what();
+    return -1;
+  }
+}
+
+cudaStream_t as_stream(void* s) { return static_cast<cudaStream_t>(s); }
+
+// x_RD[row] = x_TD[token_of_row[row]] for rows some (token, k) maps to (others are padding).
+__global__ void gather_rows_kernel(const int32_t* token_of_row, int64_t D, const uint4* x_TD, uint4* x_RD) {
+  const int64_t row = blockIdx.x;
+  const int32_t token = token_of_row[row];
+  if (token < 0) return;
+  const int64_t vecs = D / 8;
+  for (int64_t i = threadIdx.x; i < vecs; i += blockDim.x) x_RD[row * vecs + i] = x_TD[token * vecs + i];
+}
+
+// out_TD[t] = sum_k y_RD[row_of_tk[t*K + k]] (weights were applied by the W2 epilogue), fp32 sum.
+__global__ void combine_rows_kernel(const int32_t* row_of_tk, int64_t K, int64_t D, const uint4* y_RD, uint4* out_TD) {
+  const int64_t t = blockIdx.x;
+  const int64_t vecs = D / 8;
+  for (int64_t i = threadIdx.x; i < vecs; i += blockDim.x) {
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int64_t k = 0; k < K; ++k) {
+      const uint4 v = y_RD[static_cast<int64_t>(row_of_tk[t * K + k]) * vecs + i];
+      const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        acc[2 * j] += __low2float(p[j]);
+        acc[2 * j + 1] += __high2float(p[j]);
+      }
+    }
+    uint4 o;
+    __nv_bfloat162* q = reinterpret_cast<__nv_bfloat162*>(&o);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) q[j] = __floats2bfloat162_rn(acc[2 * j], acc[2 * j + 1]);
+    out_TD[t * vecs + i] = o;
+  }
+}
+
+__global__ void gather_scalars_kernel(const int32_t* index, int64_t n, const float* src, float* dst) {
+  const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (i < n) dst[i] = src[index[i]];
+}
+
+int launch_check() {
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) {
+    g_last_error = cudaGetErrorString(e);
+    return -1;
+  }
+  return 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+const char* pb_last_error() { return g_last_error.c_str(); }
+
+void pb_set_problem(const int32_t* row_offsets_E, const int32_t* row_counts_E, int64_t num_experts,
+                    int64_t max_rows, int64_t hidden_dim, int64_t intermediate_dim, int interleaved,
+                    int clamped, float alpha, float limit) {
+  g_rows = {row_offsets_E, row_counts_E, num_experts, max_rows};
+  g_shape.hidden_dim = hidden_dim;
+  g_shape.intermediate_dim = intermediate_dim;
+  g_shape.w13_layout = interleaved ? poise::W13Layout::gate_up_interleaved : poise::W13Layout::gate_up_blocked;
+  g_shape.activation = clamped ? poise::Activation::swiglu_clamped : poise::Activation::swiglu;
+  g_shape.swiglu_alpha = alpha;
+  g_shape.swiglu_limit = limit;
+}
+
+int pb_fprop_w13(const void* x, const void* w13, void* a, void* h13, void* stream) {
+  return guarded([&] { poise::sm90::expert_mlp_fprop_w13(g_rows, g_shape, {x, w13, a, h13}, as_stream(stream)); });
+}
+int pb_fprop_w2(const void* a, const void* w2, const float* scores, void* y, void* stream) {
+  return guarded([&] { poise::sm90::expert_mlp_fprop_w2(g_rows, g_shape, {a, w2, scores, y}, as_stream(stream)); });
+}
+int pb_dgrad_w2(const void* grad_y, const void* w2, const void* h13, const float* scores, void* grad_h13,
+                void* a, float* grad_scores, void* stream) {
+  return guarded([&] {
+    poise::sm90::expert_mlp_dgrad_w2(g_rows, g_shape, {grad_y, w2, h13, scores, grad_h13, a, grad_scores},
+                                     as_stream(stream));
+  });
+}
+int pb_dgrad_w13(const void* grad_h13, const void* w13, void* grad_x, void* stream) {
+  return guarded([&] { poise::sm90::expert_mlp_dgrad_w13(g_rows, g_shape, {grad_h13, w13, grad_x}, as_stream(stream)); });
+}
+int pb_wgrad_w2(const void* grad_y, const void* a, void* grad_w2, int fp32, int accumulate, void* stream) {
+  return guarded([&] {
+    poise::sm90::expert_mlp_wgrad_w2(g_rows, g_shape, grad_y, a,
+                                     {grad_w2, fp32 ? poise::DType::fp32 : poise::DType::bf16, accumulate != 0},
+                                     as_stream(stream));
+  });
+}
+int pb_wgrad_w13(const void* grad_h13, const void* x, void* grad_w13, int fp32, int accumulate, void* stream) {
+  return guarded([&] {
+    poise::sm90::expert_mlp_wgrad_w13(g_rows, g_shape, grad_h13, x,
+                                      {grad_w13, fp32 ? poise::DType::fp32 : poise::DType::bf16, accumulate != 0},
+                                      as_stream(stream));
+  });
+}
+
+int pb_gather_rows(const int32_t* token_of_row, int64_t rows, int64_t D, const void* x_TD, void* x_RD, void* stream) {
+  if (rows == 0) return 0;
+  gather_rows_kernel<<<rows, 256, 0, as_stream(stream)>>>(token_of_row, D, static_cast<const uint4*>(x_TD),
+                                                          static_cast<uint4*>(x_RD));
+  return launch_check();
+}
+int pb_combine_rows(const int32_t* row_of_tk, int64_t T, int64_t K, int64_t D, const void* y_RD, void* out_TD,
+                    void* stream) {
+  combine_rows_kernel<<<T, 256, 0, as_stream(stream)>>>(row_of_tk, K, D, static_cast<const uint4*>(y_RD),
+                                                        static_cast<uint4*>(out_TD));
+  return launch_check();
+}
+int pb_gather_scalars(const int32_t* index, int64_t n, const float* src, float* dst, void* stream) {
+  gather_scalars_kernel<<<(n + 255) / 256, 256, 0, as_stream(stream)>>>(index, n, src, dst);
+  return launch_check();
+}
+
+}  // extern "C"

@@ -1,0 +1,488 @@
+// Expert-MLP kernels (sm90) against float64 host computations on fresh random inputs.
+// Outputs are poisoned (NaN) before every run; rows no expert owns are NaN in every input and
+// must keep their poison in every output. Shapes cover experts with 0 rows, one expert holding
+// all rows, D or F = 64 x odd, many tiles per CTA, both W13 layouts and both activations.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cuda_runtime_api.h>
+
+#include "kernels/device_info.hpp"
+#include "kernels/expert_mlp.hpp"
+#include "poise/errors.hpp"
+#include "expert_mlp_test_support.hpp"
+
+namespace poise::test {
+namespace {
+
+using sm90::ExpertMlpShape;
+using sm90::GroupedRows;
+
+constexpr double kBf16Tolerance = 1e-2;  // bf16 outputs: rounding alone gives ~3e-3
+constexpr double kFp32Tolerance = 1e-4;  // fp32 outputs from bf16 operands, fp32 accumulation
+
+bool have_sm90() { return cuda_device_count() > 0 && is_sm90_device(0); }
+
+std::vector<double> to_double(const std::vector<uint16_t>& v) {
+  std::vector<double> d(v.size());
+  for (size_t i = 0; i < v.size(); ++i) d[i] = from_bf16(v[i]);
+  return d;
+}
+
+// out[r][n] = sum_k A[r][k] * W_e(n, k) over valid rows. W is [E][N][K] (nk) or [E][K][N] (kn).
+std::vector<double> ref_rows_gemm(const RowLayout& l, const std::vector<double>& A, int64_t K,
+                                  const std::vector<double>& W, int64_t N, bool w_is_nk) {
+  std::vector<double> out(l.rows * N, 0.0);
+  parallel_for(l.rows, [&](int64_t r) {
+    for (size_t e = 0; e < l.counts.size(); ++e) {
+      if (r < l.offsets[e] || r >= l.offsets[e] + l.counts[e]) continue;
+      const double* w = W.data() + e * N * K;
+      for (int64_t n = 0; n < N; ++n) {
+        double s = 0;
+        for (int64_t k = 0; k < K; ++k) s += A[r * K + k] * (w_is_nk ? w[n * K + k] : w[k * N + n]);
+        out[r * N + n] = s;
+      }
+    }
+  });
+  return out;
+}
+
+// out[e][m][n] = sum over expert e's rows of A[r][m] * B[r][n].
+std::vector<double> ref_wgrad(const RowLayout& l, const std::vector<double>& A, int64_t M,
+                              const std::vector<double>& B, int64_t N) {
+  const int64_t E = l.counts.size();
+  std::vector<double> out(E * M * N, 0.0);
+  parallel_for(E * M, [&](int64_t em) {
+    const int64_t e = em / M, m = em % M;
+    for (int64_t n = 0; n < N; ++n) {
+      double s = 0;
+      for (int64_t r = l.offsets[e]; r < l.offsets[e] + l.counts[e]; ++r) s += A[r * M + m] * B[r * N + n];
+      out[em * N + n] = s;
+    }
+  });
+  return out;
+}
+
+// Index of gate / up of activation column f inside a [2F] row, per W13 layout.
+int64_t gate_col(int64_t f, int64_t F, W13Layout lay) { return lay == W13Layout::gate_up_blocked ? f : 2 * f; }
+int64_t up_col(int64_t f, int64_t F, W13Layout lay) { return lay == W13Layout::gate_up_blocked ? F + f : 2 * f + 1; }
+
+// Compares a bf16 [R][C] grouped-rows output: valid rows against ref, other rows must keep poison.
+Comparison compare_rows_bf16(const std::vector<uint16_t>& out, const std::vector<double>& ref,
+                             const RowLayout& l, int64_t C) {
+  ErrorAccumulator acc;
+  for (int64_t r = 0; r < l.rows; ++r) {
+    const bool valid = l.is_row_valid(r);
+    for (int64_t c = 0; c < C; ++c) {
+      if (valid) acc.add(from_bf16(out[r * C + c]), ref[r * C + c]);
+      else if (out[r * C + c] != kBf16Poison) ++acc.c.poison_lost;
+    }
+  }
+  return acc.finish();
+}
+
+template <class T>
+Comparison compare_all(const std::vector<T>& out, const std::vector<double>& ref) {
+  ErrorAccumulator acc;
+  for (size_t i = 0; i < out.size(); ++i) {
+    if constexpr (std::is_same_v<T, uint16_t>) acc.add(from_bf16(out[i]), ref[i]);
+    else acc.add(out[i], ref[i]);
+  }
+  return acc.finish();
+}
+
+void expect_close(const Comparison& c, double tol, const char* what) {
+  EXPECT_GT(c.compared, -1) << what;
+  EXPECT_EQ(c.non_finite, 0) << what << ": " << c.describe();
+  EXPECT_EQ(c.poison_lost, 0) << what << ": " << c.describe();
+  EXPECT_LT(c.rel_error, tol) << what << ": " << c.describe();
+}
+
+struct Case {
+  const char* name;
+  std::vector<int32_t> counts;
+  int64_t D, F;
+  W13Layout layout;
+  bool clamped;
+  uint64_t seed;
+};
+
+// Everything one case needs on the device: layout, weights and per-kernel random inputs.
+struct Fixture {
+  Case cs;
+  RowLayout l;
+  Act act;
+  ExpertMlpShape shape;
+  DeviceBuffer<int32_t> offsets, counts;
+  GroupedRows rows;
+
+  explicit Fixture(const Case& c) : cs(c), l(make_layout(c.counts)), offsets(l.offsets), counts(l.counts) {
+    act.clamped = c.clamped;
+    act.limit = c.clamped ? 1.5 : 7.0;  // small limit: the clamps are exercised
+    shape.hidden_dim = c.D;
+    shape.intermediate_dim = c.F;
+    shape.activation = c.clamped ? Activation::swiglu_clamped : Activation::swiglu;
+    shape.swiglu_alpha = static_cast<float>(act.alpha);
+    shape.swiglu_limit = static_cast<float>(act.limit);
+    shape.w13_layout = c.layout;
+    rows.row_offsets_E = offsets.ptr;
+    rows.row_counts_E = counts.ptr;
+    rows.num_experts = static_cast<int64_t>(c.counts.size());
+    rows.max_rows = l.rows;
+  }
+  int64_t E() const { return static_cast<int64_t>(cs.counts.size()); }
+};
+
+class ExpertMlpKernels : public ::testing::TestWithParam<Case> {
+ protected:
+  void SetUp() override {
+    if (!have_sm90()) GTEST_SKIP() << "needs an SM90 GPU";
+  }
+};
+
+TEST_P(ExpertMlpKernels, FpropW13SwigluMatchesFloat64) {
+  Fixture fx(GetParam());
+  const int64_t R = fx.l.rows, D = fx.cs.D, F = fx.cs.F, E = fx.E();
+  Rng rng(fx.cs.seed);
+  auto x = rng.bf16_normal(R * D, 1.0f);
+  poison_padding_rows(x, fx.l, D);
+  const auto w13 = rng.bf16_normal(E * 2 * F * D, 2.0f / std::sqrt(float(D)));
+  DeviceBuffer<uint16_t> dx(x), dw(w13), da(std::vector<uint16_t>(R * F, kBf16Poison)),
+      dh(std::vector<uint16_t>(R * 2 * F, kBf16Poison));
+  sm90::expert_mlp_fprop_w13(fx.rows, fx.shape, {dx.ptr, dw.ptr, da.ptr, dh.ptr}, nullptr);
+  cuda_ok(cudaDeviceSynchronize(), "fprop_w13");
+
+  const auto h_ref = ref_rows_gemm(fx.l, to_double(x), D, to_double(w13), 2 * F, true);
+  std::vector<double> a_ref(R * F, 0.0);
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t f = 0; f < F; ++f)
+      a_ref[r * F + f] = act_forward(h_ref[r * 2 * F + gate_col(f, F, fx.cs.layout)],
+                                     h_ref[r * 2 * F + up_col(f, F, fx.cs.layout)], fx.act);
+  expect_close(compare_rows_bf16(dh.download(), h_ref, fx.l, 2 * F), kBf16Tolerance, "h13_R2F");
+  expect_close(compare_rows_bf16(da.download(), a_ref, fx.l, F), kBf16Tolerance, "a_RF");
+}
+
+TEST_P(ExpertMlpKernels, FpropW2ScoredMatchesFloat64) {
+  Fixture fx(GetParam());
+  const int64_t R = fx.l.rows, D = fx.cs.D, F = fx.cs.F, E = fx.E();
+  Rng rng(fx.cs.seed + 1);
+  auto a = rng.bf16_normal(R * F, 1.0f);
+  poison_padding_rows(a, fx.l, F);
+  const auto w2 = rng.bf16_normal(E * D * F, 1.0f / std::sqrt(float(F)));
+  const auto scores = rng.uniform(R, 0.1f, 1.0f);
+  DeviceBuffer<uint16_t> da(a), dw(w2), dy(std::vector<uint16_t>(R * D, kBf16Poison)),
+      dy_plain(std::vector<uint16_t>(R * D, kBf16Poison));
+  DeviceBuffer<float> ds(scores);
+  sm90::expert_mlp_fprop_w2(fx.rows, fx.shape, {da.ptr, dw.ptr, ds.ptr, dy.ptr}, nullptr);
+  sm90::expert_mlp_fprop_w2(fx.rows, fx.shape, {da.ptr, dw.ptr, nullptr, dy_plain.ptr}, nullptr);
+  cuda_ok(cudaDeviceSynchronize(), "fprop_w2");
+
+  auto y_ref = ref_rows_gemm(fx.l, to_double(a), F, to_double(w2), D, true);
+  expect_close(compare_rows_bf16(dy_plain.download(), y_ref, fx.l, D), kBf16Tolerance, "y_RD (no scores)");
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t d = 0; d < D; ++d) y_ref[r * D + d] *= scores[r];
+  expect_close(compare_rows_bf16(dy.download(), y_ref, fx.l, D), kBf16Tolerance, "y_RD (scores)");
+}
+
+TEST_P(ExpertMlpKernels, DgradW2SwigluBackwardMatchesFloat64) {
+  Fixture fx(GetParam());
+  const int64_t R = fx.l.rows, D = fx.cs.D, F = fx.cs.F, E = fx.E();
+  Rng rng(fx.cs.seed + 2);
+  auto gy = rng.bf16_normal(R * D, 1.0f);
+  poison_padding_rows(gy, fx.l, D);
+  auto h13 = rng.bf16_normal(R * 2 * F, 2.0f);
+  poison_padding_rows(h13, fx.l, 2 * F);
+  const auto w2 = rng.bf16_normal(E * D * F, 1.0f / std::sqrt(float(D)));
+  const auto scores = rng.uniform(R, 0.1f, 1.0f);
+  DeviceBuffer<uint16_t> dgy(gy), dh(h13), dw(w2), dgh(std::vector<uint16_t>(R * 2 * F, kBf16Poison)),
+      da(std::vector<uint16_t>(R * F, kBf16Poison));
+  DeviceBuffer<float> ds(scores), dgs(std::vector<float>(R, 0.0f));
+  sm90::DgradW2Args args{dgy.ptr, dw.ptr, dh.ptr, ds.ptr, dgh.ptr, da.ptr, dgs.ptr};
+  sm90::expert_mlp_dgrad_w2(fx.rows, fx.shape, args, nullptr);
+  cuda_ok(cudaDeviceSynchronize(), "dgrad_w2");
+
+  const auto gacc = ref_rows_gemm(fx.l, to_double(gy), D, to_double(w2), F, false);
+  std::vector<double> gh_ref(R * 2 * F, 0.0), a_ref(R * F, 0.0), gs_ref(R, 0.0);
+  for (int64_t r = 0; r < R; ++r) {
+    if (!fx.l.is_row_valid(r)) continue;
+    for (int64_t f = 0; f < F; ++f) {
+      const int64_t gc = gate_col(f, F, fx.cs.layout), uc = up_col(f, F, fx.cs.layout);
+      const double g = from_bf16(h13[r * 2 * F + gc]), u = from_bf16(h13[r * 2 * F + uc]);
+      const double a = act_forward(g, u, fx.act);
+      double dg, du;
+      act_backward(g, u, scores[r] * gacc[r * F + f], fx.act, dg, du);
+      gh_ref[r * 2 * F + gc] = dg;
+      gh_ref[r * 2 * F + uc] = du;
+      a_ref[r * F + f] = scores[r] * a;
+      gs_ref[r] += gacc[r * F + f] * a;
+    }
+  }
+  expect_close(compare_rows_bf16(dgh.download(), gh_ref, fx.l, 2 * F), kBf16Tolerance, "grad_h13_R2F");
+  expect_close(compare_rows_bf16(da.download(), a_ref, fx.l, F), kBf16Tolerance, "a_RF (score * a)");
+  const auto gs = dgs.download();
+  ErrorAccumulator acc;
+  int64_t padding_written = 0;
+  for (int64_t r = 0; r < R; ++r) {
+    if (fx.l.is_row_valid(r)) acc.add(gs[r], gs_ref[r]);
+    else if (gs[r] != 0.0f) ++padding_written;
+  }
+  auto c = acc.finish();
+  c.poison_lost = padding_written;
+  expect_close(c, 1e-3, "grad_scores_R");
+}
+
+TEST_P(ExpertMlpKernels, DgradW13MatchesFloat64) {
+  Fixture fx(GetParam());
+  const int64_t R = fx.l.rows, D = fx.cs.D, F = fx.cs.F, E = fx.E();
+  Rng rng(fx.cs.seed + 3);
+  auto gh = rng.bf16_normal(R * 2 * F, 1.0f);
+  poison_padding_rows(gh, fx.l, 2 * F);
+  const auto w13 = rng.bf16_normal(E * 2 * F * D, 1.0f / std::sqrt(float(2 * F)));
+  DeviceBuffer<uint16_t> dgh(gh), dw(w13), dgx(std::vector<uint16_t>(R * D, kBf16Poison));
+  sm90::expert_mlp_dgrad_w13(fx.rows, fx.shape, {dgh.ptr, dw.ptr, dgx.ptr}, nullptr);
+  cuda_ok(cudaDeviceSynchronize(), "dgrad_w13");
+  const auto gx_ref = ref_rows_gemm(fx.l, to_double(gh), 2 * F, to_double(w13), D, false);
+  expect_close(compare_rows_bf16(dgx.download(), gx_ref, fx.l, D), kBf16Tolerance, "grad_x_RD");
+}
+
+// Runs one wgrad four ways: fp32 / bf16 output, overwrite / accumulate into random contents.
+void check_wgrad(const Fixture& fx, int64_t M, int64_t N, bool is_w2, uint64_t seed) {
+  const int64_t R = fx.l.rows, E = fx.E();
+  Rng rng(seed);
+  auto A = rng.bf16_normal(R * M, 1.0f);
+  auto B = rng.bf16_normal(R * N, 1.0f);
+  poison_padding_rows(A, fx.l, M);
+  poison_padding_rows(B, fx.l, N);
+  DeviceBuffer<uint16_t> dA(A), dB(B);
+  const auto ref = ref_wgrad(fx.l, to_double(A), M, to_double(B), N);
+  auto run = [&](void* out, DType dt, bool accumulate) {
+    const sm90::WgradOutput o{out, dt, accumulate};
+    if (is_w2) sm90::expert_mlp_wgrad_w2(fx.rows, fx.shape, dA.ptr, dB.ptr, o, nullptr);
+    else sm90::expert_mlp_wgrad_w13(fx.rows, fx.shape, dA.ptr, dB.ptr, o, nullptr);
+    cuda_ok(cudaDeviceSynchronize(), "wgrad");
+  };
+  const char* name = is_w2 ? "grad_w2" : "grad_w13";
+  {  // fp32 overwrite of a poisoned buffer
+    DeviceBuffer<float> out(std::vector<float>(E * M * N, fp32_poison()));
+    run(out.ptr, DType::fp32, false);
+    expect_close(compare_all(out.download(), ref), kFp32Tolerance, (std::string(name) + " fp32 overwrite").c_str());
+  }
+  {  // bf16 overwrite
+    DeviceBuffer<uint16_t> out(std::vector<uint16_t>(E * M * N, kBf16Poison));
+    run(out.ptr, DType::bf16, false);
+    expect_close(compare_all(out.download(), ref), kBf16Tolerance, (std::string(name) + " bf16 overwrite").c_str());
+  }
+  {  // fp32 accumulate: experts without rows keep their contents bit for bit
+    const auto before = rng.uniform(E * M * N, -1.0f, 1.0f);
+    DeviceBuffer<float> out(before);
+    run(out.ptr, DType::fp32, true);
+    const auto after = out.download();
+    std::vector<double> expect(ref);
+    for (size_t i = 0; i < expect.size(); ++i) expect[i] += before[i];
+    expect_close(compare_all(after, expect), kFp32Tolerance, (std::string(name) + " fp32 accumulate").c_str());
+    for (int64_t e = 0; e < E; ++e)
+      if (fx.l.counts[e] == 0)
+        EXPECT_EQ(0, std::memcmp(after.data() + e * M * N, before.data() + e * M * N, M * N * 4))
+            << name << ": expert " << e << " has no rows but its gradient changed";
+  }
+  {  // bf16 accumulate
+    std::vector<uint16_t> before(E * M * N);
+    const auto values = rng.uniform(E * M * N, -1.0f, 1.0f);
+    for (size_t i = 0; i < before.size(); ++i) before[i] = to_bf16(values[i]);
+    DeviceBuffer<uint16_t> out(before);
+    run(out.ptr, DType::bf16, true);
+    std::vector<double> expect(ref);
+    for (size_t i = 0; i < expect.size(); ++i) expect[i] += from_bf16(before[i]);
+    expect_close(compare_all(out.download(), expect), kBf16Tolerance, (std::string(name) + " bf16 accumulate").c_str());
+  }
+}
+
+TEST_P(ExpertMlpKernels, WgradW2MatchesFloat64) {
+  Fixture fx(GetParam());
+  check_wgrad(fx, fx.cs.D, fx.cs.F, true, fx.cs.seed + 4);
+}
+
+TEST_P(ExpertMlpKernels, WgradW13MatchesFloat64) {
+  Fixture fx(GetParam());
+  check_wgrad(fx, 2 * fx.cs.F, fx.cs.D, false, fx.cs.seed + 5);
+}
+
+std::vector<int32_t> random_counts(int experts, int max_rows, uint64_t seed) {
+  Rng rng(seed);
+  std::vector<int32_t> c(experts);
+  for (auto& v : c) v = static_cast<int32_t>(rng.uniform(1, 0.0f, float(max_rows))[0]);
+  c[3] = 0;
+  c[17] = 0;
+  c[20] = 128;
+  return c;
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, ExpertMlpKernels,
+    ::testing::Values(
+        Case{"mixed_D64x3_F64x5", {130, 0, 300, 1}, 192, 320, W13Layout::gate_up_blocked, false, 11},
+        Case{"one_expert_all_rows", {0, 517, 0}, 256, 128, W13Layout::gate_up_blocked, false, 12},
+        Case{"tiny_dims_clamped", {1, 128, 129}, 64, 64, W13Layout::gate_up_blocked, true, 13},
+        Case{"interleaved_clamped_F64x3", {77, 250, 0, 64}, 384, 192, W13Layout::gate_up_interleaved, true, 14},
+        Case{"interleaved_swiglu", {200, 3}, 320, 128, W13Layout::gate_up_interleaved, false, 15},
+        Case{"many_tiles_per_cta", random_counts(32, 600, 16), 512, 256, W13Layout::gate_up_blocked, false, 16},
+        Case{"no_rows_at_all", {0, 0}, 128, 64, W13Layout::gate_up_blocked, false, 17}),
+    [](const ::testing::TestParamInfo<Case>& info) { return std::string(info.param.name); });
+
+}  // namespace
+}  // namespace poise::test
+
+namespace poise::test {
+namespace {
+
+// The whole expert MLP, forward and backward, chained as the pipeline chains it (h13 saved in
+// bf16, score fused into the W2 epilogue and the dgrad), against one float64 computation.
+TEST(ExpertMlpChain, ForwardBackwardMatchesFloat64) {
+  if (!have_sm90()) GTEST_SKIP() << "needs an SM90 GPU";
+  Fixture fx(Case{"chain", {200, 0, 333, 64, 129}, 256, 192, W13Layout::gate_up_blocked, false, 21});
+  const int64_t R = fx.l.rows, D = fx.cs.D, F = fx.cs.F, E = fx.E();
+  Rng rng(21);
+  auto x = rng.bf16_normal(R * D, 1.0f);
+  auto gy = rng.bf16_normal(R * D, 1.0f);
+  poison_padding_rows(x, fx.l, D);
+  poison_padding_rows(gy, fx.l, D);
+  const auto w13 = rng.bf16_normal(E * 2 * F * D, 2.0f / std::sqrt(float(D)));
+  const auto w2 = rng.bf16_normal(E * D * F, 1.0f / std::sqrt(float(F)));
+  const auto scores = rng.uniform(R, 0.1f, 1.0f);
+  DeviceBuffer<uint16_t> dx(x), dgy(gy), dw13(w13), dw2(w2);
+  DeviceBuffer<float> ds(scores), dgs(std::vector<float>(R, 0.0f));
+  DeviceBuffer<uint16_t> da(std::vector<uint16_t>(R * F, kBf16Poison)), dh(std::vector<uint16_t>(R * 2 * F, kBf16Poison)),
+      dy(std::vector<uint16_t>(R * D, kBf16Poison)), dgh(std::vector<uint16_t>(R * 2 * F, kBf16Poison)),
+      dgx(std::vector<uint16_t>(R * D, kBf16Poison));
+  DeviceBuffer<float> dgw2(std::vector<float>(E * D * F, fp32_poison())), dgw13(std::vector<float>(E * 2 * F * D, fp32_poison()));
+
+  sm90::expert_mlp_fprop_w13(fx.rows, fx.shape, {dx.ptr, dw13.ptr, da.ptr, dh.ptr}, nullptr);
+  sm90::expert_mlp_fprop_w2(fx.rows, fx.shape, {da.ptr, dw2.ptr, ds.ptr, dy.ptr}, nullptr);
+  sm90::expert_mlp_dgrad_w2(fx.rows, fx.shape, {dgy.ptr, dw2.ptr, dh.ptr, ds.ptr, dgh.ptr, da.ptr, dgs.ptr}, nullptr);
+  sm90::expert_mlp_wgrad_w2(fx.rows, fx.shape, dgy.ptr, da.ptr, {dgw2.ptr, DType::fp32, false}, nullptr);
+  sm90::expert_mlp_dgrad_w13(fx.rows, fx.shape, {dgh.ptr, dw13.ptr, dgx.ptr}, nullptr);
+  sm90::expert_mlp_wgrad_w13(fx.rows, fx.shape, dgh.ptr, dx.ptr, {dgw13.ptr, DType::fp32, false}, nullptr);
+  cuda_ok(cudaDeviceSynchronize(), "chain");
+
+  // float64 chain from the same inputs.
+  const auto xd = to_double(x), gyd = to_double(gy), w13d = to_double(w13), w2d = to_double(w2);
+  const auto h = ref_rows_gemm(fx.l, xd, D, w13d, 2 * F, true);
+  std::vector<double> a(R * F, 0.0), as(R * F, 0.0);
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t f = 0; f < F; ++f) {
+      a[r * F + f] = act_forward(h[r * 2 * F + f], h[r * 2 * F + F + f], fx.act);
+      as[r * F + f] = scores[r] * a[r * F + f];
+    }
+  const auto y = ref_rows_gemm(fx.l, as, F, w2d, D, true);
+  const auto gacc = ref_rows_gemm(fx.l, gyd, D, w2d, F, false);
+  std::vector<double> gh(R * 2 * F, 0.0), gs(R, 0.0);
+  for (int64_t r = 0; r < R; ++r) {
+    if (!fx.l.is_row_valid(r)) continue;
+    for (int64_t f = 0; f < F; ++f) {
+      act_backward(h[r * 2 * F + f], h[r * 2 * F + F + f], scores[r] * gacc[r * F + f], fx.act,
+                   gh[r * 2 * F + f], gh[r * 2 * F + F + f]);
+      gs[r] += gacc[r * F + f] * a[r * F + f];
+    }
+  }
+  const auto gx = ref_rows_gemm(fx.l, gh, 2 * F, w13d, D, false);
+  const auto gw2 = ref_wgrad(fx.l, gyd, D, as, F);
+  const auto gw13 = ref_wgrad(fx.l, gh, 2 * F, xd, D);
+
+  constexpr double kChainTolerance = 2e-2;  // bf16 intermediates (h13, a, grad_h13) compound
+  expect_close(compare_rows_bf16(dy.download(), y, fx.l, D), kChainTolerance, "y_RD");
+  expect_close(compare_rows_bf16(dgx.download(), gx, fx.l, D), kChainTolerance, "grad_x_RD");
+  expect_close(compare_all(dgw2.download(), gw2), kChainTolerance, "grad_w2");
+  expect_close(compare_all(dgw13.download(), gw13), kChainTolerance, "grad_w13");
+  const auto gs_out = dgs.download();
+  ErrorAccumulator acc;
+  for (int64_t r = 0; r < R; ++r)
+    if (fx.l.is_row_valid(r)) acc.add(gs_out[r], gs[r]);
+  expect_close(acc.finish(), kChainTolerance, "grad_scores_R");
+}
+
+// A graph captured once replays for any routing: change counts/offsets on the device, replay.
+TEST(ExpertMlpGraph, ReplaysWithNewRoutingWithoutRecapture) {
+  if (!have_sm90()) GTEST_SKIP() << "needs an SM90 GPU";
+  const int64_t D = 192, F = 128, E = 3, R = 1024;
+  Rng rng(31);
+  const auto w2 = rng.bf16_normal(E * D * F, 1.0f / std::sqrt(float(F)));
+  auto a = rng.bf16_normal(R * F, 1.0f);
+  DeviceBuffer<uint16_t> da(a), dw(w2), dy(R * D);
+  DeviceBuffer<int32_t> offsets(3), counts(3);
+  ExpertMlpShape shape;
+  shape.hidden_dim = D;
+  shape.intermediate_dim = F;
+  const GroupedRows rows{offsets.ptr, counts.ptr, E, R};
+
+  cudaStream_t stream;
+  cuda_ok(cudaStreamCreate(&stream), "stream");
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  cuda_ok(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "begin capture");
+  sm90::expert_mlp_fprop_w2(rows, shape, {da.ptr, dw.ptr, nullptr, dy.ptr}, stream);
+  cuda_ok(cudaStreamEndCapture(stream, &graph), "end capture");
+  cuda_ok(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
+
+  for (const auto& routing : {std::vector<int32_t>{100, 200, 0}, std::vector<int32_t>{0, 50, 700}}) {
+    const RowLayout l = make_layout(routing);
+    ASSERT_LE(l.rows, R);
+    offsets.upload(l.offsets);
+    counts.upload(l.counts);
+    cuda_ok(cudaMemset(dy.ptr, 0xff, R * D * 2), "poison");  // 0xffff: bf16 NaN
+    cuda_ok(cudaGraphLaunch(exec, stream), "graph launch");
+    cuda_ok(cudaStreamSynchronize(stream), "replay");
+    RowLayout lr = l;
+    lr.rows = R;
+    const auto ref = ref_rows_gemm(lr, to_double(a), F, to_double(w2), D, true);
+    const auto out = dy.download();
+    ErrorAccumulator acc;
+    int64_t written_padding = 0;
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t d = 0; d < D; ++d) {
+        if (lr.is_row_valid(r)) acc.add(from_bf16(out[r * D + d]), ref[r * D + d]);
+        else if (out[r * D + d] != 0xffff) ++written_padding;
+      }
+    auto c = acc.finish();
+    c.poison_lost = written_padding;
+    expect_close(c, kBf16Tolerance, "y_RD after graph replay");
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+}
+
+// Host validation names the argument and launches nothing (runs without a GPU too).
+TEST(ExpertMlpValidation, RejectsBadArgumentsByName) {
+  int32_t* fake = reinterpret_cast<int32_t*>(0x1000);
+  const GroupedRows rows{fake, fake, 4, 1024};
+  ExpertMlpShape shape;
+  shape.hidden_dim = 256;
+  shape.intermediate_dim = 128;
+  const sm90::FpropW13Args ok{fake, fake, fake, nullptr};
+  auto name_of = [](auto&& fn) -> std::string {
+    try { fn(); } catch (const InvalidArgument& e) { return e.name(); }
+    return "<no error>";
+  };
+  ExpertMlpShape bad = shape;
+  bad.hidden_dim = 100;
+  EXPECT_EQ(name_of([&] { sm90::expert_mlp_fprop_w13(rows, bad, ok, nullptr); }), "hidden_dim");
+  bad = shape;
+  bad.intermediate_dim = 0;
+  EXPECT_EQ(name_of([&] { sm90::expert_mlp_fprop_w2(rows, bad, {fake, fake, nullptr, fake}, nullptr); }), "intermediate_dim");
+  EXPECT_EQ(name_of([&] { sm90::expert_mlp_fprop_w13(rows, shape, {nullptr, fake, fake, nullptr}, nullptr); }), "x_RD");
+  EXPECT_EQ(name_of([&] { sm90::expert_mlp_dgrad_w2(rows, shape, {fake, fake, nullptr, nullptr, fake, nullptr, nullptr}, nullptr); }), "h13_R2F");
+  GroupedRows no_experts = rows;
+  no_experts.num_experts = 0;
+  EXPECT_EQ(name_of([&] { sm90::expert_mlp_fprop_w13(no_experts, shape, ok, nullptr); }), "num_experts");
+  GroupedRows no_offsets = rows;
+  no_offsets.row_offsets_E = nullptr;
+  EXPECT_EQ(name_of([&] { sm90::expert_mlp_dgrad_w13(no_offsets, shape, {fake, fake, fake}, nullptr); }), "row_offsets_E");
+  EXPECT_EQ(name_of([&] { sm90::expert_mlp_wgrad_w2(rows, shape, fake, fake, {nullptr, DType::fp32, false}, nullptr); }), "grad_w");
+  ExpertMlpShape clamp = shape;
+  clamp.activation = Activation::swiglu_clamped;
+  clamp.swiglu_limit = -1.0f;
+  EXPECT_EQ(name_of([&] { sm90::expert_mlp_fprop_w13(rows, clamp, ok, nullptr); }), "swiglu_limit");
+}
+
+}  // namespace
+}  // namespace poise::test
