@@ -14,6 +14,7 @@ struct Context::State {
 };
 
 std::unique_ptr<Context> Context::create(const Config& config, int64_t ep_size, int64_t rank) {
+  config.validate(ep_size);  // ep_size first: a rank is only meaningful within a valid group
   if (rank < 0 || rank >= ep_size) {
     throw InvalidArgument("rank", "must be in [0, ep_size=" + std::to_string(ep_size) + "), got " +
                                       std::to_string(rank));

@@ -39,7 +39,8 @@ MemoryPlan plan_memory(const Config& c, int64_t ep_size) {
   p.config = c;
   p.ep_size = ep_size;
   p.num_local_experts = c.num_local_experts(ep_size);
-  p.num_replica_slots = c.balance == Balance::exact ? p.num_local_experts : 0;
+  // One rank has nobody to lend rows to: exact balance needs no replica slots at EP=1.
+  p.num_replica_slots = c.balance == Balance::exact && ep_size > 1 ? p.num_local_experts : 0;
 
   const int64_t T = c.num_local_input_tokens, K = c.top_k, D = c.hidden_dim, F = c.intermediate_dim;
   const int64_t routed_rows = T * K;

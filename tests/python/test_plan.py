@@ -148,7 +148,9 @@ def test_slot_sizing_by_factor_and_by_bytes():
 def test_more_ranks_mean_fewer_local_experts():
     assert plan(1).num_local_experts == BASE["num_experts"]
     assert plan(8).num_local_experts == BASE["num_experts"] // 8
-    assert plan(8).replica_weight_bytes < plan(1).replica_weight_bytes
+    assert plan(1).num_replica_slots == 0  # one rank has nobody to lend rows to
+    assert plan(1).replica_weight_bytes == 0
+    assert plan(8).replica_weight_bytes < plan(2).replica_weight_bytes
 
 
 @pytest.mark.parametrize("changes", VARIANTS, ids=[str(i) for i in range(len(VARIANTS))])
