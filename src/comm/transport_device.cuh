@@ -1,0 +1,120 @@
+// Device helpers over a PeerTable: peer addresses, signals, bounded waits, barriers.
+//
+// Ordering model: data goes to peers by plain stores through peer pointers; a rank publishes
+// "my stores to you are done" with a release store (system scope) of a growing epoch into its
+// own slot of the peer's signal array, and a waiter reads its slots with acquire loads. A wait
+// never spins forever: past PeerTable::timeout_ns it records {rank, phase, peer} in the rank's
+// error word and gives up. Once a rank's error word is set, every later kernel of that rank
+// skips its work and its waits, so a broken call ends quickly on every rank.
+#pragma once
+
+#include <cstdint>
+
+#include "comm/transport.hpp"
+
+namespace poise::comm {
+
+__device__ __forceinline__ uint64_t global_timer_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ __forceinline__ void store_release_sys(uint64_t* p, uint64_t v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+__device__ __forceinline__ uint64_t load_acquire_sys(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ int32_t load_volatile(const int32_t* p) {
+  return *reinterpret_cast<const volatile int32_t*>(p);
+}
+
+// Address of `offset` inside peer `peer`'s workspace.
+template <typename T>
+__device__ __forceinline__ T* peer_ptr(const PeerTable& pt, int peer, size_t offset) {
+  return reinterpret_cast<T*>(pt.base[peer] + offset);
+}
+
+__device__ __forceinline__ bool rank_failed(const PeerTable& pt) {
+  return load_volatile(&pt.error->code) != 0;
+}
+
+// First error wins; later ones are dropped (the first is the cause).
+__device__ __forceinline__ void report_error(const PeerTable& pt, ErrorCode code, Phase phase, int peer,
+                                             int64_t value) {
+  if (atomicCAS(&pt.error->code, 0, static_cast<int32_t>(code)) == 0) {
+    pt.error->phase = static_cast<int32_t>(phase);
+    pt.error->rank = pt.rank;
+    pt.error->peer = peer;
+    pt.error->value = value;
+    __threadfence_system();
+  }
+}
+
+// Rank `pt.rank` tells `peer` it reached epoch `epoch`.
+__device__ __forceinline__ void signal_peer(const PeerTable& pt, int peer, uint64_t epoch) {
+  store_release_sys(peer_ptr<uint64_t>(pt, peer, 0) + pt.rank, epoch);
+}
+
+// Waits until `peer` reached `epoch`. False on timeout (error recorded) or if the rank failed.
+__device__ inline bool wait_peer(const PeerTable& pt, int peer, uint64_t epoch, Phase phase) {
+  const uint64_t* slot = peer_ptr<uint64_t>(pt, pt.rank, 0) + peer;
+  if (load_acquire_sys(slot) >= epoch) return true;
+  const uint64_t start = global_timer_ns();
+  while (load_acquire_sys(slot) < epoch) {
+    if (rank_failed(pt)) return false;
+    if (global_timer_ns() - start > pt.timeout_ns) {
+      report_error(pt, ErrorCode::timeout, phase, peer, static_cast<int64_t>(epoch));
+      return false;
+    }
+    __nanosleep(128);
+  }
+  return true;
+}
+
+// All ranks meet. Called by ONE thread per rank; orders everything this rank made visible
+// (fenced) before the call with everything peers did before theirs.
+// `absent_rank` (tests only) makes that rank skip the barrier, as a crashed peer would.
+__device__ inline bool barrier_all(const PeerTable& pt, Phase phase, int absent_rank = -1) {
+  if (rank_failed(pt)) return false;
+  if (pt.rank == absent_rank) return false;
+  const uint64_t epoch = ++*pt.epoch;
+  __threadfence_system();
+  for (int p = 0; p < pt.world; ++p) signal_peer(pt, p, epoch);
+  for (int p = 0; p < pt.world; ++p) {
+    if (!wait_peer(pt, p, epoch, phase)) return false;
+  }
+  return true;
+}
+
+// End of a launch that wrote to peers: every block of the rank arrives; the last one to arrive
+// runs the barrier, so no block waits while another of its rank still has work to do (at most
+// one waiting block per rank: deadlock-free as long as R blocks fit on the GPU at once).
+// Every block must call this exactly once, also blocks that skipped their work.
+__device__ inline void arrive_then_barrier(const PeerTable& pt, int blocks_per_rank, Phase phase) {
+  __threadfence_system();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const uint32_t arrived = atomicAdd(pt.blocks_done, 1u) + 1;
+    if (arrived == static_cast<uint32_t>(blocks_per_rank)) {
+      *pt.blocks_done = 0;  // the next launch is stream-ordered after this one
+      __threadfence_system();
+      barrier_all(pt, phase);
+    }
+  }
+}
+
+// Warp-cooperative copy of `bytes` (a multiple of 16, both ends 16-byte aligned).
+__device__ __forceinline__ void warp_copy_16B(void* dst, const void* src, size_t bytes, int lane) {
+  const uint4* s = static_cast<const uint4*>(src);
+  uint4* d = static_cast<uint4*>(dst);
+  const size_t n = bytes / 16;
+  for (size_t i = lane; i < n; i += 32) d[i] = s[i];
+}
+
+}  // namespace poise::comm

@@ -1,0 +1,39 @@
+// Host launchers of the EP data-path kernels (route, dispatch, combine). Each enqueues on
+// `stream` and returns; sizes that depend on routing stay on the device. Every launch carries
+// all of this process's ranks (EpLaunch::launch_ranks) in one grid split by rank.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "kernels/ep/ep_params.hpp"
+
+namespace poise::ep {
+
+// Routing layout: per-expert counts, all-gather of counts (barrier), destination rows and the
+// local expert groups; reports bad ids and capacity overflow in the error word.
+void launch_route(const EpLaunch& l, const LaunchIo& io, cudaStream_t stream);
+
+// Forward dispatch: each token row crosses once to each destination rank, into the expert-grouped
+// row of its first k there; per-row metadata (origin, primary row, score) goes with it. Ends in a barrier.
+void launch_dispatch_forward(const EpLaunch& l, const LaunchIo& io, cudaStream_t stream);
+// Backward dispatch of grad_out rows, with the forward's layout (no metadata). Ends in a barrier.
+void launch_dispatch_backward(const EpLaunch& l, const LaunchIo& io, cudaStream_t stream);
+
+// Local, after dispatch: rows of a token's second, third... expert on a rank copied from its primary row.
+void launch_fanout_rows(const EpLaunch& l, cudaStream_t stream);
+// Local, backward: grad_y[row] = bf16(score[row] * grad_out[primary row]) for every received row.
+void launch_fanout_scale_grad(const EpLaunch& l, cudaStream_t stream);
+
+// Each received row's output (scratch rows_out_RD) written back into its owner's combine buffer
+// at slot t*K+k. Ends in a barrier.
+void launch_combine_push(const EpLaunch& l, bool backward, cudaStream_t stream);
+// Owner: out[t] = bf16(sum_k w_k * combine[t*K+k]) in fp32, k in order (deterministic);
+// w_k = score (forward, into out_TD) or 1 (backward, into grad_x_TD).
+void launch_combine_reduce(const EpLaunch& l, const LaunchIo& io, bool backward, cudaStream_t stream);
+// Owner, backward, before combine_push overwrites y: grad_scores[t,k] = <grad_out[t], y[t,k]> (fp32).
+void launch_grad_scores(const EpLaunch& l, const LaunchIo& io, cudaStream_t stream);
+
+// Blocks per rank for launches that end in a barrier: all of them resident at once.
+int persistent_blocks_per_rank(const EpLaunch& l, const void* kernel, int threads, int work_blocks);
+
+}  // namespace poise::ep

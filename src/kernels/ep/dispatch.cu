@@ -1,0 +1,156 @@
+// Dispatch: token rows to the ranks that own their experts, straight into expert-grouped rows of
+// the destination's receive buffer (the grouped GEMM reads them in place).
+//
+// One warp per token; lane k holds entry (t, k). Lanes whose experts live on the same rank find
+// each other with __match_any_sync; the lowest such k is the token's primary entry on that rank
+// and is the only one whose row crosses. The others get metadata pointing at the primary row, and
+// the destination copies them locally (fanout) after the barrier. So a token row crosses to a rank
+// once, even when several of its k experts live there.
+#include "comm/cuda_check.hpp"
+#include "kernels/ep/data_path.hpp"
+#include "kernels/ep/rank_view.cuh"
+
+namespace poise::ep {
+namespace {
+
+using comm::PeerTable;
+using comm::Phase;
+
+constexpr int kWarps = 8;
+constexpr int kThreads = kWarps * 32;
+
+template <bool kBackward>
+__global__ void __launch_bounds__(kThreads) dispatch_kernel(const PeerTable* tables, EpDims dims,
+                                                            WorkspaceOffsets ws, LaunchIo io,
+                                                            LaunchScratch scratch, int blocks_per_rank) {
+  const int slot = blockIdx.x / blocks_per_rank;
+  const PeerTable& pt = tables[slot];
+  if (!comm::rank_failed(pt)) {
+    const RankIo& rio = io.rank[slot];
+    const int32_t* dest_row = scratch.rank[slot].dest_row_TK;
+    const bf16* src_TD = kBackward ? rio.grad_out_TD : rio.x_TD;
+    const size_t rows_region = kBackward ? ws.recv_grad : ws.recv_x;
+    const int lane = threadIdx.x % 32;
+    const int warps_per_rank = blocks_per_rank * kWarps;
+    const int TK = dims.T * dims.K;
+    const size_t row_bytes = static_cast<size_t>(dims.D) * sizeof(bf16);
+    for (int t = (blockIdx.x % blocks_per_rank) * kWarps + threadIdx.x / 32; t < dims.T; t += warps_per_rank) {
+      const bool active = lane < dims.K;
+      const int entry = t * dims.K + lane;
+      const int dest = active ? rio.ids_TK[entry] / dims.E_local : -1;
+      const int row = active ? dest_row[entry] : -1;
+      const unsigned same_dest = __match_any_sync(kFullMask, active ? dest : -1 - lane);
+      const int primary_lane = __ffs(same_dest) - 1;
+      const int primary_row = __shfl_sync(kFullMask, row, primary_lane);
+      if (!kBackward && active) {
+        comm::peer_ptr<int32_t>(pt, dest, ws.row_origin)[row] = pt.rank * TK + entry;
+        comm::peer_ptr<int32_t>(pt, dest, ws.row_primary)[row] = primary_row;
+        comm::peer_ptr<float>(pt, dest, ws.row_score)[row] = load_score(rio.scores_TK, entry, dims.scores_bf16);
+      }
+      unsigned primaries = __ballot_sync(kFullMask, active && primary_lane == lane);
+      const bf16* src_row = src_TD + static_cast<size_t>(t) * dims.D;
+      while (primaries) {
+        const int k = __ffs(primaries) - 1;
+        primaries &= primaries - 1;
+        const int to = __shfl_sync(kFullMask, dest, k);
+        const int to_row = __shfl_sync(kFullMask, row, k);
+        char* dst = comm::peer_ptr<char>(pt, to, rows_region) + static_cast<size_t>(to_row) * row_bytes;
+        comm::warp_copy_16B(dst, src_row, row_bytes, lane);
+      }
+    }
+  }
+  comm::arrive_then_barrier(pt, blocks_per_rank, kBackward ? Phase::dispatch_backward : Phase::dispatch);
+}
+
+// Rows of non-primary entries: copy the primary row (already here, after the barrier).
+__global__ void __launch_bounds__(kThreads)
+    fanout_rows_kernel(const PeerTable* tables, EpDims dims, WorkspaceOffsets ws, LaunchScratch scratch,
+                       int blocks_per_rank) {
+  const int slot = blockIdx.x / blocks_per_rank;
+  const PeerTable& pt = tables[slot];
+  if (comm::rank_failed(pt)) return;
+  const RankScratch& rs = scratch.rank[slot];
+  const int32_t* row_primary = comm::peer_ptr<int32_t>(pt, pt.rank, ws.row_primary);
+  char* rows = comm::peer_ptr<char>(pt, pt.rank, ws.recv_x);
+  const size_t row_bytes = static_cast<size_t>(dims.D) * sizeof(bf16);
+  const int lane = threadIdx.x % 32;
+  const int rows_used = rs.group_offsets[dims.E_local];
+  for (int r = (blockIdx.x % blocks_per_rank) * kWarps + threadIdx.x / 32; r < rows_used;
+       r += blocks_per_rank * kWarps) {
+    if (!row_in_use(rs, dims.E_local, r)) continue;
+    const int primary = row_primary[r];
+    if (primary != r) comm::warp_copy_16B(rows + r * row_bytes, rows + primary * row_bytes, row_bytes, lane);
+  }
+}
+
+// Backward: grad_y[row] = bf16(score * grad_out[primary]) for every received row.
+__global__ void __launch_bounds__(kThreads)
+    fanout_scale_grad_kernel(const PeerTable* tables, EpDims dims, WorkspaceOffsets ws, LaunchScratch scratch,
+                             int blocks_per_rank) {
+  const int slot = blockIdx.x / blocks_per_rank;
+  const PeerTable& pt = tables[slot];
+  if (comm::rank_failed(pt)) return;
+  const RankScratch& rs = scratch.rank[slot];
+  const int32_t* row_primary = comm::peer_ptr<int32_t>(pt, pt.rank, ws.row_primary);
+  const float* row_score = comm::peer_ptr<float>(pt, pt.rank, ws.row_score);
+  const uint4* grad_rows = comm::peer_ptr<uint4>(pt, pt.rank, ws.recv_grad);
+  uint4* grad_y = reinterpret_cast<uint4*>(rs.grad_y_RD);
+  const int vecs = dims.D / 8;
+  const int lane = threadIdx.x % 32;
+  const int rows_used = rs.group_offsets[dims.E_local];
+  for (int r = (blockIdx.x % blocks_per_rank) * kWarps + threadIdx.x / 32; r < rows_used;
+       r += blocks_per_rank * kWarps) {
+    if (!row_in_use(rs, dims.E_local, r)) continue;
+    const size_t primary = row_primary[r];
+    const float score = row_score[r];
+    for (int v = lane; v < vecs; v += 32) {
+      float f[8];
+      unpack8(grad_rows[primary * vecs + v], f);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) f[i] *= score;
+      grad_y[static_cast<size_t>(r) * vecs + v] = pack8(f);
+    }
+  }
+}
+
+int local_blocks_per_rank(const EpLaunch& l) {
+  // Enough warps to cover the rows, capped at a few waves.
+  const int want = (l.dims.capacity_rows + kWarps - 1) / kWarps;
+  const int cap = 4 * l.num_sms;
+  return want < cap ? (want > 0 ? want : 1) : cap;
+}
+
+template <bool kBackward>
+void launch_dispatch(const EpLaunch& l, const LaunchIo& io, cudaStream_t stream) {
+  const int work_blocks = (l.dims.T + kWarps - 1) / kWarps;
+  const int blocks = persistent_blocks_per_rank(l, reinterpret_cast<const void*>(&dispatch_kernel<kBackward>),
+                                                kThreads, work_blocks);
+  dispatch_kernel<kBackward><<<l.launch_ranks * blocks, kThreads, 0, stream>>>(l.tables, l.dims, l.ws, io,
+                                                                               l.scratch, blocks);
+  comm::cuda_check_launch("dispatch_kernel");
+}
+
+}  // namespace
+
+void launch_dispatch_forward(const EpLaunch& l, const LaunchIo& io, cudaStream_t stream) {
+  launch_dispatch<false>(l, io, stream);
+}
+
+void launch_dispatch_backward(const EpLaunch& l, const LaunchIo& io, cudaStream_t stream) {
+  launch_dispatch<true>(l, io, stream);
+}
+
+void launch_fanout_rows(const EpLaunch& l, cudaStream_t stream) {
+  const int blocks = local_blocks_per_rank(l);
+  fanout_rows_kernel<<<l.launch_ranks * blocks, kThreads, 0, stream>>>(l.tables, l.dims, l.ws, l.scratch, blocks);
+  comm::cuda_check_launch("fanout_rows_kernel");
+}
+
+void launch_fanout_scale_grad(const EpLaunch& l, cudaStream_t stream) {
+  const int blocks = local_blocks_per_rank(l);
+  fanout_scale_grad_kernel<<<l.launch_ranks * blocks, kThreads, 0, stream>>>(l.tables, l.dims, l.ws, l.scratch,
+                                                                            blocks);
+  comm::cuda_check_launch("fanout_scale_grad_kernel");
+}
+
+}  // namespace poise::ep

@@ -1,0 +1,102 @@
+// What the EP data-path kernels take: the layer's dimensions, the byte offsets of the regions of
+// the symmetric workspace (identical on every rank), each rank's private buffers and each rank's
+// call arguments. Per-rank structs travel by value in the launch, one entry per launch slot.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "comm/transport.hpp"
+#include "comm/virtual_transport.hpp"  // kMaxLaunchRanks
+
+namespace poise::ep {
+
+using bf16 = __nv_bfloat16;
+using comm::kMaxLaunchRanks;
+
+// Tokens one warp ranks in the routing layout (its (token, k) entries, in order).
+inline constexpr int kTokensPerChunk = 32;
+// Expert groups start at multiples of this many rows (poise::kExpertRowAlignment).
+inline constexpr int kGroupAlignment = 128;
+// Limits of this implementation (checked on the host).
+inline constexpr int kMaxTopK = 32;      // one lane per k
+inline constexpr int kMaxExperts = 1024; // per-warp expert counters in shared memory
+
+struct EpDims {
+  int32_t T = 0;             // tokens per rank
+  int32_t D = 0;             // hidden
+  int32_t F = 0;             // expert intermediate
+  int32_t K = 0;             // top-k
+  int32_t E = 0;             // experts (global)
+  int32_t E_local = 0;       // experts per rank
+  int32_t world = 1;         // EP ranks
+  int32_t capacity_rows = 0; // receive rows per rank, expert padding included
+  int32_t num_chunks = 0;    // ceil(T / kTokensPerChunk)
+  int32_t scores_bf16 = 0;   // scores_TK dtype: 1 bf16, 0 fp32
+  int32_t swiglu_clamped = 0;
+  float swiglu_alpha = 1.702f;
+  float swiglu_limit = 7.0f;
+};
+
+// Byte offsets inside every rank's symmetric workspace. [0, kSignalBytes) holds the signals.
+struct WorkspaceOffsets {
+  size_t counts_RE = 0;    // int32 [world][E]: rows each rank routes to each expert (all-gathered)
+  size_t row_origin = 0;   // int32 [capacity]: src_rank*T*K + t*K + k of each received row
+  size_t row_primary = 0;  // int32 [capacity]: the row holding the token's bytes (== own row if it crossed)
+  size_t row_score = 0;    // fp32  [capacity]: the routing score of the row's (t, k)
+  size_t recv_x = 0;       // bf16  [capacity][D]: dispatched x rows, expert-grouped (saved for backward)
+  size_t recv_grad = 0;    // bf16  [capacity][D]: dispatched grad_out rows (backward)
+  size_t combine = 0;      // bf16  [T*K][D]: expert outputs back at their owner (y, then grad_x rows)
+  size_t total = 0;
+};
+
+// One rank's private device buffers (and where its own workspace and error word are).
+struct RankScratch {
+  char* workspace = nullptr;            // this rank's symmetric workspace (local address)
+  const int32_t* error_code = nullptr;  // this rank's ErrorWord::code
+  int32_t* chunk_offsets_CE = nullptr;  // [num_chunks][E] per-chunk counts, then exclusive prefix
+  int32_t* dest_row_TK = nullptr;       // [T*K] row of (t, k) on its destination rank (saved)
+  int32_t* group_offsets = nullptr;     // [E_local+1] first row of each local expert group; last = rows used
+  int32_t* group_counts = nullptr;      // [E_local] rows of each local expert group (padding excluded)
+  bf16* h13_R2F = nullptr;              // [capacity][2F] gate | up pre-activations (saved)
+  bf16* a_RF = nullptr;                 // [capacity][F] SwiGLU output (saved)
+  bf16* rows_out_RD = nullptr;          // [capacity][D] y rows (forward), grad_x rows (backward)
+  bf16* grad_y_RD = nullptr;            // [capacity][D] score * grad_out per row (backward)
+  bf16* grad_h13_R2F = nullptr;         // [capacity][2F] (backward)
+};
+
+// One rank's call arguments (see poise::ForwardArgs / BackwardArgs).
+struct RankIo {
+  const bf16* x_TD = nullptr;
+  const int32_t* ids_TK = nullptr;
+  const void* scores_TK = nullptr;
+  const bf16* w13_E2FD = nullptr;
+  const bf16* w2_EDF = nullptr;
+  bf16* out_TD = nullptr;
+  const bf16* grad_out_TD = nullptr;
+  bf16* grad_x_TD = nullptr;
+  void* grad_scores_TK = nullptr;
+  float* grad_w13_E2FD = nullptr;
+  float* grad_w2_EDF = nullptr;
+};
+
+struct LaunchScratch {
+  RankScratch rank[kMaxLaunchRanks];
+};
+struct LaunchIo {
+  RankIo rank[kMaxLaunchRanks];
+};
+
+// Everything fixed for the life of a pipeline.
+struct EpLaunch {
+  const comm::PeerTable* tables = nullptr;  // [launch_ranks]
+  int launch_ranks = 1;
+  EpDims dims;
+  WorkspaceOffsets ws;
+  LaunchScratch scratch;
+  int num_sms = 0;  // of the device the pipeline runs on (persistent grid sizing)
+};
+
+}  // namespace poise::ep

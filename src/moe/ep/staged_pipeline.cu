@@ -1,0 +1,320 @@
+#include "moe/ep/staged_pipeline.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+
+#include "comm/cuda_check.hpp"
+#include "comm/virtual_transport.hpp"
+#include "kernels/ep/data_path.hpp"
+#include "moe/ep/expert_compute.hpp"
+#include "poise/errors.hpp"
+
+namespace poise::ep {
+namespace {
+
+using comm::cuda_check;
+
+constexpr size_t kRegionAlignment = 256;
+
+size_t align_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
+
+WorkspaceOffsets plan_workspace(const EpDims& d, bool training) {
+  WorkspaceOffsets w;
+  size_t at = comm::kSignalBytes;
+  auto region = [&](size_t bytes) {
+    at = align_up(at, kRegionAlignment);
+    const size_t start = at;
+    at += bytes;
+    return start;
+  };
+  const size_t cap = d.capacity_rows, row = static_cast<size_t>(d.D) * sizeof(bf16);
+  w.counts_RE = region(sizeof(int32_t) * d.world * d.E);
+  w.row_origin = region(sizeof(int32_t) * cap);
+  w.row_primary = region(sizeof(int32_t) * cap);
+  w.row_score = region(sizeof(float) * cap);
+  w.recv_x = region(cap * row);
+  w.recv_grad = training ? region(cap * row) : 0;
+  w.combine = region(static_cast<size_t>(d.T) * d.K * row);
+  w.total = align_up(at, kRegionAlignment);
+  return w;
+}
+
+void require(bool ok, const std::string& name, const std::string& rule) {
+  if (!ok) throw InvalidArgument(name, rule);
+}
+
+void validate_config(const Config& c, int64_t ep_size) {
+  c.validate(ep_size);
+  if (c.balance != Balance::capacity) {
+    throw NotAvailable(
+        "balance=exact needs the balance planner (replica experts); the staged EP pipeline implements "
+        "balance=capacity");
+  }
+  require(c.top_k <= kMaxTopK, "top_k", "the EP pipeline supports top_k <= " + std::to_string(kMaxTopK));
+  require(c.num_experts <= kMaxExperts, "num_experts",
+          "the EP pipeline supports num_experts <= " + std::to_string(kMaxExperts));
+  require(ep_size <= comm::kMaxPeers, "ep_size", "at most " + std::to_string(comm::kMaxPeers) + " ranks");
+  if (!c.inference && c.wgrad_dtype != DType::fp32) {
+    throw NotAvailable("wgrad_dtype=bf16: the EP stand-in kernels write fp32 weight gradients only");
+  }
+  const double rows = c.receive_capacity_factor * c.num_local_input_tokens * c.top_k;
+  require(c.num_local_input_tokens * c.top_k * ep_size < (int64_t{1} << 31) && rows < double(1 << 30),
+          "num_local_input_tokens", "T*K*ep_size must fit in 31 bits");
+}
+
+EpDims make_dims(const Config& c, int64_t ep_size) {
+  EpDims d;
+  d.T = static_cast<int32_t>(c.num_local_input_tokens);
+  d.D = static_cast<int32_t>(c.hidden_dim);
+  d.F = static_cast<int32_t>(c.intermediate_dim);
+  d.K = static_cast<int32_t>(c.top_k);
+  d.E = static_cast<int32_t>(c.num_experts);
+  d.world = static_cast<int32_t>(ep_size);
+  d.E_local = d.E / d.world;
+  d.capacity_rows = static_cast<int32_t>(StagedPipeline::capacity_rows(c, ep_size));
+  d.num_chunks = (d.T + kTokensPerChunk - 1) / kTokensPerChunk;
+  d.swiglu_clamped = c.activation == Activation::swiglu_clamped;
+  d.swiglu_alpha = static_cast<float>(c.swiglu_alpha);
+  d.swiglu_limit = static_cast<float>(c.swiglu_limit);
+  return d;
+}
+
+std::string arg_name(int slot, const char* field) { return "args[" + std::to_string(slot) + "]." + field; }
+
+void require_pointer(const void* p, int slot, const char* field, size_t alignment) {
+  require(p != nullptr, arg_name(slot, field), "must not be null");
+  require(reinterpret_cast<uintptr_t>(p) % alignment == 0, arg_name(slot, field),
+          "must be " + std::to_string(alignment) + "-byte aligned");
+}
+
+void validate_forward_args(const ForwardArgs& a, int slot, DType expected_scores) {
+  require_pointer(a.x_TD, slot, "x_TD", 16);
+  require_pointer(a.ids_TK, slot, "ids_TK", 4);
+  require_pointer(a.scores_TK, slot, "scores_TK", a.scores_dtype == DType::fp32 ? 4 : 2);
+  require_pointer(a.w13, slot, "w13", 16);
+  require_pointer(a.w2, slot, "w2", 16);
+  require_pointer(a.out_TD, slot, "out_TD", 16);
+  require(a.scores_dtype == expected_scores, arg_name(slot, "scores_dtype"),
+          "must be the same on every rank of one call");
+  if (a.w13_layout != W13Layout::gate_up_blocked) {
+    throw NotAvailable(arg_name(slot, "w13_layout") +
+                       ": gate_up_interleaved is not implemented by the EP stand-in kernels");
+  }
+}
+
+}  // namespace
+
+const char* to_string(Stage s) {
+  switch (s) {
+    case Stage::route: return "route";
+    case Stage::dispatch: return "dispatch";
+    case Stage::fanout: return "fanout";
+    case Stage::experts: return "experts";
+    case Stage::combine_push: return "combine_push";
+    case Stage::combine_reduce: return "combine_reduce";
+    case Stage::grad_scores: return "grad_scores";
+    case Stage::end: return "end";
+  }
+  return "?";
+}
+
+int64_t StagedPipeline::capacity_rows(const Config& c, int64_t ep_size) {
+  const int64_t routed = static_cast<int64_t>(std::ceil(c.receive_capacity_factor * c.num_local_input_tokens * c.top_k));
+  const int64_t padding = c.num_local_experts(ep_size) * (kGroupAlignment - 1);
+  return (routed + padding + kGroupAlignment - 1) / kGroupAlignment * kGroupAlignment;
+}
+
+size_t StagedPipeline::workspace_bytes(const Config& c, int64_t ep_size) {
+  validate_config(c, ep_size);
+  return plan_workspace(make_dims(c, ep_size), !c.inference).total;
+}
+
+std::unique_ptr<StagedPipeline> StagedPipeline::create_virtual(const Config& config, int64_t ep_size,
+                                                               const PipelineOptions& options) {
+  validate_config(config, ep_size);
+  auto transport = comm::VirtualTransport::create(static_cast<int>(ep_size), workspace_bytes(config, ep_size),
+                                                  options.timeout_ns);
+  return create(config, std::move(transport));
+}
+
+std::unique_ptr<StagedPipeline> StagedPipeline::create(const Config& config,
+                                                       std::unique_ptr<comm::Transport> transport) {
+  require(transport != nullptr, "transport", "must not be null");
+  validate_config(config, transport->world_size());
+  require(transport->launch_ranks() <= kMaxLaunchRanks, "transport",
+          "a launch carries at most " + std::to_string(kMaxLaunchRanks) + " ranks");
+  require(transport->workspace_bytes() >= workspace_bytes(config, transport->world_size()), "transport",
+          "workspace smaller than StagedPipeline::workspace_bytes()");
+  return std::unique_ptr<StagedPipeline>(new StagedPipeline(config, std::move(transport)));
+}
+
+StagedPipeline::StagedPipeline(const Config& config, std::unique_ptr<comm::Transport> transport)
+    : config_(config), transport_(std::move(transport)) {
+  const bool training = !config.inference;
+  launch_.tables = transport_->device_tables();
+  launch_.launch_ranks = transport_->launch_ranks();
+  launch_.dims = make_dims(config, transport_->world_size());
+  launch_.ws = plan_workspace(launch_.dims, training);
+  int device = 0;
+  cuda_check(cudaGetDevice(&device), "cudaGetDevice");
+  cuda_check(cudaDeviceGetAttribute(&launch_.num_sms, cudaDevAttrMultiProcessorCount, device),
+             "cudaDeviceGetAttribute(multiprocessors)");
+  const EpDims& d = launch_.dims;
+  const size_t cap = d.capacity_rows;
+  auto alloc = [&](size_t bytes) {
+    void* p = nullptr;
+    cuda_check(cudaMalloc(&p, std::max<size_t>(bytes, 16)), "cudaMalloc(EP scratch)");
+    allocations_.push_back(p);
+    return p;
+  };
+  try {
+    for (int s = 0; s < launch_.launch_ranks; ++s) {
+      RankScratch& rs = launch_.scratch.rank[s];
+      rs.workspace = transport_->local_workspace(s);
+      rs.error_code = &transport_->device_error(s)->code;
+      rs.chunk_offsets_CE = static_cast<int32_t*>(alloc(sizeof(int32_t) * d.num_chunks * d.E));
+      rs.dest_row_TK = static_cast<int32_t*>(alloc(sizeof(int32_t) * d.T * d.K));
+      rs.group_offsets = static_cast<int32_t*>(alloc(sizeof(int32_t) * (d.E_local + 1)));
+      rs.group_counts = static_cast<int32_t*>(alloc(sizeof(int32_t) * d.E_local));
+      cuda_check(cudaMemset(rs.group_offsets, 0, sizeof(int32_t) * (d.E_local + 1)), "cudaMemset");
+      cuda_check(cudaMemset(rs.group_counts, 0, sizeof(int32_t) * d.E_local), "cudaMemset");
+      rs.h13_R2F = static_cast<bf16*>(alloc(sizeof(bf16) * cap * 2 * d.F));
+      rs.a_RF = static_cast<bf16*>(alloc(sizeof(bf16) * cap * d.F));
+      rs.rows_out_RD = static_cast<bf16*>(alloc(sizeof(bf16) * cap * d.D));
+      if (training) {
+        rs.grad_y_RD = static_cast<bf16*>(alloc(sizeof(bf16) * cap * d.D));
+        rs.grad_h13_R2F = static_cast<bf16*>(alloc(sizeof(bf16) * cap * 2 * d.F));
+      }
+    }
+  } catch (...) {
+    for (void* p : allocations_) cudaFree(p);
+    throw;
+  }
+}
+
+StagedPipeline::~StagedPipeline() {
+  cudaDeviceSynchronize();  // kernels may still read these buffers
+  for (void* p : allocations_) cudaFree(p);
+}
+
+LaunchIo StagedPipeline::forward_io(std::span<const ForwardArgs> args) const {
+  require(static_cast<int>(args.size()) == launch_.launch_ranks, "args",
+          "needs one entry per launch slot (" + std::to_string(launch_.launch_ranks) + "), got " +
+              std::to_string(args.size()));
+  LaunchIo io;
+  for (int s = 0; s < launch_.launch_ranks; ++s) {
+    const ForwardArgs& a = args[s];
+    validate_forward_args(a, s, args[0].scores_dtype);
+    RankIo& r = io.rank[s];
+    r.x_TD = static_cast<const bf16*>(a.x_TD);
+    r.ids_TK = a.ids_TK;
+    r.scores_TK = a.scores_TK;
+    r.w13_E2FD = static_cast<const bf16*>(a.w13);
+    r.w2_EDF = static_cast<const bf16*>(a.w2);
+    r.out_TD = static_cast<bf16*>(a.out_TD);
+  }
+  return io;
+}
+
+void StagedPipeline::forward(std::span<const ForwardArgs> args, cudaStream_t stream) {
+  const LaunchIo io = forward_io(args);
+  EpLaunch l = launch_;
+  l.dims.scores_bf16 = args[0].scores_dtype == DType::bf16;
+  stage(Stage::route, stream);
+  launch_route(l, io, stream);
+  stage(Stage::dispatch, stream);
+  launch_dispatch_forward(l, io, stream);
+  stage(Stage::fanout, stream);
+  launch_fanout_rows(l, stream);
+  stage(Stage::experts, stream);
+  expert_forward(l, io, stream);
+  stage(Stage::combine_push, stream);
+  launch_combine_push(l, /*backward=*/false, stream);
+  stage(Stage::combine_reduce, stream);
+  launch_combine_reduce(l, io, /*backward=*/false, stream);
+  stage(Stage::end, stream);
+}
+
+void StagedPipeline::backward(std::span<const BackwardArgs> args, cudaStream_t stream) {
+  if (config_.inference) throw InvalidArgument("inference", "the pipeline was created for inference: no backward");
+  std::vector<ForwardArgs> fwd;
+  for (const BackwardArgs& a : args) fwd.push_back(a.forward);
+  LaunchIo io = forward_io(fwd);
+  for (int s = 0; s < launch_.launch_ranks; ++s) {
+    const BackwardArgs& a = args[s];
+    require_pointer(a.grad_out_TD, s, "grad_out_TD", 16);
+    require_pointer(a.grad_x_TD, s, "grad_x_TD", 16);
+    require_pointer(a.grad_scores_TK, s, "grad_scores_TK", a.forward.scores_dtype == DType::fp32 ? 4 : 2);
+    require_pointer(a.grad_w13, s, "grad_w13", 16);
+    require_pointer(a.grad_w2, s, "grad_w2", 16);
+    require(a.accumulate_wgrad == args[0].accumulate_wgrad, arg_name(s, "accumulate_wgrad"),
+            "must be the same for every slot of one call");
+    RankIo& r = io.rank[s];
+    r.grad_out_TD = static_cast<const bf16*>(a.grad_out_TD);
+    r.grad_x_TD = static_cast<bf16*>(a.grad_x_TD);
+    r.grad_scores_TK = a.grad_scores_TK;
+    r.grad_w13_E2FD = static_cast<float*>(a.grad_w13);
+    r.grad_w2_EDF = static_cast<float*>(a.grad_w2);
+  }
+  EpLaunch l = launch_;
+  l.dims.scores_bf16 = args[0].forward.scores_dtype == DType::bf16;
+  stage(Stage::grad_scores, stream);
+  launch_grad_scores(l, io, stream);  // reads y from the combine buffer before grad_x rows replace it
+  stage(Stage::dispatch, stream);
+  launch_dispatch_backward(l, io, stream);
+  stage(Stage::fanout, stream);
+  launch_fanout_scale_grad(l, stream);
+  stage(Stage::experts, stream);
+  expert_backward(l, io, args[0].accumulate_wgrad, stream);
+  stage(Stage::combine_push, stream);
+  launch_combine_push(l, /*backward=*/true, stream);
+  stage(Stage::combine_reduce, stream);
+  launch_combine_reduce(l, io, /*backward=*/true, stream);
+  stage(Stage::end, stream);
+}
+
+void StagedPipeline::check(cudaStream_t stream) {
+  cuda_check(cudaStreamSynchronize(stream), "EP pipeline: cudaStreamSynchronize");
+  const std::vector<comm::ErrorWord> errors = transport_->read_errors();
+  std::vector<const comm::ErrorWord*> found;
+  for (const comm::ErrorWord& e : errors) {
+    if (e.code != 0) found.push_back(&e);
+  }
+  if (found.empty()) return;
+  // Root causes first: a timeout is usually the echo of another rank's failure.
+  std::stable_sort(found.begin(), found.end(), [](const comm::ErrorWord* a, const comm::ErrorWord* b) {
+    const bool at = a->code == static_cast<int32_t>(comm::ErrorCode::timeout);
+    const bool bt = b->code == static_cast<int32_t>(comm::ErrorCode::timeout);
+    return !at && bt;
+  });
+  std::string message = "EP device error: " + comm::describe(*found[0], transport_->timeout_ns());
+  for (size_t i = 1; i < found.size(); ++i) message += "; " + comm::describe(*found[i], transport_->timeout_ns());
+  message += " (call reset() before the next call)";
+  throw DeviceError(message);
+}
+
+void StagedPipeline::reset() { transport_->reset(); }
+
+LayoutSnapshot StagedPipeline::snapshot(int slot) const {
+  const EpDims& d = launch_.dims;
+  const RankScratch& rs = launch_.scratch.rank[slot];
+  LayoutSnapshot s;
+  s.dest_row_TK.resize(static_cast<size_t>(d.T) * d.K);
+  s.group_offsets.resize(d.E_local + 1);
+  s.group_counts.resize(d.E_local);
+  s.row_origin.resize(d.capacity_rows);
+  s.row_primary.resize(d.capacity_rows);
+  auto get = [](std::vector<int32_t>& v, const void* src) {
+    cuda_check(cudaMemcpy(v.data(), src, v.size() * sizeof(int32_t), cudaMemcpyDeviceToHost), "snapshot");
+  };
+  cuda_check(cudaDeviceSynchronize(), "snapshot: cudaDeviceSynchronize");
+  get(s.dest_row_TK, rs.dest_row_TK);
+  get(s.group_offsets, rs.group_offsets);
+  get(s.group_counts, rs.group_counts);
+  get(s.row_origin, rs.workspace + launch_.ws.row_origin);
+  get(s.row_primary, rs.workspace + launch_.ws.row_primary);
+  return s;
+}
+
+}  // namespace poise::ep

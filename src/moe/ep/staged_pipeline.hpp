@@ -1,0 +1,106 @@
+// StagedPipeline: routed_experts forward and backward over EP ranks, as separate kernels:
+//
+//   forward:  route -> dispatch -> fanout -> experts (W13+SwiGLU, W2) -> combine push -> combine reduce
+//   backward: grad_scores -> dispatch grad_out -> fanout+scale -> experts backward -> combine push -> reduce
+//
+// One pipeline serves every rank this process drives: all R virtual ranks (one grid per stage,
+// split by rank), or the single rank of a process-per-GPU NCCL group. Arguments come per launch
+// slot. Backward reuses the forward's saved layout and activations, so it must follow the forward
+// it differentiates, before the next forward on the same pipeline.
+//
+// Balance mode: capacity only (receive rows = receive_capacity_factor * T*K + expert padding);
+// an overflow stops the call on every rank and check() reports it.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "comm/transport.hpp"
+#include "kernels/ep/ep_params.hpp"
+#include "poise/config.hpp"
+#include "poise/context.hpp"
+
+namespace poise::ep {
+
+enum class Stage {
+  route,
+  dispatch,
+  fanout,
+  experts,
+  combine_push,
+  combine_reduce,
+  grad_scores,
+  end,
+};
+const char* to_string(Stage stage);
+
+struct PipelineOptions {
+  uint64_t timeout_ns = 10'000'000'000ull;  // bound on every wait for a peer
+};
+
+// Host copy of one slot's routing layout (tests, diagnostics).
+struct LayoutSnapshot {
+  std::vector<int32_t> dest_row_TK;    // [T*K]
+  std::vector<int32_t> group_offsets;  // [E_local+1]
+  std::vector<int32_t> group_counts;   // [E_local]
+  std::vector<int32_t> row_origin;     // [capacity]
+  std::vector<int32_t> row_primary;    // [capacity]
+};
+
+class StagedPipeline {
+ public:
+  // Rows each rank can receive: receive_capacity_factor*T*K plus 127 rows of padding per local expert,
+  // rounded up to 128.
+  static int64_t capacity_rows(const Config& config, int64_t ep_size);
+  // Bytes of the symmetric workspace each rank must register.
+  static size_t workspace_bytes(const Config& config, int64_t ep_size);
+
+  // All ep_size ranks in this process on the current GPU (virtual ranks).
+  static std::unique_ptr<StagedPipeline> create_virtual(const Config& config, int64_t ep_size,
+                                                        const PipelineOptions& options = {});
+  // Over an existing transport (e.g. comm::NcclTransport), whose workspace holds workspace_bytes().
+  static std::unique_ptr<StagedPipeline> create(const Config& config, std::unique_ptr<comm::Transport> transport);
+  ~StagedPipeline();
+
+  // Host-validates (InvalidArgument naming "args[slot].field") then enqueues. args: one per launch slot.
+  void forward(std::span<const ForwardArgs> args, cudaStream_t stream);
+  void backward(std::span<const BackwardArgs> args, cudaStream_t stream);
+
+  // Waits for `stream`, then throws DeviceError describing the first device error (rank, phase),
+  // root causes (bad id, overflow) before the timeouts they caused. No-op when all is well.
+  void check(cudaStream_t stream);
+  // Clears error words and synchronization state; needed after a failed call. Collective.
+  void reset();
+
+  // Called on the host before each stage is enqueued (and with Stage::end after the last).
+  void set_stage_hook(std::function<void(Stage, cudaStream_t)> hook) { hook_ = std::move(hook); }
+
+  int world_size() const { return transport_->world_size(); }
+  int launch_ranks() const { return transport_->launch_ranks(); }
+  const EpDims& dims() const { return launch_.dims; }
+  comm::Transport& transport() { return *transport_; }
+  LayoutSnapshot snapshot(int slot) const;
+
+  StagedPipeline(const StagedPipeline&) = delete;
+  StagedPipeline& operator=(const StagedPipeline&) = delete;
+
+ private:
+  StagedPipeline(const Config& config, std::unique_ptr<comm::Transport> transport);
+  void stage(Stage s, cudaStream_t stream) {
+    if (hook_) hook_(s, stream);
+  }
+  LaunchIo forward_io(std::span<const ForwardArgs> args) const;
+
+  Config config_;
+  std::unique_ptr<comm::Transport> transport_;
+  EpLaunch launch_;
+  std::vector<void*> allocations_;
+  std::function<void(Stage, cudaStream_t)> hook_;
+};
+
+}  // namespace poise::ep
