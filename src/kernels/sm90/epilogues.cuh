@@ -1,36 +1,57 @@
-// Epilogues of the grouped GEMM: what happens to a warpgroup's 64 x kBlockN fp32 accumulators.
-//
-// Each is called as store<kBlockN>(acc, tile, consumer, thread) by every consumer thread, with the
-// accumulator layout of ptx/wgmma.cuh: d[4j + 2h + c] is tile row 64*consumer + 16*(thread/32)
-// + (thread%32)/4 + 8h, column 8j + 2*(thread%4) + c. Rows past the expert's count and columns
-// past N are never written (they may hold padding rows or a neighbouring expert's weights).
+// Epilogues of the grouped GEMM: what happens to a consumer warpgroup's 64 x kBlockN fp32
+// accumulators (layout in ptx/wgmma.cuh). Each epilogue is called by the 128 threads of one
+// consumer warpgroup as store<kBlockN>(acc, tile, consumer, thread, staging) and goes through
+// shared-memory staging (epilogue_staging.cuh) so global stores are whole 128-byte rows.
+// Rows past the expert's count and column chunks past N are never written (they may be padding
+// rows or a neighbouring expert's weights). D and F are multiples of 64, so a 64-column chunk is
+// either entirely inside N or entirely outside.
 #pragma once
 
 #include <cuda_bf16.h>
 #include <cstdint>
 
 #include "kernels/sm90/activation.cuh"
+#include "kernels/sm90/epilogue_staging.cuh"
 #include "kernels/sm90/tile_scheduler.cuh"
 
 namespace poise::sm90 {
 
-// Where one thread's accumulators land inside the tile.
-struct FragmentCoords {
-  int row0;  // tile row of d[..h=0..]; h = 1 adds 8
-  int col0;  // tile column of d[4j + ...] minus 8j
-  __device__ FragmentCoords(int consumer, int thread)
-      : row0(64 * consumer + 16 * (thread / 32) + (thread % 32) / 4), col0(2 * (thread % 4)) {}
+// Where one thread's accumulators sit in its warpgroup's 64-row slab:
+// d[4j + 2h + c] is slab row `row + 8h`, column 8j + 2*quad + c.
+struct Fragment {
+  int row;
+  int quad;
+  __device__ explicit Fragment(int thread) : row(16 * (thread / 32) + (thread % 32) / 4), quad(thread % 4) {}
 };
 
-__device__ __forceinline__ __nv_bfloat162 pack_bf16x2(float lo, float hi) {
-  return __floats2bfloat162_rn(lo, hi);
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
 }
+__device__ __forceinline__ float bf16_lo(uint32_t v) { return __uint_as_float(v << 16); }
+__device__ __forceinline__ float bf16_hi(uint32_t v) { return __uint_as_float(v & 0xffff0000u); }
+
+// Global address of a grouped row (or nullptr when the slab row is past the expert's count).
+struct GroupedRowAddress {
+  int64_t first_row;  // grouped row of slab row 0
+  int32_t valid;      // slab rows [0, valid) belong to the expert
+  __device__ GroupedRowAddress(const TileInfo& tile, int consumer) {
+    const int32_t m0 = tile.m_block * kTileM + 64 * consumer;
+    first_row = tile.row_begin + m0;
+    valid = tile.row_count - m0;
+  }
+  template <class T>
+  __device__ uint8_t* at(T* base, int64_t row_elems, int64_t col, int r) const {
+    return r < valid ? reinterpret_cast<uint8_t*>(base + (first_row + r) * row_elems + col) : nullptr;
+  }
+};
 
 // FPROP W13 + SwiGLU. The tile's kBlockN h13 columns give kBlockN/2 activation columns:
 //   blocked:     tile columns [0, kBlockN/2) are gate f0 + c, [kBlockN/2, kBlockN) up f0 + c
 //   interleaved: tile column 2q is gate f0 + q, 2q + 1 up f0 + q
 // Writes a_RF (bf16) and, when h13_R2F is set, h13 (bf16, in W13's row order) for backward.
 struct SwigluFpropEpilogue {
+  static constexpr int kStagingBuffers = 1;
   __nv_bfloat16* a_RF;
   __nv_bfloat16* h13_R2F;  // nullable: backward recomputes the forward instead
   int32_t F;
@@ -38,40 +59,68 @@ struct SwigluFpropEpilogue {
   ActivationParams act;
 
   template <int kBlockN>
-  __device__ __forceinline__ void store(const float (&d)[kBlockN / 2], const TileInfo& tile,
-                                        int consumer, int thread) const {
-    const FragmentCoords fc(consumer, thread);
+  __device__ __forceinline__ void store(const float (&d)[kBlockN / 2], const TileInfo& tile, int consumer,
+                                        int thread, uint8_t* buf) const {
+    const Fragment fr(thread);
+    const GroupedRowAddress rows(tile, consumer);
     const int32_t f0 = tile.n_block * (kBlockN / 2);
+    constexpr int kUp = kBlockN / 16;  // first accumulator group of the up half (blocked)
+    // Activation chunks: 64 columns of a each.
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int32_t m = tile.m_block * kTileM + fc.row0 + 8 * h;
-      if (m >= tile.row_count) continue;
-      const int64_t row = tile.row_begin + m;
-      if (!interleaved) {
+    for (int c = 0; c < kBlockN / 128; ++c) {
+      const int32_t fc = f0 + 64 * c;
+      if (fc >= F) break;
+      consumer_warpgroup_sync(consumer);
 #pragma unroll
-        for (int j = 0; j < kBlockN / 16; ++j) {
-          const int32_t f = f0 + 8 * j + fc.col0;
-          if (f >= F) continue;
-          const float g0 = d[4 * j + 2 * h], g1 = d[4 * j + 2 * h + 1];
-          const float u0 = d[4 * (j + kBlockN / 16) + 2 * h], u1 = d[4 * (j + kBlockN / 16) + 2 * h + 1];
-          *reinterpret_cast<__nv_bfloat162*>(a_RF + row * F + f) =
-              pack_bf16x2(swiglu_forward(g0, u0, act), swiglu_forward(g1, u1, act));
-          if (h13_R2F) {
-            *reinterpret_cast<__nv_bfloat162*>(h13_R2F + row * 2 * F + f) = pack_bf16x2(g0, g1);
-            *reinterpret_cast<__nv_bfloat162*>(h13_R2F + row * 2 * F + F + f) = pack_bf16x2(u0, u1);
+      for (int jj = 0; jj < 8; ++jj) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          if (!interleaved) {
+            const int j = 8 * c + jj;
+            const float a0 = swiglu_forward(d[4 * j + 2 * h], d[4 * (j + kUp) + 2 * h], act);
+            const float a1 = swiglu_forward(d[4 * j + 2 * h + 1], d[4 * (j + kUp) + 2 * h + 1], act);
+            stage_put_u32(buf, fr.row + 8 * h, (8 * jj + 2 * fr.quad) * 2, pack_bf16x2(a0, a1));
+            asm volatile("" ::: "memory");  // bounds the compiler's interleaving (register pressure)
+          } else {
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {  // groups 16c + 2jj + half hold a columns 4*(2jj+half) + quad
+              const int j = 16 * c + 2 * jj + half;
+              const float a = swiglu_forward(d[4 * j + 2 * h], d[4 * j + 2 * h + 1], act);
+              const __nv_bfloat16 b = __float2bfloat16_rn(a);
+              stage_put_u16(buf, fr.row + 8 * h, (4 * (2 * jj + half) + fr.quad) * 2,
+                            *reinterpret_cast<const uint16_t*>(&b));
+            }
           }
         }
-      } else {
-#pragma unroll
-        for (int j = 0; j < kBlockN / 8; ++j) {
-          const int32_t f = f0 + 4 * j + fc.col0 / 2;
-          if (f >= F) continue;
-          const float g = d[4 * j + 2 * h], u = d[4 * j + 2 * h + 1];
-          a_RF[row * F + f] = __float2bfloat16_rn(swiglu_forward(g, u, act));
-          if (h13_R2F)
-            *reinterpret_cast<__nv_bfloat162*>(h13_R2F + row * 2 * F + 2 * f) = pack_bf16x2(g, u);
-        }
       }
+      consumer_warpgroup_sync(consumer);
+      staged_copy_out(buf, thread, [&](int r) { return rows.at(a_RF, F, fc, r); });
+    }
+    if (!h13_R2F) return;
+    // h13 chunks: accumulator columns [64c, 64c + 64) go to h13 columns, per layout.
+#pragma unroll
+    for (int c = 0; c < kBlockN / 64; ++c) {
+      int64_t col;
+      bool inside;
+      if (!interleaved) {
+        const int32_t f = f0 + 64 * (c % (kBlockN / 128));
+        inside = f < F;
+        col = (c < kBlockN / 128 ? 0 : F) + f;
+      } else {
+        col = 2 * int64_t(f0) + 64 * c;
+        inside = col < 2 * int64_t(F);
+      }
+      if (!inside) continue;
+      consumer_warpgroup_sync(consumer);
+#pragma unroll
+      for (int jj = 0; jj < 8; ++jj) {
+        const int j = 8 * c + jj;
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+          stage_put_u32(buf, fr.row + 8 * h, (8 * jj + 2 * fr.quad) * 2, pack_bf16x2(d[4 * j + 2 * h], d[4 * j + 2 * h + 1]));
+      }
+      consumer_warpgroup_sync(consumer);
+      staged_copy_out(buf, thread, [&](int r) { return rows.at(h13_R2F, 2 * int64_t(F), col, r); });
     }
   }
 };
@@ -79,37 +128,49 @@ struct SwigluFpropEpilogue {
 // Row-major bf16 store of grouped rows (FPROP W2 -> y_RD, DGRAD W13 -> grad_x_RD), optionally
 // scaled per row by an fp32 routing score.
 struct RowsStoreEpilogue {
+  static constexpr int kStagingBuffers = 1;
   __nv_bfloat16* out_RN;
   const float* scores_R;  // nullable
   int32_t N;
 
   template <int kBlockN>
-  __device__ __forceinline__ void store(const float (&d)[kBlockN / 2], const TileInfo& tile,
-                                        int consumer, int thread) const {
-    const FragmentCoords fc(consumer, thread);
-    const int32_t n0 = tile.n_block * kBlockN + fc.col0;
+  __device__ __forceinline__ void store(const float (&d)[kBlockN / 2], const TileInfo& tile, int consumer,
+                                        int thread, uint8_t* buf) const {
+    const Fragment fr(thread);
+    const GroupedRowAddress rows(tile, consumer);
+    float scale[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int32_t m = tile.m_block * kTileM + fc.row0 + 8 * h;
-      if (m >= tile.row_count) continue;
-      const int64_t row = tile.row_begin + m;
-      const float scale = scores_R ? scores_R[row] : 1.0f;
+      const int r = fr.row + 8 * h;
+      scale[h] = (scores_R && r < rows.valid) ? scores_R[rows.first_row + r] : 1.0f;
+    }
 #pragma unroll
-      for (int j = 0; j < kBlockN / 8; ++j) {
-        const int32_t n = n0 + 8 * j;
-        if (n >= N) continue;
-        *reinterpret_cast<__nv_bfloat162*>(out_RN + row * N + n) =
-            pack_bf16x2(d[4 * j + 2 * h] * scale, d[4 * j + 2 * h + 1] * scale);
+    for (int c = 0; c < kBlockN / 64; ++c) {
+      const int32_t n0 = tile.n_block * kBlockN + 64 * c;
+      if (n0 >= N) break;
+      consumer_warpgroup_sync(consumer);
+#pragma unroll
+      for (int jj = 0; jj < 8; ++jj) {
+        const int j = 8 * c + jj;
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+          stage_put_u32(buf, fr.row + 8 * h, (8 * jj + 2 * fr.quad) * 2,
+                        pack_bf16x2(d[4 * j + 2 * h] * scale[h], d[4 * j + 2 * h + 1] * scale[h]));
       }
+      consumer_warpgroup_sync(consumer);
+      staged_copy_out(buf, thread, [&](int r) { return rows.at(out_RN, N, n0, r); });
     }
   }
 };
 
 // DGRAD W2 + SwiGLU backward. Accumulators hold grad_y . W2 for activation columns f.
 // With scores s (the forward scaled y by s): grad_a = s * acc, the wgrad operand is s * a, and
-// grad_score[row] += sum_f acc * a (lanes of a row reduce, then one atomic per row and thread quad).
+// grad_score[row] += sum_f acc * a (a quad's lanes reduce, then one atomic per row and quad).
+// Three staging buffers: grad of gate, grad of up, s * a (blocked); for interleaved, the two
+// 64-column halves of the chunk's 128 grad_h13 columns, and s * a.
 struct SwigluDgradEpilogue {
-  const __nv_bfloat16* h13_R2F;  // saved (or recomputed) pre-activation, W13's row order
+  static constexpr int kStagingBuffers = 3;
+  const __nv_bfloat16* h13_R2F;  // saved pre-activation, W13's row order
   __nv_bfloat16* grad_h13_R2F;   // out
   __nv_bfloat16* a_RF;           // out, nullable: s * act(h13), the W2 wgrad operand
   const float* scores_R;         // nullable
@@ -119,59 +180,93 @@ struct SwigluDgradEpilogue {
   ActivationParams act;
 
   template <int kBlockN>
-  __device__ __forceinline__ void store(const float (&d)[kBlockN / 2], const TileInfo& tile,
-                                        int consumer, int thread) const {
-    const FragmentCoords fc(consumer, thread);
-    const int32_t f_base = tile.n_block * kBlockN + fc.col0;
+  __device__ __forceinline__ void store(const float (&d)[kBlockN / 2], const TileInfo& tile, int consumer,
+                                        int thread, uint8_t* buf) const {
+    const Fragment fr(thread);
+    const GroupedRowAddress rows(tile, consumer);
+    uint8_t* buf_gate = buf;
+    uint8_t* buf_up = buf + kStagingBytes;
+    uint8_t* buf_a = buf + 2 * kStagingBytes;
+    const int64_t F2 = 2 * int64_t(F);
+    float s[2], score_grad[2] = {0.0f, 0.0f};
+    bool row_ok[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int32_t m = tile.m_block * kTileM + fc.row0 + 8 * h;
-      const bool row_ok = m < tile.row_count;
-      const int64_t row = tile.row_begin + m;
-      const float s = (row_ok && scores_R) ? scores_R[row] : 1.0f;
-      float score_grad = 0.0f;
-      if (row_ok) {
+      const int r = fr.row + 8 * h;
+      row_ok[h] = r < rows.valid;
+      s[h] = (scores_R && row_ok[h]) ? scores_R[rows.first_row + r] : 1.0f;
+    }
 #pragma unroll
-        for (int j = 0; j < kBlockN / 8; ++j) {
-          const int32_t f = f_base + 8 * j;
-          if (f >= F) continue;
+    for (int c = 0; c < kBlockN / 64; ++c) {
+      const int32_t fc = tile.n_block * kBlockN + 64 * c;
+      if (fc >= F) break;
+      consumer_warpgroup_sync(consumer);  // the previous chunk's copy-out is done with the buffers
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        // Issue the row's 16 h13 loads of this chunk before using any of them.
+        uint32_t gate[8], up[8];
+        const __nv_bfloat16* src = h13_R2F + (rows.first_row + fr.row + 8 * h) * F2;
+#pragma unroll
+        for (int jj = 0; jj < 8; ++jj) {
+          const int32_t f = fc + 8 * jj + 2 * fr.quad;
+          gate[jj] = up[jj] = 0;
+          if (!row_ok[h]) continue;
+          if (!interleaved) {
+            gate[jj] = __ldg(reinterpret_cast<const unsigned int*>(src + f));
+            up[jj] = __ldg(reinterpret_cast<const unsigned int*>(src + F + f));
+          } else {  // (g_f, u_f), (g_f+1, u_f+1)
+            const uint2 v = __ldg(reinterpret_cast<const uint2*>(src + 2 * f));
+            gate[jj] = v.x;
+            up[jj] = v.y;
+          }
+        }
+        const int row = fr.row + 8 * h;
+#pragma unroll
+        for (int jj = 0; jj < 8; ++jj) {
+          const int j = 8 * c + jj;
           float g[2], u[2];
           if (!interleaved) {
-            const __nv_bfloat162 gg = *reinterpret_cast<const __nv_bfloat162*>(h13_R2F + row * 2 * F + f);
-            const __nv_bfloat162 uu = *reinterpret_cast<const __nv_bfloat162*>(h13_R2F + row * 2 * F + F + f);
-            g[0] = __low2float(gg); g[1] = __high2float(gg);
-            u[0] = __low2float(uu); u[1] = __high2float(uu);
+            g[0] = bf16_lo(gate[jj]); g[1] = bf16_hi(gate[jj]);
+            u[0] = bf16_lo(up[jj]);   u[1] = bf16_hi(up[jj]);
           } else {
-            const uint2 raw = *reinterpret_cast<const uint2*>(h13_R2F + row * 2 * F + 2 * f);
-            const __nv_bfloat162 p0 = *reinterpret_cast<const __nv_bfloat162*>(&raw.x);
-            const __nv_bfloat162 p1 = *reinterpret_cast<const __nv_bfloat162*>(&raw.y);
-            g[0] = __low2float(p0); u[0] = __high2float(p0);
-            g[1] = __low2float(p1); u[1] = __high2float(p1);
+            g[0] = bf16_lo(gate[jj]); u[0] = bf16_hi(gate[jj]);
+            g[1] = bf16_lo(up[jj]);   u[1] = bf16_hi(up[jj]);
           }
           float a[2], gg[2], gu[2];
 #pragma unroll
-          for (int c = 0; c < 2; ++c) {
-            const float acc = d[4 * j + 2 * h + c];
-            swiglu_backward(g[c], u[c], s * acc, act, a[c], gg[c], gu[c]);
-            score_grad += acc * a[c];
+          for (int cc = 0; cc < 2; ++cc) {
+            const float acc = d[4 * j + 2 * h + cc];
+            swiglu_backward(g[cc], u[cc], s[h] * acc, act, a[cc], gg[cc], gu[cc]);
+            score_grad[h] += acc * a[cc];
           }
           if (!interleaved) {
-            *reinterpret_cast<__nv_bfloat162*>(grad_h13_R2F + row * 2 * F + f) = pack_bf16x2(gg[0], gg[1]);
-            *reinterpret_cast<__nv_bfloat162*>(grad_h13_R2F + row * 2 * F + F + f) = pack_bf16x2(gu[0], gu[1]);
+            stage_put_u32(buf_gate, row, (8 * jj + 2 * fr.quad) * 2, pack_bf16x2(gg[0], gg[1]));
+            stage_put_u32(buf_up, row, (8 * jj + 2 * fr.quad) * 2, pack_bf16x2(gu[0], gu[1]));
           } else {
-            uint2 raw;
-            *reinterpret_cast<__nv_bfloat162*>(&raw.x) = pack_bf16x2(gg[0], gu[0]);
-            *reinterpret_cast<__nv_bfloat162*>(&raw.y) = pack_bf16x2(gg[1], gu[1]);
-            *reinterpret_cast<uint2*>(grad_h13_R2F + row * 2 * F + 2 * f) = raw;
+            // f local 8jj + 2quad + cc -> grad_h13 local columns 16jj + 4quad + 2cc (+1), half jj/4.
+            uint8_t* half = jj < 4 ? buf_gate : buf_up;
+#pragma unroll
+            for (int cc = 0; cc < 2; ++cc)
+              stage_put_u32(half, row, ((16 * jj + 4 * fr.quad + 2 * cc) % 64) * 2, pack_bf16x2(gg[cc], gu[cc]));
           }
-          if (a_RF) *reinterpret_cast<__nv_bfloat162*>(a_RF + row * F + f) = pack_bf16x2(s * a[0], s * a[1]);
+          stage_put_u32(buf_a, row, (8 * jj + 2 * fr.quad) * 2, pack_bf16x2(s[h] * a[0], s[h] * a[1]));
+          asm volatile("" ::: "memory");  // bounds the compiler's interleaving (register pressure)
         }
       }
-      if (grad_scores_R) {
-        // The 4 lanes of a quad share the row; all lanes take part in the shuffles.
-        score_grad += __shfl_xor_sync(0xffffffffu, score_grad, 1);
-        score_grad += __shfl_xor_sync(0xffffffffu, score_grad, 2);
-        if (row_ok && (thread % 4) == 0) atomicAdd(grad_scores_R + row, score_grad);
+      consumer_warpgroup_sync(consumer);
+      const int64_t col_first = interleaved ? 2 * int64_t(fc) : fc;
+      const int64_t col_second = interleaved ? 2 * int64_t(fc) + 64 : F + int64_t(fc);
+      staged_copy_out(buf_gate, thread, [&](int r) { return rows.at(grad_h13_R2F, F2, col_first, r); });
+      staged_copy_out(buf_up, thread, [&](int r) { return rows.at(grad_h13_R2F, F2, col_second, r); });
+      if (a_RF) staged_copy_out(buf_a, thread, [&](int r) { return rows.at(a_RF, F, fc, r); });
+    }
+    if (grad_scores_R) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float v = score_grad[h];
+        v += __shfl_xor_sync(0xffffffffu, v, 1);
+        v += __shfl_xor_sync(0xffffffffu, v, 2);
+        if (row_ok[h] && fr.quad == 0) atomicAdd(grad_scores_R + rows.first_row + fr.row + 8 * h, v);
       }
     }
   }
@@ -179,6 +274,7 @@ struct SwigluDgradEpilogue {
 
 // WGRAD store: out[e][m][n] for m < M, n < N, fp32 or bf16, overwrite or accumulate.
 struct WgradStoreEpilogue {
+  static constexpr int kStagingBuffers = 1;
   void* out_EMN;
   int32_t M;
   int32_t N;
@@ -186,28 +282,65 @@ struct WgradStoreEpilogue {
   int32_t accumulate;
 
   template <int kBlockN>
-  __device__ __forceinline__ void store(const float (&d)[kBlockN / 2], const TileInfo& tile,
-                                        int consumer, int thread) const {
-    const FragmentCoords fc(consumer, thread);
-    const int32_t n0 = tile.n_block * kBlockN + fc.col0;
+  __device__ __forceinline__ void store(const float (&d)[kBlockN / 2], const TileInfo& tile, int consumer,
+                                        int thread, uint8_t* buf) const {
+    const Fragment fr(thread);
+    const int32_t m0 = tile.m_block * kTileM + 64 * consumer;
+    const int64_t first = int64_t(tile.expert) * M + m0;
+    const int32_t valid = M - m0;
+    if (out_fp32) {
+      float* out = static_cast<float*>(out_EMN);
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int32_t m = tile.m_block * kTileM + fc.row0 + 8 * h;
-      if (m >= M) continue;
-      const int64_t base = (static_cast<int64_t>(tile.expert) * M + m) * N;
+      for (int c = 0; c < kBlockN / 32; ++c) {  // 32 fp32 columns = 128 bytes per chunk
+        const int32_t n0 = tile.n_block * kBlockN + 32 * c;
+        if (n0 >= N) break;
+        consumer_warpgroup_sync(consumer);
 #pragma unroll
-      for (int j = 0; j < kBlockN / 8; ++j) {
-        const int32_t n = n0 + 8 * j;
-        if (n >= N) continue;
-        float v0 = d[4 * j + 2 * h], v1 = d[4 * j + 2 * h + 1];
-        if (out_fp32) {
-          float2* p = reinterpret_cast<float2*>(static_cast<float*>(out_EMN) + base + n);
-          if (accumulate) { const float2 old = *p; v0 += old.x; v1 += old.y; }
-          *p = make_float2(v0, v1);
+        for (int jj = 0; jj < 4; ++jj) {
+          const int j = 4 * c + jj;
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+            stage_put_f32x2(buf, fr.row + 8 * h, (8 * jj + 2 * fr.quad) * 4, d[4 * j + 2 * h], d[4 * j + 2 * h + 1]);
+        }
+        consumer_warpgroup_sync(consumer);
+        auto dst = [&](int r) { return r < valid ? reinterpret_cast<uint8_t*>(out + (first + r) * N + n0) : nullptr; };
+        if (accumulate) {
+          staged_combine_out(buf, thread, dst, [](uint4 v, uint4 o) {
+            return make_uint4(__float_as_uint(__uint_as_float(v.x) + __uint_as_float(o.x)),
+                              __float_as_uint(__uint_as_float(v.y) + __uint_as_float(o.y)),
+                              __float_as_uint(__uint_as_float(v.z) + __uint_as_float(o.z)),
+                              __float_as_uint(__uint_as_float(v.w) + __uint_as_float(o.w)));
+          });
         } else {
-          __nv_bfloat162* p = reinterpret_cast<__nv_bfloat162*>(static_cast<__nv_bfloat16*>(out_EMN) + base + n);
-          if (accumulate) { const __nv_bfloat162 old = *p; v0 += __low2float(old); v1 += __high2float(old); }
-          *p = pack_bf16x2(v0, v1);
+          staged_copy_out(buf, thread, dst);
+        }
+      }
+    } else {
+      __nv_bfloat16* out = static_cast<__nv_bfloat16*>(out_EMN);
+#pragma unroll
+      for (int c = 0; c < kBlockN / 64; ++c) {
+        const int32_t n0 = tile.n_block * kBlockN + 64 * c;
+        if (n0 >= N) break;
+        consumer_warpgroup_sync(consumer);
+#pragma unroll
+        for (int jj = 0; jj < 8; ++jj) {
+          const int j = 8 * c + jj;
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+            stage_put_u32(buf, fr.row + 8 * h, (8 * jj + 2 * fr.quad) * 2, pack_bf16x2(d[4 * j + 2 * h], d[4 * j + 2 * h + 1]));
+        }
+        consumer_warpgroup_sync(consumer);
+        auto dst = [&](int r) { return r < valid ? reinterpret_cast<uint8_t*>(out + (first + r) * N + n0) : nullptr; };
+        if (accumulate) {
+          staged_combine_out(buf, thread, dst, [](uint4 v, uint4 o) {
+            uint32_t in[4] = {v.x, v.y, v.z, v.w}, old[4] = {o.x, o.y, o.z, o.w}, res[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+              res[i] = pack_bf16x2(bf16_lo(in[i]) + bf16_lo(old[i]), bf16_hi(in[i]) + bf16_hi(old[i]));
+            return make_uint4(res[0], res[1], res[2], res[3]);
+          });
+        } else {
+          staged_copy_out(buf, thread, dst);
         }
       }
     }

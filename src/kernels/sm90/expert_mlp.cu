@@ -14,7 +14,10 @@ namespace poise::sm90 {
 namespace {
 
 constexpr int kBlockN = 256;
-constexpr int kStages = 4;
+// 4 stages fill shared memory next to one staging buffer per consumer; the SwiGLU-backward
+// epilogue stages three outputs at once and runs with 3 stages.
+template <class Epilogue>
+constexpr int kStagesFor = Epilogue::kStagingBuffers > 1 ? 3 : 4;
 
 void check_cuda(cudaError_t err, const char* what) {
   if (err != cudaSuccess)
@@ -77,8 +80,9 @@ int32_t ceil_div(int64_t a, int64_t b) { return static_cast<int32_t>((a + b - 1)
 template <RowsAre kRows, bool kBMnMajor, class Epilogue>
 void launch(const CUtensorMap& map_a, const CUtensorMap& map_b, const GroupedGemmShape& shape,
             const Epilogue& epilogue, cudaStream_t stream) {
+  constexpr int kStages = kStagesFor<Epilogue>;
   auto kernel = grouped_gemm_kernel<kBlockN, kStages, kRows, kBMnMajor, Epilogue>;
-  constexpr uint32_t smem = GroupedGemmSmem<kBlockN, kStages>::kTotalBytes;
+  constexpr uint32_t smem = GroupedGemmSmem<kBlockN, kStages, Epilogue::kStagingBuffers>::kTotalBytes;
   check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
              "cudaFuncSetAttribute(grouped_gemm_kernel)");
   kernel<<<sm_count(), kThreadsPerCta, smem, stream>>>(map_a, map_b, shape, epilogue);

@@ -22,6 +22,7 @@
 #include "kernels/sm90/ptx/tma.cuh"
 #include "kernels/sm90/ptx/warpgroup.cuh"
 #include "kernels/sm90/ptx/wgmma.cuh"
+#include "kernels/sm90/epilogue_staging.cuh"
 #include "kernels/sm90/tile_scheduler.cuh"
 
 namespace poise::sm90 {
@@ -30,12 +31,15 @@ inline constexpr uint32_t kProducerRegisters = 40;
 inline constexpr uint32_t kConsumerRegisters = 232;
 inline constexpr int kConsumerWarps = 8;
 
-template <int kBlockN, int kStages>
+template <int kBlockN, int kStages, int kStagingBuffers>
 struct GroupedGemmSmem {
   static constexpr uint32_t kABytes = kTileM * kTileK * 2;   // 16 KiB
   static constexpr uint32_t kBBytes = kBlockN * kTileK * 2;  // 32 KiB at kBlockN = 256
   static constexpr uint32_t kStageBytes = kABytes + kBBytes;
-  static constexpr uint32_t kBarrierOffset = kStages * kStageBytes;
+  // Epilogue staging: kStagingBuffers buffers per consumer warpgroup (epilogue_staging.cuh).
+  static constexpr uint32_t kStagingOffset = kStages * kStageBytes;
+  static constexpr uint32_t kStagingPerConsumer = kStagingBuffers * kStagingBytes;
+  static constexpr uint32_t kBarrierOffset = kStagingOffset + 2 * kStagingPerConsumer;
   static constexpr uint32_t kSchedulerOffset = kBarrierOffset + 2 * kStages * sizeof(uint64_t);
   // + 1024 so the kernel can round the dynamic smem base up to the swizzle atom.
   static constexpr uint32_t kTotalBytes = kSchedulerOffset + sizeof(SchedulerStorage) + 1024;
@@ -68,7 +72,7 @@ __global__ void __launch_bounds__(kThreadsPerCta, 1)
                         const __grid_constant__ CUtensorMap map_b, const GroupedGemmShape shape,
                         const Epilogue epilogue) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  using Smem = GroupedGemmSmem<kBlockN, kStages>;
+  using Smem = GroupedGemmSmem<kBlockN, kStages, Epilogue::kStagingBuffers>;
   constexpr bool kAMnMajor = kRows == RowsAre::K;
   static_assert(kRows == RowsAre::M || kBMnMajor, "wgrad reads both operands MN-major");
 
@@ -184,7 +188,8 @@ __global__ void __launch_bounds__(kThreadsPerCta, 1)
       ptx::wgmma_wait_group<0>();
       ptx::fence_accumulators(acc);
       if (k_blocks > 0 && lane == 0) ptx::mbarrier_arrive(&empty_bar[prev_stage]);
-      epilogue.template store<kBlockN>(acc, tile, consumer, consumer_thread % 128);
+      epilogue.template store<kBlockN>(acc, tile, consumer, consumer_thread % 128,
+                                       smem + Smem::kStagingOffset + consumer * Smem::kStagingPerConsumer);
     }
   }
 #endif
