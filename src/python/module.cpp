@@ -10,6 +10,8 @@ NB_MODULE(_poise, m) {
   poise::python::bind_config(m);
   poise::python::bind_plan(m);
   poise::python::bind_context(m);
+  poise::python::bind_routed_experts(m);
+  poise::python::bind_reference(m);
 
   m.def("cuda_device_count", &poise::cuda_device_count,
         "Number of usable CUDA devices (0 without a driver or device). Initializes the CUDA runtime.");

@@ -1,0 +1,84 @@
+// The GPU entry points on raw device pointers and a CUDA stream, for poise.torch_ops' CUDA path:
+// torch passes data_ptr() and torch.cuda.current_stream().cuda_stream, so no DLPack conversion (and
+// none of its stream synchronization) sits on the hot path. Pointers arrive as integers; the C++
+// side validates them and, until the GPU pipeline lands, raises NotAvailable.
+#include <nanobind/stl/string.h>
+
+#include <cstdint>
+#include <string>
+
+#include "poise/context.hpp"
+#include "poise/errors.hpp"
+#include "python/bindings.hpp"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace poise::python {
+namespace {
+
+template <typename T>
+T* pointer(uintptr_t address) {
+  return reinterpret_cast<T*>(address);
+}
+
+ForwardArgs forward_args(uintptr_t x_TD, uintptr_t ids_TK, uintptr_t scores_TK, const std::string& scores_dtype,
+                         uintptr_t w13, const std::string& w13_layout, uintptr_t w2) {
+  ForwardArgs args;
+  args.x_TD = pointer<const void>(x_TD);
+  args.ids_TK = pointer<const int32_t>(ids_TK);
+  args.scores_TK = pointer<const void>(scores_TK);
+  args.scores_dtype = dtype_from_string(scores_dtype, "scores_TK");
+  args.w13 = pointer<const void>(w13);
+  args.w13_layout = w13_layout_from_string(w13_layout);
+  args.w2 = pointer<const void>(w2);
+  return args;
+}
+
+void forward(Context& context, uintptr_t x_TD, uintptr_t ids_TK, uintptr_t scores_TK, const std::string& scores_dtype,
+             uintptr_t w13, const std::string& w13_layout, uintptr_t w2, uintptr_t out_TD, uintptr_t stream) {
+  ForwardArgs args = forward_args(x_TD, ids_TK, scores_TK, scores_dtype, w13, w13_layout, w2);
+  args.out_TD = pointer<void>(out_TD);
+  nb::gil_scoped_release release;
+  routed_experts_forward(context, args, pointer<CUstream_st>(stream));
+}
+
+void backward(Context& context, uintptr_t x_TD, uintptr_t ids_TK, uintptr_t scores_TK, const std::string& scores_dtype,
+              uintptr_t w13, const std::string& w13_layout, uintptr_t w2, uintptr_t grad_out_TD, uintptr_t grad_x_TD,
+              uintptr_t grad_scores_TK, uintptr_t grad_w13, uintptr_t grad_w2, bool accumulate_wgrad,
+              uintptr_t stream) {
+  BackwardArgs args;
+  args.forward = forward_args(x_TD, ids_TK, scores_TK, scores_dtype, w13, w13_layout, w2);
+  args.grad_out_TD = pointer<const void>(grad_out_TD);
+  args.grad_x_TD = pointer<void>(grad_x_TD);
+  args.grad_scores_TK = pointer<void>(grad_scores_TK);
+  args.grad_w13 = pointer<void>(grad_w13);
+  args.grad_w2 = pointer<void>(grad_w2);
+  args.accumulate_wgrad = accumulate_wgrad;
+  nb::gil_scoped_release release;
+  routed_experts_backward(context, args, pointer<CUstream_st>(stream));
+}
+
+}  // namespace
+
+W13Layout w13_layout_from_string(const std::string& s) {
+  if (s == "gate_up_blocked") return W13Layout::gate_up_blocked;
+  if (s == "gate_up_interleaved") return W13Layout::gate_up_interleaved;
+  throw InvalidArgument("w13_layout", "must be 'gate_up_blocked' or 'gate_up_interleaved', got '" + s + "'");
+}
+
+const char* to_string(W13Layout layout) {
+  return layout == W13Layout::gate_up_blocked ? "gate_up_blocked" : "gate_up_interleaved";
+}
+
+void bind_routed_experts(nb::module_& m) {
+  m.def("routed_experts_forward", &forward, "context"_a, "x_TD"_a, "ids_TK"_a, "scores_TK"_a, "scores_dtype"_a,
+        "w13"_a, "w13_layout"_a, "w2"_a, "out_TD"_a, "stream"_a,
+        "poise::routed_experts_forward on device addresses (integers) and a cudaStream_t (integer).");
+  m.def("routed_experts_backward", &backward, "context"_a, "x_TD"_a, "ids_TK"_a, "scores_TK"_a, "scores_dtype"_a,
+        "w13"_a, "w13_layout"_a, "w2"_a, "grad_out_TD"_a, "grad_x_TD"_a, "grad_scores_TK"_a, "grad_w13"_a,
+        "grad_w2"_a, "accumulate_wgrad"_a, "stream"_a,
+        "poise::routed_experts_backward on device addresses (integers) and a cudaStream_t (integer).");
+}
+
+}  // namespace poise::python
