@@ -79,7 +79,9 @@ struct RoutingStats {
   std::vector<int64_t> grouped_rows;         // [R] computed rows + per-expert padding to kExpertRowAlignment
   std::vector<int64_t> received_token_rows;  // [R] token rows dispatched to each rank (a token once per rank)
   std::vector<int64_t> replicas;             // [R] replica slots each rank fills
-  int64_t unplaced_surplus_rows = 0;         // exact mode: surplus that found no replica slot (stays on its owner)
+  int64_t moved_rows = 0;                    // rows computed away from their owner (exact mode)
+  int64_t surplus_rows = 0;                  // sum over ranks of max(0, owner rows - T*K): the least that can move
+  int64_t unplaced_surplus_rows = 0;         // exact mode, B < E_local: surplus that found no slot (stays on its owner)
 
   // max / mean of a per-rank row vector (1.0 = perfectly balanced; 0 when all are empty).
   static double peak_over_mean(const std::vector<int64_t>& rows_per_rank);

@@ -1,6 +1,7 @@
 #include "plan/balance_plan.hpp"
 
 #include <algorithm>
+#include <deque>
 #include <numeric>
 #include <string>
 
@@ -56,7 +57,7 @@ BalancePlan start_plan(std::span<const int64_t> counts_E, int64_t num_ranks, int
   return plan;
 }
 
-// Sorts the pieces, indexes them by expert and sums the rows each rank computes.
+// Sorts the pieces, indexes them by expert and sums what each rank computes and what moved.
 void finish_plan(BalancePlan& plan) {
   std::sort(plan.pieces.begin(), plan.pieces.end(), [](const ExpertPiece& a, const ExpertPiece& b) {
     return a.expert != b.expert ? a.expert < b.expert : a.begin < b.begin;
@@ -65,14 +66,160 @@ void finish_plan(BalancePlan& plan) {
   for (const ExpertPiece& piece : plan.pieces) {
     plan.first_piece_of_expert[piece.expert + 1] += 1;
     plan.computed_rows[piece.rank] += piece.rows();
+    if (piece.rank != plan.owner_of(piece.expert)) plan.moved_rows += piece.rows();
   }
   std::partial_sum(plan.first_piece_of_expert.begin(), plan.first_piece_of_expert.end(),
                    plan.first_piece_of_expert.begin());
+  for (int64_t r = 0; r < plan.num_ranks; ++r) {
+    plan.unplaced_surplus_rows += std::max<int64_t>(0, plan.computed_rows[r] - plan.rows_per_rank);
+  }
 }
 
-struct SurplusRange {
-  int64_t expert, begin, end;
+// A rank's own rows as one sequence: its non-empty experts smallest first, each expert's rows in
+// order. The owner keeps a prefix [0, remaining); donations are cut from the end, so the largest
+// experts leave first and a split expert keeps the prefix [0, keep) of its rows.
+struct OwnRows {
+  std::vector<int64_t> experts;
+  std::vector<int64_t> start;  // [experts + 1] first position of each expert, then the total
+  int64_t remaining = 0;
+
+  int64_t index_at(int64_t position) const {
+    return std::upper_bound(start.begin() + 1, start.end(), position) - (start.begin() + 1);
+  }
+  // How many experts the last `rows` remaining rows belong to: the replica slots they need.
+  int64_t span(int64_t rows) const {
+    return rows == 0 ? 0 : index_at(remaining - 1) - index_at(remaining - rows) + 1;
+  }
 };
+
+class PlanBuilder {
+ public:
+  PlanBuilder(std::span<const int64_t> counts_E, BalancePlan plan) : plan_(std::move(plan)) {
+    const int64_t local = plan_.num_local_experts;
+    own_.resize(plan_.num_ranks);
+    for (int64_t r = 0; r < plan_.num_ranks; ++r) {
+      std::vector<int64_t> order(local);
+      std::iota(order.begin(), order.end(), r * local);
+      std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return counts_E[a] < counts_E[b]; });
+      OwnRows& own = own_[r];
+      own.start.push_back(0);
+      for (int64_t e : order) {
+        if (counts_E[e] == 0) continue;
+        own.experts.push_back(e);
+        own.start.push_back(own.start.back() + counts_E[e]);
+      }
+      own.remaining = own.start.back();
+    }
+    received_.assign(plan_.num_ranks, 0);
+  }
+
+  const OwnRows& own(int64_t rank) const { return own_[rank]; }
+  int64_t computed(int64_t rank) const { return own_[rank].remaining + received_[rank]; }
+  int64_t free_slots(int64_t rank) const { return plan_.replica_slots - plan_.replicas[rank]; }
+
+  // Moves the last `rows` remaining rows of `donor` to `taker`, one replica slot per expert.
+  void donate(int64_t donor, int64_t taker, int64_t rows) {
+    OwnRows& own = own_[donor];
+    received_[taker] += rows;
+    while (rows > 0) {
+      const int64_t i = own.index_at(own.remaining - 1);
+      const int64_t take = std::min(rows, own.remaining - own.start[i]);
+      const int64_t end = own.remaining - own.start[i];
+      plan_.pieces.push_back({own.experts[i], taker, plan_.num_local_experts + plan_.replicas[taker], end - take, end});
+      plan_.replicas[taker] += 1;
+      own.remaining -= take;
+      rows -= take;
+    }
+  }
+
+  // The owners keep what they did not donate, in their own slots.
+  BalancePlan finish() && {
+    for (int64_t r = 0; r < plan_.num_ranks; ++r) {
+      const OwnRows& own = own_[r];
+      for (size_t i = 0; i < own.experts.size() && own.start[i] < own.remaining; ++i) {
+        const int64_t keep = std::min(own.start[i + 1], own.remaining) - own.start[i];
+        plan_.pieces.push_back({own.experts[i], r, own.experts[i] % plan_.num_local_experts, 0, keep});
+      }
+    }
+    finish_plan(plan_);
+    return std::move(plan_);
+  }
+
+ private:
+  BalancePlan plan_;
+  std::vector<OwnRows> own_;
+  std::vector<int64_t> received_;
+};
+
+// Exact whenever replica_slots >= E_local (docs/balance.md proves it); false when it cannot be
+// exact within the slots (only possible with fewer). Takers (ranks under C) are filled one at a
+// time, each completely, from the donors (ranks over C) in queue order:
+//  - if the donors' surpluses, taken in order, complete the taker within its slots, only surplus
+//    moves;
+//  - otherwise the taker takes surplus from the first j donors and its whole remaining need from
+//    donor j (the largest j that fits its slots). Donor j gives beyond its surplus ("overshoots"),
+//    drops below C and joins the takers. j = 0 always fits when B >= E_local: a taker starts with
+//    B free slots and one donor's rows span at most E_local experts.
+bool plan_exact(PlanBuilder& b, int64_t num_ranks, int64_t C) {
+  std::deque<int64_t> donors, takers;
+  for (int64_t r = 0; r < num_ranks; ++r) {
+    if (b.computed(r) > C) donors.push_back(r);
+    if (b.computed(r) < C) takers.push_back(r);
+  }
+  while (!takers.empty()) {
+    const int64_t taker = takers.front();
+    takers.pop_front();
+    const int64_t slots = b.free_slots(taker);
+    int64_t need = C - b.computed(taker);
+    // Walk the donors: slots used by surplus-only takes so far, and where an overshoot would fit.
+    int64_t slots_used = 0, remaining = need;
+    int64_t surplus_only_end = -1, overshoot_at = -1;
+    for (size_t j = 0; j < donors.size() && slots_used <= slots; ++j) {
+      const OwnRows& own = b.own(donors[j]);
+      const int64_t surplus = b.computed(donors[j]) - C;
+      if (remaining <= surplus) {
+        if (slots_used + own.span(remaining) <= slots) surplus_only_end = static_cast<int64_t>(j);
+        break;
+      }
+      if (slots_used + own.span(remaining) <= slots) overshoot_at = static_cast<int64_t>(j);
+      slots_used += own.span(surplus);
+      remaining -= surplus;
+    }
+    const int64_t surplus_donors = surplus_only_end >= 0 ? surplus_only_end : overshoot_at;
+    if (surplus_donors < 0) return false;
+    for (int64_t j = 0; j < surplus_donors; ++j) {  // each gives its whole surplus and is done
+      const int64_t donor = donors.front();
+      const int64_t surplus = b.computed(donor) - C;
+      b.donate(donor, taker, surplus);
+      need -= surplus;
+      donors.pop_front();
+    }
+    const int64_t last = donors.front();
+    b.donate(last, taker, need);
+    if (b.computed(last) <= C) donors.pop_front();
+    if (b.computed(last) < C) takers.push_back(last);  // it overshot
+  }
+  return true;
+}
+
+// Fewer slots than the exact plan needs: only surplus moves, as far as slots allow; what finds
+// no slot stays on its owner (reported as unplaced_surplus_rows).
+void plan_within_slots(PlanBuilder& b, int64_t num_ranks, int64_t C) {
+  int64_t taker = 0;
+  for (int64_t donor = 0; donor < num_ranks; ++donor) {
+    while (b.computed(donor) > C) {
+      while (taker < num_ranks && (b.computed(taker) >= C || b.free_slots(taker) == 0)) ++taker;
+      if (taker == num_ranks) return;
+      int64_t rows = std::min(b.computed(donor) - C, C - b.computed(taker));
+      const OwnRows& own = b.own(donor);
+      if (own.span(rows) > b.free_slots(taker)) {
+        // Only the last free_slots experts fit: their remaining rows.
+        rows = own.remaining - own.start[own.index_at(own.remaining - 1) - b.free_slots(taker) + 1];
+      }
+      b.donate(donor, taker, rows);
+    }
+  }
+}
 
 }  // namespace
 
@@ -94,55 +241,12 @@ BalancePlan plan_exact_balance(std::span<const int64_t> counts_E, int64_t num_ra
   if (replica_slots < 0) {
     throw InvalidArgument("replica_slots", "must be >= 0, got " + std::to_string(replica_slots));
   }
-  BalancePlan plan = start_plan(counts_E, num_ranks, rows_per_rank, replica_slots);
-  const int64_t local = plan.num_local_experts;
-
-  // 1. Every owner keeps its experts' rows up to its capacity C. It keeps its smallest experts
-  //    whole first, so the surplus comes from as few (the largest) experts as possible; a split
-  //    expert keeps the prefix [0, keep) of its rows.
-  std::vector<SurplusRange> surplus;
-  std::vector<int64_t> order(local);
-  for (int64_t r = 0; r < num_ranks; ++r) {
-    const int64_t first = r * local;
-    std::iota(order.begin(), order.end(), int64_t{0});
-    std::stable_sort(order.begin(), order.end(),
-                     [&](int64_t a, int64_t b) { return counts_E[first + a] < counts_E[first + b]; });
-    int64_t capacity_left = rows_per_rank;
-    for (int64_t slot : order) {
-      const int64_t e = first + slot;
-      const int64_t keep = std::min(counts_E[e], capacity_left);
-      capacity_left -= keep;
-      if (keep > 0) plan.pieces.push_back({e, r, slot, 0, keep});
-      if (keep < counts_E[e]) surplus.push_back({e, keep, counts_E[e]});
-    }
-  }
-  std::sort(surplus.begin(), surplus.end(),
-            [](const SurplusRange& a, const SurplusRange& b) { return a.expert < b.expert; });
-
-  // 2. Fill the underloaded ranks' deficits, in rank order, with the surplus ranges in expert
-  //    order (two pointers). Each (expert, rank) pair gets one contiguous piece and one slot.
-  std::vector<int64_t> deficit(num_ranks);
-  for (int64_t r = 0; r < num_ranks; ++r) deficit[r] = std::max<int64_t>(0, rows_per_rank - plan.owner_rows[r]);
-  int64_t taker = 0;
-  for (const SurplusRange& range : surplus) {
-    int64_t row = range.begin;
-    while (row < range.end) {
-      while (taker < num_ranks && (deficit[taker] == 0 || plan.replicas[taker] == replica_slots)) ++taker;
-      if (taker == num_ranks) {
-        // 3. No rank can take more: the rest stays on the owner, in its own slot (fallback).
-        plan.pieces.push_back({range.expert, plan.owner_of(range.expert), range.expert % local, row, range.end});
-        plan.unplaced_surplus_rows += range.end - row;
-        break;
-      }
-      const int64_t take = std::min(range.end - row, deficit[taker]);
-      plan.pieces.push_back({range.expert, taker, local + plan.replicas[taker], row, row + take});
-      plan.replicas[taker] += 1;
-      deficit[taker] -= take;
-      row += take;
-    }
-  }
-  finish_plan(plan);
-  return plan;
+  const BalancePlan start = start_plan(counts_E, num_ranks, rows_per_rank, replica_slots);
+  PlanBuilder exact(counts_E, start);
+  if (plan_exact(exact, num_ranks, rows_per_rank)) return std::move(exact).finish();
+  PlanBuilder fallback(counts_E, start);
+  plan_within_slots(fallback, num_ranks, rows_per_rank);
+  return std::move(fallback).finish();
 }
 
 }  // namespace poise::plan

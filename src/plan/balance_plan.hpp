@@ -32,7 +32,11 @@ struct BalancePlan {
   std::vector<int64_t> owner_rows;     // [R] rows of each rank's own experts (before balancing)
   std::vector<int64_t> computed_rows;  // [R] rows each rank computes under this plan
   std::vector<int64_t> replicas;       // [R] replica slots used on each rank
-  // Surplus rows that found no replica slot and stay on their owner (0 when the plan is exact).
+  // Rows computed away from their owner. The least possible is the total surplus
+  // (sum over ranks of max(0, owner_rows - C)); more moves only when slots force it.
+  int64_t moved_rows = 0;
+  // Rows computed beyond C (sum over ranks): surplus that found no replica slot and stays on its
+  // owner. 0 when the plan is exact, which it always is with replica_slots >= E_local.
   int64_t unplaced_surplus_rows = 0;
 
   bool exact() const { return unplaced_surplus_rows == 0; }
@@ -44,9 +48,11 @@ struct BalancePlan {
 };
 
 // Exact balance. counts_E: rows per expert over all ranks; their sum must be R * rows_per_rank.
-// Every rank computes rows_per_rank rows; only the surplus of overloaded ranks moves, as replicas
-// on underloaded ranks, each (expert, rank) pair at most once, at most replica_slots per rank.
-// Surplus that finds no slot stays on its owner and is counted in unplaced_surplus_rows.
+// With replica_slots >= E_local every rank computes exactly rows_per_rank rows. Rows move as
+// replicas (one slot per (expert, rank), at most replica_slots per rank); an owner keeps its
+// experts' rows up to its capacity and only the surplus moves, unless the slot bound forces a
+// donor to give more (then moved_rows exceeds the surplus). With fewer slots than that needs, only
+// surplus moves, as far as slots allow, and the rest stays on its owner (unplaced_surplus_rows).
 // Throws InvalidArgument("expert_counts" / "num_ranks" / "replica_slots") on bad input.
 BalancePlan plan_exact_balance(std::span<const int64_t> counts_E, int64_t num_ranks,
                                int64_t rows_per_rank, int64_t replica_slots);

@@ -63,7 +63,9 @@ std::vector<std::vector<float>> Engine::forward(const std::vector<RankInputs>& i
   stats.computed_rows = first.plan.computed_rows;
   stats.grouped_rows = first.grouped.grouped_rows_per_rank;
   stats.replicas = first.plan.replicas;
+  stats.moved_rows = first.plan.moved_rows;
   stats.unplaced_surplus_rows = first.plan.unplaced_surplus_rows;
+  for (int64_t rows : stats.owner_rows) stats.surplus_rows += std::max<int64_t>(0, rows - s.T() * s.K());
   stats.received_token_rows.assign(s.ep_size, 0);
   for (const RankState& st : s.ranks) {
     for (int64_t dst = 0; dst < s.ep_size; ++dst) {
