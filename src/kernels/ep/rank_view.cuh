@@ -9,6 +9,15 @@ namespace poise::ep {
 
 inline constexpr unsigned kFullMask = 0xffffffffu;
 
+// The rank's failure flag read once per block, so every thread of the block takes the same
+// branch (a block-wide barrier may follow). Call at most once per kernel.
+__device__ __forceinline__ bool block_rank_failed(const comm::PeerTable& pt) {
+  __shared__ int failed;
+  if (threadIdx.x == 0) failed = comm::rank_failed(pt) ? 1 : 0;
+  __syncthreads();
+  return failed != 0;
+}
+
 // Largest j in [0, n) with offsets[j] <= row (offsets non-decreasing, offsets[0] == 0).
 __device__ __forceinline__ int group_of_row(const int32_t* offsets, int n, int row) {
   int lo = 0, hi = n - 1;

@@ -75,7 +75,7 @@ __global__ void __launch_bounds__(kExchangeThreads)
     counts_exchange_kernel(const PeerTable* tables, EpDims dims, WorkspaceOffsets ws, LaunchScratch scratch) {
   const int slot = blockIdx.x;
   const PeerTable& pt = tables[slot];
-  if (comm::rank_failed(pt)) return;  // peers time out on this rank: it reports its own cause
+  if (block_rank_failed(pt)) return;  // peers time out on this rank: it reports its own cause
   int32_t* chunk_offsets = scratch.rank[slot].chunk_offsets_CE;
   for (int e = threadIdx.x; e < dims.E; e += blockDim.x) {
     int running = 0;
@@ -108,7 +108,7 @@ __global__ void __launch_bounds__(kThreads) route_assign_kernel(const PeerTable*
   const int slot = blockIdx.x / blocks_per_rank;
   const int local_block = blockIdx.x % blocks_per_rank;
   const PeerTable& pt = tables[slot];
-  if (comm::rank_failed(pt)) return;
+  if (block_rank_failed(pt)) return;
   const RankScratch& rs = scratch.rank[slot];
   const int32_t* counts_RE = comm::peer_ptr<int32_t>(pt, pt.rank, ws.counts_RE);
 

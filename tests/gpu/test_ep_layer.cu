@@ -1,0 +1,290 @@
+// The staged EP pipeline over virtual ranks against the float64 model of the whole layer:
+// forward and backward, R in {1, 2, 4, 8}, random and adversarial routings, capacity mode.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <map>
+#include <set>
+
+#include "kernels/device_info.hpp"
+#include "poise/errors.hpp"
+#include "test_ep_world.hpp"
+
+namespace poise::ep::testing {
+namespace {
+
+constexpr double kTolerance = 1e-2;     // norm-wise, bf16 storage of intermediates
+constexpr double kRowTolerance = 4e-2;  // any single token row / expert block
+
+bool have_gpu() { return cuda_device_count() > 0 && is_sm90_device(0); }
+
+uint64_t fresh_seed() {
+  return static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
+}
+
+// Every (t, k) sits in its expert's group on its destination rank, no two share a row, and the
+// destination's metadata points back at it (origin) and at the row that carries its bytes (primary).
+void check_layout(EpWorld& w, const std::vector<ModelOut>& model) {
+  const LayerCase& c = w.c();
+  const int EL = c.E / c.R;
+  std::vector<LayoutSnapshot> snaps;
+  for (int r = 0; r < c.R; ++r) snaps.push_back(w.pipeline().snapshot(r));
+  for (int d = 0; d < c.R; ++d) {
+    const LayoutSnapshot& s = snaps[d];
+    for (int j = 0; j < EL; ++j) {
+      EXPECT_EQ(s.group_offsets[j] % 128, 0) << "rank " << d << " group " << j;
+      EXPECT_EQ(s.group_counts[j], model[d].rows_per_local_expert[j]) << "rank " << d << " group " << j;
+      const int next = j + 1 < EL ? s.group_offsets[j + 1] : s.group_offsets[EL];
+      EXPECT_LE(s.group_offsets[j] + s.group_counts[j], next);
+    }
+  }
+  std::set<std::pair<int, int>> used;
+  for (int src = 0; src < c.R; ++src) {
+    const auto& ids = w.host()[src].ids_TK;
+    for (int t = 0; t < c.T; ++t) {
+      std::map<int, int> primary_row;  // dest rank -> row of the token's first k there
+      for (int k = 0; k < c.K; ++k) {
+        const size_t i = size_t(t) * c.K + k;
+        const int e = ids[i], d = e / EL, j = e % EL;
+        const int row = snaps[src].dest_row_TK[i];
+        const LayoutSnapshot& s = snaps[d];
+        ASSERT_GE(row, s.group_offsets[j]) << "src " << src << " t " << t << " k " << k;
+        ASSERT_LT(row, s.group_offsets[j] + s.group_counts[j]) << "src " << src << " t " << t << " k " << k;
+        ASSERT_TRUE(used.insert({d, row}).second) << "row " << row << " of rank " << d << " used twice";
+        EXPECT_EQ(s.row_origin[row], src * c.T * c.K + int(i));
+        if (!primary_row.count(d)) primary_row[d] = row;
+        EXPECT_EQ(s.row_primary[row], primary_row[d]) << "src " << src << " t " << t << " k " << k;
+      }
+    }
+  }
+}
+
+void check_rows(const std::vector<double>& got, const std::vector<double>& want, int rows, int cols,
+                const std::string& what) {
+  EXPECT_LT(relative_error(got, want), kTolerance) << what;
+  double worst = 0;
+  int worst_row = -1;
+  for (int r = 0; r < rows; ++r) {
+    const double e = relative_error(got, want, size_t(r) * cols, size_t(r + 1) * cols);
+    if (e > worst) worst = e, worst_row = r;
+  }
+  EXPECT_LT(worst, kRowTolerance) << what << ": worst row " << worst_row;
+}
+
+class EpLayer : public ::testing::TestWithParam<LayerCase> {};
+
+TEST_P(EpLayer, ForwardBackwardMatchFloat64Model) {
+  if (!have_gpu()) GTEST_SKIP() << "needs an SM90 GPU";
+  const LayerCase& c = GetParam();
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  EpWorld w(c, seed);
+  const auto model = run_model(w.shape(), w.host());
+  cudaStream_t stream;
+  EP_CUDA_OK(cudaStreamCreate(&stream));
+  w.poison_outputs();
+  w.forward(stream);
+  ASSERT_NO_THROW(w.pipeline().check(stream));
+  w.backward(stream);
+  ASSERT_NO_THROW(w.pipeline().check(stream));
+  check_layout(w, model);
+
+  const int EL = c.E / c.R;
+  const size_t w13n = size_t(EL) * 2 * c.F * c.D, w2n = size_t(EL) * c.D * c.F;
+  std::vector<std::vector<uint16_t>> first_out(c.R);
+  for (int r = 0; r < c.R; ++r) {
+    SCOPED_TRACE("rank " + std::to_string(r));
+    RankDevice& d = w.dev()[r];
+    first_out[r] = d.out->download<uint16_t>(size_t(c.T) * c.D);
+    check_rows(bf16_values(first_out[r]), model[r].out_TD, c.T, c.D, "out_TD");
+    check_rows(bf16_values(d.grad_x->download<uint16_t>(size_t(c.T) * c.D)), model[r].grad_x_TD, c.T, c.D,
+               "grad_x_TD");
+    EXPECT_LT(relative_error(w.scores_as_double(*d.grad_scores), model[r].grad_scores_TK), kTolerance)
+        << "grad_scores_TK";
+    auto gw13 = d.grad_w13->download<float>(w13n);
+    auto gw2 = d.grad_w2->download<float>(w2n);
+    std::vector<double> want13 = model[r].grad_w13_E2FD, want2 = model[r].grad_w2_EDF;
+    if (c.accumulate) {
+      for (size_t i = 0; i < w13n; ++i) want13[i] += w.prior_w13()[r][i];
+      for (size_t i = 0; i < w2n; ++i) want2[i] += w.prior_w2()[r][i];
+    }
+    EXPECT_LT(relative_error(gw13, want13), kTolerance) << "grad_w13";
+    EXPECT_LT(relative_error(gw2, want2), kTolerance) << "grad_w2";
+    const size_t per13 = w13n / EL, per2 = w2n / EL;
+    for (int j = 0; j < EL; ++j) {
+      if (model[r].rows_per_local_expert[j] == 0 && !c.accumulate) {
+        // An expert nobody chose: its gradient is exactly zero, not stale, not NaN.
+        bool all_zero = true;
+        for (size_t i = j * per13; i < (j + 1) * per13; ++i) all_zero &= gw13[i] == 0.0f;
+        for (size_t i = j * per2; i < (j + 1) * per2; ++i) all_zero &= gw2[i] == 0.0f;
+        EXPECT_TRUE(all_zero) << "expert " << j << " received no rows but has nonzero gradients";
+      } else {
+        EXPECT_LT(relative_error(gw13, want13, j * per13, (j + 1) * per13), kRowTolerance) << "grad_w13 expert " << j;
+        EXPECT_LT(relative_error(gw2, want2, j * per2, (j + 1) * per2), kRowTolerance) << "grad_w2 expert " << j;
+      }
+    }
+  }
+
+  // Deterministic: the same inputs give the same bits.
+  w.poison_outputs();
+  w.forward(stream);
+  ASSERT_NO_THROW(w.pipeline().check(stream));
+  for (int r = 0; r < c.R; ++r) {
+    EXPECT_EQ(w.dev()[r].out->download<uint16_t>(size_t(c.T) * c.D), first_out[r]) << "rank " << r << " run 2";
+  }
+  EP_CUDA_OK(cudaStreamDestroy(stream));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Routings, EpLayer,
+    ::testing::Values(
+        LayerCase{1, 100, 192, 128, 8, 4},
+        LayerCase{2, 77, 128, 192, 8, 3},
+        LayerCase{4, 64, 192, 128, 16, 4},
+        LayerCase{8, 48, 192, 128, 32, 4},
+        LayerCase{4, 64, 128, 128, 16, 4, Routing::hot_expert, 3.0},
+        LayerCase{8, 40, 128, 128, 32, 4, Routing::same_rank, 2.0},
+        LayerCase{4, 64, 192, 192, 16, 4, Routing::skip_last, 2.0},
+        LayerCase{2, 64, 128, 128, 8, 2, Routing::random, 2.0, Activation::swiglu_clamped, DType::bf16, false, 0.75},
+        LayerCase{8, 48, 128, 128, 16, 2, Routing::random, 2.0, Activation::swiglu, DType::fp32, true}),
+    [](const ::testing::TestParamInfo<LayerCase>& info) { return case_name(info.param); });
+
+// Captured once, replayed for a different routing: the call has no host sync and static shapes.
+TEST(EpLayerGraph, ReplayFollowsNewRouting) {
+  if (!have_gpu()) GTEST_SKIP() << "needs an SM90 GPU";
+  const LayerCase c{4, 64, 128, 128, 16, 4};
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  EpWorld w(c, seed);
+  cudaStream_t stream;
+  EP_CUDA_OK(cudaStreamCreate(&stream));
+  // Warm-up outside capture (first launches load modules).
+  w.forward(stream);
+  w.backward(stream);
+  ASSERT_NO_THROW(w.pipeline().check(stream));
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  EP_CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  w.forward(stream);
+  w.backward(stream);
+  EP_CUDA_OK(cudaStreamEndCapture(stream, &graph));
+  EP_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+  for (Routing routing : {Routing::random, Routing::hot_expert}) {
+    SCOPED_TRACE(to_string(routing));
+    w.new_routing(routing);
+    w.poison_outputs();
+    const auto model = run_model(w.shape(), w.host());
+    EP_CUDA_OK(cudaGraphLaunch(exec, stream));
+    ASSERT_NO_THROW(w.pipeline().check(stream));
+    for (int r = 0; r < c.R; ++r) {
+      RankDevice& d = w.dev()[r];
+      EXPECT_LT(relative_error(bf16_values(d.out->download<uint16_t>(size_t(c.T) * c.D)), model[r].out_TD),
+                kTolerance) << "rank " << r;
+      EXPECT_LT(relative_error(bf16_values(d.grad_x->download<uint16_t>(size_t(c.T) * c.D)), model[r].grad_x_TD),
+                kTolerance) << "rank " << r;
+    }
+  }
+  EP_CUDA_OK(cudaGraphExecDestroy(exec));
+  EP_CUDA_OK(cudaGraphDestroy(graph));
+  EP_CUDA_OK(cudaStreamDestroy(stream));
+}
+
+// More rows for one rank than planned: reported on every rank (the numbers are global), nothing
+// written, and the pipeline works again after reset().
+TEST(EpLayerErrors, CapacityOverflowIsReportedThenRecovers) {
+  if (!have_gpu()) GTEST_SKIP() << "needs an SM90 GPU";
+  const LayerCase c{2, 256, 128, 128, 4, 2, Routing::random, 1.0};
+  EpWorld w(c, fresh_seed(), 500'000'000ull);
+  // Every token of both ranks to experts 0 and 1 (rank 0): rank 0 needs 2*T*K rows, capacity ~T*K.
+  for (int r = 0; r < c.R; ++r) {
+    for (size_t i = 0; i < w.host()[r].ids_TK.size(); ++i) w.host()[r].ids_TK[i] = int32_t(i % 2);
+    w.dev()[r].ids->upload(w.host()[r].ids_TK);
+  }
+  cudaStream_t stream;
+  EP_CUDA_OK(cudaStreamCreate(&stream));
+  w.poison_outputs();
+  w.forward(stream);
+  try {
+    w.pipeline().check(stream);
+    FAIL() << "overflow not reported";
+  } catch (const DeviceError& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("capacity overflow"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("rank 0 would receive"), std::string::npos) << msg;
+    EXPECT_EQ(msg.find("timed out"), std::string::npos) << "overflow must stop all ranks together: " << msg;
+  }
+  // Nothing was combined: the outputs keep their poison.
+  auto out = w.dev()[1].out->download<uint16_t>(size_t(c.T) * c.D);
+  EXPECT_TRUE(std::isnan(from_bf16(out[0])));
+  w.pipeline().reset();
+  w.new_routing(Routing::random);
+  w.poison_outputs();
+  const auto model = run_model(w.shape(), w.host());
+  w.forward(stream);
+  ASSERT_NO_THROW(w.pipeline().check(stream));
+  for (int r = 0; r < c.R; ++r) {
+    EXPECT_LT(relative_error(bf16_values(w.dev()[r].out->download<uint16_t>(size_t(c.T) * c.D)), model[r].out_TD),
+              kTolerance);
+  }
+  EP_CUDA_OK(cudaStreamDestroy(stream));
+}
+
+// An expert id out of range on one rank: that rank reports it; the others stop at the counts
+// exchange with a bounded wait instead of hanging.
+TEST(EpLayerErrors, BadExpertIdIsReportedWithoutHang) {
+  if (!have_gpu()) GTEST_SKIP() << "needs an SM90 GPU";
+  const LayerCase c{4, 64, 128, 128, 16, 2};
+  EpWorld w(c, fresh_seed(), 200'000'000ull);
+  w.host()[1].ids_TK[7] = c.E + 3;
+  w.dev()[1].ids->upload(w.host()[1].ids_TK);
+  cudaStream_t stream;
+  EP_CUDA_OK(cudaStreamCreate(&stream));
+  const auto start = std::chrono::steady_clock::now();
+  w.forward(stream);
+  try {
+    w.pipeline().check(stream);
+    FAIL() << "bad id not reported";
+  } catch (const DeviceError& e) {
+    const std::string msg = e.what();
+    EXPECT_EQ(msg.rfind("EP device error: rank 1, route (count): ids_TK holds expert id 19", 0), 0u) << msg;
+    EXPECT_NE(msg.find("timed out"), std::string::npos) << msg;
+  }
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_LT(seconds, 5.0);
+  w.pipeline().reset();
+  EP_CUDA_OK(cudaStreamDestroy(stream));
+}
+
+TEST(EpLayerErrors, HostRejectsBadArgumentsBeforeLaunch) {
+  if (!have_gpu()) GTEST_SKIP() << "needs an SM90 GPU";
+  const LayerCase c{2, 32, 128, 128, 4, 2};
+  EpWorld w(c, fresh_seed());
+  auto args = w.forward_args();
+  args[1].x_TD = nullptr;
+  try {
+    w.pipeline().forward(args, nullptr);
+    FAIL() << "null x_TD accepted";
+  } catch (const InvalidArgument& e) {
+    EXPECT_EQ(e.name(), "args[1].x_TD");
+  }
+  args = w.forward_args();
+  args.pop_back();
+  EXPECT_THROW(w.pipeline().forward(args, nullptr), InvalidArgument);
+  args = w.forward_args();
+  args[0].out_TD = static_cast<char*>(args[0].out_TD) + 2;
+  try {
+    w.pipeline().forward(args, nullptr);
+    FAIL() << "misaligned out_TD accepted";
+  } catch (const InvalidArgument& e) {
+    EXPECT_EQ(e.name(), "args[0].out_TD");
+  }
+  Config exact = make_config(c);
+  exact.balance = Balance::exact;
+  EXPECT_THROW(StagedPipeline::create_virtual(exact, 2), NotAvailable);
+  Config too_many = make_config(c);
+  too_many.num_experts = 16;
+  EXPECT_THROW(StagedPipeline::create_virtual(too_many, 16), InvalidArgument);  // > 8 virtual ranks
+}
+
+}  // namespace
+}  // namespace poise::ep::testing

@@ -1,0 +1,238 @@
+// Support for the EP data-path GPU tests: bf16 on the host, random routings, device buffers per
+// rank, and the float64 model of the whole layer across ranks (the oracle).
+#pragma once
+
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "poise/config.hpp"
+
+namespace poise::ep::testing {
+
+#define EP_CUDA_OK(expr)                                                                          \
+  do {                                                                                            \
+    cudaError_t status_ = (expr);                                                                 \
+    ASSERT_EQ(status_, cudaSuccess) << #expr << ": " << cudaGetErrorString(status_);            \
+  } while (0)
+
+inline uint16_t to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  // NaN
+  u += 0x7fffu + ((u >> 16) & 1u);                      // round to nearest even
+  return static_cast<uint16_t>(u >> 16);
+}
+inline float from_bf16(uint16_t h) {
+  uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline double round_bf16(double v) { return from_bf16(to_bf16(static_cast<float>(v))); }
+
+constexpr uint16_t kBf16NaN = 0x7fc0;
+
+enum class Routing {
+  random,        // K distinct experts per token, uniform
+  hot_expert,    // every token of every rank picks expert 0 first: one expert takes T*R rows
+  same_rank,     // all K experts of token t on rank (t mod R): every token row fans out K times
+  skip_last,     // no token picks an expert of the last rank: it receives nothing
+};
+
+inline const char* to_string(Routing r) {
+  switch (r) {
+    case Routing::random: return "random";
+    case Routing::hot_expert: return "hot_expert";
+    case Routing::same_rank: return "same_rank";
+    case Routing::skip_last: return "skip_last";
+  }
+  return "?";
+}
+
+// ids [T*K] for one rank.
+inline std::vector<int32_t> make_ids(Routing routing, int T, int K, int E, int R, std::mt19937_64& rng) {
+  const int E_local = E / R;
+  std::vector<int32_t> ids(static_cast<size_t>(T) * K);
+  for (int t = 0; t < T; ++t) {
+    std::vector<int32_t> pool;
+    int first_fixed = -1;
+    switch (routing) {
+      case Routing::random:
+        for (int e = 0; e < E; ++e) pool.push_back(e);
+        break;
+      case Routing::hot_expert:
+        first_fixed = 0;
+        for (int e = 1; e < E; ++e) pool.push_back(e);
+        break;
+      case Routing::same_rank: {
+        const int r = t % R;
+        for (int j = 0; j < E_local; ++j) pool.push_back(r * E_local + j);
+        break;
+      }
+      case Routing::skip_last:
+        for (int e = 0; e < (R > 1 ? E - E_local : E); ++e) pool.push_back(e);
+        break;
+    }
+    std::shuffle(pool.begin(), pool.end(), rng);
+    int k0 = 0;
+    if (first_fixed >= 0) ids[static_cast<size_t>(t) * K + k0++] = first_fixed;
+    for (int k = k0; k < K; ++k) ids[static_cast<size_t>(t) * K + k] = pool[k - k0];
+  }
+  return ids;
+}
+
+// Random bf16 values, uniform in [-scale, scale].
+inline std::vector<uint16_t> random_bf16(size_t n, float scale, std::mt19937_64& rng) {
+  std::uniform_real_distribution<float> dist(-scale, scale);
+  std::vector<uint16_t> v(n);
+  for (auto& x : v) x = to_bf16(dist(rng));
+  return v;
+}
+
+// ---- float64 model -------------------------------------------------------------------------
+
+struct ModelShape {
+  int R, T, D, F, E, K;
+  Activation activation = Activation::swiglu;
+  double alpha = 1.702, limit = 7.0;
+  int E_local() const { return E / R; }
+};
+
+inline double sigmoid(double v) { return 1.0 / (1.0 + std::exp(-v)); }
+
+inline double swiglu(double g, double u, const ModelShape& s) {
+  if (s.activation == Activation::swiglu) return g * sigmoid(g) * u;
+  const double gc = std::min(g, s.limit), uc = std::clamp(u, -s.limit, s.limit);
+  return gc * sigmoid(s.alpha * gc) * (uc + 1.0);
+}
+
+inline void swiglu_grad(double g, double u, double ga, const ModelShape& s, double& dg, double& du) {
+  if (s.activation == Activation::swiglu) {
+    const double sg = sigmoid(g);
+    dg = ga * u * sg * (1.0 + g * (1.0 - sg));
+    du = ga * g * sg;
+    return;
+  }
+  const double gc = std::min(g, s.limit), uc = std::clamp(u, -s.limit, s.limit);
+  const double sg = sigmoid(s.alpha * gc);
+  dg = g <= s.limit ? ga * (uc + 1.0) * sg * (1.0 + s.alpha * gc * (1.0 - sg)) : 0.0;
+  du = (u >= -s.limit && u <= s.limit) ? ga * gc * sg : 0.0;
+}
+
+struct RankData {  // host copies, bf16 as raw bits
+  std::vector<uint16_t> x_TD, w13_E2FD, w2_EDF, grad_out_TD;
+  std::vector<int32_t> ids_TK;
+  std::vector<float> scores_TK;  // values (already bf16-exact when scores are bf16)
+};
+
+struct ModelOut {  // per rank
+  std::vector<double> out_TD, grad_x_TD, grad_scores_TK, grad_w13_E2FD, grad_w2_EDF;
+  std::vector<int64_t> rows_per_local_expert;
+};
+
+// The layer in float64 from the bf16 inputs. Intermediates the GPU stores in bf16 (h13, a, y) are
+// rounded to bf16 the same way, so the comparison measures arithmetic error, not storage choices.
+inline std::vector<ModelOut> run_model(const ModelShape& s, const std::vector<RankData>& in) {
+  const int EL = s.E_local();
+  const size_t F2 = 2 * static_cast<size_t>(s.F);
+  std::vector<ModelOut> out(s.R);
+  for (int r = 0; r < s.R; ++r) {
+    out[r].out_TD.assign(static_cast<size_t>(s.T) * s.D, 0.0);
+    out[r].grad_x_TD.assign(static_cast<size_t>(s.T) * s.D, 0.0);
+    out[r].grad_scores_TK.assign(static_cast<size_t>(s.T) * s.K, 0.0);
+    out[r].grad_w13_E2FD.assign(static_cast<size_t>(EL) * F2 * s.D, 0.0);
+    out[r].grad_w2_EDF.assign(static_cast<size_t>(EL) * s.D * s.F, 0.0);
+    out[r].rows_per_local_expert.assign(EL, 0);
+  }
+  std::vector<double> x(s.D), h(F2), a(s.F), y(s.D), go(s.D), gy(s.D), ga(s.F), gh(F2);
+  for (int src = 0; src < s.R; ++src) {
+    const RankData& d = in[src];
+    for (int t = 0; t < s.T; ++t) {
+      for (int k = 0; k < s.K; ++k) {
+        const int e = d.ids_TK[static_cast<size_t>(t) * s.K + k];
+        const int owner = e / EL, j = e % EL;
+        const double score = d.scores_TK[static_cast<size_t>(t) * s.K + k];
+        const RankData& w = in[owner];
+        ModelOut& mo = out[owner];
+        mo.rows_per_local_expert[j]++;
+        const uint16_t* w13 = w.w13_E2FD.data() + static_cast<size_t>(j) * F2 * s.D;
+        const uint16_t* w2 = w.w2_EDF.data() + static_cast<size_t>(j) * s.D * s.F;
+        for (int c = 0; c < s.D; ++c) x[c] = from_bf16(d.x_TD[static_cast<size_t>(t) * s.D + c]);
+        for (size_t n = 0; n < F2; ++n) {
+          double acc = 0;
+          for (int c = 0; c < s.D; ++c) acc += x[c] * from_bf16(w13[n * s.D + c]);
+          h[n] = acc;
+        }
+        for (int f = 0; f < s.F; ++f) a[f] = round_bf16(swiglu(h[f], h[s.F + f], s));
+        for (int c = 0; c < s.D; ++c) {
+          double acc = 0;
+          for (int f = 0; f < s.F; ++f) acc += a[f] * from_bf16(w2[static_cast<size_t>(c) * s.F + f]);
+          y[c] = round_bf16(acc);
+          out[src].out_TD[static_cast<size_t>(t) * s.D + c] += score * y[c];
+        }
+        // backward
+        double gs = 0;
+        for (int c = 0; c < s.D; ++c) {
+          go[c] = from_bf16(d.grad_out_TD[static_cast<size_t>(t) * s.D + c]);
+          gs += go[c] * y[c];
+          gy[c] = score * go[c];
+        }
+        out[src].grad_scores_TK[static_cast<size_t>(t) * s.K + k] = gs;
+        for (int f = 0; f < s.F; ++f) {
+          double acc = 0;
+          for (int c = 0; c < s.D; ++c) acc += gy[c] * from_bf16(w2[static_cast<size_t>(c) * s.F + f]);
+          ga[f] = acc;
+        }
+        for (int f = 0; f < s.F; ++f) {
+          double dg, du;
+          swiglu_grad(round_bf16(h[f]), round_bf16(h[s.F + f]), ga[f], s, dg, du);
+          gh[f] = dg;
+          gh[s.F + f] = du;
+        }
+        for (int c = 0; c < s.D; ++c) {
+          double acc = 0;
+          for (size_t n = 0; n < F2; ++n) acc += gh[n] * from_bf16(w13[n * s.D + c]);
+          out[src].grad_x_TD[static_cast<size_t>(t) * s.D + c] += acc;
+        }
+        double* gw2 = mo.grad_w2_EDF.data() + static_cast<size_t>(j) * s.D * s.F;
+        for (int c = 0; c < s.D; ++c)
+          for (int f = 0; f < s.F; ++f) gw2[static_cast<size_t>(c) * s.F + f] += gy[c] * a[f];
+        double* gw13 = mo.grad_w13_E2FD.data() + static_cast<size_t>(j) * F2 * s.D;
+        for (size_t n = 0; n < F2; ++n)
+          for (int c = 0; c < s.D; ++c) gw13[n * s.D + c] += gh[n] * x[c];
+      }
+    }
+  }
+  return out;
+}
+
+// ||got - want|| / ||want||; infinite if any element of got is not finite.
+template <typename Got>
+double relative_error(const std::vector<Got>& got, const std::vector<double>& want, size_t begin = 0,
+                      size_t end = SIZE_MAX) {
+  end = std::min(end, want.size());
+  double num = 0, den = 0;
+  for (size_t i = begin; i < end; ++i) {
+    const double g = static_cast<double>(got[i]);
+    if (!std::isfinite(g)) return INFINITY;
+    num += (g - want[i]) * (g - want[i]);
+    den += want[i] * want[i];
+  }
+  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+}
+
+inline std::vector<double> bf16_values(const std::vector<uint16_t>& v) {
+  std::vector<double> out(v.size());
+  for (size_t i = 0; i < v.size(); ++i) out[i] = from_bf16(v[i]);
+  return out;
+}
+
+}  // namespace poise::ep::testing

@@ -1,0 +1,222 @@
+// EpWorld: one test world of R virtual ranks: a StagedPipeline, random inputs per rank (host and
+// device copies), poisoned outputs, and the float64 model's answer.
+#pragma once
+
+#include <memory>
+
+#include "moe/ep/staged_pipeline.hpp"
+#include "test_ep_support.hpp"
+
+namespace poise::ep::testing {
+
+struct LayerCase {
+  int R, T, D, F, E, K;
+  Routing routing = Routing::random;
+  double capacity_factor = 2.0;
+  Activation activation = Activation::swiglu;
+  DType scores = DType::fp32;
+  bool accumulate = false;
+  double swiglu_limit = 7.0;
+};
+
+inline std::string case_name(const LayerCase& c) {
+  return "R" + std::to_string(c.R) + "_T" + std::to_string(c.T) + "_D" + std::to_string(c.D) + "_F" +
+         std::to_string(c.F) + "_E" + std::to_string(c.E) + "_K" + std::to_string(c.K) + "_" + to_string(c.routing) +
+         (c.activation == Activation::swiglu_clamped ? "_clamped" : "") +
+         (c.scores == DType::bf16 ? "_bf16scores" : "") + (c.accumulate ? "_accumulate" : "");
+}
+
+inline Config make_config(const LayerCase& c) {
+  Config cfg;
+  cfg.num_local_input_tokens = c.T;
+  cfg.hidden_dim = c.D;
+  cfg.intermediate_dim = c.F;
+  cfg.top_k = c.K;
+  cfg.num_experts = c.E;
+  cfg.activation = c.activation;
+  cfg.swiglu_limit = c.swiglu_limit;
+  cfg.balance = Balance::capacity;
+  cfg.receive_capacity_factor = c.capacity_factor;
+  return cfg;
+}
+
+struct DeviceArray {
+  void* ptr = nullptr;
+  size_t bytes = 0;
+  DeviceArray() = default;
+  explicit DeviceArray(size_t n) : bytes(n) {
+    if (cudaMalloc(&ptr, n) != cudaSuccess) throw std::runtime_error("cudaMalloc failed in test");
+  }
+  ~DeviceArray() { cudaFree(ptr); }
+  DeviceArray(const DeviceArray&) = delete;
+  DeviceArray& operator=(const DeviceArray&) = delete;
+  template <typename T>
+  void upload(const std::vector<T>& v) {
+    if (cudaMemcpy(ptr, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice) != cudaSuccess)
+      throw std::runtime_error("upload failed");
+  }
+  template <typename T>
+  std::vector<T> download(size_t n) const {
+    std::vector<T> v(n);
+    if (cudaMemcpy(v.data(), ptr, n * sizeof(T), cudaMemcpyDeviceToHost) != cudaSuccess)
+      throw std::runtime_error("download failed");
+    return v;
+  }
+  void fill_bytes(int byte) {
+    if (cudaMemset(ptr, byte, bytes) != cudaSuccess) throw std::runtime_error("memset failed");
+  }
+};
+
+struct RankDevice {
+  std::unique_ptr<DeviceArray> x, ids, scores, w13, w2, out, grad_out, grad_x, grad_scores, grad_w13, grad_w2;
+};
+
+class EpWorld {
+ public:
+  EpWorld(const LayerCase& c, uint64_t seed, uint64_t timeout_ns = 2'000'000'000ull)
+      : c_(c), rng_(seed), shape_{c.R, c.T, c.D, c.F, c.E, c.K, c.activation, 1.702, c.swiglu_limit} {
+    config_ = make_config(c);
+    PipelineOptions options;
+    options.timeout_ns = timeout_ns;
+    pipeline_ = StagedPipeline::create_virtual(config_, c.R, options);
+    const int EL = c.E / c.R;
+    const size_t TD = size_t(c.T) * c.D, TK = size_t(c.T) * c.K;
+    const size_t w13n = size_t(EL) * 2 * c.F * c.D, w2n = size_t(EL) * c.D * c.F;
+    host_.resize(c.R);
+    dev_.resize(c.R);
+    for (int r = 0; r < c.R; ++r) {
+      RankData& h = host_[r];
+      h.x_TD = random_bf16(TD, 1.0f, rng_);
+      h.w13_E2FD = random_bf16(w13n, 3.0f / std::sqrt(float(c.D)), rng_);
+      h.w2_EDF = random_bf16(w2n, 3.0f / std::sqrt(float(c.F)), rng_);
+      h.grad_out_TD = random_bf16(TD, 1.0f, rng_);
+      RankDevice& d = dev_[r];
+      d.x = std::make_unique<DeviceArray>(TD * 2);
+      d.ids = std::make_unique<DeviceArray>(TK * 4);
+      d.scores = std::make_unique<DeviceArray>(TK * 4);
+      d.w13 = std::make_unique<DeviceArray>(w13n * 2);
+      d.w2 = std::make_unique<DeviceArray>(w2n * 2);
+      d.out = std::make_unique<DeviceArray>(TD * 2);
+      d.grad_out = std::make_unique<DeviceArray>(TD * 2);
+      d.grad_x = std::make_unique<DeviceArray>(TD * 2);
+      d.grad_scores = std::make_unique<DeviceArray>(TK * 4);
+      d.grad_w13 = std::make_unique<DeviceArray>(w13n * 4);
+      d.grad_w2 = std::make_unique<DeviceArray>(w2n * 4);
+      d.x->upload(h.x_TD);
+      d.w13->upload(h.w13_E2FD);
+      d.w2->upload(h.w2_EDF);
+      d.grad_out->upload(h.grad_out_TD);
+    }
+    new_routing(c.routing);
+  }
+
+  // Fresh ids and scores (same buffers: a captured graph sees the new routing).
+  void new_routing(Routing routing) {
+    std::uniform_real_distribution<float> score_dist(0.1f, 1.0f);
+    for (int r = 0; r < c_.R; ++r) {
+      RankData& h = host_[r];
+      h.ids_TK = make_ids(routing, c_.T, c_.K, c_.E, c_.R, rng_);
+      h.scores_TK.resize(h.ids_TK.size());
+      std::vector<uint16_t> scores_bf16(h.ids_TK.size());
+      for (size_t i = 0; i < h.scores_TK.size(); ++i) {
+        scores_bf16[i] = to_bf16(score_dist(rng_));
+        h.scores_TK[i] = c_.scores == DType::bf16 ? from_bf16(scores_bf16[i]) : score_dist(rng_);
+      }
+      dev_[r].ids->upload(h.ids_TK);
+      if (c_.scores == DType::bf16) dev_[r].scores->upload(scores_bf16);
+      else dev_[r].scores->upload(h.scores_TK);
+    }
+  }
+
+  // NaN in every output; random values in the weight grads when accumulating (kept for the check).
+  void poison_outputs() {
+    for (int r = 0; r < c_.R; ++r) {
+      RankDevice& d = dev_[r];
+      d.out->fill_bytes(0xff);  // 0xffff: a bf16 NaN
+      d.grad_x->fill_bytes(0xff);
+      d.grad_scores->fill_bytes(0xff);  // NaN as fp32 and as bf16
+      if (c_.accumulate) {
+        std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+        prior_w13_.resize(c_.R);
+        prior_w2_.resize(c_.R);
+        prior_w13_[r].resize(d.grad_w13->bytes / 4);
+        prior_w2_[r].resize(d.grad_w2->bytes / 4);
+        for (auto& v : prior_w13_[r]) v = dist(rng_);
+        for (auto& v : prior_w2_[r]) v = dist(rng_);
+        d.grad_w13->upload(prior_w13_[r]);
+        d.grad_w2->upload(prior_w2_[r]);
+      } else {
+        d.grad_w13->fill_bytes(0xff);
+        d.grad_w2->fill_bytes(0xff);
+      }
+    }
+  }
+
+  std::vector<ForwardArgs> forward_args() const {
+    std::vector<ForwardArgs> args(c_.R);
+    for (int r = 0; r < c_.R; ++r) {
+      const RankDevice& d = dev_[r];
+      args[r].x_TD = d.x->ptr;
+      args[r].ids_TK = static_cast<const int32_t*>(d.ids->ptr);
+      args[r].scores_TK = d.scores->ptr;
+      args[r].scores_dtype = c_.scores;
+      args[r].w13 = d.w13->ptr;
+      args[r].w2 = d.w2->ptr;
+      args[r].out_TD = d.out->ptr;
+    }
+    return args;
+  }
+
+  std::vector<BackwardArgs> backward_args() const {
+    const std::vector<ForwardArgs> fwd = forward_args();
+    std::vector<BackwardArgs> args(c_.R);
+    for (int r = 0; r < c_.R; ++r) {
+      const RankDevice& d = dev_[r];
+      args[r].forward = fwd[r];
+      args[r].grad_out_TD = d.grad_out->ptr;
+      args[r].grad_x_TD = d.grad_x->ptr;
+      args[r].grad_scores_TK = d.grad_scores->ptr;
+      args[r].grad_w13 = d.grad_w13->ptr;
+      args[r].grad_w2 = d.grad_w2->ptr;
+      args[r].accumulate_wgrad = c_.accumulate;
+    }
+    return args;
+  }
+
+  void forward(cudaStream_t stream) { pipeline_->forward(forward_args(), stream); }
+  void backward(cudaStream_t stream) { pipeline_->backward(backward_args(), stream); }
+
+  std::vector<double> scores_as_double(const DeviceArray& a) const {
+    const size_t n = size_t(c_.T) * c_.K;
+    std::vector<double> v(n);
+    if (c_.scores == DType::bf16) {
+      auto raw = a.download<uint16_t>(n);
+      for (size_t i = 0; i < n; ++i) v[i] = from_bf16(raw[i]);
+    } else {
+      auto raw = a.download<float>(n);
+      for (size_t i = 0; i < n; ++i) v[i] = raw[i];
+    }
+    return v;
+  }
+
+  const LayerCase& c() const { return c_; }
+  const ModelShape& shape() const { return shape_; }
+  const std::vector<RankData>& host() const { return host_; }
+  std::vector<RankData>& host() { return host_; }
+  std::vector<RankDevice>& dev() { return dev_; }
+  StagedPipeline& pipeline() { return *pipeline_; }
+  const std::vector<std::vector<float>>& prior_w13() const { return prior_w13_; }
+  const std::vector<std::vector<float>>& prior_w2() const { return prior_w2_; }
+
+ private:
+  LayerCase c_;
+  std::mt19937_64 rng_;
+  ModelShape shape_;
+  Config config_;
+  std::unique_ptr<StagedPipeline> pipeline_;
+  std::vector<RankData> host_;
+  std::vector<RankDevice> dev_;
+  std::vector<std::vector<float>> prior_w13_, prior_w2_;
+};
+
+}  // namespace poise::ep::testing
