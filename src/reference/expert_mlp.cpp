@@ -56,11 +56,13 @@ void expert_backward(const ExpertShape& shape, const SwigluParams& act, int64_t 
       grad_h13[g] = round_to_bf16(grad_gate);
       grad_h13[u] = round_to_bf16(grad_up);
     }
-    // grad_x[d] = sum_j grad_h13[j] * W13[j][d], summed over j in order.
+    // grad_x[d] = sum_j grad_h13[j] * W13[j][d], summed over all gate rows then all up rows,
+    // in f order, whatever the layout (so both layouts give the same bits).
     std::fill(grad_x.begin(), grad_x.end(), 0.0f);
     for (int64_t j = 0; j < 2 * F; ++j) {
-      const float* w13_row = w13_2FD + j * D;
-      for (int64_t d = 0; d < D; ++d) grad_x[d] += grad_h13[j] * w13_row[d];
+      const int64_t row = j < F ? shape.gate_row(j) : shape.up_row(j - F);
+      const float* w13_row = w13_2FD + row * D;
+      for (int64_t d = 0; d < D; ++d) grad_x[d] += grad_h13[row] * w13_row[d];
     }
     for (int64_t d = 0; d < D; ++d) grad_x_RD[r * D + d] = round_to_bf16(grad_x[d]);
 
