@@ -188,7 +188,11 @@ int main(int argc, char** argv) {
   const double bytes_written_remote = double(rows_crossing) * row_bytes + double(R) * TK * 12.0;
   const double combine_bytes_remote = double(entries_remote) * row_bytes;
   const double flops_fwd = 6.0 * rows_received * D * F;
-  auto m = [&](std::map<std::string, std::vector<double>>& s, const char* k) { return median(s[k]); };
+  // Median of a stage's times; 0 for a stage the pass does not have (never inserts a key).
+  auto m = [&](const std::map<std::string, std::vector<double>>& s, const char* k) {
+    const auto it = s.find(k);
+    return it == s.end() ? 0.0 : median(it->second);
+  };
   const double dispatch_ms = m(fwd_ms, "dispatch"), fanout_ms = m(fwd_ms, "fanout");
   const double push_ms = m(fwd_ms, "combine_push"), reduce_ms = m(fwd_ms, "combine_reduce");
   const double fwd_total = m(fwd_ms, "total"), bwd_total = m(bwd_ms, "total");

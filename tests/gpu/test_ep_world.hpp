@@ -2,6 +2,7 @@
 // device copies), poisoned outputs, and the float64 model's answer.
 #pragma once
 
+#include <functional>
 #include <memory>
 
 #include "moe/ep/staged_pipeline.hpp"
@@ -71,14 +72,18 @@ struct RankDevice {
   std::unique_ptr<DeviceArray> x, ids, scores, w13, w2, out, grad_out, grad_x, grad_scores, grad_w13, grad_w2;
 };
 
+using PipelineFactory = std::function<std::unique_ptr<StagedPipeline>(const Config&)>;
+
 class EpWorld {
  public:
-  EpWorld(const LayerCase& c, uint64_t seed, uint64_t timeout_ns = 2'000'000'000ull)
+  // Virtual ranks by default; `make` builds the pipeline over another transport (c.R must then
+  // equal its launch ranks).
+  EpWorld(const LayerCase& c, uint64_t seed, uint64_t timeout_ns = 2'000'000'000ull, PipelineFactory make = {})
       : c_(c), rng_(seed), shape_{c.R, c.T, c.D, c.F, c.E, c.K, c.activation, 1.702, c.swiglu_limit} {
     config_ = make_config(c);
     PipelineOptions options;
     options.timeout_ns = timeout_ns;
-    pipeline_ = StagedPipeline::create_virtual(config_, c.R, options);
+    pipeline_ = make ? make(config_) : StagedPipeline::create_virtual(config_, c.R, options);
     const int EL = c.E / c.R;
     const size_t TD = size_t(c.T) * c.D, TK = size_t(c.T) * c.K;
     const size_t w13n = size_t(EL) * 2 * c.F * c.D, w2n = size_t(EL) * c.D * c.F;
