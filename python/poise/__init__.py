@@ -1,13 +1,15 @@
 """Poise: the routed experts of Mixture-of-Experts layers across expert-parallel GPUs.
 
 Importing poise does no CUDA work and needs no GPU: Config, plan_memory and the errors are pure
-host code. See docs/python.md.
+host code. The PyTorch ops (poise.routed_experts, poise.torch_ops, poise.reference) import torch
+on first use. See docs/python.md and docs/pytorch.md.
 """
 
 from .errors import DeviceError, InvalidArgument, NotAvailable  # first: the extension raises these
 from . import _poise
 from .config import Config
 from .context import Context, create_context
+from .options import ExecutionOptions
 from .plan import MemoryPlan, plan_memory
 
 cuda_device_count = _poise.cuda_device_count
@@ -16,11 +18,26 @@ __all__ = [
     "Config",
     "Context",
     "DeviceError",
+    "ExecutionOptions",
     "InvalidArgument",
     "MemoryPlan",
     "NotAvailable",
     "create_context",
     "cuda_device_count",
     "plan_memory",
+    "routed_experts",
 ]
 __version__ = "0.1.0"
+
+# The PyTorch parts load on first use, so `import poise` imports neither torch nor numpy.
+_LAZY_MODULES = ("reference", "torch_ops", "torch_checks")
+
+
+def __getattr__(name: str):
+    import importlib
+
+    if name in _LAZY_MODULES:
+        return importlib.import_module(f".{name}", __name__)
+    if name == "routed_experts":
+        return importlib.import_module(".torch_ops", __name__).routed_experts
+    raise AttributeError(f"module 'poise' has no attribute {name!r}")

@@ -3,21 +3,61 @@
 Contract: creation and close() are collective (every rank of the EP group, same Config); a context
 is sequentially reusable (one call in flight, calls ordered on the stream); after an aborted call,
 reset() before the next one; after close(), reset() and calls raise poise.InvalidArgument.
+
+A context runs on a device: 'cuda' (the GPU engine: the C++ Context) or 'cpu' (the CPU reference
+engine, for tests and development; the torch ops create it on first use). Nothing here imports
+torch unless a torch.distributed group is passed.
 """
 
 from __future__ import annotations
 
+import itertools
+import weakref
+from typing import Any, Optional
+
 from . import _poise
 from .config import Config, from_cpp, to_cpp
-from .errors import as_index
+from .errors import InvalidArgument, as_index
 from .plan import MemoryPlan, plan_from_cpp
+
+# Live contexts by handle: the torch ops carry the handle (an int), not the object.
+_live_contexts: "weakref.WeakValueDictionary[int, Context]" = weakref.WeakValueDictionary()
+_handles = itertools.count(1)
+
+
+def _device_name(device: object) -> str:
+    """'cpu', 'cuda' or 'cuda:N' from a string or a torch.device (str(torch.device('cuda', 1)) == 'cuda:1')."""
+    name = device if isinstance(device, str) else str(device)
+    kind, _, index = name.partition(":")
+    if kind == "cpu" and not index:
+        return name
+    if kind == "cuda" and (not index or (index.isdigit() and str(int(index)) == index)):
+        return name
+    raise InvalidArgument("device", f"must be 'cpu', 'cuda' or 'cuda:N' (or a torch.device), got {device!r}")
 
 
 class Context:
     """A Poise context for rank ``rank`` of an EP group of ``ep_size`` ranks. Collective to create."""
 
-    def __init__(self, config: Config, *, ep_size: int, rank: int):
-        self._cpp = _poise.Context.create(to_cpp(config), as_index("ep_size", ep_size), as_index("rank", rank))
+    def __init__(self, config: Config, *, ep_size: int, rank: int, device: object = "cuda", group: Any = None):
+        self._device = _device_name(device)
+        ep_size, rank = as_index("ep_size", ep_size), as_index("rank", rank)
+        self._cpp = _poise.Context.create(to_cpp(config), ep_size, rank)
+        if self._device == "cpu" and ep_size > 1 and group is None:
+            self._cpp.close()
+            raise InvalidArgument(
+                "group",
+                f"a CPU context with ep_size={ep_size} needs the torch.distributed group of its ranks; "
+                "for virtual ranks in one process use poise.reference.Engine",
+            )
+        self._group = group
+        self._backend: Any = None  # the engine the torch ops run on, created on first use
+        cpp_config = self._cpp.config
+        self._activation_slot: Optional[tuple[int, int]] = (
+            (0, 1) if not cpp_config.inference and cpp_config.num_activation_slots > 0 else None
+        )
+        self.handle = next(_handles)
+        _live_contexts[self.handle] = self
 
     @property
     def config(self) -> Config:
@@ -36,16 +76,63 @@ class Context:
         return self._cpp.rank
 
     @property
+    def device(self) -> str:
+        """'cpu', 'cuda' (any CUDA device) or 'cuda:N': where this context's tensors must live."""
+        return self._device
+
+    @property
+    def group(self) -> Any:
+        """The torch.distributed group of the EP ranks, or None (one rank, or in-process ranks)."""
+        return self._group
+
+    @property
     def closed(self) -> bool:
         return self._cpp.closed
+
+    @property
+    def activation_slot(self) -> Optional[tuple[int, int]]:
+        """(slot, num_moe_layers_in_slot) the next forward saves into; None for an inference context."""
+        return self._activation_slot
+
+    def select_activation_slot(self, slot: int, num_moe_layers_in_slot: int = 1) -> None:
+        """Makes the next forwards save what backward needs into ``slot``, shared by that many layers.
+
+        Each of the ``num_moe_layers_in_slot`` layers gets an equal share of the slot's room; what
+        does not fit is recomputed in backward. The CPU reference keeps everything, so there this is
+        bookkeeping only (validated like on the GPU).
+        """
+        self._require_open()
+        config = self._cpp.config
+        if config.inference:
+            raise InvalidArgument("context", "was created with inference=true: it has no activation slots")
+        slot = as_index("slot", slot)
+        num_layers = as_index("num_moe_layers_in_slot", num_moe_layers_in_slot)
+        if not 0 <= slot < config.num_activation_slots:
+            raise InvalidArgument(
+                "slot", f"must be in [0, num_activation_slots={config.num_activation_slots}), got {slot}"
+            )
+        limit = config.max_moe_layers_per_activation_slot
+        if not 1 <= num_layers <= limit:
+            raise InvalidArgument(
+                "num_moe_layers_in_slot",
+                f"must be in [1, max_moe_layers_per_activation_slot={limit}], got {num_layers}",
+            )
+        self._activation_slot = (slot, num_layers)
 
     def reset(self) -> None:
         """Recovers after an aborted call (an exception, a device timeout). Raises once closed."""
         self._cpp.reset()
+        if self._backend is not None:
+            self._backend.reset()
 
     def close(self) -> None:
         """Releases every buffer. Collective; closing a closed context does nothing."""
         self._cpp.close()
+        self._backend = None
+
+    def _require_open(self) -> None:
+        if self.closed:
+            raise InvalidArgument("context", "was closed; create a new one")
 
     def __enter__(self) -> Context:
         return self
@@ -55,9 +142,52 @@ class Context:
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else "open"
-        return f"<poise.Context rank {self.rank} of {self.ep_size}, {state}>"
+        return f"<poise.Context rank {self.rank} of {self.ep_size} on {self.device}, {state}>"
 
 
-def create_context(*, config: Config, ep_size: int, rank: int) -> Context:
-    """Creates this rank's Context; every rank of the EP group calls it with the same config."""
-    return Context(config, ep_size=ep_size, rank=rank)
+def context_from_handle(handle: int) -> Context:
+    """The live Context a torch op refers to, or InvalidArgument naming 'context'."""
+    context = _live_contexts.get(handle)
+    if context is None:
+        raise InvalidArgument("context", f"no live poise.Context has handle {handle} (was it garbage-collected?)")
+    return context
+
+
+def _group_size_and_rank(group: Any) -> tuple[int, int]:
+    import torch.distributed as dist  # only when a group is given: `import poise` stays torch-free
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise InvalidArgument("group", "torch.distributed is not initialized (call init_process_group first)")
+    try:
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+    except (ValueError, RuntimeError, TypeError, AttributeError) as error:
+        raise InvalidArgument("group", f"is not a torch.distributed process group: {error}") from None
+    if rank < 0:
+        raise InvalidArgument("group", "this process is not a member of the group")
+    return size, rank
+
+
+def create_context(
+    *,
+    config: Config,
+    group: Any = None,
+    device: object = "cuda",
+    ep_size: Optional[int] = None,
+    rank: Optional[int] = None,
+) -> Context:
+    """Creates this rank's Context; every rank of the EP group calls it with the same config.
+
+    With ``group`` (a torch.distributed group, e.g. ``dist.group.WORLD``), ep_size and rank are the
+    group's (passing them too is allowed if they agree). Without a group: ``ep_size`` (default 1)
+    and ``rank`` (default 0). ``device``: 'cuda' / 'cuda:N' / a torch.device for the GPU engine,
+    'cpu' for the CPU reference engine.
+    """
+    if group is not None:
+        group_size, group_rank = _group_size_and_rank(group)
+        if ep_size is not None and as_index("ep_size", ep_size) != group_size:
+            raise InvalidArgument("ep_size", f"is {ep_size} but the group has {group_size} ranks")
+        if rank is not None and as_index("rank", rank) != group_rank:
+            raise InvalidArgument("rank", f"is {rank} but this process is rank {group_rank} of the group")
+        ep_size, rank = group_size, group_rank
+    return Context(config, ep_size=1 if ep_size is None else ep_size, rank=0 if rank is None else rank,
+                   device=device, group=group)

@@ -1,0 +1,32 @@
+"""poise.ExecutionOptions: per-call switches of routed_experts. Plain data, no torch needed."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .errors import InvalidArgument
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ExecutionOptions:
+    """How one routed_experts call runs (the layer's shapes and buffers live in the Config).
+
+    accumulate_wgrad: backward adds the weight grads into the existing accumulation buffers
+        (``w.main_grad`` if the parameter has one, else ``w.grad``) in place, and autograd gets
+        ``None`` for w13 and w2 (docs/pytorch.md, "Weight-gradient accumulation").
+    deterministic_combine: the weighted top-k sum of every token is added in a fixed order, so
+        two runs give identical bits. The CPU reference is always deterministic.
+    clip_statistics: also return how many SwiGLU inputs the clamped activation clipped
+        (not reported by the CPU reference yet: raises poise.NotAvailable).
+    """
+
+    accumulate_wgrad: bool = False
+    deterministic_combine: bool = True
+    clip_statistics: bool = False
+
+    def validate(self) -> None:
+        """Raises poise.InvalidArgument naming a field that is not a bool."""
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if not isinstance(value, bool):
+                raise InvalidArgument(field.name, f"must be a bool, got {type(value).__name__} {value!r}")

@@ -1,0 +1,256 @@
+"""PyTorch integration: the torch.library ops poise::routed_experts_*, their fake (meta)
+implementations and autograd, and poise.routed_experts.
+
+Ops (namespace "poise"; importing this module registers them):
+
+  routed_experts_forward(x_TD, ids_TK, scores_TK, w13, w2, context_handle, w13_layout,
+                         accumulate_wgrad, deterministic_combine) -> out_TD
+  routed_experts_backward(grad_out_TD, x_TD, ids_TK, scores_TK, w13, w2, context_handle,
+                          w13_layout, deterministic_combine) -> (grad_x_TD, grad_scores_TK, grad_w13, grad_w2)
+  routed_experts_backward_accumulate(..., grad_w13_acc!, grad_w2_acc!) -> (grad_x_TD, grad_scores_TK)
+
+The context travels as its integer handle; the context itself keeps what backward needs (the GPU
+in an activation slot, the CPU reference in its engine), so forward returns out_TD only. A CUDA
+context gets raw pointers and the current stream (no DLPack conversion, no hidden stream sync);
+a CPU context runs the reference engine. See docs/pytorch.md.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+from . import _poise
+from .context import Context, context_from_handle
+from .errors import InvalidArgument, NotAvailable
+from .options import ExecutionOptions
+from .reference import ContextEngine, check_accumulation_buffer
+from .torch_checks import SCORES_DTYPES, check_grad_out, check_inputs, check_w13_layout, wgrad_dtype
+
+
+# ---- engines behind a context --------------------------------------------------------------------
+
+
+class CudaEngine:
+    """A CUDA context's calls: device pointers and the current stream into the C++ entry points."""
+
+    def __init__(self, context: Context):
+        self._context = context
+
+    def reset(self) -> None:
+        pass
+
+    def forward(self, x_TD, ids_TK, scores_TK, w13, w2, w13_layout: str) -> Tensor:
+        out_TD = torch.empty_like(x_TD)
+        stream = torch.cuda.current_stream(x_TD.device).cuda_stream
+        _poise.routed_experts_forward(
+            self._context._cpp, x_TD.data_ptr(), ids_TK.data_ptr(), scores_TK.data_ptr(),
+            SCORES_DTYPES[scores_TK.dtype], w13.data_ptr(), w13_layout, w2.data_ptr(), out_TD.data_ptr(), stream,
+        )
+        return out_TD
+
+    def backward(self, grad_out_TD, x_TD, ids_TK, scores_TK, w13, w2, w13_layout: str, accumulate):
+        grad_x_TD, grad_scores_TK = torch.empty_like(x_TD), torch.empty_like(scores_TK)
+        if accumulate is None:
+            dtype = wgrad_dtype(self._context._cpp.config)
+            grad_w13, grad_w2 = torch.empty_like(w13, dtype=dtype), torch.empty_like(w2, dtype=dtype)
+        else:
+            grad_w13, grad_w2 = accumulate
+        stream = torch.cuda.current_stream(x_TD.device).cuda_stream
+        _poise.routed_experts_backward(
+            self._context._cpp, x_TD.data_ptr(), ids_TK.data_ptr(), scores_TK.data_ptr(),
+            SCORES_DTYPES[scores_TK.dtype], w13.data_ptr(), w13_layout, w2.data_ptr(), grad_out_TD.data_ptr(),
+            grad_x_TD.data_ptr(), grad_scores_TK.data_ptr(), grad_w13.data_ptr(), grad_w2.data_ptr(),
+            accumulate is not None, stream,
+        )
+        return grad_x_TD, grad_scores_TK, grad_w13, grad_w2
+
+
+def _open_context(handle: int) -> Context:
+    context = context_from_handle(handle)
+    context._require_open()
+    return context
+
+
+def _engine(context: Context) -> Any:
+    if context._backend is None:
+        context._backend = ContextEngine(context) if context.device == "cpu" else CudaEngine(context)
+    return context._backend
+
+
+def _check_call(context: Context, x_TD, ids_TK, scores_TK, w13, w2, w13_layout) -> None:
+    check_w13_layout(w13_layout)
+    check_inputs(context._cpp.config, context.ep_size, context.device, x_TD, ids_TK, scores_TK, w13, w2)
+
+
+# ---- the ops -------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("poise::routed_experts_forward", mutates_args=())
+def routed_experts_forward(
+    x_TD: Tensor, ids_TK: Tensor, scores_TK: Tensor, w13: Tensor, w2: Tensor,
+    context_handle: int, w13_layout: str, accumulate_wgrad: bool, deterministic_combine: bool,
+) -> Tensor:
+    context = _open_context(context_handle)
+    _check_call(context, x_TD, ids_TK, scores_TK, w13, w2, w13_layout)
+    return _engine(context).forward(x_TD, ids_TK, scores_TK, w13, w2, w13_layout)
+
+
+@routed_experts_forward.register_fake
+def _(x_TD, ids_TK, scores_TK, w13, w2, context_handle, w13_layout, accumulate_wgrad, deterministic_combine):
+    _check_call(_open_context(context_handle), x_TD, ids_TK, scores_TK, w13, w2, w13_layout)
+    return torch.empty_like(x_TD)
+
+
+@torch.library.custom_op("poise::routed_experts_backward", mutates_args=())
+def routed_experts_backward(
+    grad_out_TD: Tensor, x_TD: Tensor, ids_TK: Tensor, scores_TK: Tensor, w13: Tensor, w2: Tensor,
+    context_handle: int, w13_layout: str, deterministic_combine: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    context = _open_backward(context_handle, grad_out_TD, x_TD, ids_TK, scores_TK, w13, w2, w13_layout)
+    return _engine(context).backward(grad_out_TD, x_TD, ids_TK, scores_TK, w13, w2, w13_layout, None)
+
+
+@routed_experts_backward.register_fake
+def _(grad_out_TD, x_TD, ids_TK, scores_TK, w13, w2, context_handle, w13_layout, deterministic_combine):
+    context = _open_backward(context_handle, grad_out_TD, x_TD, ids_TK, scores_TK, w13, w2, w13_layout)
+    dtype = wgrad_dtype(context._cpp.config)
+    return (torch.empty_like(x_TD), torch.empty_like(scores_TK),
+            torch.empty_like(w13, dtype=dtype), torch.empty_like(w2, dtype=dtype))
+
+
+@torch.library.custom_op("poise::routed_experts_backward_accumulate", mutates_args=("grad_w13_acc", "grad_w2_acc"))
+def routed_experts_backward_accumulate(
+    grad_out_TD: Tensor, x_TD: Tensor, ids_TK: Tensor, scores_TK: Tensor, w13: Tensor, w2: Tensor,
+    context_handle: int, w13_layout: str, deterministic_combine: bool, grad_w13_acc: Tensor, grad_w2_acc: Tensor,
+) -> tuple[Tensor, Tensor]:
+    context = _open_backward(context_handle, grad_out_TD, x_TD, ids_TK, scores_TK, w13, w2, w13_layout)
+    _check_accumulation(context, w13, w2, grad_w13_acc, grad_w2_acc)
+    grad_x_TD, grad_scores_TK, _, _ = _engine(context).backward(
+        grad_out_TD, x_TD, ids_TK, scores_TK, w13, w2, w13_layout, (grad_w13_acc, grad_w2_acc))
+    return grad_x_TD, grad_scores_TK
+
+
+@routed_experts_backward_accumulate.register_fake
+def _(grad_out_TD, x_TD, ids_TK, scores_TK, w13, w2, context_handle, w13_layout, deterministic_combine,
+      grad_w13_acc, grad_w2_acc):
+    context = _open_backward(context_handle, grad_out_TD, x_TD, ids_TK, scores_TK, w13, w2, w13_layout)
+    _check_accumulation(context, w13, w2, grad_w13_acc, grad_w2_acc)
+    return torch.empty_like(x_TD), torch.empty_like(scores_TK)
+
+
+def _open_backward(context_handle, grad_out_TD, x_TD, ids_TK, scores_TK, w13, w2, w13_layout) -> Context:
+    context = _open_context(context_handle)
+    if context._cpp.config.inference:
+        raise InvalidArgument("context", "was created with inference=true; backward needs a training context")
+    _check_call(context, x_TD, ids_TK, scores_TK, w13, w2, w13_layout)
+    check_grad_out(context._cpp.config, context.device, grad_out_TD)
+    return context
+
+
+def _check_accumulation(context: Context, w13, w2, grad_w13_acc, grad_w2_acc) -> None:
+    check_accumulation_buffer("grad_w13_acc", grad_w13_acc, w13, context._cpp.config)
+    check_accumulation_buffer("grad_w2_acc", grad_w2_acc, w2, context._cpp.config)
+
+
+# ---- autograd ------------------------------------------------------------------------------------
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    x_TD, ids_TK, scores_TK, w13, w2, handle, w13_layout, accumulate_wgrad, deterministic_combine = inputs
+    ctx.save_for_backward(x_TD, ids_TK, scores_TK, w13, w2)
+    ctx.context = context_from_handle(handle)  # keeps the context alive until backward
+    ctx.w13_layout, ctx.deterministic_combine = w13_layout, deterministic_combine
+    # With accumulation the parameters themselves are needed: their .main_grad / .grad.
+    ctx.weights = (w13, w2) if accumulate_wgrad else None
+
+
+def _backward(ctx, grad_out_TD):
+    x_TD, ids_TK, scores_TK, w13, w2 = ctx.saved_tensors
+    needs = ctx.needs_input_grad
+    # Autograd may hand a broadcast (stride 0) or otherwise strided gradient: the ops need rows.
+    grad_out_TD = grad_out_TD.contiguous()
+    args = (grad_out_TD, x_TD, ids_TK, scores_TK, w13, w2, ctx.context.handle, ctx.w13_layout,
+            ctx.deterministic_combine)
+    if ctx.weights is None:
+        grad_x, grad_scores, grad_w13, grad_w2 = torch.ops.poise.routed_experts_backward(*args)
+    else:
+        config = ctx.context._cpp.config
+        buffers = [accumulation_buffer(weight, name, config) if need else torch.zeros_like(weight, dtype=wgrad_dtype(config))
+                   for weight, name, need in zip(ctx.weights, ("w13", "w2"), needs[3:5])]
+        grad_x, grad_scores = torch.ops.poise.routed_experts_backward_accumulate(*args, *buffers)
+        grad_w13 = grad_w2 = None  # already added into the buffers: autograd must not add them again
+    return (grad_x if needs[0] else None, None, grad_scores if needs[2] else None,
+            grad_w13 if needs[3] else None, grad_w2 if needs[4] else None, None, None, None, None)
+
+
+torch.library.register_autograd("poise::routed_experts_forward", _backward, setup_context=_setup_context)
+
+
+def accumulation_buffer(weight: Tensor, name: str, config: Any) -> Tensor:
+    """Where accumulate_wgrad adds a weight's grad: ``weight.main_grad`` if the attribute exists
+    (Megatron's gradient_accumulation_fusion contract), else ``weight.grad`` (created as zeros when
+    None, if the weight's dtype is Config.wgrad_dtype). Checked: shape, device, dtype, contiguity."""
+    dtype = wgrad_dtype(config)
+    if hasattr(weight, "main_grad"):
+        buffer, label = weight.main_grad, f"{name}.main_grad"
+    else:
+        label = f"{name}.grad"
+        if weight.grad is None:
+            if weight.dtype != dtype:
+                raise InvalidArgument(
+                    name, f"accumulate_wgrad adds {dtype} grads (Config.wgrad_dtype={config.wgrad_dtype}) but "
+                          f"{name} is {weight.dtype} and has no .main_grad: give it a {dtype} .main_grad buffer")
+            weight.grad = torch.zeros_like(weight, memory_format=torch.contiguous_format)
+        buffer = weight.grad
+    check_accumulation_buffer(label, buffer, weight, config)
+    return buffer
+
+
+# ---- the user API --------------------------------------------------------------------------------
+
+
+def routed_experts(
+    x_TD: Tensor,
+    ids_TK: Tensor,
+    scores_TK: Tensor,
+    w13: Tensor,
+    w2: Tensor,
+    context: Context,
+    options: Optional[ExecutionOptions] = None,
+    *,
+    w13_layout: str = "gate_up_blocked",
+) -> Tensor:
+    """The routed experts of one MoE layer on this rank: out_TD[t] = sum_k scores_TK[t,k] * expert(x_TD[t]).
+
+    x_TD bf16 [T, D]; ids_TK int32 [T, K] global expert ids (distinct per token); scores_TK bf16 or
+    fp32 [T, K]; w13 bf16 [E_local, 2, F, D] / [E_local, 2F, D] / [E_local*2F, D] (gate rows then up
+    rows per expert, or interleaved with w13_layout='gate_up_interleaved'); w2 bf16 [E_local, D, F]
+    / [E_local*D, F]. Returns out_TD bf16 [T, D]. Differentiable in x_TD, scores_TK, w13 and w2.
+    Collective over the context's EP group. Raises poise.InvalidArgument naming the argument.
+    """
+    if not isinstance(context, Context):
+        raise InvalidArgument("context", f"must be a poise.Context, got {type(context).__name__}")
+    context._require_open()
+    options = ExecutionOptions() if options is None else options
+    if not isinstance(options, ExecutionOptions):
+        raise InvalidArgument("options", f"must be a poise.ExecutionOptions or None, got {type(options).__name__}")
+    options.validate()
+    if options.clip_statistics:
+        raise NotAvailable("clip_statistics: SwiGLU clip statistics are not reported by this build yet")
+    tensors = {"x_TD": x_TD, "scores_TK": scores_TK, "w13": w13, "w2": w2}
+    wants_grad = torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad for t in tensors.values())
+    if wants_grad and context._cpp.config.inference:
+        raise InvalidArgument("context", "was created with inference=true: run under torch.no_grad() or "
+                                         "create a training context")
+    if wants_grad and options.accumulate_wgrad:
+        for name in ("w13", "w2"):
+            weight = tensors[name]
+            if isinstance(weight, Tensor) and weight.requires_grad and not weight.is_leaf:
+                raise InvalidArgument(name, "accumulate_wgrad adds into the parameter's .main_grad/.grad, so pass "
+                                            "the parameter itself (a leaf tensor), not a view or a result")
+    return torch.ops.poise.routed_experts_forward(
+        x_TD, ids_TK, scores_TK, w13, w2, context.handle, w13_layout, options.accumulate_wgrad,
+        options.deterministic_combine)
