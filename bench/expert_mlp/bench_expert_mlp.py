@@ -344,6 +344,40 @@ def run_case(P, name, skew_target, dense, commit, gemm_detail):
     return rec
 
 
+def gemm_only(P, name, skew_target, label):
+    """Times the six Poise GEMMs alone (no baseline): for comparing two builds of the kernels."""
+    T, D, F, E, K = SHAPES[name]
+    gen = torch.Generator(device="cuda")
+    gen.manual_seed(1234)
+    torch.manual_seed(1234)
+    dev, bf = "cuda", torch.bfloat16
+    ids, skew = make_routing(T, E, K, skew_target, gen)
+    x = torch.randn(T, D, device=dev, dtype=bf)
+    scores = torch.softmax(torch.randn(T, K, device=dev), dim=-1)
+    w13 = (torch.randn(E, 2 * F, D, device=dev) / math.sqrt(D)).to(bf)
+    w2 = (torch.randn(E, D, F, device=dev) / math.sqrt(F)).to(bf)
+    grad_out = torch.randn(T, D, device=dev, dtype=bf)
+    blk = PoiseBlock(P, T, D, F, E, K)
+    out = torch.empty(T, D, device=dev, dtype=bf)
+    gx, gs = torch.empty_like(out), torch.empty(T, K, device=dev)
+    g13, g2 = torch.empty_like(w13), torch.empty_like(w2)
+    blk.forward(x, ids, scores, w13, w2, out)
+    blk.backward(grad_out, w13, w2, gx, g13, g2, gs)
+    L = blk.lay
+    TK = T * K
+    g = {
+        "fprop_w13": time_ms(lambda: P.fprop_w13(blk.x_rows, w13, blk.a, blk.h13)),
+        "fprop_w2": time_ms(lambda: P.fprop_w2(blk.a, w2, L["scores_R"], blk.y_rows)),
+        "dgrad_w2": time_ms(lambda: P.dgrad_w2(blk.gy_rows, w2, blk.h13, L["scores_R"], blk.gh13, blk.a, blk.grad_scores_R)),
+        "dgrad_w13": time_ms(lambda: P.dgrad_w13(blk.gh13, w13, blk.gx_rows)),
+        "wgrad_w2": time_ms(lambda: P.wgrad_w2(blk.gy_rows, blk.a, g2, 0, 0)),
+        "wgrad_w13": time_ms(lambda: P.wgrad_w13(blk.gh13, blk.x_rows, g13, 0, 0)),
+    }
+    fwdbwd = time_ms(lambda: (blk.forward(x, ids, scores, w13, w2, out), blk.backward(grad_out, w13, w2, gx, g13, g2, gs)))
+    tf = {k: (4.0 if "w13" in k else 2.0) * TK * D * F / v / 1e9 for k, v in g.items()}
+    print(f"[{label}] {name} skew {skew:.2f}: fwdbwd {fwdbwd:.2f} ms; TF/s " + ", ".join(f"{k} {v:.0f}" for k, v in tf.items()), flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--lib", required=True)
@@ -351,8 +385,14 @@ def main():
     ap.add_argument("--commit", default="unknown")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--skews", default="1,3")
+    ap.add_argument("--gemm-only", default="", help="label: only time the Poise GEMMs of this build")
     args = ap.parse_args()
     P = Poise(load_lib(args.lib))
+    if args.gemm_only:
+        for name in args.shapes.split(","):
+            for skew in [float(s) for s in args.skews.split(",")]:
+                gemm_only(P, name, skew, args.gemm_only)
+        return 0
     dense = dense_tflops()
     print(f"dense bf16 matmul 8192^3: {dense:.0f} TFLOP/s", flush=True)
     records = []

@@ -50,51 +50,61 @@ struct GroupedRowAddress {
 //   blocked:     tile columns [0, kBlockN/2) are gate f0 + c, [kBlockN/2, kBlockN) up f0 + c
 //   interleaved: tile column 2q is gate f0 + q, 2q + 1 up f0 + q
 // Writes a_RF (bf16) and, when h13_R2F is set, h13 (bf16, in W13's row order) for backward.
+// The layout is a template parameter: with a run-time flag the compiler spilled registers.
+template <bool kInterleaved>
 struct SwigluFpropEpilogue {
   static constexpr int kStagingBuffers = 1;
+  static constexpr bool interleaved = kInterleaved;
   __nv_bfloat16* a_RF;
   __nv_bfloat16* h13_R2F;  // nullable: backward recomputes the forward instead
   int32_t F;
-  int32_t interleaved;
   ActivationParams act;
 
   template <int kBlockN>
-  __device__ __forceinline__ void store(const float (&d)[kBlockN / 2], const TileInfo& tile, int consumer,
+  __device__ __forceinline__ void store(float (&d)[kBlockN / 2], const TileInfo& tile, int consumer,
                                         int thread, uint8_t* buf) const {
     const Fragment fr(thread);
     const GroupedRowAddress rows(tile, consumer);
     const int32_t f0 = tile.n_block * (kBlockN / 2);
     constexpr int kUp = kBlockN / 16;  // first accumulator group of the up half (blocked)
     // Activation chunks: 64 columns of a each.
+    if constexpr (!interleaved) {
 #pragma unroll
-    for (int c = 0; c < kBlockN / 128; ++c) {
-      const int32_t fc = f0 + 64 * c;
-      if (fc >= F) break;
-      consumer_warpgroup_sync(consumer);
+      for (int c = 0; c < kBlockN / 128; ++c) {
+        const int32_t fc = f0 + 64 * c;
+        if (fc >= F) break;
+        consumer_warpgroup_sync(consumer);
 #pragma unroll
-      for (int jj = 0; jj < 8; ++jj) {
+        for (int jj = 0; jj < 8; ++jj) {
+          const int j = 8 * c + jj;
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          if (!interleaved) {
-            const int j = 8 * c + jj;
+          for (int h = 0; h < 2; ++h) {
             const float a0 = swiglu_forward(d[4 * j + 2 * h], d[4 * (j + kUp) + 2 * h], act);
             const float a1 = swiglu_forward(d[4 * j + 2 * h + 1], d[4 * (j + kUp) + 2 * h + 1], act);
             stage_put_u32(buf, fr.row + 8 * h, (8 * jj + 2 * fr.quad) * 2, pack_bf16x2(a0, a1));
-            asm volatile("" ::: "memory");  // bounds the compiler's interleaving (register pressure)
-          } else {
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {  // groups 16c + 2jj + half hold a columns 4*(2jj+half) + quad
-              const int j = 16 * c + 2 * jj + half;
-              const float a = swiglu_forward(d[4 * j + 2 * h], d[4 * j + 2 * h + 1], act);
-              const __nv_bfloat16 b = __float2bfloat16_rn(a);
-              stage_put_u16(buf, fr.row + 8 * h, (4 * (2 * jj + half) + fr.quad) * 2,
-                            *reinterpret_cast<const uint16_t*>(&b));
-            }
           }
         }
+        consumer_warpgroup_sync(consumer);
+        staged_copy_out(buf, thread, [&](int r) { return rows.at(a_RF, F, fc, r); });
       }
-      consumer_warpgroup_sync(consumer);
-      staged_copy_out(buf, thread, [&](int r) { return rows.at(a_RF, F, fc, r); });
+    } else {
+#pragma unroll
+      for (int c = 0; c < kBlockN / 128; ++c) {
+        const int32_t fc = f0 + 64 * c;
+        if (fc >= F) break;
+        consumer_warpgroup_sync(consumer);
+#pragma unroll
+        for (int jl = 0; jl < 16; ++jl) {  // group 16c + jl holds a columns 4jl + quad
+          const int j = 16 * c + jl;
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const __nv_bfloat16 b = __float2bfloat16_rn(swiglu_forward(d[4 * j + 2 * h], d[4 * j + 2 * h + 1], act));
+            stage_put_u16(buf, fr.row + 8 * h, (4 * jl + fr.quad) * 2, *reinterpret_cast<const uint16_t*>(&b));
+          }
+        }
+        consumer_warpgroup_sync(consumer);
+        staged_copy_out(buf, thread, [&](int r) { return rows.at(a_RF, F, fc, r); });
+      }
     }
     if (!h13_R2F) return;
     // h13 chunks: accumulator columns [64c, 64c + 64) go to h13 columns, per layout.
@@ -134,7 +144,7 @@ struct RowsStoreEpilogue {
   int32_t N;
 
   template <int kBlockN>
-  __device__ __forceinline__ void store(const float (&d)[kBlockN / 2], const TileInfo& tile, int consumer,
+  __device__ __forceinline__ void store(float (&d)[kBlockN / 2], const TileInfo& tile, int consumer,
                                         int thread, uint8_t* buf) const {
     const Fragment fr(thread);
     const GroupedRowAddress rows(tile, consumer);
@@ -166,27 +176,26 @@ struct RowsStoreEpilogue {
 // DGRAD W2 + SwiGLU backward. Accumulators hold grad_y . W2 for activation columns f.
 // With scores s (the forward scaled y by s): grad_a = s * acc, the wgrad operand is s * a, and
 // grad_score[row] += sum_f acc * a (a quad's lanes reduce, then one atomic per row and quad).
-// Three staging buffers: grad of gate, grad of up, s * a (blocked); for interleaved, the two
-// 64-column halves of the chunk's 128 grad_h13 columns, and s * a.
+// One staging buffer, three passes per 64-column chunk (first grad_h13 half, second half, s * a):
+// the values of the later passes wait, packed as bf16 pairs, in the chunk's accumulator registers,
+// which are dead once read. (Three buffers would cost a pipeline stage: measured 2x slower in v2.)
+template <bool kInterleaved>
 struct SwigluDgradEpilogue {
-  static constexpr int kStagingBuffers = 3;
+  static constexpr int kStagingBuffers = 1;
+  static constexpr bool interleaved = kInterleaved;
   const __nv_bfloat16* h13_R2F;  // saved pre-activation, W13's row order
   __nv_bfloat16* grad_h13_R2F;   // out
   __nv_bfloat16* a_RF;           // out, nullable: s * act(h13), the W2 wgrad operand
   const float* scores_R;         // nullable
   float* grad_scores_R;          // nullable, accumulated atomically (caller zeroes it)
   int32_t F;
-  int32_t interleaved;
   ActivationParams act;
 
   template <int kBlockN>
-  __device__ __forceinline__ void store(const float (&d)[kBlockN / 2], const TileInfo& tile, int consumer,
+  __device__ __forceinline__ void store(float (&d)[kBlockN / 2], const TileInfo& tile, int consumer,
                                         int thread, uint8_t* buf) const {
     const Fragment fr(thread);
     const GroupedRowAddress rows(tile, consumer);
-    uint8_t* buf_gate = buf;
-    uint8_t* buf_up = buf + kStagingBytes;
-    uint8_t* buf_a = buf + 2 * kStagingBytes;
     const int64_t F2 = 2 * int64_t(F);
     float s[2], score_grad[2] = {0.0f, 0.0f};
     bool row_ok[2];
@@ -200,24 +209,25 @@ struct SwigluDgradEpilogue {
     for (int c = 0; c < kBlockN / 64; ++c) {
       const int32_t fc = tile.n_block * kBlockN + 64 * c;
       if (fc >= F) break;
-      consumer_warpgroup_sync(consumer);  // the previous chunk's copy-out is done with the buffers
+      // Pass 1: gradients; write the first grad_h13 half, stash the rest in d.
+      consumer_warpgroup_sync(consumer);  // the previous copy-out is done with the buffer
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         // Issue the row's 16 h13 loads of this chunk before using any of them.
-        uint32_t gate[8], up[8];
+        uint32_t lo[8], hi[8];
         const __nv_bfloat16* src = h13_R2F + (rows.first_row + fr.row + 8 * h) * F2;
 #pragma unroll
         for (int jj = 0; jj < 8; ++jj) {
           const int32_t f = fc + 8 * jj + 2 * fr.quad;
-          gate[jj] = up[jj] = 0;
+          lo[jj] = hi[jj] = 0;
           if (!row_ok[h]) continue;
-          if (!interleaved) {
-            gate[jj] = __ldg(reinterpret_cast<const unsigned int*>(src + f));
-            up[jj] = __ldg(reinterpret_cast<const unsigned int*>(src + F + f));
-          } else {  // (g_f, u_f), (g_f+1, u_f+1)
+          if (!interleaved) {  // lo = (g_f, g_f+1), hi = (u_f, u_f+1)
+            lo[jj] = __ldg(reinterpret_cast<const unsigned int*>(src + f));
+            hi[jj] = __ldg(reinterpret_cast<const unsigned int*>(src + F + f));
+          } else {  // lo = (g_f, u_f), hi = (g_f+1, u_f+1)
             const uint2 v = __ldg(reinterpret_cast<const uint2*>(src + 2 * f));
-            gate[jj] = v.x;
-            up[jj] = v.y;
+            lo[jj] = v.x;
+            hi[jj] = v.y;
           }
         }
         const int row = fr.row + 8 * h;
@@ -226,11 +236,11 @@ struct SwigluDgradEpilogue {
           const int j = 8 * c + jj;
           float g[2], u[2];
           if (!interleaved) {
-            g[0] = bf16_lo(gate[jj]); g[1] = bf16_hi(gate[jj]);
-            u[0] = bf16_lo(up[jj]);   u[1] = bf16_hi(up[jj]);
+            g[0] = bf16_lo(lo[jj]); g[1] = bf16_hi(lo[jj]);
+            u[0] = bf16_lo(hi[jj]); u[1] = bf16_hi(hi[jj]);
           } else {
-            g[0] = bf16_lo(gate[jj]); u[0] = bf16_hi(gate[jj]);
-            g[1] = bf16_lo(up[jj]);   u[1] = bf16_hi(up[jj]);
+            g[0] = bf16_lo(lo[jj]); u[0] = bf16_hi(lo[jj]);
+            g[1] = bf16_lo(hi[jj]); u[1] = bf16_hi(hi[jj]);
           }
           float a[2], gg[2], gu[2];
 #pragma unroll
@@ -239,26 +249,56 @@ struct SwigluDgradEpilogue {
             swiglu_backward(g[cc], u[cc], s[h] * acc, act, a[cc], gg[cc], gu[cc]);
             score_grad[h] += acc * a[cc];
           }
+          const uint32_t a_pair = pack_bf16x2(s[h] * a[0], s[h] * a[1]);
           if (!interleaved) {
-            stage_put_u32(buf_gate, row, (8 * jj + 2 * fr.quad) * 2, pack_bf16x2(gg[0], gg[1]));
-            stage_put_u32(buf_up, row, (8 * jj + 2 * fr.quad) * 2, pack_bf16x2(gu[0], gu[1]));
-          } else {
-            // f local 8jj + 2quad + cc -> grad_h13 local columns 16jj + 4quad + 2cc (+1), half jj/4.
-            uint8_t* half = jj < 4 ? buf_gate : buf_up;
+            stage_put_u32(buf, row, (8 * jj + 2 * fr.quad) * 2, pack_bf16x2(gg[0], gg[1]));
+            d[4 * j + 2 * h] = __uint_as_float(pack_bf16x2(gu[0], gu[1]));
+          } else if (jj < 4) {
+            // f local 8jj + 2quad + cc -> grad_h13 local columns 16jj + 4quad + 2cc (+1).
 #pragma unroll
             for (int cc = 0; cc < 2; ++cc)
-              stage_put_u32(half, row, ((16 * jj + 4 * fr.quad + 2 * cc) % 64) * 2, pack_bf16x2(gg[cc], gu[cc]));
+              stage_put_u32(buf, row, (16 * jj + 4 * fr.quad + 2 * cc) * 2, pack_bf16x2(gg[cc], gu[cc]));
+          } else {  // second half: cc = 1 goes to the (already read) slot of group jj - 4
+            d[4 * j + 2 * h] = __uint_as_float(pack_bf16x2(gg[0], gu[0]));
+            d[4 * (j - 4) + 2 * h] = __uint_as_float(pack_bf16x2(gg[1], gu[1]));
           }
-          stage_put_u32(buf_a, row, (8 * jj + 2 * fr.quad) * 2, pack_bf16x2(s[h] * a[0], s[h] * a[1]));
-          asm volatile("" ::: "memory");  // bounds the compiler's interleaving (register pressure)
+          d[4 * j + 2 * h + 1] = __uint_as_float(a_pair);
+        }
+      }
+      const int64_t col_first = interleaved ? 2 * int64_t(fc) : fc;
+      const int64_t col_second = interleaved ? 2 * int64_t(fc) + 64 : F + int64_t(fc);
+      consumer_warpgroup_sync(consumer);
+      staged_copy_out(buf, thread, [&](int r) { return rows.at(grad_h13_R2F, F2, col_first, r); });
+      // Pass 2: the second grad_h13 half from the stash.
+      consumer_warpgroup_sync(consumer);
+#pragma unroll
+      for (int jj = 0; jj < 8; ++jj) {
+        const int j = 8 * c + jj;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int row = fr.row + 8 * h;
+          if (!interleaved) {
+            stage_put_u32(buf, row, (8 * jj + 2 * fr.quad) * 2, __float_as_uint(d[4 * j + 2 * h]));
+          } else if (jj >= 4) {
+            stage_put_u32(buf, row, (16 * (jj - 4) + 4 * fr.quad) * 2, __float_as_uint(d[4 * j + 2 * h]));
+            stage_put_u32(buf, row, (16 * (jj - 4) + 4 * fr.quad + 2) * 2, __float_as_uint(d[4 * (j - 4) + 2 * h]));
+          }
         }
       }
       consumer_warpgroup_sync(consumer);
-      const int64_t col_first = interleaved ? 2 * int64_t(fc) : fc;
-      const int64_t col_second = interleaved ? 2 * int64_t(fc) + 64 : F + int64_t(fc);
-      staged_copy_out(buf_gate, thread, [&](int r) { return rows.at(grad_h13_R2F, F2, col_first, r); });
-      staged_copy_out(buf_up, thread, [&](int r) { return rows.at(grad_h13_R2F, F2, col_second, r); });
-      if (a_RF) staged_copy_out(buf_a, thread, [&](int r) { return rows.at(a_RF, F, fc, r); });
+      staged_copy_out(buf, thread, [&](int r) { return rows.at(grad_h13_R2F, F2, col_second, r); });
+      if (!a_RF) continue;
+      // Pass 3: s * a, the W2 wgrad operand.
+      consumer_warpgroup_sync(consumer);
+#pragma unroll
+      for (int jj = 0; jj < 8; ++jj) {
+        const int j = 8 * c + jj;
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+          stage_put_u32(buf, fr.row + 8 * h, (8 * jj + 2 * fr.quad) * 2, __float_as_uint(d[4 * j + 2 * h + 1]));
+      }
+      consumer_warpgroup_sync(consumer);
+      staged_copy_out(buf, thread, [&](int r) { return rows.at(a_RF, F, fc, r); });
     }
     if (grad_scores_R) {
 #pragma unroll
@@ -282,7 +322,7 @@ struct WgradStoreEpilogue {
   int32_t accumulate;
 
   template <int kBlockN>
-  __device__ __forceinline__ void store(const float (&d)[kBlockN / 2], const TileInfo& tile, int consumer,
+  __device__ __forceinline__ void store(float (&d)[kBlockN / 2], const TileInfo& tile, int consumer,
                                         int thread, uint8_t* buf) const {
     const Fragment fr(thread);
     const int32_t m0 = tile.m_block * kTileM + 64 * consumer;

@@ -111,9 +111,15 @@ void expert_mlp_fprop_w13(const GroupedRows& rows, const ExpertMlpShape& shape,
   s.n_blocks = ceil_div(F, kBlockN / 2);
   s.b_rows_per_expert = static_cast<int32_t>(2 * F);
   s.b_split_rows = blocked ? static_cast<int32_t>(F) : 0;
-  const SwigluFpropEpilogue epi{bf16(args.a_RF), bf16(args.h13_R2F), static_cast<int32_t>(F),
-                                blocked ? 0 : 1, activation_params(shape)};
-  launch<RowsAre::M, false>(map_a, map_b, s, epi, stream);
+  if (blocked) {
+    const SwigluFpropEpilogue<false> epi{bf16(args.a_RF), bf16(args.h13_R2F), static_cast<int32_t>(F),
+                                         activation_params(shape)};
+    launch<RowsAre::M, false>(map_a, map_b, s, epi, stream);
+  } else {
+    const SwigluFpropEpilogue<true> epi{bf16(args.a_RF), bf16(args.h13_R2F), static_cast<int32_t>(F),
+                                        activation_params(shape)};
+    launch<RowsAre::M, false>(map_a, map_b, s, epi, stream);
+  }
 }
 
 void expert_mlp_fprop_w2(const GroupedRows& rows, const ExpertMlpShape& shape,
@@ -150,11 +156,18 @@ void expert_mlp_dgrad_w2(const GroupedRows& rows, const ExpertMlpShape& shape,
   s.k_blocks = static_cast<int32_t>(D / kTileK);
   s.n_blocks = ceil_div(F, kBlockN);
   s.b_rows_per_expert = static_cast<int32_t>(D);
-  const SwigluDgradEpilogue epi{bf16(args.h13_R2F), bf16(args.grad_h13_R2F), bf16(args.a_RF),
-                                args.scores_R, args.grad_scores_R, static_cast<int32_t>(F),
-                                shape.w13_layout == W13Layout::gate_up_blocked ? 0 : 1,
-                                activation_params(shape)};
-  launch<RowsAre::M, true>(map_a, map_b, s, epi, stream);
+  auto run = [&](auto epi) {
+    epi.h13_R2F = bf16(args.h13_R2F);
+    epi.grad_h13_R2F = bf16(args.grad_h13_R2F);
+    epi.a_RF = bf16(args.a_RF);
+    epi.scores_R = args.scores_R;
+    epi.grad_scores_R = args.grad_scores_R;
+    epi.F = static_cast<int32_t>(F);
+    epi.act = activation_params(shape);
+    launch<RowsAre::M, true>(map_a, map_b, s, epi, stream);
+  };
+  if (shape.w13_layout == W13Layout::gate_up_blocked) run(SwigluDgradEpilogue<false>{});
+  else run(SwigluDgradEpilogue<true>{});
 }
 
 void expert_mlp_dgrad_w13(const GroupedRows& rows, const ExpertMlpShape& shape,

@@ -30,6 +30,12 @@ namespace poise::sm90 {
 inline constexpr uint32_t kProducerRegisters = 40;
 inline constexpr uint32_t kConsumerRegisters = 232;
 inline constexpr int kConsumerWarps = 8;
+// wgmma groups a consumer leaves in flight when it moves to the next stage (0 or 1); a build
+// option so both pipelines can be measured against each other.
+#ifndef POISE_WGMMA_GROUPS_IN_FLIGHT
+#define POISE_WGMMA_GROUPS_IN_FLIGHT 1
+#endif
+inline constexpr int kWgmmaGroupsInFlight = POISE_WGMMA_GROUPS_IN_FLIGHT;
 
 template <int kBlockN, int kStages, int kStagingBuffers>
 struct GroupedGemmSmem {
@@ -179,15 +185,25 @@ __global__ void __launch_bounds__(kThreadsPerCta, 1)
         }
         ptx::wgmma_commit_group();
         ptx::fence_accumulators(acc);
-        // Keep one group in flight: the previous stage is free once its group retired.
-        ptx::wgmma_wait_group<1>();
-        ptx::fence_accumulators(acc);
-        if (kb > 0 && lane == 0) ptx::mbarrier_arrive(&empty_bar[prev_stage]);
-        prev_stage = s;
+        if constexpr (kWgmmaGroupsInFlight == 0) {
+          // Release the stage as soon as its own wgmmas retired (the other warpgroup keeps the
+          // tensor cores busy meanwhile): one more stage can be in flight on the TMA side.
+          ptx::wgmma_wait_group<0>();
+          ptx::fence_accumulators(acc);
+          if (lane == 0) ptx::mbarrier_arrive(&empty_bar[s]);
+        } else {
+          // Keep one group in flight: the previous stage is free once its group retired.
+          ptx::wgmma_wait_group<1>();
+          ptx::fence_accumulators(acc);
+          if (kb > 0 && lane == 0) ptx::mbarrier_arrive(&empty_bar[prev_stage]);
+          prev_stage = s;
+        }
       }
-      ptx::wgmma_wait_group<0>();
-      ptx::fence_accumulators(acc);
-      if (k_blocks > 0 && lane == 0) ptx::mbarrier_arrive(&empty_bar[prev_stage]);
+      if constexpr (kWgmmaGroupsInFlight == 1) {
+        ptx::wgmma_wait_group<0>();
+        ptx::fence_accumulators(acc);
+        if (k_blocks > 0 && lane == 0) ptx::mbarrier_arrive(&empty_bar[prev_stage]);
+      }
       epilogue.template store<kBlockN>(acc, tile, consumer, consumer_thread % 128,
                                        smem + Smem::kStagingOffset + consumer * Smem::kStagingPerConsumer);
     }
