@@ -98,10 +98,10 @@ DenseFloat64Result dense_float64(const Config& config, int64_t ep_size,
         for (int64_t d = 0; d < D; ++d) grad_score += double{grad_out[d]} * y[d];
         result.grad_scores_TK[r][t * K + k] = grad_score;
         // grad_y = score * grad_out
-        for (int64_t f = 0; f < F; ++f) {
-          double sum = 0.0;
-          for (int64_t d = 0; d < D; ++d) sum += score * grad_out[d] * w2[d * F + f];
-          grad_a[f] = sum;
+        std::fill(grad_a.begin(), grad_a.end(), 0.0);
+        for (int64_t d = 0; d < D; ++d) {
+          const double grad_y = score * grad_out[d];
+          for (int64_t f = 0; f < F; ++f) grad_a[f] += grad_y * w2[d * F + f];
         }
         for (int64_t f = 0; f < F; ++f) {
           const auto [dg, du] = L.act_grad(h[L.gate_row(f)], h[L.up_row(f)]);
