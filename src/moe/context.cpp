@@ -49,14 +49,15 @@ void require_pointer(const void* p, const char* name) {
   if (p == nullptr) throw InvalidArgument(name, "must be a device pointer, got null");
 }
 
-void validate_forward(const Context& context, const ForwardArgs& a) {
+// Backward passes its forward's inputs in BackwardArgs::forward but no out_TD (it writes grads).
+void validate_forward(const Context& context, const ForwardArgs& a, bool requires_out = true) {
   if (context.closed()) throw InvalidArgument("context", "was closed; create a new one");
   require_pointer(a.x_TD, "x_TD");
   require_pointer(a.ids_TK, "ids_TK");
   require_pointer(a.scores_TK, "scores_TK");
   require_pointer(a.w13, "w13");
   require_pointer(a.w2, "w2");
-  require_pointer(a.out_TD, "out_TD");
+  if (requires_out) require_pointer(a.out_TD, "out_TD");
 }
 
 [[noreturn]] void gpu_path_not_available(const char* entry) {
@@ -76,7 +77,7 @@ void routed_experts_forward(Context& context, const ForwardArgs& args, Stream /*
 }
 
 void routed_experts_backward(Context& context, const BackwardArgs& args, Stream /*stream*/) {
-  validate_forward(context, args.forward);
+  validate_forward(context, args.forward, /*requires_out=*/false);
   if (context.config().inference) {
     throw InvalidArgument("context", "was created with inference=true; backward needs a training context");
   }
