@@ -2,7 +2,8 @@
 // "link" is local memory: the figures bound the kernels' own cost, not NVLink's).
 //
 //   ep_bench [out.json] [R T D F E K] [iterations]
-// defaults: R=8 T=4096 D=7168 F=2048 E=256 K=8, 3 timed iterations after 1 warm-up.
+// defaults: R=8 T=4096 D=7168 F=2048 E=256 K=8, 3 timed iterations after 1 warm-up, run once with the
+// SM90 expert kernels and once with the stand-in GEMMs (one pipeline alive at a time).
 // Times every stage of the staged forward and backward with CUDA events (median over iterations),
 // counts bytes as rows received (every (t, k) row) and bytes actually written to other ranks
 // (one row per token and destination rank, + 12 bytes of metadata per entry).
@@ -106,7 +107,6 @@ int main(int argc, char** argv) {
   cfg.receive_capacity_factor = 1.25;
   const int EL = E / R;
 
-  auto pipeline = StagedPipeline::create_virtual(cfg, R);
   cudaDeviceProp prop{};
   CHECK(cudaGetDeviceProperties(&prop, 0));
 
@@ -167,72 +167,80 @@ int main(int argc, char** argv) {
 
   cudaStream_t stream;
   CHECK(cudaStreamCreate(&stream));
-  StageClock clock;
-  pipeline->set_stage_hook([&](Stage s, cudaStream_t st) { clock.hook(s, st); });
-  std::map<std::string, std::vector<double>> fwd_ms, bwd_ms;
-  for (int it = 0; it < iterations + 1; ++it) {
-    pipeline->forward(fwd, stream);
-    pipeline->check(stream);
-    auto f = clock.read();
-    pipeline->backward(bwd, stream);
-    pipeline->check(stream);
-    auto b = clock.read();
-    if (it == 0) continue;  // warm-up
-    for (auto& [k, v] : f) fwd_ms[k].push_back(v);
-    for (auto& [k, v] : b) bwd_ms[k].push_back(v);
-  }
-
+  std::ofstream js(out_path);
+  js << "{\n  \"device\": \"" << prop.name << "\",\n  \"mode\": \"virtual ranks, one GPU\",\n";
+  js << "  \"shape\": {\"R\": " << R << ", \"T\": " << T << ", \"D\": " << D << ", \"F\": " << F << ", \"E\": " << E
+     << ", \"K\": " << K << ", \"receive_capacity_factor\": 1.25},\n";
+  js << "  \"iterations\": " << iterations << ",\n";
   const double row_bytes = double(D) * 2;
   const double rows_received = double(R) * TK;
   const double bytes_received = rows_received * row_bytes;
   const double bytes_written_remote = double(rows_crossing) * row_bytes + double(R) * TK * 12.0;
   const double combine_bytes_remote = double(entries_remote) * row_bytes;
   const double flops_fwd = 6.0 * rows_received * D * F;
-  // Median of a stage's times; 0 for a stage the pass does not have (never inserts a key).
-  auto m = [&](const std::map<std::string, std::vector<double>>& s, const char* k) {
-    const auto it = s.find(k);
-    return it == s.end() ? 0.0 : median(it->second);
-  };
-  const double dispatch_ms = m(fwd_ms, "dispatch"), fanout_ms = m(fwd_ms, "fanout");
-  const double push_ms = m(fwd_ms, "combine_push"), reduce_ms = m(fwd_ms, "combine_reduce");
-  const double fwd_total = m(fwd_ms, "total"), bwd_total = m(bwd_ms, "total");
-
-  std::printf("EP staged pipeline, %d virtual ranks on one %s, T=%d D=%d F=%d E=%d K=%d, median of %d\n", R,
-              prop.name, T, D, F, E, K, iterations);
-  std::printf("%-22s %10s %10s\n", "stage", "fwd ms", "bwd ms");
-  for (const char* s : {"route", "grad_scores", "dispatch", "fanout", "experts", "combine_push", "combine_reduce", "total"}) {
-    std::printf("%-22s %10.3f %10.3f\n", s, m(fwd_ms, s), m(bwd_ms, s));
-  }
-  std::printf("dispatch: %.1f GB received as rows, %.2f GB written to other ranks (%.2f of received), %.0f GB/s of rows received\n",
-              bytes_received / 1e9, bytes_written_remote / 1e9, bytes_written_remote / bytes_received,
-              bytes_received / 1e9 / ((dispatch_ms + fanout_ms) / 1e3));
-  std::printf("combine: %.2f GB pushed to other ranks, push+reduce %.3f ms\n", combine_bytes_remote / 1e9, push_ms + reduce_ms);
-  std::printf("layer forward %.3f ms, forward+backward %.3f ms (stand-in GEMMs: experts fwd %.1f TFLOP/s)\n", fwd_total,
-              fwd_total + bwd_total, flops_fwd / (m(fwd_ms, "experts") / 1e3) / 1e12);
-
-  std::ofstream js(out_path);
-  js << "{\n  \"device\": \"" << prop.name << "\",\n  \"mode\": \"virtual ranks, one GPU\",\n";
-  js << "  \"shape\": {\"R\": " << R << ", \"T\": " << T << ", \"D\": " << D << ", \"F\": " << F << ", \"E\": " << E
-     << ", \"K\": " << K << ", \"receive_capacity_factor\": 1.25},\n";
-  js << "  \"iterations\": " << iterations << ",\n  \"expert_gemm\": \"stand-in WMMA (src/kernels/ep/reference_grouped_gemm.cu)\",\n";
-  auto dump = [&](const char* name, std::map<std::string, std::vector<double>>& s) {
-    js << "  \"" << name << "_ms\": {";
-    bool first = true;
-    for (auto& [k, v] : s) {
-      js << (first ? "" : ", ") << "\"" << k << "\": " << median(v);
-      first = false;
-    }
-    js << "},\n";
-  };
-  dump("forward", fwd_ms);
-  dump("backward", bwd_ms);
   js << "  \"rows_received\": " << int64_t(rows_received) << ",\n";
   js << "  \"bytes_received_as_rows\": " << int64_t(bytes_received) << ",\n";
   js << "  \"dispatch_bytes_written_to_other_ranks\": " << int64_t(bytes_written_remote) << ",\n";
   js << "  \"combine_bytes_written_to_other_ranks\": " << int64_t(combine_bytes_remote) << ",\n";
-  js << "  \"dispatch_ms\": " << dispatch_ms << ",\n  \"fanout_ms\": " << fanout_ms << ",\n";
-  js << "  \"combine_push_ms\": " << push_ms << ",\n  \"combine_reduce_ms\": " << reduce_ms << ",\n";
-  js << "  \"layer_forward_ms\": " << fwd_total << ",\n  \"layer_forward_backward_ms\": " << fwd_total + bwd_total << "\n}\n";
+  js << "  \"expert_flops_forward\": " << flops_fwd << ",\n  \"runs\": [\n";
+  const ExpertKernels backends[] = {ExpertKernels::sm90, ExpertKernels::standin};
+  for (int b = 0; b < 2; ++b) {
+    const ExpertKernels kernels = backends[b];
+    PipelineOptions options;
+    options.expert_kernels = kernels;
+    auto pipeline = StagedPipeline::create_virtual(cfg, R, options);
+    StageClock clock;
+    pipeline->set_stage_hook([&](Stage s, cudaStream_t st) { clock.hook(s, st); });
+    std::map<std::string, std::vector<double>> fwd_ms, bwd_ms;
+    for (int it = 0; it < iterations + 1; ++it) {
+      pipeline->forward(fwd, stream);
+      pipeline->check(stream);
+      auto f = clock.read();
+      pipeline->backward(bwd, stream);
+      pipeline->check(stream);
+      auto bw = clock.read();
+      if (it == 0) continue;  // warm-up
+      for (auto& [k, v] : f) fwd_ms[k].push_back(v);
+      for (auto& [k, v] : bw) bwd_ms[k].push_back(v);
+    }
+    // Median of a stage's times; 0 for a stage the pass does not have (never inserts a key).
+    auto m = [&](const std::map<std::string, std::vector<double>>& s, const char* k) {
+      const auto it = s.find(k);
+      return it == s.end() ? 0.0 : median(it->second);
+    };
+    const double dispatch_ms = m(fwd_ms, "dispatch"), fanout_ms = m(fwd_ms, "fanout");
+    const double push_ms = m(fwd_ms, "combine_push"), reduce_ms = m(fwd_ms, "combine_reduce");
+    const double fwd_total = m(fwd_ms, "total"), bwd_total = m(bwd_ms, "total");
+    std::printf("\nEP staged pipeline, expert kernels %s, %d virtual ranks on one %s, T=%d D=%d F=%d E=%d K=%d, median of %d\n",
+                to_string(kernels), R, prop.name, T, D, F, E, K, iterations);
+    std::printf("%-22s %10s %10s\n", "stage", "fwd ms", "bwd ms");
+    for (const char* s : {"route", "grad_scores", "dispatch", "fanout", "experts", "combine_push", "combine_reduce", "total"}) {
+      std::printf("%-22s %10.3f %10.3f\n", s, m(fwd_ms, s), m(bwd_ms, s));
+    }
+    std::printf("dispatch: %.2f GB received as rows, %.2f GB written to other ranks (%.2f of received), %.0f GB/s of rows received\n",
+                bytes_received / 1e9, bytes_written_remote / 1e9, bytes_written_remote / bytes_received,
+                bytes_received / 1e9 / ((dispatch_ms + fanout_ms) / 1e3));
+    std::printf("combine: %.2f GB pushed to other ranks, push+reduce %.3f ms\n", combine_bytes_remote / 1e9, push_ms + reduce_ms);
+    std::printf("layer forward %.3f ms, forward+backward %.3f ms (experts fwd %.1f TFLOP/s, bwd %.1f TFLOP/s)\n", fwd_total,
+                fwd_total + bwd_total, flops_fwd / (m(fwd_ms, "experts") / 1e3) / 1e12,
+                2 * flops_fwd / (m(bwd_ms, "experts") / 1e3) / 1e12);
+    js << "    {\"expert_kernels\": \"" << to_string(kernels) << "\",\n";
+    auto dump = [&](const char* name, std::map<std::string, std::vector<double>>& s) {
+      js << "     \"" << name << "_ms\": {";
+      bool first = true;
+      for (auto& [k, v] : s) {
+        js << (first ? "" : ", ") << "\"" << k << "\": " << median(v);
+        first = false;
+      }
+      js << "},\n";
+    };
+    dump("forward", fwd_ms);
+    dump("backward", bwd_ms);
+    js << "     \"layer_forward_ms\": " << fwd_total << ", \"layer_forward_backward_ms\": " << fwd_total + bwd_total
+       << "}" << (b == 0 ? ",\n" : "\n");
+    pipeline.reset();
+  }
+  js << "  ]\n}\n";
   std::printf("wrote %s\n", out_path.c_str());
   return 0;
 }

@@ -149,6 +149,21 @@ INSTANTIATE_TEST_SUITE_P(
         LayerCase{8, 48, 128, 128, 16, 2, Routing::random, 2.0, Activation::swiglu, DType::fp32, true}),
     [](const ::testing::TestParamInfo<LayerCase>& info) { return case_name(info.param); });
 
+// The same data path around the SM90 wgmma expert kernels (src/kernels/sm90).
+constexpr ExpertKernels kSm90 = ExpertKernels::sm90;
+INSTANTIATE_TEST_SUITE_P(
+    Sm90Experts, EpLayer,
+    ::testing::Values(
+        LayerCase{1, 100, 192, 128, 8, 4, Routing::random, 2.0, Activation::swiglu, DType::fp32, false, 7.0, kSm90},
+        LayerCase{2, 77, 128, 192, 8, 3, Routing::random, 2.0, Activation::swiglu, DType::fp32, false, 7.0, kSm90},
+        LayerCase{4, 64, 192, 128, 16, 4, Routing::hot_expert, 3.0, Activation::swiglu, DType::fp32, false, 7.0, kSm90},
+        LayerCase{8, 40, 128, 128, 32, 4, Routing::same_rank, 2.0, Activation::swiglu, DType::fp32, false, 7.0, kSm90},
+        LayerCase{4, 64, 192, 192, 16, 4, Routing::skip_last, 2.0, Activation::swiglu, DType::fp32, false, 7.0, kSm90},
+        LayerCase{2, 64, 128, 128, 8, 2, Routing::random, 2.0, Activation::swiglu_clamped, DType::bf16, false, 0.75,
+                  kSm90},
+        LayerCase{8, 48, 128, 128, 16, 2, Routing::random, 2.0, Activation::swiglu, DType::fp32, true, 7.0, kSm90}),
+    [](const ::testing::TestParamInfo<LayerCase>& info) { return case_name(info.param); });
+
 // Captured once, replayed for a different routing: the call has no host sync and static shapes.
 TEST(EpLayerGraph, ReplayFollowsNewRouting) {
   if (!have_gpu()) GTEST_SKIP() << "needs an SM90 GPU";
@@ -191,9 +206,9 @@ TEST(EpLayerGraph, ReplayFollowsNewRouting) {
 
 // More rows for one rank than planned: reported on every rank (the numbers are global), nothing
 // written, and the pipeline works again after reset().
-TEST(EpLayerErrors, CapacityOverflowIsReportedThenRecovers) {
-  if (!have_gpu()) GTEST_SKIP() << "needs an SM90 GPU";
-  const LayerCase c{2, 256, 128, 128, 4, 2, Routing::random, 1.0};
+void overflow_then_recover(ExpertKernels kernels) {
+  LayerCase c{2, 256, 128, 128, 4, 2, Routing::random, 1.0};
+  c.kernels = kernels;
   EpWorld w(c, fresh_seed(), 500'000'000ull);
   // Every token of both ranks to experts 0 and 1 (rank 0): rank 0 needs 2*T*K rows, capacity ~T*K.
   for (int r = 0; r < c.R; ++r) {
@@ -227,6 +242,16 @@ TEST(EpLayerErrors, CapacityOverflowIsReportedThenRecovers) {
               kTolerance);
   }
   EP_CUDA_OK(cudaStreamDestroy(stream));
+}
+
+TEST(EpLayerErrors, CapacityOverflowIsReportedThenRecovers) {
+  if (!have_gpu()) GTEST_SKIP() << "needs an SM90 GPU";
+  overflow_then_recover(ExpertKernels::standin);
+}
+
+TEST(EpLayerErrors, CapacityOverflowWithSm90ExpertsTouchesNoRowPastCapacity) {
+  if (!have_gpu()) GTEST_SKIP() << "needs an SM90 GPU";
+  overflow_then_recover(ExpertKernels::sm90);
 }
 
 // An expert id out of range on one rank: that rank reports it; the others stop at the counts

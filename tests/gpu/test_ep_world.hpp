@@ -18,13 +18,15 @@ struct LayerCase {
   DType scores = DType::fp32;
   bool accumulate = false;
   double swiglu_limit = 7.0;
+  ExpertKernels kernels = ExpertKernels::standin;
 };
 
 inline std::string case_name(const LayerCase& c) {
   return "R" + std::to_string(c.R) + "_T" + std::to_string(c.T) + "_D" + std::to_string(c.D) + "_F" +
          std::to_string(c.F) + "_E" + std::to_string(c.E) + "_K" + std::to_string(c.K) + "_" + to_string(c.routing) +
          (c.activation == Activation::swiglu_clamped ? "_clamped" : "") +
-         (c.scores == DType::bf16 ? "_bf16scores" : "") + (c.accumulate ? "_accumulate" : "");
+         (c.scores == DType::bf16 ? "_bf16scores" : "") + (c.accumulate ? "_accumulate" : "") +
+         "_" + to_string(c.kernels);
 }
 
 inline Config make_config(const LayerCase& c) {
@@ -83,6 +85,7 @@ class EpWorld {
     config_ = make_config(c);
     PipelineOptions options;
     options.timeout_ns = timeout_ns;
+    options.expert_kernels = c.kernels;
     pipeline_ = make ? make(config_) : StagedPipeline::create_virtual(config_, c.R, options);
     const int EL = c.E / c.R;
     const size_t TD = size_t(c.T) * c.D, TK = size_t(c.T) * c.K;

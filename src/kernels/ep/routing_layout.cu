@@ -135,21 +135,27 @@ __global__ void __launch_bounds__(kThreads) route_assign_kernel(const PeerTable*
   }
   __syncthreads();
   if (local_block == 0) {
+    // Overflow anywhere stops every rank (all see the same counts). The local groups are then
+    // left empty, so no later kernel (ours or the SM90 GEMMs) touches a row past the capacity.
+    __shared__ int overflow_rank;
+    if (threadIdx.x == 0) {
+      overflow_rank = -1;
+      for (int d = 0; d < dims.world && overflow_rank < 0; ++d) {
+        if (needed[d] > dims.capacity_rows) overflow_rank = d;
+      }
+      if (overflow_rank >= 0) {
+        comm::report_error(pt, ErrorCode::capacity_overflow, Phase::route_assign, overflow_rank,
+                           needed[overflow_rank]);
+      }
+      rs.group_offsets[dims.E_local] = overflow_rank < 0 ? needed[pt.rank] : 0;
+    }
+    __syncthreads();
     const int first = pt.rank * dims.E_local;
     for (int j = threadIdx.x; j < dims.E_local; j += blockDim.x) {
       int total = 0;
       for (int s = 0; s < dims.world; ++s) total += counts_RE[s * dims.E + first + j];
-      rs.group_offsets[j] = row_base[first + j];
-      rs.group_counts[j] = total;
-    }
-    if (threadIdx.x == 0) {
-      rs.group_offsets[dims.E_local] = needed[pt.rank];
-      for (int d = 0; d < dims.world; ++d) {
-        if (needed[d] > dims.capacity_rows) {
-          comm::report_error(pt, ErrorCode::capacity_overflow, Phase::route_assign, d, needed[d]);
-          break;
-        }
-      }
+      rs.group_offsets[j] = overflow_rank < 0 ? row_base[first + j] : 0;
+      rs.group_counts[j] = overflow_rank < 0 ? total : 0;
     }
   }
   __syncthreads();

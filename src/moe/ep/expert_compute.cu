@@ -1,6 +1,7 @@
 #include "moe/ep/expert_compute.hpp"
 
 #include "kernels/ep/reference_grouped_gemm.hpp"
+#include "kernels/expert_mlp.hpp"
 
 namespace poise::ep {
 namespace {
@@ -27,9 +28,64 @@ const bf16* workspace_rows(const EpLaunch& l, int slot, size_t offset) {
   return reinterpret_cast<const bf16*>(l.scratch.rank[slot].workspace + offset);
 }
 
+sm90::GroupedRows sm90_rows(const EpLaunch& l, int slot) {
+  sm90::GroupedRows rows;
+  rows.row_offsets_E = l.scratch.rank[slot].group_offsets;
+  rows.row_counts_E = l.scratch.rank[slot].group_counts;
+  rows.num_experts = l.dims.E_local;
+  rows.max_rows = l.dims.capacity_rows;
+  return rows;
+}
+
+sm90::ExpertMlpShape sm90_shape(const EpLaunch& l) {
+  sm90::ExpertMlpShape shape;
+  shape.hidden_dim = l.dims.D;
+  shape.intermediate_dim = l.dims.F;
+  shape.activation = l.dims.swiglu_clamped ? Activation::swiglu_clamped : Activation::swiglu;
+  shape.swiglu_alpha = l.dims.swiglu_alpha;
+  shape.swiglu_limit = l.dims.swiglu_limit;
+  shape.w13_layout = W13Layout::gate_up_blocked;
+  return shape;
+}
+
+void sm90_forward(const EpLaunch& l, const LaunchIo& io, cudaStream_t stream) {
+  const sm90::ExpertMlpShape shape = sm90_shape(l);
+  for (int s = 0; s < l.launch_ranks; ++s) {
+    const RankScratch& rs = l.scratch.rank[s];
+    const sm90::GroupedRows rows = sm90_rows(l, s);
+    sm90::expert_mlp_fprop_w13(rows, shape, {workspace_rows(l, s, l.ws.recv_x), io.rank[s].w13_E2FD, rs.a_RF, rs.h13_R2F},
+                               stream);
+    sm90::expert_mlp_fprop_w2(rows, shape, {rs.a_RF, io.rank[s].w2_EDF, nullptr, rs.rows_out_RD}, stream);
+  }
+}
+
+// grad_y rows arrive already score-scaled (fanout_scale), so the SM90 kernels run with no scores:
+// grad_a = grad_y . W2, and the forward's a stays the W2 wgrad operand.
+void sm90_backward(const EpLaunch& l, const LaunchIo& io, bool accumulate, cudaStream_t stream) {
+  const sm90::ExpertMlpShape shape = sm90_shape(l);
+  for (int s = 0; s < l.launch_ranks; ++s) {
+    const RankScratch& rs = l.scratch.rank[s];
+    const sm90::GroupedRows rows = sm90_rows(l, s);
+    sm90::DgradW2Args dgrad_w2;
+    dgrad_w2.grad_y_RD = rs.grad_y_RD;
+    dgrad_w2.w2_EDF = io.rank[s].w2_EDF;
+    dgrad_w2.h13_R2F = rs.h13_R2F;
+    dgrad_w2.grad_h13_R2F = rs.grad_h13_R2F;
+    sm90::expert_mlp_dgrad_w2(rows, shape, dgrad_w2, stream);
+    sm90::expert_mlp_dgrad_w13(rows, shape, {rs.grad_h13_R2F, io.rank[s].w13_E2FD, rs.rows_out_RD}, stream);
+    sm90::expert_mlp_wgrad_w2(rows, shape, rs.grad_y_RD, rs.a_RF, {io.rank[s].grad_w2_EDF, DType::fp32, accumulate},
+                              stream);
+    sm90::expert_mlp_wgrad_w13(rows, shape, rs.grad_h13_R2F, workspace_rows(l, s, l.ws.recv_x),
+                               {io.rank[s].grad_w13_E2FD, DType::fp32, accumulate}, stream);
+  }
+}
+
 }  // namespace
 
-void expert_forward(const EpLaunch& l, const LaunchIo& io, cudaStream_t stream) {
+const char* to_string(ExpertKernels k) { return k == ExpertKernels::sm90 ? "sm90" : "standin"; }
+
+void expert_forward(const EpLaunch& l, const LaunchIo& io, ExpertKernels kernels, cudaStream_t stream) {
+  if (kernels == ExpertKernels::sm90) return sm90_forward(l, io, stream);
   RowGemmBatch w13 = row_batch(l);
   RowGemmBatch w2 = row_batch(l);
   for (int s = 0; s < l.launch_ranks; ++s) {
@@ -46,7 +102,9 @@ void expert_forward(const EpLaunch& l, const LaunchIo& io, cudaStream_t stream) 
   launch_row_grouped_gemm(RowGemmKind::w2_forward, w2, stream);
 }
 
-void expert_backward(const EpLaunch& l, const LaunchIo& io, bool accumulate_wgrad, cudaStream_t stream) {
+void expert_backward(const EpLaunch& l, const LaunchIo& io, bool accumulate_wgrad, ExpertKernels kernels,
+                     cudaStream_t stream) {
+  if (kernels == ExpertKernels::sm90) return sm90_backward(l, io, accumulate_wgrad, stream);
   RowGemmBatch w2_dgrad = row_batch(l);
   RowGemmBatch w13_dgrad = row_batch(l);
   WgradBatch w2_wgrad, w13_wgrad;

@@ -1,6 +1,6 @@
 // The expert MLP of the staged pipeline, over every rank's expert-grouped rows.
-// THE one place that picks the GEMM kernels: today the stand-in WMMA kernels of
-// src/kernels/ep/reference_grouped_gemm.hpp; swapping in the SM90 kernels changes expert_compute.cu only.
+// THE one place that picks the GEMM kernels: the stand-in WMMA kernels of
+// src/kernels/ep/reference_grouped_gemm.hpp or the SM90 wgmma kernels of src/kernels/expert_mlp.hpp.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -9,11 +9,18 @@
 
 namespace poise::ep {
 
+enum class ExpertKernels {
+  standin,  // src/kernels/ep/reference_grouped_gemm.cu: simple, one launch for all ranks
+  sm90,     // src/kernels/sm90 (poise::sm90::expert_mlp_*): one launch per rank and GEMM
+};
+const char* to_string(ExpertKernels k);
+
 // recv_x rows -> h13_R2F (saved), a_RF (saved), y rows in rows_out_RD.
-void expert_forward(const EpLaunch& l, const LaunchIo& io, cudaStream_t stream);
+void expert_forward(const EpLaunch& l, const LaunchIo& io, ExpertKernels kernels, cudaStream_t stream);
 
 // grad_y_RD -> grad_h13_R2F, grad_x rows in rows_out_RD, grad_w13 / grad_w2 (fp32, overwritten or
 // accumulated). Experts that received no rows get zero gradients (or keep theirs when accumulating).
-void expert_backward(const EpLaunch& l, const LaunchIo& io, bool accumulate_wgrad, cudaStream_t stream);
+void expert_backward(const EpLaunch& l, const LaunchIo& io, bool accumulate_wgrad, ExpertKernels kernels,
+                     cudaStream_t stream);
 
 }  // namespace poise::ep

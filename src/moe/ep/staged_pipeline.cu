@@ -135,22 +135,24 @@ std::unique_ptr<StagedPipeline> StagedPipeline::create_virtual(const Config& con
   validate_config(config, ep_size);
   auto transport = comm::VirtualTransport::create(static_cast<int>(ep_size), workspace_bytes(config, ep_size),
                                                   options.timeout_ns);
-  return create(config, std::move(transport));
+  return create(config, std::move(transport), options.expert_kernels);
 }
 
 std::unique_ptr<StagedPipeline> StagedPipeline::create(const Config& config,
-                                                       std::unique_ptr<comm::Transport> transport) {
+                                                       std::unique_ptr<comm::Transport> transport,
+                                                       ExpertKernels expert_kernels) {
   require(transport != nullptr, "transport", "must not be null");
   validate_config(config, transport->world_size());
   require(transport->launch_ranks() <= kMaxLaunchRanks, "transport",
           "a launch carries at most " + std::to_string(kMaxLaunchRanks) + " ranks");
   require(transport->workspace_bytes() >= workspace_bytes(config, transport->world_size()), "transport",
           "workspace smaller than StagedPipeline::workspace_bytes()");
-  return std::unique_ptr<StagedPipeline>(new StagedPipeline(config, std::move(transport)));
+  return std::unique_ptr<StagedPipeline>(new StagedPipeline(config, std::move(transport), expert_kernels));
 }
 
-StagedPipeline::StagedPipeline(const Config& config, std::unique_ptr<comm::Transport> transport)
-    : config_(config), transport_(std::move(transport)) {
+StagedPipeline::StagedPipeline(const Config& config, std::unique_ptr<comm::Transport> transport,
+                               ExpertKernels expert_kernels)
+    : config_(config), expert_kernels_(expert_kernels), transport_(std::move(transport)) {
   const bool training = !config.inference;
   launch_.tables = transport_->device_tables();
   launch_.launch_ranks = transport_->launch_ranks();
@@ -228,7 +230,7 @@ void StagedPipeline::forward(std::span<const ForwardArgs> args, cudaStream_t str
   stage(Stage::fanout, stream);
   launch_fanout_rows(l, stream);
   stage(Stage::experts, stream);
-  expert_forward(l, io, stream);
+  expert_forward(l, io, expert_kernels_, stream);
   stage(Stage::combine_push, stream);
   launch_combine_push(l, /*backward=*/false, stream);
   stage(Stage::combine_reduce, stream);
@@ -266,7 +268,7 @@ void StagedPipeline::backward(std::span<const BackwardArgs> args, cudaStream_t s
   stage(Stage::fanout, stream);
   launch_fanout_scale_grad(l, stream);
   stage(Stage::experts, stream);
-  expert_backward(l, io, args[0].accumulate_wgrad, stream);
+  expert_backward(l, io, args[0].accumulate_wgrad, expert_kernels_, stream);
   stage(Stage::combine_push, stream);
   launch_combine_push(l, /*backward=*/true, stream);
   stage(Stage::combine_reduce, stream);

@@ -22,6 +22,7 @@
 
 #include "comm/transport.hpp"
 #include "kernels/ep/ep_params.hpp"
+#include "moe/ep/expert_compute.hpp"
 #include "poise/config.hpp"
 #include "poise/context.hpp"
 
@@ -41,6 +42,7 @@ const char* to_string(Stage stage);
 
 struct PipelineOptions {
   uint64_t timeout_ns = 10'000'000'000ull;  // bound on every wait for a peer
+  ExpertKernels expert_kernels = ExpertKernels::standin;
 };
 
 // Host copy of one slot's routing layout (tests, diagnostics).
@@ -64,7 +66,8 @@ class StagedPipeline {
   static std::unique_ptr<StagedPipeline> create_virtual(const Config& config, int64_t ep_size,
                                                         const PipelineOptions& options = {});
   // Over an existing transport (e.g. comm::NcclTransport), whose workspace holds workspace_bytes().
-  static std::unique_ptr<StagedPipeline> create(const Config& config, std::unique_ptr<comm::Transport> transport);
+  static std::unique_ptr<StagedPipeline> create(const Config& config, std::unique_ptr<comm::Transport> transport,
+                                                ExpertKernels expert_kernels = ExpertKernels::standin);
   ~StagedPipeline();
 
   // Host-validates (InvalidArgument naming "args[slot].field") then enqueues. args: one per launch slot.
@@ -90,13 +93,14 @@ class StagedPipeline {
   StagedPipeline& operator=(const StagedPipeline&) = delete;
 
  private:
-  StagedPipeline(const Config& config, std::unique_ptr<comm::Transport> transport);
+  StagedPipeline(const Config& config, std::unique_ptr<comm::Transport> transport, ExpertKernels expert_kernels);
   void stage(Stage s, cudaStream_t stream) {
     if (hook_) hook_(s, stream);
   }
   LaunchIo forward_io(std::span<const ForwardArgs> args) const;
 
   Config config_;
+  ExpertKernels expert_kernels_;
   std::unique_ptr<comm::Transport> transport_;
   EpLaunch launch_;
   std::vector<void*> allocations_;
