@@ -161,7 +161,9 @@ def _check_accumulation(context: Context, w13, w2, grad_w13_acc, grad_w2_acc) ->
 def _setup_context(ctx, inputs, output) -> None:
     x_TD, ids_TK, scores_TK, w13, w2, handle, w13_layout, accumulate_wgrad, deterministic_combine = inputs
     ctx.save_for_backward(x_TD, ids_TK, scores_TK, w13, w2)
-    ctx.context = context_from_handle(handle)  # keeps the context alive until backward
+    # The handle, not the Context: an autograd graph kept alive (say, until interpreter exit) must
+    # not keep the context's buffers alive with it. Backward finds the context by its handle.
+    ctx.context_handle = handle
     ctx.w13_layout, ctx.deterministic_combine = w13_layout, deterministic_combine
     # With accumulation the parameters themselves are needed: their .main_grad / .grad.
     ctx.weights = (w13, w2) if accumulate_wgrad else None
@@ -172,12 +174,12 @@ def _backward(ctx, grad_out_TD):
     needs = ctx.needs_input_grad
     # Autograd may hand a broadcast (stride 0) or otherwise strided gradient: the ops need rows.
     grad_out_TD = grad_out_TD.contiguous()
-    args = (grad_out_TD, x_TD, ids_TK, scores_TK, w13, w2, ctx.context.handle, ctx.w13_layout,
+    args = (grad_out_TD, x_TD, ids_TK, scores_TK, w13, w2, ctx.context_handle, ctx.w13_layout,
             ctx.deterministic_combine)
     if ctx.weights is None:
         grad_x, grad_scores, grad_w13, grad_w2 = torch.ops.poise.routed_experts_backward(*args)
     else:
-        config = ctx.context._cpp.config
+        config = context_from_handle(ctx.context_handle)._cpp.config
         buffers = [accumulation_buffer(weight, name, config) if need else torch.zeros_like(weight, dtype=wgrad_dtype(config))
                    for weight, name, need in zip(ctx.weights, ("w13", "w2"), needs[3:5])]
         grad_x, grad_scores = torch.ops.poise.routed_experts_backward_accumulate(*args, *buffers)
@@ -241,14 +243,17 @@ def routed_experts(
     if options.clip_statistics:
         raise NotAvailable("clip_statistics: SwiGLU clip statistics are not reported by this build yet")
     tensors = {"x_TD": x_TD, "scores_TK": scores_TK, "w13": w13, "w2": w2}
-    wants_grad = torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad for t in tensors.values())
+    for name, value in (("ids_TK", ids_TK), *tensors.items()):
+        if not isinstance(value, Tensor):  # the op's schema would reject it with a less helpful message
+            raise InvalidArgument(name, f"must be a torch.Tensor, got {type(value).__name__}")
+    wants_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors.values())
     if wants_grad and context._cpp.config.inference:
         raise InvalidArgument("context", "was created with inference=true: run under torch.no_grad() or "
                                          "create a training context")
     if wants_grad and options.accumulate_wgrad:
         for name in ("w13", "w2"):
             weight = tensors[name]
-            if isinstance(weight, Tensor) and weight.requires_grad and not weight.is_leaf:
+            if weight.requires_grad and not weight.is_leaf:
                 raise InvalidArgument(name, "accumulate_wgrad adds into the parameter's .main_grad/.grad, so pass "
                                             "the parameter itself (a leaf tensor), not a view or a result")
     return torch.ops.poise.routed_experts_forward(

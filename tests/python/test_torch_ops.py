@@ -1,0 +1,262 @@
+"""poise.routed_experts and the poise::routed_experts_* torch.library ops on a CPU context.
+
+Forward and backward against a plain PyTorch float64 implementation (autograd), for several
+shapes and routings; the op contracts (opcheck, make_fx, FakeTensor, torch.export); activation
+checkpointing; no_grad on a training context; contexts shared by several layers."""
+
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import poise
+from poise import reference
+
+TOLERANCE = 1e-2
+
+
+def make_config(**changes) -> poise.Config:
+    fields = dict(num_local_input_tokens=32, hidden_dim=128, intermediate_dim=64, top_k=2, num_experts=4)
+    return poise.Config(**{**fields, **changes})
+
+
+def relative_error(got, want) -> float:
+    got, want = got.double(), want.double()
+    assert torch.isfinite(got).all()
+    if want.norm() == 0:
+        return 0.0 if (got == 0).all() else float("inf")
+    return ((got - want).norm() / want.norm()).item()
+
+
+def layer_inputs(config, seed=0, requires_grad=True, **options):
+    inputs = {name: values[0] for name, values in reference.random_inputs(config, 1, seed=seed, **options).items()}
+    for name in ("x_TD", "scores_TK", "w13", "w2"):
+        inputs[name].requires_grad_(requires_grad)
+    return inputs
+
+
+def call(inputs, context, options=None, **kwargs):
+    return poise.routed_experts(inputs["x_TD"], inputs["ids_TK"], inputs["scores_TK"], inputs["w13"], inputs["w2"],
+                                context, options, **kwargs)
+
+
+def grads_of(inputs):
+    return [inputs[name].grad for name in ("x_TD", "scores_TK", "w13", "w2")]
+
+
+def float64_oracle(config, inputs, grad_out_TD, w13_layout="gate_up_blocked"):
+    leaves = {n: inputs[n].detach().double().requires_grad_() for n in ("x_TD", "scores_TK", "w13", "w2")}
+    w13_E2FD, w2_EDF = reference.global_experts([leaves["w13"]], [leaves["w2"]], config)
+    out = reference.routed_experts_torch(leaves["x_TD"], inputs["ids_TK"], leaves["scores_TK"], w13_E2FD, w2_EDF,
+                                         config, w13_layout=w13_layout)
+    out.backward(grad_out_TD.double())
+    return out.detach(), [leaves[n].grad for n in ("x_TD", "scores_TK", "w13", "w2")]
+
+
+@pytest.fixture
+def config():
+    return make_config()
+
+
+@pytest.fixture
+def context(config):
+    with poise.create_context(config=config, device="cpu") as context:
+        yield context
+
+
+CASES = {
+    "base": (dict(), dict(), "gate_up_blocked"),
+    "D192-F192-K4-E8": (dict(hidden_dim=192, intermediate_dim=192, top_k=4, num_experts=8), dict(), "gate_up_blocked"),
+    "bf16-scores": (dict(), dict(scores_dtype=torch.bfloat16), "gate_up_blocked"),
+    "K1-all-tokens-to-expert-0": (dict(top_k=1), dict(routing="one_expert"), "gate_up_blocked"),
+    "one-expert-K3": (dict(top_k=3, num_experts=8), dict(routing="one_expert"), "gate_up_blocked"),
+    "padding-rows": (dict(), dict(padding_rows=7), "gate_up_blocked"),
+    "clamped": (dict(activation="swiglu_clamped", swiglu_limit=0.25), dict(), "gate_up_blocked"),
+    "interleaved": (dict(), dict(), "gate_up_interleaved"),
+    "w13-E2_F_D": (dict(), dict(w13_shape="E2_F_D"), "gate_up_blocked"),
+    "w13-flat": (dict(), dict(w13_shape="flat"), "gate_up_interleaved"),
+    "wgrad-bf16": (dict(wgrad_dtype="bf16"), dict(), "gate_up_blocked"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_forward_and_backward_match_plain_pytorch_float64(case):
+    changes, options, layout = CASES[case]
+    config = make_config(**changes)
+    inputs = layer_inputs(config, seed=len(case), **options)
+    grad_out = torch.randn(config.num_local_input_tokens, config.hidden_dim).bfloat16()
+    with poise.create_context(config=config, device="cpu") as context:
+        out = call(inputs, context, w13_layout=layout)
+        out.backward(grad_out)
+    want_out, want_grads = float64_oracle(config, inputs, grad_out, layout)
+    assert out.dtype == torch.bfloat16 and out.shape == inputs["x_TD"].shape
+    assert relative_error(out, want_out) < TOLERANCE
+    for name, got, want in zip(("x_TD", "scores_TK", "w13", "w2"), grads_of(inputs), want_grads):
+        assert got.dtype == inputs[name].dtype and got.shape == inputs[name].shape, name
+        assert relative_error(got, want) < TOLERANCE, name
+
+
+def test_sum_backward_gets_a_broadcast_gradient(config, context):
+    """out.sum().backward() hands the op a stride-0 gradient: it must be made contiguous, not rejected."""
+    inputs = layer_inputs(config)
+    call(inputs, context).float().sum().backward()
+    _, want = float64_oracle(config, inputs, torch.ones(config.num_local_input_tokens, config.hidden_dim))
+    assert relative_error(inputs["x_TD"].grad, want[0]) < TOLERANCE
+
+
+def test_only_requested_grads_are_returned(config, context):
+    inputs = layer_inputs(config, requires_grad=False)
+    inputs["scores_TK"].requires_grad_(True)
+    call(inputs, context).float().sum().backward()
+    assert inputs["scores_TK"].grad is not None
+    assert inputs["x_TD"].grad is None and inputs["w13"].grad is None and inputs["w2"].grad is None
+
+
+def test_opcheck(config, context):
+    inputs = layer_inputs(config, requires_grad=True)
+    args = (inputs["x_TD"], inputs["ids_TK"], inputs["scores_TK"], inputs["w13"], inputs["w2"], context.handle,
+            "gate_up_blocked", False, True)
+    torch.library.opcheck(torch.ops.poise.routed_experts_forward.default, args)
+    detached = [t.detach() for t in args[:5]]
+    grad_out = torch.randn(config.num_local_input_tokens, config.hidden_dim).bfloat16()
+    torch.library.opcheck(torch.ops.poise.routed_experts_backward.default,
+                          (grad_out, *detached, context.handle, "gate_up_blocked", True))
+    buffers = (torch.zeros(detached[3].shape), torch.zeros(detached[4].shape))
+    torch.library.opcheck(torch.ops.poise.routed_experts_backward_accumulate.default,
+                          (grad_out, *detached, context.handle, "gate_up_blocked", True, *buffers))
+
+
+@pytest.mark.parametrize("tracing_mode", ["real", "fake"])
+def test_make_fx_traces_the_op(config, context, tracing_mode):
+    inputs = layer_inputs(config, requires_grad=False)
+
+    def layer(x_TD, ids_TK, scores_TK, w13, w2):
+        return poise.routed_experts(x_TD, ids_TK, scores_TK, w13, w2, context) * 2
+
+    args = [inputs[n] for n in ("x_TD", "ids_TK", "scores_TK", "w13", "w2")]
+    graph = make_fx(layer, tracing_mode=tracing_mode)(*args)
+    assert "poise.routed_experts_forward" in graph.code
+    assert torch.equal(graph(*args), layer(*args))
+
+
+def test_make_fx_traces_forward_and_backward(config, context):
+    inputs = layer_inputs(config)
+    names = ("x_TD", "scores_TK", "w13", "w2")
+
+    def train_step(x_TD, ids_TK, scores_TK, w13, w2):
+        out = poise.routed_experts(x_TD, ids_TK, scores_TK, w13, w2, context)
+        return torch.autograd.grad(out.float().square().sum(), [x_TD, scores_TK, w13, w2])
+
+    args = [inputs[n] for n in ("x_TD", "ids_TK", "scores_TK", "w13", "w2")]
+    graph = make_fx(train_step, tracing_mode="fake")(*args)
+    assert "poise.routed_experts_forward" in graph.code and "poise.routed_experts_backward" in graph.code
+    for name, got, want in zip(names, graph(*args), train_step(*args)):
+        assert torch.equal(got, want), name
+
+
+def test_fake_tensor_mode_gives_shapes_without_running(config, context):
+    inputs = layer_inputs(config)
+    with FakeTensorMode() as mode:
+        fake = {name: mode.from_tensor(t) for name, t in inputs.items()}
+        out = call(fake, context)
+        assert out.shape == inputs["x_TD"].shape and out.dtype == torch.bfloat16
+        grads = torch.autograd.grad(out.float().sum(), [fake["x_TD"], fake["scores_TK"], fake["w13"], fake["w2"]])
+        assert [g.shape for g in grads] == [inputs[n].shape for n in ("x_TD", "scores_TK", "w13", "w2")]
+        # Validation runs in the fake implementation too.
+        with pytest.raises(poise.InvalidArgument) as raised:
+            call({**fake, "ids_TK": fake["ids_TK"].long()}, context)
+        assert raised.value.name == "ids_TK"
+    assert context._backend is None  # the engine never ran
+
+
+def test_torch_export_non_strict(config, context):
+    inputs = layer_inputs(config, requires_grad=False)
+
+    class Experts(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w13 = torch.nn.Parameter(inputs["w13"].clone())
+            self.w2 = torch.nn.Parameter(inputs["w2"].clone())
+
+        def forward(self, x_TD, ids_TK, scores_TK):
+            return poise.routed_experts(x_TD, ids_TK, scores_TK, self.w13, self.w2, context)
+
+    module = Experts()
+    args = (inputs["x_TD"], inputs["ids_TK"], inputs["scores_TK"])
+    exported = torch.export.export(module, args, strict=False)
+    assert "poise.routed_experts_forward" in str(exported.graph)
+    assert torch.equal(exported.module()(*args), module(*args))
+
+
+def test_activation_checkpointing_gives_the_same_grads(config):
+    grad_out = torch.randn(config.num_local_input_tokens, config.hidden_dim).bfloat16()
+    results = []
+    for checkpointed in (False, True):
+        inputs = layer_inputs(config, seed=3)
+        with poise.create_context(config=config, device="cpu") as context:
+            def layer(x_TD, scores_TK, w13, w2):
+                return poise.routed_experts(x_TD, inputs["ids_TK"], scores_TK, w13, w2, context) * 1.5
+
+            args = [inputs[n] for n in ("x_TD", "scores_TK", "w13", "w2")]
+            out = torch.utils.checkpoint.checkpoint(layer, *args, use_reentrant=False) if checkpointed else layer(*args)
+            out.backward(grad_out)
+            if checkpointed:
+                assert context._backend.forward_calls == 2  # the recompute ran the op again
+        results.append([out.detach(), *grads_of(inputs)])
+    for plain, checkpointed in zip(*results):
+        assert torch.equal(plain, checkpointed)
+
+
+def test_no_grad_forward_on_a_training_context(config, context):
+    inputs = layer_inputs(config)
+    with torch.no_grad():
+        evaluated = call(inputs, context)
+    assert not evaluated.requires_grad
+    trained = call(inputs, context)
+    assert torch.equal(evaluated, trained.detach())
+    # A no_grad forward between a training forward and its backward does not corrupt the backward.
+    other = layer_inputs(config, seed=9)
+    with torch.no_grad():
+        call(other, context)
+    grad_out = torch.randn_like(trained)
+    trained.backward(grad_out)
+    _, want = float64_oracle(config, inputs, grad_out)
+    for got, want_grad in zip(grads_of(inputs), want):
+        assert relative_error(got, want_grad) < TOLERANCE
+    assert context._backend.recomputed_forwards == 1
+
+
+def test_inference_context_evaluates_but_refuses_grad():
+    config = make_config(inference=True)
+    inputs = layer_inputs(config)
+    with poise.create_context(config=config, device="cpu") as context:
+        with torch.no_grad():
+            out = call(inputs, context)
+        with poise.create_context(config=make_config(), device="cpu") as training:
+            with torch.no_grad():
+                assert torch.equal(out, call(inputs, training))
+        with pytest.raises(poise.InvalidArgument) as raised:
+            call(inputs, context)
+        assert raised.value.name == "context"
+
+
+def test_layers_sharing_a_context(config):
+    """Two layers on one context, backward in reverse order: the first layer's backward recomputes."""
+    layers = [layer_inputs(config, seed=s) for s in (1, 2)]
+    grad_out = torch.randn(config.num_local_input_tokens, config.hidden_dim).bfloat16()
+    with poise.create_context(config=config, device="cpu") as context:
+        outs = [call(inputs, context) for inputs in layers]
+        outs[1].backward(grad_out)
+        outs[0].backward(grad_out)
+        assert context._backend.recomputed_forwards == 1
+    for inputs in layers:
+        _, want = float64_oracle(config, inputs, grad_out)
+        for got, want_grad in zip(grads_of(inputs), want):
+            assert relative_error(got, want_grad) < TOLERANCE
+
+
+def test_deterministic_results(config, context):
+    inputs = layer_inputs(config, requires_grad=False)
+    first = call(inputs, context, poise.ExecutionOptions(deterministic_combine=True))
+    assert torch.equal(first, call(inputs, context, poise.ExecutionOptions(deterministic_combine=False)))
+    assert torch.equal(first, call(inputs, context))
