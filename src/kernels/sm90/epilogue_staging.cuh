@@ -10,6 +10,7 @@
 
 #include <cstdint>
 
+#include "kernels/sm90/ptx/cp_async.cuh"
 #include "kernels/sm90/ptx/warpgroup.cuh"
 
 namespace poise::sm90 {
@@ -44,6 +45,23 @@ __device__ __forceinline__ void staged_copy_out(const uint8_t* buf, int thread, 
     if (dst)
       *reinterpret_cast<uint4*>(dst + c * 16) = *reinterpret_cast<const uint4*>(buf + r * kStagingPitch + c * 16);
   }
+}
+
+// The reverse: fetches 64 rows of 128 bytes (row_src(r), or nullptr to skip) into the buffer with
+// cp.async; the caller commits, waits and syncs before reading.
+template <class RowSrc>
+__device__ __forceinline__ void staged_fetch_async(uint8_t* buf, int thread, RowSrc&& row_src) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int u = thread + 128 * i;
+    const int r = u >> 3, c = u & 7;
+    const uint8_t* src = row_src(r);
+    if (src) ptx::cp_async_16(buf + r * kStagingPitch + c * 16, src + c * 16);
+  }
+}
+
+__device__ __forceinline__ uint32_t stage_get_u32(const uint8_t* buf, int row, int byte_col) {
+  return *reinterpret_cast<const uint32_t*>(buf + row * kStagingPitch + byte_col);
 }
 
 // Same, combining with what is already there: combine(uint4 staged, uint4 old) -> uint4.

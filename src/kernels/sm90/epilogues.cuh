@@ -54,6 +54,10 @@ struct GroupedRowAddress {
 template <bool kInterleaved>
 struct SwigluFpropEpilogue {
   static constexpr int kStagingBuffers = 1;
+  // Nothing to prefetch before the mainloop.
+  template <int kBlockN>
+  __device__ __forceinline__ void begin_tile(const TileInfo&, int, int, uint8_t*) const {}
+
   static constexpr bool interleaved = kInterleaved;
   __nv_bfloat16* a_RF;
   __nv_bfloat16* h13_R2F;  // nullable: backward recomputes the forward instead
@@ -139,6 +143,10 @@ struct SwigluFpropEpilogue {
 // scaled per row by an fp32 routing score.
 struct RowsStoreEpilogue {
   static constexpr int kStagingBuffers = 1;
+  // Nothing to prefetch before the mainloop.
+  template <int kBlockN>
+  __device__ __forceinline__ void begin_tile(const TileInfo&, int, int, uint8_t*) const {}
+
   __nv_bfloat16* out_RN;
   const float* scores_R;  // nullable
   int32_t N;
@@ -176,12 +184,13 @@ struct RowsStoreEpilogue {
 // DGRAD W2 + SwiGLU backward. Accumulators hold grad_y . W2 for activation columns f.
 // With scores s (the forward scaled y by s): grad_a = s * acc, the wgrad operand is s * a, and
 // grad_score[row] += sum_f acc * a (a quad's lanes reduce, then one atomic per row and quad).
-// One staging buffer, three passes per 64-column chunk (first grad_h13 half, second half, s * a):
-// the values of the later passes wait, packed as bf16 pairs, in the chunk's accumulator registers,
-// which are dead once read. (Three buffers would cost a pipeline stage: measured 2x slower in v2.)
+// Per 64-column chunk, h13's two 128-byte pieces (gate / up, or the two halves of the interleaved
+// pairs) arrive in staging buffers by cp.async (chunk 0 during the mainloop, via begin_tile),
+// the gradients overwrite them in place, s * a goes to the third buffer, and all three are
+// copied out as whole rows.
 template <bool kInterleaved>
 struct SwigluDgradEpilogue {
-  static constexpr int kStagingBuffers = 1;
+  static constexpr int kStagingBuffers = 3;
   static constexpr bool interleaved = kInterleaved;
   const __nv_bfloat16* h13_R2F;  // saved pre-activation, W13's row order
   __nv_bfloat16* grad_h13_R2F;   // out
@@ -191,11 +200,38 @@ struct SwigluDgradEpilogue {
   int32_t F;
   ActivationParams act;
 
+  // h13 columns of a chunk's two 128-byte pieces.
+  __device__ int64_t first_col(int32_t fc) const { return interleaved ? 2 * int64_t(fc) : fc; }
+  __device__ int64_t second_col(int32_t fc) const { return interleaved ? 2 * int64_t(fc) + 64 : int64_t(F) + fc; }
+
+  __device__ void fetch_h13(uint8_t* buf, const GroupedRowAddress& rows, int32_t fc, int thread) const {
+    const int64_t F2 = 2 * int64_t(F);
+    auto src = [&](int64_t col) {
+      return [&, col](int r) -> const uint8_t* {
+        return r < rows.valid ? reinterpret_cast<const uint8_t*>(h13_R2F + (rows.first_row + r) * F2 + col) : nullptr;
+      };
+    };
+    staged_fetch_async(buf, thread, src(first_col(fc)));
+    staged_fetch_async(buf + kStagingBytes, thread, src(second_col(fc)));
+    ptx::cp_async_commit();
+  }
+
+  // Chunk 0's h13 is fetched before the mainloop so its latency hides behind the wgmmas.
+  template <int kBlockN>
+  __device__ __forceinline__ void begin_tile(const TileInfo& tile, int consumer, int thread, uint8_t* buf) const {
+    const int32_t fc = tile.n_block * kBlockN;
+    consumer_warpgroup_sync(consumer);  // the previous tile's copy-out is done with the buffers
+    if (fc < F) fetch_h13(buf, GroupedRowAddress(tile, consumer), fc, thread);
+  }
+
   template <int kBlockN>
   __device__ __forceinline__ void store(float (&d)[kBlockN / 2], const TileInfo& tile, int consumer,
                                         int thread, uint8_t* buf) const {
     const Fragment fr(thread);
     const GroupedRowAddress rows(tile, consumer);
+    uint8_t* buf_first = buf;
+    uint8_t* buf_second = buf + kStagingBytes;
+    uint8_t* buf_a = buf + 2 * kStagingBytes;
     const int64_t F2 = 2 * int64_t(F);
     float s[2], score_grad[2] = {0.0f, 0.0f};
     bool row_ok[2];
@@ -209,67 +245,11 @@ struct SwigluDgradEpilogue {
     for (int c = 0; c < kBlockN / 64; ++c) {
       const int32_t fc = tile.n_block * kBlockN + 64 * c;
       if (fc >= F) break;
-      // Pass 1: gradients; write the first grad_h13 half, stash the rest in d.
-      consumer_warpgroup_sync(consumer);  // the previous copy-out is done with the buffer
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        // Issue the row's 16 h13 loads of this chunk before using any of them.
-        uint32_t lo[8], hi[8];
-        const __nv_bfloat16* src = h13_R2F + (rows.first_row + fr.row + 8 * h) * F2;
-#pragma unroll
-        for (int jj = 0; jj < 8; ++jj) {
-          const int32_t f = fc + 8 * jj + 2 * fr.quad;
-          lo[jj] = hi[jj] = 0;
-          if (!row_ok[h]) continue;
-          if (!interleaved) {  // lo = (g_f, g_f+1), hi = (u_f, u_f+1)
-            lo[jj] = __ldg(reinterpret_cast<const unsigned int*>(src + f));
-            hi[jj] = __ldg(reinterpret_cast<const unsigned int*>(src + F + f));
-          } else {  // lo = (g_f, u_f), hi = (g_f+1, u_f+1)
-            const uint2 v = __ldg(reinterpret_cast<const uint2*>(src + 2 * f));
-            lo[jj] = v.x;
-            hi[jj] = v.y;
-          }
-        }
-        const int row = fr.row + 8 * h;
-#pragma unroll
-        for (int jj = 0; jj < 8; ++jj) {
-          const int j = 8 * c + jj;
-          float g[2], u[2];
-          if (!interleaved) {
-            g[0] = bf16_lo(lo[jj]); g[1] = bf16_hi(lo[jj]);
-            u[0] = bf16_lo(hi[jj]); u[1] = bf16_hi(hi[jj]);
-          } else {
-            g[0] = bf16_lo(lo[jj]); u[0] = bf16_hi(lo[jj]);
-            g[1] = bf16_lo(hi[jj]); u[1] = bf16_hi(hi[jj]);
-          }
-          float a[2], gg[2], gu[2];
-#pragma unroll
-          for (int cc = 0; cc < 2; ++cc) {
-            const float acc = d[4 * j + 2 * h + cc];
-            swiglu_backward(g[cc], u[cc], s[h] * acc, act, a[cc], gg[cc], gu[cc]);
-            score_grad[h] += acc * a[cc];
-          }
-          const uint32_t a_pair = pack_bf16x2(s[h] * a[0], s[h] * a[1]);
-          if (!interleaved) {
-            stage_put_u32(buf, row, (8 * jj + 2 * fr.quad) * 2, pack_bf16x2(gg[0], gg[1]));
-            d[4 * j + 2 * h] = __uint_as_float(pack_bf16x2(gu[0], gu[1]));
-          } else if (jj < 4) {
-            // f local 8jj + 2quad + cc -> grad_h13 local columns 16jj + 4quad + 2cc (+1).
-#pragma unroll
-            for (int cc = 0; cc < 2; ++cc)
-              stage_put_u32(buf, row, (16 * jj + 4 * fr.quad + 2 * cc) * 2, pack_bf16x2(gg[cc], gu[cc]));
-          } else {  // second half: cc = 1 goes to the (already read) slot of group jj - 4
-            d[4 * j + 2 * h] = __uint_as_float(pack_bf16x2(gg[0], gu[0]));
-            d[4 * (j - 4) + 2 * h] = __uint_as_float(pack_bf16x2(gg[1], gu[1]));
-          }
-          d[4 * j + 2 * h + 1] = __uint_as_float(a_pair);
-        }
+      if (c > 0) {
+        consumer_warpgroup_sync(consumer);  // the previous chunk's copy-out is done
+        fetch_h13(buf, rows, fc, thread);
       }
-      const int64_t col_first = interleaved ? 2 * int64_t(fc) : fc;
-      const int64_t col_second = interleaved ? 2 * int64_t(fc) + 64 : F + int64_t(fc);
-      consumer_warpgroup_sync(consumer);
-      staged_copy_out(buf, thread, [&](int r) { return rows.at(grad_h13_R2F, F2, col_first, r); });
-      // Pass 2: the second grad_h13 half from the stash.
+      ptx::cp_async_wait_all();
       consumer_warpgroup_sync(consumer);
 #pragma unroll
       for (int jj = 0; jj < 8; ++jj) {
@@ -277,28 +257,43 @@ struct SwigluDgradEpilogue {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int row = fr.row + 8 * h;
+          // lo/hi: blocked (g_f, g_f+1) / (u_f, u_f+1); interleaved (g_f, u_f) / (g_f+1, u_f+1).
+          uint8_t* lo_buf = interleaved ? (jj < 4 ? buf_first : buf_second) : buf_first;
+          uint8_t* hi_buf = interleaved ? lo_buf : buf_second;
+          const int lo_col = interleaved ? ((16 * jj + 4 * fr.quad) % 64) * 2 : (8 * jj + 2 * fr.quad) * 2;
+          const int hi_col = interleaved ? lo_col + 4 : lo_col;
+          const uint32_t lo = stage_get_u32(lo_buf, row, lo_col);
+          const uint32_t hi = stage_get_u32(hi_buf, row, hi_col);
+          float g[2], u[2];
           if (!interleaved) {
-            stage_put_u32(buf, row, (8 * jj + 2 * fr.quad) * 2, __float_as_uint(d[4 * j + 2 * h]));
-          } else if (jj >= 4) {
-            stage_put_u32(buf, row, (16 * (jj - 4) + 4 * fr.quad) * 2, __float_as_uint(d[4 * j + 2 * h]));
-            stage_put_u32(buf, row, (16 * (jj - 4) + 4 * fr.quad + 2) * 2, __float_as_uint(d[4 * (j - 4) + 2 * h]));
+            g[0] = bf16_lo(lo); g[1] = bf16_hi(lo);
+            u[0] = bf16_lo(hi); u[1] = bf16_hi(hi);
+          } else {
+            g[0] = bf16_lo(lo); u[0] = bf16_hi(lo);
+            g[1] = bf16_lo(hi); u[1] = bf16_hi(hi);
           }
+          float a[2], gg[2], gu[2];
+#pragma unroll
+          for (int cc = 0; cc < 2; ++cc) {
+            const float acc = d[4 * j + 2 * h + cc];
+            swiglu_backward(g[cc], u[cc], s[h] * acc, act, a[cc], gg[cc], gu[cc]);
+            if (row_ok[h]) score_grad[h] += acc * a[cc];
+          }
+          if (!interleaved) {
+            stage_put_u32(lo_buf, row, lo_col, pack_bf16x2(gg[0], gg[1]));
+            stage_put_u32(hi_buf, row, hi_col, pack_bf16x2(gu[0], gu[1]));
+          } else {
+            stage_put_u32(lo_buf, row, lo_col, pack_bf16x2(gg[0], gu[0]));
+            stage_put_u32(hi_buf, row, hi_col, pack_bf16x2(gg[1], gu[1]));
+          }
+          stage_put_u32(buf_a, row, (8 * jj + 2 * fr.quad) * 2, pack_bf16x2(s[h] * a[0], s[h] * a[1]));
         }
       }
       consumer_warpgroup_sync(consumer);
-      staged_copy_out(buf, thread, [&](int r) { return rows.at(grad_h13_R2F, F2, col_second, r); });
-      if (!a_RF) continue;
-      // Pass 3: s * a, the W2 wgrad operand.
-      consumer_warpgroup_sync(consumer);
-#pragma unroll
-      for (int jj = 0; jj < 8; ++jj) {
-        const int j = 8 * c + jj;
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-          stage_put_u32(buf, fr.row + 8 * h, (8 * jj + 2 * fr.quad) * 2, __float_as_uint(d[4 * j + 2 * h + 1]));
-      }
-      consumer_warpgroup_sync(consumer);
-      staged_copy_out(buf, thread, [&](int r) { return rows.at(a_RF, F, fc, r); });
+      const int64_t col1 = first_col(fc), col2 = second_col(fc);
+      staged_copy_out(buf_first, thread, [&](int r) { return rows.at(grad_h13_R2F, F2, col1, r); });
+      staged_copy_out(buf_second, thread, [&](int r) { return rows.at(grad_h13_R2F, F2, col2, r); });
+      if (a_RF) staged_copy_out(buf_a, thread, [&](int r) { return rows.at(a_RF, F, fc, r); });
     }
     if (grad_scores_R) {
 #pragma unroll
@@ -315,6 +310,10 @@ struct SwigluDgradEpilogue {
 // WGRAD store: out[e][m][n] for m < M, n < N, fp32 or bf16, overwrite or accumulate.
 struct WgradStoreEpilogue {
   static constexpr int kStagingBuffers = 1;
+  // Nothing to prefetch before the mainloop.
+  template <int kBlockN>
+  __device__ __forceinline__ void begin_tile(const TileInfo&, int, int, uint8_t*) const {}
+
   void* out_EMN;
   int32_t M;
   int32_t N;

@@ -80,6 +80,8 @@ __global__ void __launch_bounds__(kThreadsPerCta, 1)
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using Smem = GroupedGemmSmem<kBlockN, kStages, Epilogue::kStagingBuffers>;
   constexpr bool kAMnMajor = kRows == RowsAre::K;
+  // With 3 stages, release each stage as soon as it is read (one more stage of TMA prefetch).
+  constexpr int kInFlight = kStages >= 4 ? kWgmmaGroupsInFlight : 0;
   static_assert(kRows == RowsAre::M || kBMnMajor, "wgrad reads both operands MN-major");
 
   extern __shared__ uint8_t smem_raw[];
@@ -160,6 +162,8 @@ __global__ void __launch_bounds__(kThreadsPerCta, 1)
     for (int32_t t = blockIdx.x; t < scheduler.total_tiles; t += gridDim.x) {
       const TileInfo tile = scheduler.tile(t);
       const int32_t k_blocks = scheduler.k_blocks(tile);
+      uint8_t* staging = smem + Smem::kStagingOffset + consumer * Smem::kStagingPerConsumer;
+      epilogue.template begin_tile<kBlockN>(tile, consumer, consumer_thread % 128, staging);
 #pragma unroll
       for (int i = 0; i < kBlockN / 2; ++i) acc[i] = 0.0f;
       int prev_stage = 0;
@@ -185,7 +189,7 @@ __global__ void __launch_bounds__(kThreadsPerCta, 1)
         }
         ptx::wgmma_commit_group();
         ptx::fence_accumulators(acc);
-        if constexpr (kWgmmaGroupsInFlight == 0) {
+        if constexpr (kInFlight == 0) {
           // Release the stage as soon as its own wgmmas retired (the other warpgroup keeps the
           // tensor cores busy meanwhile): one more stage can be in flight on the TMA side.
           ptx::wgmma_wait_group<0>();
@@ -199,13 +203,12 @@ __global__ void __launch_bounds__(kThreadsPerCta, 1)
           prev_stage = s;
         }
       }
-      if constexpr (kWgmmaGroupsInFlight == 1) {
+      if constexpr (kInFlight == 1) {
         ptx::wgmma_wait_group<0>();
         ptx::fence_accumulators(acc);
         if (k_blocks > 0 && lane == 0) ptx::mbarrier_arrive(&empty_bar[prev_stage]);
       }
-      epilogue.template store<kBlockN>(acc, tile, consumer, consumer_thread % 128,
-                                       smem + Smem::kStagingOffset + consumer * Smem::kStagingPerConsumer);
+      epilogue.template store<kBlockN>(acc, tile, consumer, consumer_thread % 128, staging);
     }
   }
 #endif
