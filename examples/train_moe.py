@@ -1,0 +1,126 @@
+"""A BF16 training loop whose MoE layer runs its routed experts on Poise (router outside, in PyTorch).
+
+    torchrun --nproc_per_node 8 examples/train_moe.py                  # one GPU per rank, EP over all
+    torchrun --nproc_per_node 2 examples/train_moe.py --device cpu     # CPU reference engine over gloo
+    python examples/train_moe.py --device cpu                          # one process, no torchrun
+
+A student MoE layer learns to imitate a fixed random teacher layer. What it shows:
+- one Context per MoE layer, created collectively over the EP group (torch.distributed WORLD here);
+- the router in PyTorch (fp32 logits, top-k, renormalized scores) and int32 ids for Poise;
+- BF16 expert weights with fp32 ``main_grad`` buffers and ``accumulate_wgrad=True``: the micro-batches'
+  weight grads are added in place (Megatron's gradient_accumulation_fusion contract), and an fp32
+  master copy of every weight is what the optimizer updates;
+- expert parallelism: each rank owns E/ep_size experts, so expert grads need no all-reduce, while the
+  replicated router's grads are averaged over the ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+import torch.distributed as dist
+
+import poise
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--micro-batches", type=int, default=2)
+    parser.add_argument("--tokens", type=int, default=64, help="T: tokens per rank and micro-batch")
+    parser.add_argument("--hidden", type=int, default=128, help="D: a multiple of 64")
+    parser.add_argument("--intermediate", type=int, default=128, help="F: a multiple of 64")
+    parser.add_argument("--experts", type=int, default=8, help="E: divisible by the number of ranks")
+    parser.add_argument("--topk", type=int, default=2)
+    parser.add_argument("--lr", type=float, default=1e-2)
+    return parser.parse_args()
+
+
+class MoELayer(torch.nn.Module):
+    """Router (replicated, fp32) + this rank's routed experts (bf16, on Poise)."""
+
+    def __init__(self, config: poise.Config, context: poise.Context, device: torch.device, seed: int):
+        super().__init__()
+        D, F, E = config.hidden_dim, config.intermediate_dim, config.num_experts
+        local = E // context.ep_size
+        shared = torch.Generator(device="cpu").manual_seed(seed)  # the same router on every rank
+        own = torch.Generator(device="cpu").manual_seed(seed * 1000 + context.rank + 1)  # this rank's experts
+        self.router = torch.nn.Parameter((torch.randn(E, D, generator=shared) * D**-0.5).to(device))
+        self.w13 = torch.nn.Parameter((torch.randn(local, 2 * F, D, generator=own) * D**-0.5).to(device, torch.bfloat16))
+        self.w2 = torch.nn.Parameter((torch.randn(local, D, F, generator=own) * F**-0.5).to(device, torch.bfloat16))
+        self.config, self.context = config, context
+
+    def forward(self, x_TD: torch.Tensor, options: poise.ExecutionOptions | None = None) -> torch.Tensor:
+        probs = torch.softmax(x_TD.float() @ self.router.T, dim=-1)
+        scores_TK, ids_TK = torch.topk(probs, self.config.top_k, dim=-1)
+        scores_TK = scores_TK / scores_TK.sum(dim=-1, keepdim=True)
+        return poise.routed_experts(x_TD, ids_TK.to(torch.int32), scores_TK, self.w13, self.w2, self.context, options)
+
+
+def main() -> None:
+    args = parse_args()
+    distributed = "RANK" in os.environ  # launched by torchrun
+    if args.device == "cuda":
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    if distributed:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    group = dist.group.WORLD if distributed else None
+    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+
+    config = poise.Config(num_local_input_tokens=args.tokens, hidden_dim=args.hidden, intermediate_dim=args.intermediate,
+                          top_k=args.topk, num_experts=args.experts)
+    teacher_config = poise.Config(**{**config.__dict__, "inference": True})
+    if rank == 0:
+        print(poise.plan_memory(config, world).explain(), flush=True)
+
+    with poise.create_context(config=config, group=group, device=device) as context, \
+         poise.create_context(config=teacher_config, group=group, device=device) as teacher_context:
+        student = MoELayer(config, context, device, seed=1)
+        teacher = MoELayer(teacher_config, teacher_context, device, seed=2)
+        for weight in (student.w13, student.w2):
+            weight.main_grad = torch.zeros_like(weight, dtype=torch.float32)  # wgrad_dtype fp32
+        masters = [student.w13.detach().float().requires_grad_(), student.w2.detach().float().requires_grad_()]
+        optimizer = torch.optim.AdamW([student.router, *masters], lr=args.lr, weight_decay=0.0)
+        accumulate = poise.ExecutionOptions(accumulate_wgrad=True)
+        data = torch.Generator(device="cpu").manual_seed(100 + rank)
+
+        for step in range(args.steps):
+            total = torch.zeros((), device=device)
+            for _ in range(args.micro_batches):
+                x_TD = torch.randn(args.tokens, args.hidden, generator=data).to(device, torch.bfloat16)
+                with torch.no_grad():
+                    target_TD = teacher(x_TD)
+                loss = torch.nn.functional.mse_loss(student(x_TD, accumulate).float(), target_TD.float())
+                (loss / args.micro_batches).backward()
+                total += loss.detach() / args.micro_batches
+
+            # The global loss is the mean over ranks: average the router's grads; an expert's grads
+            # already hold every rank's tokens (they were computed on its owner), so divide by world.
+            if distributed:
+                dist.all_reduce(student.router.grad)
+                dist.all_reduce(total)
+            student.router.grad /= world
+            for master, weight in zip(masters, (student.w13, student.w2)):
+                master.grad = weight.main_grad / world
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            with torch.no_grad():
+                for master, weight in zip(masters, (student.w13, student.w2)):
+                    weight.copy_(master)  # fp32 master -> bf16 weight
+                    weight.main_grad.zero_()
+            if rank == 0:
+                print(f"step {step}: loss {total.item() / world:.5f}", flush=True)
+
+    if distributed:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
