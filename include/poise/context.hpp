@@ -2,6 +2,11 @@
 //
 // Contract (what an EP user must know):
 //  - A Context is created collectively: every rank of the EP group creates it with the same Config.
+//  - A Context drives launch_ranks() ranks from this process: 1 (one GPU per rank), or all ep_size
+//    virtual ranks sharing the current GPU (create_virtual_ranks; tests and single-GPU development).
+//  - Calls do not synchronize with the host. Device-side faults (expert id out of range, capacity
+//    overflow, a peer that never arrives) set an error word; check() waits for the stream and throws
+//    DeviceError naming the rank and phase.
 //  - It is sequentially reusable: one call in flight per context, calls ordered on the stream.
 //  - After an aborted call (an exception, a device timeout), call reset() before the next call.
 //  - close() releases every buffer; it is collective too. The destructor closes if needed.
@@ -9,6 +14,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <span>
 
 #include "poise/config.hpp"
 #include "poise/memory_plan.hpp"
@@ -48,11 +54,27 @@ struct BackwardArgs {
   bool accumulate_wgrad = false;       // add into grad_w13/grad_w2 instead of overwriting
 };
 
+struct ContextOptions {
+  uint64_t wait_timeout_ns = 10'000'000'000ull;  // bound on every wait for a peer; then DeviceError
+};
+
 class Context {
  public:
-  // In-process (virtual ranks / single GPU) context. ep_size ranks, this one is `rank`.
-  static std::unique_ptr<Context> create(const Config& config, int64_t ep_size, int64_t rank);
+  // One rank of an ep_size group. Creation needs no GPU (it validates and plans); the GPU buffers
+  // are allocated by the first call, so run one eager call before capturing a CUDA graph.
+  // The GPU path of this factory serves ep_size == 1; for more ranks use create_virtual_ranks
+  // (one process, one GPU) or a communicator-backed context (multi-GPU).
+  static std::unique_ptr<Context> create(const Config& config, int64_t ep_size, int64_t rank,
+                                         const ContextOptions& options = {});
+  // All ep_size ranks as virtual ranks on the current GPU, each with its own buffers; calls take
+  // one argument set per rank. Allocates now (needs an SM90 GPU).
+  static std::unique_ptr<Context> create_virtual_ranks(const Config& config, int64_t ep_size,
+                                                       const ContextOptions& options = {});
   ~Context();
+
+  int64_t launch_ranks() const;  // argument sets per call: 1, or ep_size for virtual ranks
+  // Waits for `stream`, then throws DeviceError for the first device-side fault of the last calls.
+  void check(Stream stream);
 
   const Config& config() const;
   const MemoryPlan& plan() const;
@@ -67,15 +89,23 @@ class Context {
   Context& operator=(const Context&) = delete;
 
  private:
-  Context(const Config& config, int64_t ep_size, int64_t rank);
+  Context(const Config& config, int64_t ep_size, int64_t rank, const ContextOptions& options);
   struct State;
   std::unique_ptr<State> state_;
-  friend void routed_experts_forward(Context&, const ForwardArgs&, Stream);
-  friend void routed_experts_backward(Context&, const BackwardArgs&, Stream);
+  friend void routed_experts_forward(Context&, std::span<const ForwardArgs>, Stream);
+  friend void routed_experts_backward(Context&, std::span<const BackwardArgs>, Stream);
 };
 
 // Validate arguments on the host (InvalidArgument naming the argument), then enqueue on stream.
-void routed_experts_forward(Context& context, const ForwardArgs& args, Stream stream);
-void routed_experts_backward(Context& context, const BackwardArgs& args, Stream stream);
+// One argument set per launch rank (context.launch_ranks()). Backward differentiates the latest
+// forward on the same context and must come before the next forward.
+void routed_experts_forward(Context& context, std::span<const ForwardArgs> args_per_rank, Stream stream);
+void routed_experts_backward(Context& context, std::span<const BackwardArgs> args_per_rank, Stream stream);
+inline void routed_experts_forward(Context& context, const ForwardArgs& args, Stream stream) {
+  routed_experts_forward(context, std::span<const ForwardArgs>(&args, 1), stream);
+}
+inline void routed_experts_backward(Context& context, const BackwardArgs& args, Stream stream) {
+  routed_experts_backward(context, std::span<const BackwardArgs>(&args, 1), stream);
+}
 
 }  // namespace poise

@@ -1,29 +1,52 @@
-// Context lifecycle and the routed_experts entry points: host-side validation, then the launch sequence.
+// Context lifecycle and the routed_experts entry points: host-side validation, then the staged
+// GPU pipeline (src/moe/ep/staged_pipeline.hpp) over virtual ranks or, later, a communicator.
 #include "poise/context.hpp"
 
 #include <string>
 
+#include "kernels/device_info.hpp"
+#include "moe/ep/staged_pipeline.hpp"
 #include "poise/errors.hpp"
 
 namespace poise {
 
 struct Context::State {
   MemoryPlan plan;
+  ContextOptions options;
   int64_t rank = 0;
+  int64_t launch_ranks = 1;
   bool closed = false;
+  std::unique_ptr<ep::StagedPipeline> pipeline;  // GPU resources; created on first use for create()
 };
 
-std::unique_ptr<Context> Context::create(const Config& config, int64_t ep_size, int64_t rank) {
+std::unique_ptr<Context> Context::create(const Config& config, int64_t ep_size, int64_t rank,
+                                         const ContextOptions& options) {
   config.validate(ep_size);  // ep_size first: a rank is only meaningful within a valid group
   if (rank < 0 || rank >= ep_size) {
     throw InvalidArgument("rank", "must be in [0, ep_size=" + std::to_string(ep_size) + "), got " +
                                       std::to_string(rank));
   }
-  return std::unique_ptr<Context>(new Context(config, ep_size, rank));
+  return std::unique_ptr<Context>(new Context(config, ep_size, rank, options));
 }
 
-Context::Context(const Config& config, int64_t ep_size, int64_t rank) : state_(std::make_unique<State>()) {
+std::unique_ptr<Context> Context::create_virtual_ranks(const Config& config, int64_t ep_size,
+                                                       const ContextOptions& options) {
+  config.validate(ep_size);
+  std::unique_ptr<Context> context(new Context(config, ep_size, 0, options));
+  context->state_->launch_ranks = ep_size;
+  if (cuda_device_count() == 0) {
+    throw DeviceError("create_virtual_ranks: no CUDA device; virtual ranks run on one SM90 GPU "
+                      "(poise::reference runs the same semantics on the CPU)");
+  }
+  context->state_->pipeline = ep::StagedPipeline::create_virtual(
+      config, ep_size, {.timeout_ns = options.wait_timeout_ns, .expert_kernels = ep::ExpertKernels::sm90});
+  return context;
+}
+
+Context::Context(const Config& config, int64_t ep_size, int64_t rank, const ContextOptions& options)
+    : state_(std::make_unique<State>()) {
   state_->plan = plan_memory(config, ep_size);  // validates config
+  state_->options = options;
   state_->rank = rank;
 }
 
@@ -35,13 +58,31 @@ const Config& Context::config() const { return state_->plan.config; }
 const MemoryPlan& Context::plan() const { return state_->plan; }
 int64_t Context::ep_size() const { return state_->plan.ep_size; }
 int64_t Context::rank() const { return state_->rank; }
+int64_t Context::launch_ranks() const { return state_->launch_ranks; }
 bool Context::closed() const { return state_->closed; }
 
-void Context::reset() {
-  if (state_->closed) throw InvalidArgument("context", "was closed; create a new one");
+namespace {
+
+void require_open(const Context& context) {
+  if (context.closed()) throw InvalidArgument("context", "was closed; create a new one");
 }
 
-void Context::close() { state_->closed = true; }
+}  // namespace
+
+void Context::reset() {
+  require_open(*this);
+  if (state_->pipeline) state_->pipeline->reset();
+}
+
+void Context::check(Stream stream) {
+  require_open(*this);
+  if (state_->pipeline) state_->pipeline->check(stream);
+}
+
+void Context::close() {
+  state_->pipeline.reset();
+  state_->closed = true;
+}
 
 namespace {
 
@@ -49,44 +90,69 @@ void require_pointer(const void* p, const char* name) {
   if (p == nullptr) throw InvalidArgument(name, "must be a device pointer, got null");
 }
 
-// Backward passes its forward's inputs in BackwardArgs::forward but no out_TD (it writes grads).
-void validate_forward(const Context& context, const ForwardArgs& a, bool requires_out = true) {
-  if (context.closed()) throw InvalidArgument("context", "was closed; create a new one");
+void validate_forward(const ForwardArgs& a) {
   require_pointer(a.x_TD, "x_TD");
   require_pointer(a.ids_TK, "ids_TK");
   require_pointer(a.scores_TK, "scores_TK");
   require_pointer(a.w13, "w13");
   require_pointer(a.w2, "w2");
-  if (requires_out) require_pointer(a.out_TD, "out_TD");
+  require_pointer(a.out_TD, "out_TD");
 }
 
-[[noreturn]] void gpu_path_not_available(const char* entry) {
-  throw NotAvailable(std::string(entry) +
-                     ": the GPU pipeline is not available in this build yet; "
-                     "poise::reference runs the same semantics on the CPU");
+void validate_backward(const BackwardArgs& b) {
+  validate_forward(b.forward);
+  require_pointer(b.grad_out_TD, "grad_out_TD");
+  require_pointer(b.grad_x_TD, "grad_x_TD");
+  require_pointer(b.grad_scores_TK, "grad_scores_TK");
+  require_pointer(b.grad_w13, "grad_w13");
+  require_pointer(b.grad_w2, "grad_w2");
+}
+
+template <typename Args>
+void require_one_set_per_launch_rank(const Context& context, std::span<const Args> args) {
+  if (int64_t(args.size()) != context.launch_ranks()) {
+    throw InvalidArgument("args_per_rank", "must hold one argument set per launch rank (" +
+                                               std::to_string(context.launch_ranks()) + "), got " +
+                                               std::to_string(args.size()));
+  }
 }
 
 }  // namespace
 
-void routed_experts_forward(Context& context, const ForwardArgs& args, Stream /*stream*/) {
-  validate_forward(context, args);
-  if (context.config().inference == false && context.config().num_activation_slots == 0) {
-    throw InvalidArgument("num_activation_slots", "must be >= 1 for a training forward (backward needs a slot)");
+// The GPU pipeline of a one-rank context, created by its first call.
+static ep::StagedPipeline& pipeline_of(Context& context, std::unique_ptr<ep::StagedPipeline>& pipeline,
+                                       const ContextOptions& options) {
+  if (pipeline) return *pipeline;
+  if (context.ep_size() != 1) {
+    throw NotAvailable("routed_experts on a Context::create context with ep_size > 1 needs a communicator "
+                       "(multi-GPU, not in this build yet); use Context::create_virtual_ranks on one GPU");
   }
-  gpu_path_not_available("routed_experts_forward");
+  if (cuda_device_count() == 0) {
+    throw DeviceError("routed_experts: no CUDA device; the CPU semantics are in poise::reference");
+  }
+  pipeline = ep::StagedPipeline::create_virtual(
+      context.config(), 1, {.timeout_ns = options.wait_timeout_ns, .expert_kernels = ep::ExpertKernels::sm90});
+  return *pipeline;
 }
 
-void routed_experts_backward(Context& context, const BackwardArgs& args, Stream /*stream*/) {
-  validate_forward(context, args.forward, /*requires_out=*/false);
+void routed_experts_forward(Context& context, std::span<const ForwardArgs> args_per_rank, Stream stream) {
+  require_open(context);
+  require_one_set_per_launch_rank(context, args_per_rank);
+  for (const ForwardArgs& a : args_per_rank) validate_forward(a);
+  if (!context.config().inference && context.config().num_activation_slots == 0) {
+    throw InvalidArgument("num_activation_slots", "must be >= 1 for a training forward (backward needs a slot)");
+  }
+  pipeline_of(context, context.state_->pipeline, context.state_->options).forward(args_per_rank, stream);
+}
+
+void routed_experts_backward(Context& context, std::span<const BackwardArgs> args_per_rank, Stream stream) {
+  require_open(context);
+  require_one_set_per_launch_rank(context, args_per_rank);
   if (context.config().inference) {
     throw InvalidArgument("context", "was created with inference=true; backward needs a training context");
   }
-  require_pointer(args.grad_out_TD, "grad_out_TD");
-  require_pointer(args.grad_x_TD, "grad_x_TD");
-  require_pointer(args.grad_scores_TK, "grad_scores_TK");
-  require_pointer(args.grad_w13, "grad_w13");
-  require_pointer(args.grad_w2, "grad_w2");
-  gpu_path_not_available("routed_experts_backward");
+  for (const BackwardArgs& b : args_per_rank) validate_backward(b);
+  pipeline_of(context, context.state_->pipeline, context.state_->options).backward(args_per_rank, stream);
 }
 
 }  // namespace poise

@@ -77,10 +77,15 @@ TEST(Context, BackwardNamesTheMissingArgument) {
   EXPECT_EQ(rejected_name([&] { routed_experts_backward(*ictx, b, nullptr); }), "context");
 }
 
-TEST(Context, GpuPathReportsNotAvailableInsteadOfFakeResult) {
-  // Until the GPU pipeline is wired, a valid call must fail loudly, never return a made-up output.
-  auto ctx = Context::create(small_config(), 1, 0);
-  EXPECT_THROW(routed_experts_forward(*ctx, fake_forward_args(), nullptr), NotAvailable);
+TEST(Context, CallsWithoutTheRightPathFailLoudly) {
+  // Never a made-up output: a multi-rank context without a communicator, or no GPU, is an error.
+  Config c = small_config();
+  c.balance = Balance::capacity;
+  auto two_ranks = Context::create(c, 2, 0);
+  EXPECT_THROW(routed_experts_forward(*two_ranks, fake_forward_args(), nullptr), NotAvailable);
+  ForwardArgs two_sets[2] = {fake_forward_args(), fake_forward_args()};
+  EXPECT_EQ(rejected_name([&] { routed_experts_forward(*two_ranks, std::span<const ForwardArgs>(two_sets), nullptr); }),
+            "args_per_rank");
 }
 
 }  // namespace
