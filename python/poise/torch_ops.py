@@ -214,29 +214,11 @@ def accumulation_buffer(weight: Tensor, name: str, config: Any) -> Tensor:
 # ---- the user API --------------------------------------------------------------------------------
 
 
-def routed_experts(
-    x_TD: Tensor,
-    ids_TK: Tensor,
-    scores_TK: Tensor,
-    w13: Tensor,
-    w2: Tensor,
-    context: Context,
-    options: Optional[ExecutionOptions] = None,
-    *,
-    w13_layout: str = "gate_up_blocked",
-) -> Tensor:
-    """The routed experts of one MoE layer on this rank: out_TD[t] = sum_k scores_TK[t,k] * expert(x_TD[t]).
-
-    x_TD bf16 [T, D]; ids_TK int32 [T, K] global expert ids (distinct per token); scores_TK bf16 or
-    fp32 [T, K]; w13 bf16 [E_local, 2, F, D] / [E_local, 2F, D] / [E_local*2F, D] (gate rows then up
-    rows per expert, or interleaved with w13_layout='gate_up_interleaved'); w2 bf16 [E_local, D, F]
-    / [E_local*D, F]. Returns out_TD bf16 [T, D]. Differentiable in x_TD, scores_TK, w13 and w2.
-    Collective over the context's EP group. Raises poise.InvalidArgument naming the argument.
-    """
+def _check_before_the_op(x_TD, ids_TK, scores_TK, w13, w2, context, options) -> None:
+    """What the op's schema would reject less helpfully, and what only the caller knows (grad mode)."""
     if not isinstance(context, Context):
         raise InvalidArgument("context", f"must be a poise.Context, got {type(context).__name__}")
     context._require_open()
-    options = ExecutionOptions() if options is None else options
     if not isinstance(options, ExecutionOptions):
         raise InvalidArgument("options", f"must be a poise.ExecutionOptions or None, got {type(options).__name__}")
     options.validate()
@@ -256,6 +238,37 @@ def routed_experts(
             if weight.requires_grad and not weight.is_leaf:
                 raise InvalidArgument(name, "accumulate_wgrad adds into the parameter's .main_grad/.grad, so pass "
                                             "the parameter itself (a leaf tensor), not a view or a result")
+
+
+def routed_experts(
+    x_TD: Tensor,
+    ids_TK: Tensor,
+    scores_TK: Tensor,
+    w13: Tensor,
+    w2: Tensor,
+    context: Context,
+    options: Optional[ExecutionOptions] = None,
+    *,
+    w13_layout: str = "gate_up_blocked",
+) -> Tensor:
+    """The routed experts of one MoE layer on this rank: out_TD[t] = sum_k scores_TK[t,k] * expert(x_TD[t]).
+
+    x_TD bf16 [T, D]; ids_TK int32 [T, K] global expert ids (distinct per token); scores_TK bf16 or
+    fp32 [T, K]; w13 bf16 [E_local, 2, F, D] / [E_local, 2F, D] / [E_local*2F, D] (gate rows then up
+    rows per expert, or interleaved with w13_layout='gate_up_interleaved'); w2 bf16 [E_local, D, F]
+    / [E_local*D, F]. Returns out_TD bf16 [T, D]. Differentiable in x_TD, scores_TK, w13 and w2.
+    Collective over the context's EP group. Raises poise.InvalidArgument naming the argument.
+    """
+    options = ExecutionOptions() if options is None else options
+    if torch.compiler.is_compiling():
+        # Dynamo cannot trace into the C++ objects: the op's fake implementation checks instead.
+        # AOTAutograd traces backward on functional tensors, not the parameters whose buffers
+        # accumulate_wgrad must find.
+        if options.accumulate_wgrad:
+            raise NotAvailable("accumulate_wgrad under torch.compile: the weight-gradient buffers are found on the "
+                               "parameters at backward time, which a compiled backward does not see; run it eagerly")
+    else:
+        _check_before_the_op(x_TD, ids_TK, scores_TK, w13, w2, context, options)
     return torch.ops.poise.routed_experts_forward(
         x_TD, ids_TK, scores_TK, w13, w2, context.handle, w13_layout, options.accumulate_wgrad,
         options.deterministic_combine)

@@ -260,3 +260,21 @@ def test_deterministic_results(config, context):
     first = call(inputs, context, poise.ExecutionOptions(deterministic_combine=True))
     assert torch.equal(first, call(inputs, context, poise.ExecutionOptions(deterministic_combine=False)))
     assert torch.equal(first, call(inputs, context))
+
+
+def test_torch_compile_fullgraph(config, context):
+    """Dynamo traces poise.routed_experts without a graph break (aot_eager: no C++ compiler needed)."""
+    inputs = layer_inputs(config)
+    names = ("x_TD", "scores_TK", "w13", "w2")
+
+    def loss(x_TD, ids_TK, scores_TK, w13, w2):
+        return (poise.routed_experts(x_TD, ids_TK, scores_TK, w13, w2, context) * 2).float().square().sum()
+
+    args = [inputs[n] for n in ("x_TD", "ids_TK", "scores_TK", "w13", "w2")]
+    torch.compile(loss, backend="aot_eager", fullgraph=True)(*args).backward()
+    compiled = [inputs[n].grad for n in names]
+    for n in names:
+        inputs[n].grad = None
+    loss(*args).backward()
+    for name, got in zip(names, compiled):
+        assert torch.equal(got, inputs[name].grad), name
