@@ -2,8 +2,12 @@
 // R expert-parallel ranks: prints the memory plan, the routing balance, the time, and the check of
 // every output against a float64 computation. Exit code 0 = PASS, 1 = FAIL, 2 = bad arguments.
 //
-// GPU path: not wired yet; with or without a GPU the layer runs on the CPU reference engine with
-// R virtual ranks (a thread each).
+// Where: with an SM90 GPU (and --device auto|gpu) the layer runs through the public entry points
+// (Context + routed_experts) with R virtual ranks on that GPU; the CPU reference engine (R threads)
+// always runs too, for the routing statistics and as a second opinion. Without a GPU, or when the GPU
+// path lacks a feature (it says which), the CPU reference engine's results are the ones checked.
+#include <cuda_runtime.h>
+
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -12,7 +16,11 @@
 #include <string>
 #include <vector>
 
+#include <optional>
+
 #include "kernels/device_info.hpp"
+#include "moe/device_layer.hpp"
+#include "poise/context.hpp"
 #include "poise/memory_plan.hpp"
 #include "poise/reference.hpp"
 
@@ -28,6 +36,7 @@ struct Flags {
   int64_t padding_rows = 0;
   poise::DType scores_dtype = poise::DType::fp32;
   double tolerance = 1e-2;
+  std::string device = "auto";
 };
 
 const char* kUsage =
@@ -46,7 +55,8 @@ const char* kUsage =
     "  --wgrad-dtype DT      fp32 | bf16 (fp32)\n"
     "  --padding-rows N      last N tokens of each rank are padding (zero scores) (0)\n"
     "  --seed N              random inputs (1)\n"
-    "  --tolerance X         relative error bound of the float64 check (0.01)\n";
+    "  --tolerance X         relative error bound of the float64 check (0.01)\n"
+    "  --device WHERE        auto | gpu | cpu (auto: the GPU when an SM90 GPU is present)\n";
 
 int64_t parse_int(const std::string& flag, const std::string& value) {
   size_t used = 0;
@@ -85,6 +95,10 @@ Flags parse(int argc, char** argv) {
       {"--wgrad-dtype", [&](auto&, auto& v) { c.wgrad_dtype = poise::dtype_from_string(v, "wgrad_dtype"); }},
       {"--padding-rows", [&](auto& k, auto& v) { f.padding_rows = parse_int(k, v); }},
       {"--seed", [&](auto& k, auto& v) { f.seed = static_cast<uint64_t>(parse_int(k, v)); }},
+      {"--device", [&](auto& k, auto& v) {
+         if (v != "auto" && v != "gpu" && v != "cpu") throw std::invalid_argument(k + " must be auto, gpu or cpu");
+         f.device = v;
+       }},
       {"--tolerance", [&](auto& k, auto& v) { f.tolerance = parse_double(k, v); }},
   };
   for (int i = 1; i < argc; ++i) {
@@ -146,6 +160,58 @@ void print_balance(const RoutingStats& s, int64_t rows_per_rank, poise::Balance 
   }
 }
 
+// The layer's results as the checks read them, wherever it ran.
+struct LayerResults {
+  std::vector<std::vector<float>> out, grad_x, grad_scores, grad_w13, grad_w2;
+  double forward_ms = 0, backward_ms = 0;
+};
+
+void cuda_ok(cudaError_t status) {
+  if (status != cudaSuccess) throw poise::DeviceError(cudaGetErrorString(status));
+}
+
+// Runs forward + backward through the public entry points on the GPU: one warm-up call, outputs
+// poisoned, then the timed call (CUDA events). nullopt when the GPU path lacks a needed feature.
+std::optional<LayerResults> run_on_gpu(const Flags& f, const std::vector<poise::reference::RankInputs>& inputs,
+                                       const std::vector<std::vector<float>>& grad_out) {
+  const poise::Config& c = f.config;
+  try {
+    auto context = f.ranks == 1 ? poise::Context::create(c, 1, 0) : poise::Context::create_virtual_ranks(c, f.ranks);
+    poise::DeviceLayer layer(c, f.ranks, inputs, grad_out, f.scores_dtype);
+    cudaStream_t stream;
+    cuda_ok(cudaStreamCreate(&stream));
+    poise::routed_experts_forward(*context, layer.forward_args(), stream);  // warm-up (allocates, loads modules)
+    poise::routed_experts_backward(*context, layer.backward_args(), stream);
+    context->check(stream);
+    layer.poison_outputs();
+    cudaEvent_t events[3];
+    for (cudaEvent_t& e : events) cuda_ok(cudaEventCreate(&e));
+    cuda_ok(cudaEventRecord(events[0], stream));
+    poise::routed_experts_forward(*context, layer.forward_args(), stream);
+    cuda_ok(cudaEventRecord(events[1], stream));
+    poise::routed_experts_backward(*context, layer.backward_args(), stream);
+    cuda_ok(cudaEventRecord(events[2], stream));
+    context->check(stream);
+    LayerResults r;
+    float ms = 0;
+    cuda_ok(cudaEventElapsedTime(&ms, events[0], events[1]));
+    r.forward_ms = ms;
+    cuda_ok(cudaEventElapsedTime(&ms, events[1], events[2]));
+    r.backward_ms = ms;
+    for (cudaEvent_t e : events) cudaEventDestroy(e);
+    cudaStreamDestroy(stream);
+    r.out = layer.out_TD();
+    r.grad_x = layer.grad_x_TD();
+    r.grad_scores = layer.grad_scores_TK();
+    r.grad_w13 = layer.grad_w13();
+    r.grad_w2 = layer.grad_w2();
+    return r;
+  } catch (const poise::NotAvailable& e) {
+    std::printf("GPU path: not available for this configuration: %s\n", e.what());
+    return std::nullopt;
+  }
+}
+
 int run(const Flags& f) {
   namespace ref = poise::reference;
   const poise::Config& c = f.config;
@@ -153,12 +219,16 @@ int run(const Flags& f) {
 
   std::printf("Poise demo: one MoE layer, forward + backward, EP=%lld\n", static_cast<long long>(f.ranks));
   const int devices = poise::cuda_device_count();
-  if (devices > 0) {
-    std::printf("Device: %d CUDA device(s)%s; the GPU path is not available yet, running the CPU reference "
-                "engine with %lld virtual ranks (threads).\n",
-                devices, poise::is_sm90_device(0) ? " (SM90)" : "", static_cast<long long>(f.ranks));
+  const bool sm90 = devices > 0 && poise::is_sm90_device(0);
+  const bool use_gpu = f.device == "gpu" || (f.device == "auto" && sm90);
+  if (f.device == "gpu" && !sm90) throw poise::DeviceError("--device gpu: no SM90 GPU present");
+  if (use_gpu) {
+    std::printf("Device: SM90 GPU; the layer runs through Context + routed_experts with %lld virtual ranks on it, "
+                "and on the CPU reference engine (%lld threads).\n",
+                static_cast<long long>(f.ranks), static_cast<long long>(f.ranks));
   } else {
-    std::printf("Device: no CUDA device; running the CPU reference engine with %lld virtual ranks (threads).\n",
+    std::printf("Device: %s; running the CPU reference engine with %lld virtual ranks (threads).\n",
+                devices > 0 ? "a CUDA device that is not SM90, or --device cpu" : "no CUDA device",
                 static_cast<long long>(f.ranks));
   }
   std::printf("Layer: activation=%s, scores %s, wgrad %s, routing skew %.2f, padding rows %lld, seed %llu\n\n",
@@ -192,25 +262,36 @@ int run(const Flags& f) {
   print_balance(engine.routing_stats(), c.num_local_input_tokens * c.top_k, c.balance);
   std::printf("\nTime (CPU reference, %lld threads): forward %.1f ms, backward %.1f ms\n",
               static_cast<long long>(f.ranks), forward_ms, backward_ms);
+  LayerResults results{out, {}, {}, {}, {}, forward_ms, backward_ms};
+  for (const ref::RankGradients& g : grads) {
+    results.grad_x.push_back(g.grad_x_TD);
+    results.grad_scores.push_back(g.grad_scores_TK);
+    results.grad_w13.push_back(g.grad_w13);
+    results.grad_w2.push_back(g.grad_w2);
+  }
+  const char* checked = "CPU reference";
+  if (use_gpu) {
+    if (std::optional<LayerResults> gpu = run_on_gpu(f, inputs, grad_out)) {
+      std::printf("Time (GPU, %lld virtual ranks on one GPU, CUDA events): forward %.3f ms, backward %.3f ms\n",
+                  static_cast<long long>(f.ranks), gpu->forward_ms, gpu->backward_ms);
+      results = std::move(*gpu);
+      checked = "GPU";
+    }
+  }
 
   start = std::chrono::steady_clock::now();
   const ref::DenseFloat64Result want = ref::dense_float64(c, f.ranks, inputs, grad_out, options);
-  std::printf("\nCheck against float64 (dense formulation, %.1f ms): relative L2 error, bound %.0e\n",
-              milliseconds_since(start), f.tolerance);
-  auto field = [&](auto member) {
-    std::vector<std::vector<float>> values;
-    for (const ref::RankGradients& g : grads) values.push_back(g.*member);
-    return values;
-  };
+  std::printf("\nCheck of the %s results against float64 (dense formulation, %.1f ms): relative L2 error, "
+              "bound %.0e\n", checked, milliseconds_since(start), f.tolerance);
   const struct {
     const char* name;
     double error;
   } checks[] = {
-      {"out", ref::relative_error(out, want.out_TD)},
-      {"grad_x", ref::relative_error(field(&ref::RankGradients::grad_x_TD), want.grad_x_TD)},
-      {"grad_scores", ref::relative_error(field(&ref::RankGradients::grad_scores_TK), want.grad_scores_TK)},
-      {"grad_w13", ref::relative_error(field(&ref::RankGradients::grad_w13), want.grad_w13)},
-      {"grad_w2", ref::relative_error(field(&ref::RankGradients::grad_w2), want.grad_w2)},
+      {"out", ref::relative_error(results.out, want.out_TD)},
+      {"grad_x", ref::relative_error(results.grad_x, want.grad_x_TD)},
+      {"grad_scores", ref::relative_error(results.grad_scores, want.grad_scores_TK)},
+      {"grad_w13", ref::relative_error(results.grad_w13, want.grad_w13)},
+      {"grad_w2", ref::relative_error(results.grad_w2, want.grad_w2)},
   };
   bool pass = true;
   for (const auto& check : checks) {

@@ -9,43 +9,12 @@
 #include <vector>
 
 #include "kernels/device_info.hpp"
+#include "moe/device_layer.hpp"
 #include "poise/poise.hpp"
 #include "poise/reference.hpp"
 
 namespace poise {
 namespace {
-
-#define CUDA_OK(expr) ASSERT_EQ((expr), cudaSuccess) << #expr
-
-// A device buffer holding bf16 bits (or raw bytes for other types), freed at scope exit.
-struct DeviceBuffer {
-  void* ptr = nullptr;
-  size_t bytes = 0;
-  explicit DeviceBuffer(size_t n) : bytes(n) { EXPECT_EQ(cudaMalloc(&ptr, n), cudaSuccess); }
-  ~DeviceBuffer() { cudaFree(ptr); }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-};
-
-std::vector<uint16_t> bf16(const std::vector<float>& v) { return reference::to_bf16_bits(v); }
-
-void upload(DeviceBuffer& d, const void* host, size_t bytes) {
-  ASSERT_EQ(bytes, d.bytes);
-  ASSERT_EQ(cudaMemcpy(d.ptr, host, bytes, cudaMemcpyHostToDevice), cudaSuccess);
-}
-
-void poison(DeviceBuffer& d) { ASSERT_EQ(cudaMemset(d.ptr, 0xff, d.bytes), cudaSuccess); }  // NaN in bf16 and fp32
-
-std::vector<float> download_bf16(const DeviceBuffer& d) {
-  std::vector<uint16_t> bits(d.bytes / 2);
-  EXPECT_EQ(cudaMemcpy(bits.data(), d.ptr, d.bytes, cudaMemcpyDeviceToHost), cudaSuccess);
-  return reference::from_bf16_bits(bits);
-}
-
-std::vector<float> download_fp32(const DeviceBuffer& d) {
-  std::vector<float> v(d.bytes / 4);
-  EXPECT_EQ(cudaMemcpy(v.data(), d.ptr, d.bytes, cudaMemcpyDeviceToHost), cudaSuccess);
-  return v;
-}
 
 double rel_error(const std::vector<float>& got, const std::vector<float>& want) {
   double num = 0, den = 0;
@@ -56,19 +25,6 @@ double rel_error(const std::vector<float>& got, const std::vector<float>& want) 
   }
   return den == 0 ? std::sqrt(num) : std::sqrt(num / den);
 }
-
-// One rank's device-side tensors.
-struct RankBuffers {
-  DeviceBuffer x, ids, scores, w13, w2, out, grad_out, grad_x, grad_scores, grad_w13, grad_w2;
-  RankBuffers(const Config& c, int64_t ep)
-      : x(c.num_local_input_tokens * c.hidden_dim * 2),
-        ids(c.num_local_input_tokens * c.top_k * 4),
-        scores(c.num_local_input_tokens * c.top_k * 4),
-        w13(c.num_local_experts(ep) * 2 * c.intermediate_dim * c.hidden_dim * 2),
-        w2(c.num_local_experts(ep) * c.hidden_dim * c.intermediate_dim * 2),
-        out(x.bytes), grad_out(x.bytes), grad_x(x.bytes), grad_scores(scores.bytes),
-        grad_w13(w13.bytes * 2), grad_w2(w2.bytes * 2) {}
-};
 
 struct Case {
   int64_t ranks;
@@ -114,41 +70,25 @@ TEST_P(ContextGpu, MatchesCpuReferenceForwardAndBackward) {
   engine.backward(inputs, grad_out, want_grads);
 
   auto context = R == 1 ? Context::create(c, 1, 0) : Context::create_virtual_ranks(c, R);
-  std::vector<std::unique_ptr<RankBuffers>> buffers;
-  std::vector<ForwardArgs> fwd(R);
-  std::vector<BackwardArgs> bwd(R);
-  for (int64_t r = 0; r < R; ++r) {
-    buffers.push_back(std::make_unique<RankBuffers>(c, R));
-    RankBuffers& b = *buffers.back();
-    auto x = bf16(inputs[r].x_TD), w13 = bf16(inputs[r].w13), w2 = bf16(inputs[r].w2), go = bf16(grad_out[r]);
-    upload(b.x, x.data(), b.x.bytes);
-    upload(b.ids, inputs[r].ids_TK.data(), b.ids.bytes);
-    upload(b.scores, inputs[r].scores_TK.data(), b.scores.bytes);
-    upload(b.w13, w13.data(), b.w13.bytes);
-    upload(b.w2, w2.data(), b.w2.bytes);
-    upload(b.grad_out, go.data(), b.grad_out.bytes);
-    for (DeviceBuffer* p : {&b.out, &b.grad_x, &b.grad_scores, &b.grad_w13, &b.grad_w2}) poison(*p);
-    fwd[r] = {.x_TD = b.x.ptr, .ids_TK = static_cast<const int32_t*>(b.ids.ptr), .scores_TK = b.scores.ptr,
-              .scores_dtype = DType::fp32, .w13 = b.w13.ptr, .w2 = b.w2.ptr, .out_TD = b.out.ptr};
-    bwd[r] = {.forward = fwd[r], .grad_out_TD = b.grad_out.ptr, .grad_x_TD = b.grad_x.ptr,
-              .grad_scores_TK = b.grad_scores.ptr, .grad_w13 = b.grad_w13.ptr, .grad_w2 = b.grad_w2.ptr};
-  }
+  DeviceLayer layer(c, R, inputs, grad_out, DType::fp32);
+  layer.poison_outputs();
   cudaStream_t stream;
-  CUDA_OK(cudaStreamCreate(&stream));
-  routed_experts_forward(*context, std::span<const ForwardArgs>(fwd), stream);
-  routed_experts_backward(*context, std::span<const BackwardArgs>(bwd), stream);
+  ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
+  routed_experts_forward(*context, layer.forward_args(), stream);
+  routed_experts_backward(*context, layer.backward_args(), stream);
   context->check(stream);
+  ASSERT_EQ(cudaStreamDestroy(stream), cudaSuccess);
 
+  const auto out = layer.out_TD(), grad_x = layer.grad_x_TD(), grad_scores = layer.grad_scores_TK();
+  const auto grad_w13 = layer.grad_w13(), grad_w2 = layer.grad_w2();
   for (int64_t r = 0; r < R; ++r) {
-    const RankBuffers& b = *buffers[r];
     SCOPED_TRACE("rank " + std::to_string(r));
-    EXPECT_LT(rel_error(download_bf16(b.out), want_out[r]), 1e-2);
-    EXPECT_LT(rel_error(download_bf16(b.grad_x), want_grads[r].grad_x_TD), 1e-2);
-    EXPECT_LT(rel_error(download_fp32(b.grad_scores), want_grads[r].grad_scores_TK), 1e-2);
-    EXPECT_LT(rel_error(download_fp32(b.grad_w13), want_grads[r].grad_w13), 1e-2);
-    EXPECT_LT(rel_error(download_fp32(b.grad_w2), want_grads[r].grad_w2), 1e-2);
+    EXPECT_LT(rel_error(out[r], want_out[r]), 1e-2);
+    EXPECT_LT(rel_error(grad_x[r], want_grads[r].grad_x_TD), 1e-2);
+    EXPECT_LT(rel_error(grad_scores[r], want_grads[r].grad_scores_TK), 1e-2);
+    EXPECT_LT(rel_error(grad_w13[r], want_grads[r].grad_w13), 1e-2);
+    EXPECT_LT(rel_error(grad_w2[r], want_grads[r].grad_w2), 1e-2);
   }
-  CUDA_OK(cudaStreamDestroy(stream));
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -167,24 +107,19 @@ TEST(ContextGpuErrors, ExpertIdOutOfRangeIsReportedNotHung) {
   c.num_experts = 4;
   c.balance = Balance::capacity;
   auto context = Context::create(c, 1, 0, {.wait_timeout_ns = 200'000'000});
-  RankBuffers b(c, 1);
   reference::Options options;
   auto inputs = reference::random_inputs(c, 1, {.seed = 7}, options);
   inputs[0].ids_TK[3] = 99;  // out of range: must come back as a DeviceError, not a hang or garbage
-  auto x = bf16(inputs[0].x_TD), w13 = bf16(inputs[0].w13), w2 = bf16(inputs[0].w2);
-  upload(b.x, x.data(), b.x.bytes);
-  upload(b.ids, inputs[0].ids_TK.data(), b.ids.bytes);
-  upload(b.scores, inputs[0].scores_TK.data(), b.scores.bytes);
-  upload(b.w13, w13.data(), b.w13.bytes);
-  upload(b.w2, w2.data(), b.w2.bytes);
-  ForwardArgs a{.x_TD = b.x.ptr, .ids_TK = static_cast<const int32_t*>(b.ids.ptr), .scores_TK = b.scores.ptr,
-                .w13 = b.w13.ptr, .w2 = b.w2.ptr, .out_TD = b.out.ptr};
-  routed_experts_forward(*context, a, nullptr);
-  EXPECT_THROW(context->check(nullptr), DeviceError);
+  const auto grad_out = reference::random_grad_out(c, 1, 8);
+  {
+    DeviceLayer bad(c, 1, inputs, grad_out, DType::fp32);
+    routed_experts_forward(*context, bad.forward_args(), nullptr);
+    EXPECT_THROW(context->check(nullptr), DeviceError);
+  }
   context->reset();  // after reset, a good call works again
   inputs[0].ids_TK[3] = 1 + (inputs[0].ids_TK[2] == 1);
-  upload(b.ids, inputs[0].ids_TK.data(), b.ids.bytes);
-  routed_experts_forward(*context, a, nullptr);
+  DeviceLayer good(c, 1, inputs, grad_out, DType::fp32);
+  routed_experts_forward(*context, good.forward_args(), nullptr);
   EXPECT_NO_THROW(context->check(nullptr));
 }
 

@@ -1,0 +1,54 @@
+// DeviceLayer: one MoE layer's tensors for every launch rank, on the device, filled from the CPU
+// reference engine's inputs. Lets the demo and the GPU tests run the public entry points on exactly
+// the inputs the reference engine (the oracle) sees, and read the results back as floats.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "poise/context.hpp"
+#include "poise/reference.hpp"
+
+namespace poise {
+
+class DeviceLayer {
+ public:
+  // inputs_per_rank / grad_out_TD_per_rank: one entry per launch rank. Throws DeviceError on CUDA failures.
+  DeviceLayer(const Config& config, int64_t ep_size, const std::vector<reference::RankInputs>& inputs_per_rank,
+              const std::vector<std::vector<float>>& grad_out_TD_per_rank, DType scores_dtype);
+  ~DeviceLayer();
+  DeviceLayer(const DeviceLayer&) = delete;
+  DeviceLayer& operator=(const DeviceLayer&) = delete;
+
+  std::span<const ForwardArgs> forward_args() const { return forward_; }
+  std::span<const BackwardArgs> backward_args() const { return backward_; }
+
+  // Fills every output with NaN bits, so an element the GPU never writes cannot pass a check.
+  void poison_outputs();
+
+  // Per rank, as floats (bf16 values widened; grads in the Config's wgrad dtype / the scores dtype).
+  std::vector<std::vector<float>> out_TD() const;
+  std::vector<std::vector<float>> grad_x_TD() const;
+  std::vector<std::vector<float>> grad_scores_TK() const;
+  std::vector<std::vector<float>> grad_w13() const;
+  std::vector<std::vector<float>> grad_w2() const;
+
+ private:
+  struct Tensor {
+    void* data = nullptr;
+    int64_t elements = 0;
+    DType dtype = DType::bf16;
+  };
+  struct RankTensors {
+    Tensor x, ids, scores, w13, w2, out, grad_out, grad_x, grad_scores, grad_w13, grad_w2;
+  };
+  Tensor allocate(int64_t elements, DType dtype);
+  std::vector<std::vector<float>> download_all(Tensor RankTensors::*member) const;
+  std::vector<RankTensors> ranks_;
+  std::vector<void*> allocations_;
+  std::vector<ForwardArgs> forward_;
+  std::vector<BackwardArgs> backward_;
+};
+
+}  // namespace poise
