@@ -103,7 +103,9 @@ TEST(BalancePlanShared, EqualsHostPlannerOnRandomCounts) {
             const BalancePlan host = plan_exact_balance(counts, R, C, B);
             const SharedPlan shared = run_shared(counts, R, C, 0, B);
             expect_same(host, shared, "R" + std::to_string(R) + " L" + std::to_string(L) + " B" + std::to_string(B));
-            if (shared.exact) EXPECT_TRUE(host.exact());
+            if (shared.exact) {
+              EXPECT_TRUE(host.exact());
+            }
             if (B >= L) {
               EXPECT_TRUE(shared.exact);
               for (int r = 0; r < R; ++r) EXPECT_EQ(shared.computed_rows[r], C);
