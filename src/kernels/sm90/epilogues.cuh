@@ -24,6 +24,16 @@ struct Fragment {
   __device__ explicit Fragment(int thread) : row(16 * (thread / 32) + (thread % 32) / 4), quad(thread % 4) {}
 };
 
+// Moves accumulators [kFrom, kFrom + kCount) down to [kTo, kTo + kCount). The SwiGLU epilogues
+// walk their column chunks in a loop that is not unrolled, reading each chunk at fixed register
+// indices and shifting the next chunk into place: unrolling over chunks multiplied their code
+// (13k instructions for the backward one, which then ran from a missing instruction cache).
+template <int kTo, int kFrom, int kCount, int kN>
+__device__ __forceinline__ void move_accumulators(float (&d)[kN]) {
+#pragma unroll
+  for (int i = 0; i < kCount; ++i) d[kTo + i] = d[kFrom + i];
+}
+
 __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<const uint32_t*>(&v);
@@ -50,92 +60,90 @@ struct GroupedRowAddress {
 //   blocked:     tile columns [0, kBlockN/2) are gate f0 + c, [kBlockN/2, kBlockN) up f0 + c
 //   interleaved: tile column 2q is gate f0 + q, 2q + 1 up f0 + q
 // Writes a_RF (bf16) and, when h13_R2F is set, h13 (bf16, in W13's row order) for backward.
-// The layout is a template parameter: with a run-time flag the compiler spilled registers.
+// The layout is a template parameter (a run-time flag made the compiler spill registers).
 template <bool kInterleaved>
 struct SwigluFpropEpilogue {
   static constexpr int kStagingBuffers = 1;
-  // Nothing to prefetch before the mainloop.
-  template <int kBlockN>
-  __device__ __forceinline__ void begin_tile(const TileInfo&, int, int, uint8_t*) const {}
-
   static constexpr bool interleaved = kInterleaved;
   __nv_bfloat16* a_RF;
   __nv_bfloat16* h13_R2F;  // nullable: backward recomputes the forward instead
   int32_t F;
   ActivationParams act;
 
+  // Nothing to prefetch before the mainloop.
   template <int kBlockN>
-  __device__ __forceinline__ void store(float (&d)[kBlockN / 2], const TileInfo& tile, int consumer,
-                                        int thread, uint8_t* buf) const {
+  __device__ __forceinline__ void begin_tile(const TileInfo&, int, int, uint8_t*) const {}
+
+  // Stages 32 accumulators d[kFirst..kFirst+31] (8 groups = 64 columns) as bf16 and writes them
+  // to h13 column `col` of the warpgroup's rows.
+  template <int kFirst, int kN>
+  __device__ __forceinline__ void store_h13_piece(const float (&d)[kN], const Fragment& fr, const GroupedRowAddress& rows,
+                                                  int64_t col, int consumer, int thread, uint8_t* buf) const {
+    consumer_warpgroup_sync(consumer);
+#pragma unroll
+    for (int jj = 0; jj < 8; ++jj)
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+        stage_put_u32(buf, fr.row + 8 * h, (8 * jj + 2 * fr.quad) * 2,
+                      pack_bf16x2(d[kFirst + 4 * jj + 2 * h], d[kFirst + 4 * jj + 2 * h + 1]));
+    consumer_warpgroup_sync(consumer);
+    staged_copy_out(buf, thread, [&](int r) { return rows.at(h13_R2F, 2 * int64_t(F), col, r); });
+  }
+
+  template <int kBlockN, bool kClamped>
+  __device__ __forceinline__ void store_impl(float (&d)[kBlockN / 2], const TileInfo& tile, int consumer,
+                                             int thread, uint8_t* buf) const {
     const Fragment fr(thread);
     const GroupedRowAddress rows(tile, consumer);
     const int32_t f0 = tile.n_block * (kBlockN / 2);
-    constexpr int kUp = kBlockN / 16;  // first accumulator group of the up half (blocked)
-    // Activation chunks: 64 columns of a each.
-    if constexpr (!interleaved) {
+    constexpr int kUp = kBlockN / 4;  // blocked: first accumulator of the up half
+#pragma unroll 1
+    for (int c = 0; c < kBlockN / 128; ++c) {  // 64 activation columns per chunk
+      const int32_t fc = f0 + 64 * c;
+      if (fc >= F) break;
+      consumer_warpgroup_sync(consumer);
+      if constexpr (!interleaved) {  // gate d[0..31], up d[kUp..kUp+31]
 #pragma unroll
-      for (int c = 0; c < kBlockN / 128; ++c) {
-        const int32_t fc = f0 + 64 * c;
-        if (fc >= F) break;
-        consumer_warpgroup_sync(consumer);
-#pragma unroll
-        for (int jj = 0; jj < 8; ++jj) {
-          const int j = 8 * c + jj;
+        for (int jj = 0; jj < 8; ++jj)
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
-            const float a0 = swiglu_forward(d[4 * j + 2 * h], d[4 * (j + kUp) + 2 * h], act);
-            const float a1 = swiglu_forward(d[4 * j + 2 * h + 1], d[4 * (j + kUp) + 2 * h + 1], act);
+            const float a0 = swiglu_forward<kClamped>(d[4 * jj + 2 * h], d[kUp + 4 * jj + 2 * h], act);
+            const float a1 = swiglu_forward<kClamped>(d[4 * jj + 2 * h + 1], d[kUp + 4 * jj + 2 * h + 1], act);
             stage_put_u32(buf, fr.row + 8 * h, (8 * jj + 2 * fr.quad) * 2, pack_bf16x2(a0, a1));
           }
-        }
-        consumer_warpgroup_sync(consumer);
-        staged_copy_out(buf, thread, [&](int r) { return rows.at(a_RF, F, fc, r); });
-      }
-    } else {
+      } else {  // d[0..63]: group jl holds the (gate, up) pairs of activation columns 4jl + quad
 #pragma unroll
-      for (int c = 0; c < kBlockN / 128; ++c) {
-        const int32_t fc = f0 + 64 * c;
-        if (fc >= F) break;
-        consumer_warpgroup_sync(consumer);
-#pragma unroll
-        for (int jl = 0; jl < 16; ++jl) {  // group 16c + jl holds a columns 4jl + quad
-          const int j = 16 * c + jl;
+        for (int jl = 0; jl < 16; ++jl)
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
-            const __nv_bfloat16 b = __float2bfloat16_rn(swiglu_forward(d[4 * j + 2 * h], d[4 * j + 2 * h + 1], act));
+            const __nv_bfloat16 b = __float2bfloat16_rn(swiglu_forward<kClamped>(d[4 * jl + 2 * h], d[4 * jl + 2 * h + 1], act));
             stage_put_u16(buf, fr.row + 8 * h, (4 * jl + fr.quad) * 2, *reinterpret_cast<const uint16_t*>(&b));
           }
+      }
+      consumer_warpgroup_sync(consumer);
+      staged_copy_out(buf, thread, [&](int r) { return rows.at(a_RF, F, fc, r); });
+      if constexpr (!interleaved) {
+        if (h13_R2F) {
+          store_h13_piece<0>(d, fr, rows, fc, consumer, thread, buf);
+          store_h13_piece<kUp>(d, fr, rows, int64_t(F) + fc, consumer, thread, buf);
         }
-        consumer_warpgroup_sync(consumer);
-        staged_copy_out(buf, thread, [&](int r) { return rows.at(a_RF, F, fc, r); });
-      }
-    }
-    if (!h13_R2F) return;
-    // h13 chunks: accumulator columns [64c, 64c + 64) go to h13 columns, per layout.
-#pragma unroll
-    for (int c = 0; c < kBlockN / 64; ++c) {
-      int64_t col;
-      bool inside;
-      if (!interleaved) {
-        const int32_t f = f0 + 64 * (c % (kBlockN / 128));
-        inside = f < F;
-        col = (c < kBlockN / 128 ? 0 : F) + f;
+        move_accumulators<0, 32, kUp - 32>(d);
+        move_accumulators<kUp, kUp + 32, kUp - 32>(d);
       } else {
-        col = 2 * int64_t(f0) + 64 * c;
-        inside = col < 2 * int64_t(F);
+        if (h13_R2F) {
+          store_h13_piece<0>(d, fr, rows, 2 * int64_t(fc), consumer, thread, buf);
+          store_h13_piece<32>(d, fr, rows, 2 * int64_t(fc) + 64, consumer, thread, buf);
+        }
+        move_accumulators<0, 64, kBlockN / 2 - 64>(d);
       }
-      if (!inside) continue;
-      consumer_warpgroup_sync(consumer);
-#pragma unroll
-      for (int jj = 0; jj < 8; ++jj) {
-        const int j = 8 * c + jj;
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-          stage_put_u32(buf, fr.row + 8 * h, (8 * jj + 2 * fr.quad) * 2, pack_bf16x2(d[4 * j + 2 * h], d[4 * j + 2 * h + 1]));
-      }
-      consumer_warpgroup_sync(consumer);
-      staged_copy_out(buf, thread, [&](int r) { return rows.at(h13_R2F, 2 * int64_t(F), col, r); });
     }
+  }
+
+  template <int kBlockN>
+  __device__ __forceinline__ void store(float (&d)[kBlockN / 2], const TileInfo& tile, int consumer,
+                                        int thread, uint8_t* buf) const {
+    if (act.clamped) store_impl<kBlockN, true>(d, tile, consumer, thread, buf);
+    else store_impl<kBlockN, false>(d, tile, consumer, thread, buf);
   }
 };
 
@@ -227,6 +235,13 @@ struct SwigluDgradEpilogue {
   template <int kBlockN>
   __device__ __forceinline__ void store(float (&d)[kBlockN / 2], const TileInfo& tile, int consumer,
                                         int thread, uint8_t* buf) const {
+    if (act.clamped) store_impl<kBlockN, true>(d, tile, consumer, thread, buf);
+    else store_impl<kBlockN, false>(d, tile, consumer, thread, buf);
+  }
+
+  template <int kBlockN, bool kClamped>
+  __device__ __forceinline__ void store_impl(float (&d)[kBlockN / 2], const TileInfo& tile, int consumer,
+                                             int thread, uint8_t* buf) const {
     const Fragment fr(thread);
     const GroupedRowAddress rows(tile, consumer);
     uint8_t* buf_first = buf;
@@ -241,8 +256,8 @@ struct SwigluDgradEpilogue {
       row_ok[h] = r < rows.valid;
       s[h] = (scores_R && row_ok[h]) ? scores_R[rows.first_row + r] : 1.0f;
     }
-#pragma unroll
-    for (int c = 0; c < kBlockN / 64; ++c) {
+#pragma unroll 1
+    for (int c = 0; c < kBlockN / 64; ++c) {  // this chunk's accumulators are d[0..31]
       const int32_t fc = tile.n_block * kBlockN + 64 * c;
       if (fc >= F) break;
       if (c > 0) {
@@ -253,7 +268,7 @@ struct SwigluDgradEpilogue {
       consumer_warpgroup_sync(consumer);
 #pragma unroll
       for (int jj = 0; jj < 8; ++jj) {
-        const int j = 8 * c + jj;
+        const int j = jj;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int row = fr.row + 8 * h;
@@ -276,7 +291,7 @@ struct SwigluDgradEpilogue {
 #pragma unroll
           for (int cc = 0; cc < 2; ++cc) {
             const float acc = d[4 * j + 2 * h + cc];
-            swiglu_backward(g[cc], u[cc], s[h] * acc, act, a[cc], gg[cc], gu[cc]);
+            swiglu_backward<kClamped>(g[cc], u[cc], s[h] * acc, act, a[cc], gg[cc], gu[cc]);
             if (row_ok[h]) score_grad[h] += acc * a[cc];
           }
           if (!interleaved) {
@@ -294,6 +309,7 @@ struct SwigluDgradEpilogue {
       staged_copy_out(buf_first, thread, [&](int r) { return rows.at(grad_h13_R2F, F2, col1, r); });
       staged_copy_out(buf_second, thread, [&](int r) { return rows.at(grad_h13_R2F, F2, col2, r); });
       if (a_RF) staged_copy_out(buf_a, thread, [&](int r) { return rows.at(a_RF, F, fc, r); });
+      move_accumulators<0, 32, kBlockN / 2 - 32>(d);
     }
     if (grad_scores_R) {
 #pragma unroll
