@@ -30,10 +30,10 @@ __global__ void __launch_bounds__(kThreads) combine_push_kernel(const PeerTable*
     const size_t row_bytes = static_cast<size_t>(dims.D) * sizeof(bf16);
     const int TK = dims.T * dims.K;
     const int lane = threadIdx.x % 32;
-    const int rows_used = rs.group_offsets[dims.E_local];
+    const int rows_used = rs.group_offsets[dims.groups];
     for (int r = (blockIdx.x % blocks_per_rank) * kWarps + threadIdx.x / 32; r < rows_used;
          r += blocks_per_rank * kWarps) {
-      if (!row_in_use(rs, dims.E_local, r)) continue;
+      if (!row_in_use(rs, dims.groups, r)) continue;
       const int origin = row_origin[r];
       const int owner = origin / TK;
       const size_t entry = origin % TK;

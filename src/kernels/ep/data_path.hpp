@@ -13,8 +13,21 @@ namespace poise::ep {
 // local expert groups; reports bad ids and capacity overflow in the error word.
 void launch_route(const EpLaunch& l, const LaunchIo& io, cudaStream_t stream);
 
+// Exact balance, between the counts exchange and route_assign (launch_route calls it): one block
+// per rank computes the balance plan from the all-gathered counts (src/kernels/ep/balance_planner.cu).
+void launch_balance_plan(const EpLaunch& l, cudaStream_t stream);
+// Once per pipeline, outside any graph capture: the planner's shared-memory opt-in.
+void configure_balance_plan(const EpLaunch& l);
+size_t balance_plan_smem_bytes(const EpDims& dims);
+
+// Exact balance, backward, after the combine-push barrier: every owner adds the fp32 weight
+// gradients its replicas computed on other ranks to its own, in plan order (deterministic).
+void launch_replica_grad_reduce(const EpLaunch& l, const LaunchIo& io, cudaStream_t stream);
+
 // Forward dispatch: each token row crosses once to each destination rank, into the expert-grouped
-// row of its first k there; per-row metadata (origin, primary row, score) goes with it. Ends in a barrier.
+// row of its first k there; per-row metadata (origin, primary row, score) goes with it. With exact
+// balance the same launch pushes the weights of this rank's replicated experts into the replica
+// slots of the ranks that host them (overlapped with the token rows). Ends in a barrier.
 void launch_dispatch_forward(const EpLaunch& l, const LaunchIo& io, cudaStream_t stream);
 // Backward dispatch of grad_out rows, with the forward's layout (no metadata). Ends in a barrier.
 void launch_dispatch_backward(const EpLaunch& l, const LaunchIo& io, cudaStream_t stream);

@@ -19,6 +19,34 @@ using comm::Phase;
 constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * 32;
 
+// Exact balance: this rank's experts that the plan replicates elsewhere go, weights W13 and W2,
+// into the replica slot of the rank hosting them, in chunks spread over the rank's warps (after
+// their token rows, before the dispatch barrier: the weight copies overlap the row traffic).
+constexpr size_t kWeightChunkBytes = 32 * 1024;
+
+__device__ void push_replica_weights(const PeerTable& pt, const EpDims& dims, const WorkspaceOffsets& ws,
+                                     const RankIo& rio, const RankScratch& rs, int blocks_per_rank) {
+  const int pieces = rs.plan_piece_first_E[dims.E];
+  const size_t w13_bytes = size_t(2) * dims.F * dims.D * sizeof(bf16), w2_bytes = size_t(dims.D) * dims.F * sizeof(bf16);
+  const size_t w13_chunks = (w13_bytes + kWeightChunkBytes - 1) / kWeightChunkBytes;
+  const size_t chunks = w13_chunks + (w2_bytes + kWeightChunkBytes - 1) / kWeightChunkBytes;
+  const int lane = threadIdx.x % 32;
+  const size_t warps_per_rank = size_t(blocks_per_rank) * kWarps;
+  for (size_t unit = (blockIdx.x % blocks_per_rank) * kWarps + threadIdx.x / 32; unit < pieces * chunks;
+       unit += warps_per_rank) {
+    const plan::shared::ReplicaPiece p = rs.plan_pieces[unit / chunks];
+    if (p.expert / dims.E_local != pt.rank) continue;
+    const size_t chunk = unit % chunks, local = p.expert % dims.E_local, replica = p.slot - dims.E_local;
+    const bool w13 = chunk < w13_chunks;
+    const size_t bytes = w13 ? w13_bytes : w2_bytes;
+    const size_t at = (w13 ? chunk : chunk - w13_chunks) * kWeightChunkBytes;
+    const size_t len = bytes - at < kWeightChunkBytes ? bytes - at : kWeightChunkBytes;
+    const char* src = reinterpret_cast<const char*>(w13 ? rio.w13_E2FD : rio.w2_EDF) + local * bytes + at;
+    char* dst = comm::peer_ptr<char>(pt, p.rank, w13 ? ws.replica_w13 : ws.replica_w2) + replica * bytes + at;
+    comm::warp_copy_16B(dst, src, len, lane);
+  }
+}
+
 template <bool kBackward>
 __global__ void __launch_bounds__(kThreads) dispatch_kernel(const PeerTable* tables, EpDims dims,
                                                             WorkspaceOffsets ws, LaunchIo io,
@@ -37,7 +65,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const PeerTable* tab
     for (int t = (blockIdx.x % blocks_per_rank) * kWarps + threadIdx.x / 32; t < dims.T; t += warps_per_rank) {
       const bool active = lane < dims.K;
       const int entry = t * dims.K + lane;
-      const int dest = active ? rio.ids_TK[entry] / dims.E_local : -1;
+      const int dest = active ? scratch.rank[slot].dest_rank_TK[entry] : -1;
       const int row = active ? dest_row[entry] : -1;
       const unsigned same_dest = __match_any_sync(kFullMask, active ? dest : -1 - lane);
       const int primary_lane = __ffs(same_dest) - 1;
@@ -58,6 +86,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const PeerTable* tab
         comm::warp_copy_16B(dst, src_row, row_bytes, lane);
       }
     }
+    if (!kBackward && dims.balanced) push_replica_weights(pt, dims, ws, rio, scratch.rank[slot], blocks_per_rank);
   }
   comm::arrive_then_barrier(pt, blocks_per_rank, kBackward ? Phase::dispatch_backward : Phase::dispatch);
 }
@@ -74,10 +103,10 @@ __global__ void __launch_bounds__(kThreads)
   char* rows = comm::peer_ptr<char>(pt, pt.rank, ws.recv_x);
   const size_t row_bytes = static_cast<size_t>(dims.D) * sizeof(bf16);
   const int lane = threadIdx.x % 32;
-  const int rows_used = rs.group_offsets[dims.E_local];
+  const int rows_used = rs.group_offsets[dims.groups];
   for (int r = (blockIdx.x % blocks_per_rank) * kWarps + threadIdx.x / 32; r < rows_used;
        r += blocks_per_rank * kWarps) {
-    if (!row_in_use(rs, dims.E_local, r)) continue;
+    if (!row_in_use(rs, dims.groups, r)) continue;
     const int primary = row_primary[r];
     if (primary != r) comm::warp_copy_16B(rows + r * row_bytes, rows + primary * row_bytes, row_bytes, lane);
   }
@@ -97,10 +126,10 @@ __global__ void __launch_bounds__(kThreads)
   uint4* grad_y = reinterpret_cast<uint4*>(rs.grad_y_RD);
   const int vecs = dims.D / 8;
   const int lane = threadIdx.x % 32;
-  const int rows_used = rs.group_offsets[dims.E_local];
+  const int rows_used = rs.group_offsets[dims.groups];
   for (int r = (blockIdx.x % blocks_per_rank) * kWarps + threadIdx.x / 32; r < rows_used;
        r += blocks_per_rank * kWarps) {
-    if (!row_in_use(rs, dims.E_local, r)) continue;
+    if (!row_in_use(rs, dims.groups, r)) continue;
     const size_t primary = row_primary[r];
     const float score = row_score[r];
     for (int v = lane; v < vecs; v += 32) {

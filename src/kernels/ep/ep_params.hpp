@@ -10,6 +10,7 @@
 
 #include "comm/transport.hpp"
 #include "comm/virtual_transport.hpp"  // kMaxLaunchRanks
+#include "plan/balance_plan_device.cuh"  // ReplicaPiece
 
 namespace poise::ep {
 
@@ -33,6 +34,10 @@ struct EpDims {
   int32_t E_local = 0;       // experts per rank
   int32_t world = 1;         // EP ranks
   int32_t capacity_rows = 0; // receive rows per rank, expert padding included
+  int32_t groups = 0;        // expert groups per rank: E_local (capacity), E_local + B (exact balance)
+  int32_t balanced = 0;      // 1: exact balance (planner, replicas), 0: capacity (every row on its owner)
+  int32_t replica_slots = 0; // B: replica slots per rank (exact balance)
+  int32_t row_limit = 0;     // U = T*K + tolerance rows: the most rows the planner puts on a rank
   int32_t num_chunks = 0;    // ceil(T / kTokensPerChunk)
   int32_t scores_bf16 = 0;   // scores_TK dtype: 1 bf16, 0 fp32
   int32_t swiglu_clamped = 0;
@@ -49,6 +54,12 @@ struct WorkspaceOffsets {
   size_t recv_x = 0;       // bf16  [capacity][D]: dispatched x rows, expert-grouped (saved for backward)
   size_t recv_grad = 0;    // bf16  [capacity][D]: dispatched grad_out rows (backward)
   size_t combine = 0;      // bf16  [T*K][D]: expert outputs back at their owner (y, then grad_x rows)
+  // Exact balance only (0 otherwise): replica experts' weights, pushed by their owners during
+  // dispatch, and their weight gradients, read by the owners after the backward combine barrier.
+  size_t replica_w13 = 0;       // bf16 [B][2F][D]
+  size_t replica_w2 = 0;        // bf16 [B][D][F]
+  size_t replica_grad_w13 = 0;  // fp32 [B][2F][D] (training)
+  size_t replica_grad_w2 = 0;   // fp32 [B][D][F]  (training)
   size_t total = 0;
 };
 
@@ -58,8 +69,15 @@ struct RankScratch {
   const int32_t* error_code = nullptr;  // this rank's ErrorWord::code
   int32_t* chunk_offsets_CE = nullptr;  // [num_chunks][E] per-chunk counts, then exclusive prefix
   int32_t* dest_row_TK = nullptr;       // [T*K] row of (t, k) on its destination rank (saved)
-  int32_t* group_offsets = nullptr;     // [E_local+1] first row of each local expert group; last = rows used
-  int32_t* group_counts = nullptr;      // [E_local] rows of each local expert group (padding excluded)
+  int32_t* dest_rank_TK = nullptr;      // [T*K] destination rank of (t, k) (saved)
+  int32_t* group_offsets = nullptr;     // [groups+1] first row of each expert group; last = rows used
+  int32_t* group_counts = nullptr;      // [groups] rows of each expert group (padding excluded)
+  // The balance plan (exact balance; every rank computes the same one from the same counts).
+  int32_t* plan_kept_E = nullptr;                   // [E] rows [0, kept) of e stay on its owner
+  int32_t* plan_piece_first_E = nullptr;            // [E+1] replica pieces of e: [first[e], first[e+1])
+  plan::shared::ReplicaPiece* plan_pieces = nullptr;  // [R*B] sorted by expert, then first row
+  int32_t* plan_group_offsets_RG = nullptr;         // [R][groups+1] every rank's group offsets
+  int32_t* plan_stats = nullptr;                    // [kPlanStats] see PlanStat
   bf16* h13_R2F = nullptr;              // [capacity][2F] gate | up pre-activations (saved)
   bf16* a_RF = nullptr;                 // [capacity][F] SwiGLU output (saved)
   bf16* rows_out_RD = nullptr;          // [capacity][D] y rows (forward), grad_x rows (backward)
@@ -80,6 +98,15 @@ struct RankIo {
   void* grad_scores_TK = nullptr;
   float* grad_w13_E2FD = nullptr;
   float* grad_w2_EDF = nullptr;
+};
+
+// What the planner kernel records about its plan (read by tests and the benchmark).
+enum PlanStat : int {
+  kPlanExact = 0,     // 1 when every rank computes at most row_limit rows
+  kPlanMovedRows,     // rows computed away from their owner
+  kPlanPieces,        // replica pieces (= replica weight copies)
+  kPlanMaxRankRows,   // most rows any rank computes
+  kPlanStats,
 };
 
 struct LaunchScratch {

@@ -29,9 +29,9 @@ __device__ __forceinline__ int group_of_row(const int32_t* offsets, int n, int r
 }
 
 // True when `row` of a rank's grouped buffer holds a routed entry (not expert padding).
-__device__ __forceinline__ bool row_in_use(const RankScratch& s, int E_local, int row) {
-  if (row >= s.group_offsets[E_local]) return false;
-  const int g = group_of_row(s.group_offsets, E_local, row);
+__device__ __forceinline__ bool row_in_use(const RankScratch& s, int groups, int row) {
+  if (row >= s.group_offsets[groups]) return false;
+  const int g = group_of_row(s.group_offsets, groups, row);
   return row - s.group_offsets[g] < s.group_counts[g];
 }
 

@@ -97,7 +97,8 @@ __global__ void __launch_bounds__(kThreads) row_grouped_gemm_kernel(RowGemmBatch
   const RowGemmRank& r = batch.rank[blockIdx.z];
   if (comm::load_volatile(r.error_code) != 0) return;
   const int m0 = blockIdx.x * kTileM;
-  if (m0 >= r.group_offsets[batch.groups]) return;
+  // A batch may cover a subset of a rank's groups (exact balance: own experts, then replicas).
+  if (m0 < r.group_offsets[0] || m0 >= r.group_offsets[batch.groups]) return;
   const int g = group_of_row(r.group_offsets, batch.groups, m0);
   const int valid = min(kTileM, r.group_counts[g] - (m0 - r.group_offsets[g]));
   if (valid <= 0) return;  // expert padding

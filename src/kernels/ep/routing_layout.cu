@@ -8,6 +8,9 @@
 //                    re-ranks its chunk and writes dest_row_TK. Block 0 writes the local groups and
 //                    checks every rank's rows against the capacity (all ranks see the same numbers,
 //                    so all ranks stop together on overflow).
+//   (exact balance)  between the two, balance_plan (balance_planner.cu) computes the plan, the
+//                    groups (E_local own + B replica slots) and the capacity check; route_assign
+//                    then places each entry in the plan's piece that holds its row.
 //
 // Order inside an expert group on rank d: source rank, then token, then k: deterministic.
 #include "comm/cuda_check.hpp"
@@ -123,7 +126,7 @@ __global__ void __launch_bounds__(kThreads) route_assign_kernel(const PeerTable*
     before_me[e] = before;
   }
   __syncthreads();
-  for (int d = threadIdx.x; d < dims.world; d += blockDim.x) {
+  for (int d = threadIdx.x; d < dims.world && !dims.balanced; d += blockDim.x) {
     int running = 0;
     for (int j = 0; j < dims.E_local; ++j) {
       const int e = d * dims.E_local + j;
@@ -134,7 +137,7 @@ __global__ void __launch_bounds__(kThreads) route_assign_kernel(const PeerTable*
     needed[d] = running;
   }
   __syncthreads();
-  if (local_block == 0) {
+  if (local_block == 0 && !dims.balanced) {  // exact balance: the planner kernel did this
     // Overflow anywhere stops every rank (all see the same counts). The local groups are then
     // left empty, so no later kernel (ours or the SM90 GEMMs) touches a row past the capacity.
     __shared__ int overflow_rank;
@@ -159,7 +162,7 @@ __global__ void __launch_bounds__(kThreads) route_assign_kernel(const PeerTable*
     }
   }
   __syncthreads();
-  for (int e = threadIdx.x; e < dims.E; e += blockDim.x) row_base[e] += before_me[e];
+  for (int e = threadIdx.x; e < dims.E && !dims.balanced; e += blockDim.x) row_base[e] += before_me[e];
   __syncthreads();
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -172,8 +175,31 @@ __global__ void __launch_bounds__(kThreads) route_assign_kernel(const PeerTable*
   int32_t* dest_row = rs.dest_row_TK;
   const int begin = chunk * kTokensPerChunk * dims.K;
   const int end = min(dims.T, (chunk + 1) * kTokensPerChunk) * dims.K;
+  int32_t* dest_rank = rs.dest_rank_TK;
+  if (!dims.balanced) {
+    rank_chunk_entries(io.rank[slot].ids_TK, begin, end, dims.E, counts, lane, [&](int idx, int e, int in_chunk) {
+      dest_row[idx] = row_base[e] + chunk_offsets[e] + in_chunk;
+      dest_rank[idx] = e / dims.E_local;
+    });
+    return;
+  }
+  // Exact balance: the entry's row in its expert's global order (source rank, token, k) says
+  // which piece of the plan holds it: the owner's kept prefix, or one replica piece.
+  const int G = dims.groups;
   rank_chunk_entries(io.rank[slot].ids_TK, begin, end, dims.E, counts, lane, [&](int idx, int e, int in_chunk) {
-    dest_row[idx] = row_base[e] + chunk_offsets[e] + in_chunk;
+    const int row = before_me[e] + chunk_offsets[e] + in_chunk;
+    int d = e / dims.E_local, group = e % dims.E_local, first = 0;
+    if (row >= rs.plan_kept_E[e]) {
+      for (int i = rs.plan_piece_first_E[e]; i < rs.plan_piece_first_E[e + 1]; ++i) {
+        const plan::shared::ReplicaPiece p = rs.plan_pieces[i];
+        if (row < p.end) {
+          d = p.rank, group = p.slot, first = p.begin;
+          break;
+        }
+      }
+    }
+    dest_row[idx] = rs.plan_group_offsets_RG[d * (G + 1) + group] + row - first;
+    dest_rank[idx] = d;
   });
 }
 
@@ -188,6 +214,7 @@ void launch_route(const EpLaunch& l, const LaunchIo& io, cudaStream_t stream) {
   // One block per rank: every waiting block is resident.
   counts_exchange_kernel<<<l.launch_ranks, kExchangeThreads, 0, stream>>>(l.tables, l.dims, l.ws, l.scratch);
   comm::cuda_check_launch("counts_exchange_kernel");
+  if (l.dims.balanced) launch_balance_plan(l, stream);
   const size_t assign_smem = sizeof(int32_t) * (2 * l.dims.E + comm::kMaxPeers + kWarps * l.dims.E);
   route_assign_kernel<<<l.launch_ranks * blocks_per_rank, kThreads, assign_smem, stream>>>(
       l.tables, l.dims, l.ws, io, l.scratch, blocks_per_rank);

@@ -6,10 +6,28 @@
 namespace poise::ep {
 namespace {
 
-RowGemmBatch row_batch(const EpLaunch& l) {
+// The expert groups of one GEMM call: the E_local own experts (weights and gradients from the
+// call's arguments) or, with exact balance, the B replica slots (weights pushed into the
+// workspace during dispatch, gradients into the workspace for the owners to collect).
+struct GroupRange {
+  int first = 0;
+  int count = 0;
+  bool replicas = false;
+};
+
+GroupRange own_groups(const EpLaunch& l) { return {0, l.dims.E_local, false}; }
+GroupRange replica_groups(const EpLaunch& l) { return {l.dims.E_local, l.dims.replica_slots, true}; }
+// Own experts, then replica slots when there are any.
+int group_ranges(const EpLaunch& l, GroupRange (&ranges)[2]) {
+  ranges[0] = own_groups(l);
+  ranges[1] = replica_groups(l);
+  return l.dims.balanced && l.dims.replica_slots > 0 ? 2 : 1;
+}
+
+RowGemmBatch row_batch(const EpLaunch& l, const GroupRange& range) {
   RowGemmBatch b;
   b.ranks = l.launch_ranks;
-  b.groups = l.dims.E_local;
+  b.groups = range.count;
   b.capacity_rows = l.dims.capacity_rows;
   b.D = l.dims.D;
   b.F = l.dims.F;
@@ -17,8 +35,8 @@ RowGemmBatch row_batch(const EpLaunch& l) {
   b.swiglu_alpha = l.dims.swiglu_alpha;
   b.swiglu_limit = l.dims.swiglu_limit;
   for (int s = 0; s < l.launch_ranks; ++s) {
-    b.rank[s].group_offsets = l.scratch.rank[s].group_offsets;
-    b.rank[s].group_counts = l.scratch.rank[s].group_counts;
+    b.rank[s].group_offsets = l.scratch.rank[s].group_offsets + range.first;
+    b.rank[s].group_counts = l.scratch.rank[s].group_counts + range.first;
     b.rank[s].error_code = l.scratch.rank[s].error_code;
   }
   return b;
@@ -28,11 +46,27 @@ const bf16* workspace_rows(const EpLaunch& l, int slot, size_t offset) {
   return reinterpret_cast<const bf16*>(l.scratch.rank[slot].workspace + offset);
 }
 
-sm90::GroupedRows sm90_rows(const EpLaunch& l, int slot) {
+// The weights (bf16) and weight gradients (fp32) of a group range on one rank.
+const bf16* w13_of(const EpLaunch& l, const LaunchIo& io, int slot, const GroupRange& range) {
+  return range.replicas ? workspace_rows(l, slot, l.ws.replica_w13) : io.rank[slot].w13_E2FD;
+}
+const bf16* w2_of(const EpLaunch& l, const LaunchIo& io, int slot, const GroupRange& range) {
+  return range.replicas ? workspace_rows(l, slot, l.ws.replica_w2) : io.rank[slot].w2_EDF;
+}
+float* grad_w13_of(const EpLaunch& l, const LaunchIo& io, int slot, const GroupRange& range) {
+  return range.replicas ? reinterpret_cast<float*>(l.scratch.rank[slot].workspace + l.ws.replica_grad_w13)
+                        : io.rank[slot].grad_w13_E2FD;
+}
+float* grad_w2_of(const EpLaunch& l, const LaunchIo& io, int slot, const GroupRange& range) {
+  return range.replicas ? reinterpret_cast<float*>(l.scratch.rank[slot].workspace + l.ws.replica_grad_w2)
+                        : io.rank[slot].grad_w2_EDF;
+}
+
+sm90::GroupedRows sm90_rows(const EpLaunch& l, int slot, const GroupRange& range) {
   sm90::GroupedRows rows;
-  rows.row_offsets_E = l.scratch.rank[slot].group_offsets;
-  rows.row_counts_E = l.scratch.rank[slot].group_counts;
-  rows.num_experts = l.dims.E_local;
+  rows.row_offsets_E = l.scratch.rank[slot].group_offsets + range.first;
+  rows.row_counts_E = l.scratch.rank[slot].group_counts + range.first;
+  rows.num_experts = range.count;
   rows.max_rows = l.dims.capacity_rows;
   return rows;
 }
@@ -50,33 +84,45 @@ sm90::ExpertMlpShape sm90_shape(const EpLaunch& l) {
 
 void sm90_forward(const EpLaunch& l, const LaunchIo& io, cudaStream_t stream) {
   const sm90::ExpertMlpShape shape = sm90_shape(l);
+  GroupRange ranges[2];
+  const int n = group_ranges(l, ranges);
   for (int s = 0; s < l.launch_ranks; ++s) {
     const RankScratch& rs = l.scratch.rank[s];
-    const sm90::GroupedRows rows = sm90_rows(l, s);
-    sm90::expert_mlp_fprop_w13(rows, shape, {workspace_rows(l, s, l.ws.recv_x), io.rank[s].w13_E2FD, rs.a_RF, rs.h13_R2F},
-                               stream);
-    sm90::expert_mlp_fprop_w2(rows, shape, {rs.a_RF, io.rank[s].w2_EDF, nullptr, rs.rows_out_RD}, stream);
+    for (int i = 0; i < n; ++i) {
+      const sm90::GroupedRows rows = sm90_rows(l, s, ranges[i]);
+      sm90::expert_mlp_fprop_w13(rows, shape,
+                                 {workspace_rows(l, s, l.ws.recv_x), w13_of(l, io, s, ranges[i]), rs.a_RF, rs.h13_R2F},
+                                 stream);
+      sm90::expert_mlp_fprop_w2(rows, shape, {rs.a_RF, w2_of(l, io, s, ranges[i]), nullptr, rs.rows_out_RD}, stream);
+    }
   }
 }
 
 // grad_y rows arrive already score-scaled (fanout_scale), so the SM90 kernels run with no scores:
-// grad_a = grad_y . W2, and the forward's a stays the W2 wgrad operand.
+// grad_a = grad_y . W2, and the forward's a stays the W2 wgrad operand. Replica slots' weight
+// gradients are always overwritten (the owners accumulate them).
 void sm90_backward(const EpLaunch& l, const LaunchIo& io, bool accumulate, cudaStream_t stream) {
   const sm90::ExpertMlpShape shape = sm90_shape(l);
+  GroupRange ranges[2];
+  const int n = group_ranges(l, ranges);
   for (int s = 0; s < l.launch_ranks; ++s) {
     const RankScratch& rs = l.scratch.rank[s];
-    const sm90::GroupedRows rows = sm90_rows(l, s);
-    sm90::DgradW2Args dgrad_w2;
-    dgrad_w2.grad_y_RD = rs.grad_y_RD;
-    dgrad_w2.w2_EDF = io.rank[s].w2_EDF;
-    dgrad_w2.h13_R2F = rs.h13_R2F;
-    dgrad_w2.grad_h13_R2F = rs.grad_h13_R2F;
-    sm90::expert_mlp_dgrad_w2(rows, shape, dgrad_w2, stream);
-    sm90::expert_mlp_dgrad_w13(rows, shape, {rs.grad_h13_R2F, io.rank[s].w13_E2FD, rs.rows_out_RD}, stream);
-    sm90::expert_mlp_wgrad_w2(rows, shape, rs.grad_y_RD, rs.a_RF, {io.rank[s].grad_w2_EDF, DType::fp32, accumulate},
-                              stream);
-    sm90::expert_mlp_wgrad_w13(rows, shape, rs.grad_h13_R2F, workspace_rows(l, s, l.ws.recv_x),
-                               {io.rank[s].grad_w13_E2FD, DType::fp32, accumulate}, stream);
+    for (int i = 0; i < n; ++i) {
+      const GroupRange& range = ranges[i];
+      const sm90::GroupedRows rows = sm90_rows(l, s, range);
+      const bool acc = accumulate && !range.replicas;
+      sm90::DgradW2Args dgrad_w2;
+      dgrad_w2.grad_y_RD = rs.grad_y_RD;
+      dgrad_w2.w2_EDF = w2_of(l, io, s, range);
+      dgrad_w2.h13_R2F = rs.h13_R2F;
+      dgrad_w2.grad_h13_R2F = rs.grad_h13_R2F;
+      sm90::expert_mlp_dgrad_w2(rows, shape, dgrad_w2, stream);
+      sm90::expert_mlp_dgrad_w13(rows, shape, {rs.grad_h13_R2F, w13_of(l, io, s, range), rs.rows_out_RD}, stream);
+      sm90::expert_mlp_wgrad_w2(rows, shape, rs.grad_y_RD, rs.a_RF, {grad_w2_of(l, io, s, range), DType::fp32, acc},
+                                stream);
+      sm90::expert_mlp_wgrad_w13(rows, shape, rs.grad_h13_R2F, workspace_rows(l, s, l.ws.recv_x),
+                                 {grad_w13_of(l, io, s, range), DType::fp32, acc}, stream);
+    }
   }
 }
 
@@ -86,60 +132,69 @@ const char* to_string(ExpertKernels k) { return k == ExpertKernels::sm90 ? "sm90
 
 void expert_forward(const EpLaunch& l, const LaunchIo& io, ExpertKernels kernels, cudaStream_t stream) {
   if (kernels == ExpertKernels::sm90) return sm90_forward(l, io, stream);
-  RowGemmBatch w13 = row_batch(l);
-  RowGemmBatch w2 = row_batch(l);
-  for (int s = 0; s < l.launch_ranks; ++s) {
-    const RankScratch& rs = l.scratch.rank[s];
-    w13.rank[s].a = workspace_rows(l, s, l.ws.recv_x);
-    w13.rank[s].b = io.rank[s].w13_E2FD;
-    w13.rank[s].out = rs.h13_R2F;
-    w13.rank[s].out2 = rs.a_RF;
-    w2.rank[s].a = rs.a_RF;
-    w2.rank[s].b = io.rank[s].w2_EDF;
-    w2.rank[s].out = rs.rows_out_RD;
+  GroupRange ranges[2];
+  const int n = group_ranges(l, ranges);
+  for (int i = 0; i < n; ++i) {
+    RowGemmBatch w13 = row_batch(l, ranges[i]);
+    RowGemmBatch w2 = row_batch(l, ranges[i]);
+    for (int s = 0; s < l.launch_ranks; ++s) {
+      const RankScratch& rs = l.scratch.rank[s];
+      w13.rank[s].a = workspace_rows(l, s, l.ws.recv_x);
+      w13.rank[s].b = w13_of(l, io, s, ranges[i]);
+      w13.rank[s].out = rs.h13_R2F;
+      w13.rank[s].out2 = rs.a_RF;
+      w2.rank[s].a = rs.a_RF;
+      w2.rank[s].b = w2_of(l, io, s, ranges[i]);
+      w2.rank[s].out = rs.rows_out_RD;
+    }
+    launch_row_grouped_gemm(RowGemmKind::w13_swiglu, w13, stream);
+    launch_row_grouped_gemm(RowGemmKind::w2_forward, w2, stream);
   }
-  launch_row_grouped_gemm(RowGemmKind::w13_swiglu, w13, stream);
-  launch_row_grouped_gemm(RowGemmKind::w2_forward, w2, stream);
 }
 
 void expert_backward(const EpLaunch& l, const LaunchIo& io, bool accumulate_wgrad, ExpertKernels kernels,
                      cudaStream_t stream) {
   if (kernels == ExpertKernels::sm90) return sm90_backward(l, io, accumulate_wgrad, stream);
-  RowGemmBatch w2_dgrad = row_batch(l);
-  RowGemmBatch w13_dgrad = row_batch(l);
-  WgradBatch w2_wgrad, w13_wgrad;
-  w2_wgrad.ranks = w13_wgrad.ranks = l.launch_ranks;
-  w2_wgrad.groups = w13_wgrad.groups = l.dims.E_local;
-  w2_wgrad.accumulate = w13_wgrad.accumulate = accumulate_wgrad;
-  w2_wgrad.m_dim = l.dims.D;      // grad_W2[e] [D][F] = grad_y^T a
-  w2_wgrad.n_dim = l.dims.F;
-  w13_wgrad.m_dim = 2 * l.dims.F;  // grad_W13[e] [2F][D] = grad_h13^T x
-  w13_wgrad.n_dim = l.dims.D;
-  for (int s = 0; s < l.launch_ranks; ++s) {
-    const RankScratch& rs = l.scratch.rank[s];
-    w2_dgrad.rank[s].a = rs.grad_y_RD;
-    w2_dgrad.rank[s].b = io.rank[s].w2_EDF;
-    w2_dgrad.rank[s].aux = rs.h13_R2F;
-    w2_dgrad.rank[s].out = rs.grad_h13_R2F;
-    w13_dgrad.rank[s].a = rs.grad_h13_R2F;
-    w13_dgrad.rank[s].b = io.rank[s].w13_E2FD;
-    w13_dgrad.rank[s].out = rs.rows_out_RD;
-    for (WgradBatch* w : {&w2_wgrad, &w13_wgrad}) {
-      w->rank[s].group_offsets = rs.group_offsets;
-      w->rank[s].group_counts = rs.group_counts;
-      w->rank[s].error_code = rs.error_code;
+  GroupRange ranges[2];
+  const int n = group_ranges(l, ranges);
+  for (int i = 0; i < n; ++i) {
+    const GroupRange& range = ranges[i];
+    RowGemmBatch w2_dgrad = row_batch(l, range);
+    RowGemmBatch w13_dgrad = row_batch(l, range);
+    WgradBatch w2_wgrad, w13_wgrad;
+    w2_wgrad.ranks = w13_wgrad.ranks = l.launch_ranks;
+    w2_wgrad.groups = w13_wgrad.groups = range.count;
+    w2_wgrad.accumulate = w13_wgrad.accumulate = accumulate_wgrad && !range.replicas;
+    w2_wgrad.m_dim = l.dims.D;      // grad_W2[e] [D][F] = grad_y^T a
+    w2_wgrad.n_dim = l.dims.F;
+    w13_wgrad.m_dim = 2 * l.dims.F;  // grad_W13[e] [2F][D] = grad_h13^T x
+    w13_wgrad.n_dim = l.dims.D;
+    for (int s = 0; s < l.launch_ranks; ++s) {
+      const RankScratch& rs = l.scratch.rank[s];
+      w2_dgrad.rank[s].a = rs.grad_y_RD;
+      w2_dgrad.rank[s].b = w2_of(l, io, s, range);
+      w2_dgrad.rank[s].aux = rs.h13_R2F;
+      w2_dgrad.rank[s].out = rs.grad_h13_R2F;
+      w13_dgrad.rank[s].a = rs.grad_h13_R2F;
+      w13_dgrad.rank[s].b = w13_of(l, io, s, range);
+      w13_dgrad.rank[s].out = rs.rows_out_RD;
+      for (WgradBatch* w : {&w2_wgrad, &w13_wgrad}) {
+        w->rank[s].group_offsets = rs.group_offsets + range.first;
+        w->rank[s].group_counts = rs.group_counts + range.first;
+        w->rank[s].error_code = rs.error_code;
+      }
+      w2_wgrad.rank[s].a = rs.grad_y_RD;
+      w2_wgrad.rank[s].b = rs.a_RF;
+      w2_wgrad.rank[s].c = grad_w2_of(l, io, s, range);
+      w13_wgrad.rank[s].a = rs.grad_h13_R2F;
+      w13_wgrad.rank[s].b = workspace_rows(l, s, l.ws.recv_x);
+      w13_wgrad.rank[s].c = grad_w13_of(l, io, s, range);
     }
-    w2_wgrad.rank[s].a = rs.grad_y_RD;
-    w2_wgrad.rank[s].b = rs.a_RF;
-    w2_wgrad.rank[s].c = io.rank[s].grad_w2_EDF;
-    w13_wgrad.rank[s].a = rs.grad_h13_R2F;
-    w13_wgrad.rank[s].b = workspace_rows(l, s, l.ws.recv_x);
-    w13_wgrad.rank[s].c = io.rank[s].grad_w13_E2FD;
+    launch_row_grouped_gemm(RowGemmKind::w2_dgrad_swiglu, w2_dgrad, stream);
+    launch_row_grouped_gemm(RowGemmKind::w13_dgrad, w13_dgrad, stream);
+    launch_wgrad_grouped_gemm(w2_wgrad, stream);
+    launch_wgrad_grouped_gemm(w13_wgrad, stream);
   }
-  launch_row_grouped_gemm(RowGemmKind::w2_dgrad_swiglu, w2_dgrad, stream);
-  launch_row_grouped_gemm(RowGemmKind::w13_dgrad, w13_dgrad, stream);
-  launch_wgrad_grouped_gemm(w2_wgrad, stream);
-  launch_wgrad_grouped_gemm(w13_wgrad, stream);
 }
 
 }  // namespace poise::ep

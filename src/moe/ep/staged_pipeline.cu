@@ -36,6 +36,13 @@ WorkspaceOffsets plan_workspace(const EpDims& d, bool training) {
   w.recv_x = region(cap * row);
   w.recv_grad = training ? region(cap * row) : 0;
   w.combine = region(static_cast<size_t>(d.T) * d.K * row);
+  if (d.balanced) {
+    const size_t B = d.replica_slots, w13 = size_t(2) * d.F * d.D, w2 = size_t(d.D) * d.F;
+    w.replica_w13 = region(B * w13 * sizeof(bf16));
+    w.replica_w2 = region(B * w2 * sizeof(bf16));
+    w.replica_grad_w13 = training ? region(B * w13 * sizeof(float)) : 0;
+    w.replica_grad_w2 = training ? region(B * w2 * sizeof(float)) : 0;
+  }
   w.total = align_up(at, kRegionAlignment);
   return w;
 }
@@ -44,12 +51,14 @@ void require(bool ok, const std::string& name, const std::string& rule) {
   if (!ok) throw InvalidArgument(name, rule);
 }
 
-void validate_config(const Config& c, int64_t ep_size) {
+void validate_config(const Config& c, int64_t ep_size, const PipelineOptions& o) {
   c.validate(ep_size);
-  if (c.balance != Balance::capacity) {
-    throw NotAvailable(
-        "balance=exact needs the balance planner (replica experts); the staged EP pipeline implements "
-        "balance=capacity");
+  if (c.balance == Balance::exact) {
+    require(o.balance_tolerance >= 0.0 && o.balance_tolerance <= 16.0, "balance_tolerance",
+            "must be in [0, 16], got " + std::to_string(o.balance_tolerance));
+    require(o.replica_slots >= -1 && o.replica_slots <= c.num_local_experts(ep_size), "replica_slots",
+            "must be -1 (E_local) or in [0, E_local = " + std::to_string(c.num_local_experts(ep_size)) + "], got " +
+                std::to_string(o.replica_slots));
   }
   require(c.top_k <= kMaxTopK, "top_k", "the EP pipeline supports top_k <= " + std::to_string(kMaxTopK));
   require(c.num_experts <= kMaxExperts, "num_experts",
@@ -58,12 +67,17 @@ void validate_config(const Config& c, int64_t ep_size) {
   if (!c.inference && c.wgrad_dtype != DType::fp32) {
     throw NotAvailable("wgrad_dtype=bf16: the EP stand-in kernels write fp32 weight gradients only");
   }
-  const double rows = c.receive_capacity_factor * c.num_local_input_tokens * c.top_k;
+  const double rows = std::max(c.receive_capacity_factor, 1.0 + o.balance_tolerance) * c.num_local_input_tokens * c.top_k;
   require(c.num_local_input_tokens * c.top_k * ep_size < (int64_t{1} << 31) && rows < double(1 << 30),
           "num_local_input_tokens", "T*K*ep_size must fit in 31 bits");
 }
 
-EpDims make_dims(const Config& c, int64_t ep_size) {
+int64_t row_limit(const Config& c, const PipelineOptions& o) {
+  const int64_t C = c.num_local_input_tokens * c.top_k;
+  return C + static_cast<int64_t>(std::floor(o.balance_tolerance * static_cast<double>(C)));
+}
+
+EpDims make_dims(const Config& c, int64_t ep_size, const PipelineOptions& o) {
   EpDims d;
   d.T = static_cast<int32_t>(c.num_local_input_tokens);
   d.D = static_cast<int32_t>(c.hidden_dim);
@@ -72,7 +86,11 @@ EpDims make_dims(const Config& c, int64_t ep_size) {
   d.E = static_cast<int32_t>(c.num_experts);
   d.world = static_cast<int32_t>(ep_size);
   d.E_local = d.E / d.world;
-  d.capacity_rows = static_cast<int32_t>(StagedPipeline::capacity_rows(c, ep_size));
+  d.balanced = c.balance == Balance::exact;
+  d.replica_slots = static_cast<int32_t>(StagedPipeline::replica_slots(c, ep_size, o));
+  d.groups = d.E_local + d.replica_slots;
+  d.row_limit = d.balanced ? static_cast<int32_t>(row_limit(c, o)) : d.T * d.K;
+  d.capacity_rows = static_cast<int32_t>(StagedPipeline::capacity_rows(c, ep_size, o));
   d.num_chunks = (d.T + kTokensPerChunk - 1) / kTokensPerChunk;
   d.swiglu_clamped = c.activation == Activation::swiglu_clamped;
   d.swiglu_alpha = static_cast<float>(c.swiglu_alpha);
@@ -114,49 +132,67 @@ const char* to_string(Stage s) {
     case Stage::combine_push: return "combine_push";
     case Stage::combine_reduce: return "combine_reduce";
     case Stage::grad_scores: return "grad_scores";
+    case Stage::replica_grads: return "replica_grads";
     case Stage::end: return "end";
   }
   return "?";
 }
 
-int64_t StagedPipeline::capacity_rows(const Config& c, int64_t ep_size) {
-  const int64_t routed = static_cast<int64_t>(std::ceil(c.receive_capacity_factor * c.num_local_input_tokens * c.top_k));
-  const int64_t padding = c.num_local_experts(ep_size) * (kGroupAlignment - 1);
+int64_t StagedPipeline::replica_slots(const Config& c, int64_t ep_size, const PipelineOptions& o) {
+  if (c.balance != Balance::exact) return 0;
+  return o.replica_slots < 0 ? c.num_local_experts(ep_size) : o.replica_slots;
+}
+
+int64_t StagedPipeline::capacity_rows(const Config& c, int64_t ep_size, const PipelineOptions& o) {
+  const bool exact = c.balance == Balance::exact;
+  const int64_t routed = exact ? row_limit(c, o)
+                               : static_cast<int64_t>(std::ceil(c.receive_capacity_factor * c.num_local_input_tokens *
+                                                                c.top_k));
+  const int64_t groups = c.num_local_experts(ep_size) + replica_slots(c, ep_size, o);
+  const int64_t padding = groups * (kGroupAlignment - 1);
   return (routed + padding + kGroupAlignment - 1) / kGroupAlignment * kGroupAlignment;
 }
 
-size_t StagedPipeline::workspace_bytes(const Config& c, int64_t ep_size) {
-  validate_config(c, ep_size);
-  return plan_workspace(make_dims(c, ep_size), !c.inference).total;
+size_t StagedPipeline::workspace_bytes(const Config& c, int64_t ep_size, const PipelineOptions& o) {
+  validate_config(c, ep_size, o);
+  return plan_workspace(make_dims(c, ep_size, o), !c.inference).total;
 }
 
 std::unique_ptr<StagedPipeline> StagedPipeline::create_virtual(const Config& config, int64_t ep_size,
                                                                const PipelineOptions& options) {
-  validate_config(config, ep_size);
-  auto transport = comm::VirtualTransport::create(static_cast<int>(ep_size), workspace_bytes(config, ep_size),
+  validate_config(config, ep_size, options);
+  auto transport = comm::VirtualTransport::create(static_cast<int>(ep_size), workspace_bytes(config, ep_size, options),
                                                   options.timeout_ns);
-  return create(config, std::move(transport), options.expert_kernels);
+  return create(config, std::move(transport), options);
 }
 
 std::unique_ptr<StagedPipeline> StagedPipeline::create(const Config& config,
                                                        std::unique_ptr<comm::Transport> transport,
                                                        ExpertKernels expert_kernels) {
+  PipelineOptions options;
+  options.expert_kernels = expert_kernels;
+  return create(config, std::move(transport), options);
+}
+
+std::unique_ptr<StagedPipeline> StagedPipeline::create(const Config& config,
+                                                       std::unique_ptr<comm::Transport> transport,
+                                                       const PipelineOptions& options) {
   require(transport != nullptr, "transport", "must not be null");
-  validate_config(config, transport->world_size());
+  validate_config(config, transport->world_size(), options);
   require(transport->launch_ranks() <= kMaxLaunchRanks, "transport",
           "a launch carries at most " + std::to_string(kMaxLaunchRanks) + " ranks");
-  require(transport->workspace_bytes() >= workspace_bytes(config, transport->world_size()), "transport",
+  require(transport->workspace_bytes() >= workspace_bytes(config, transport->world_size(), options), "transport",
           "workspace smaller than StagedPipeline::workspace_bytes()");
-  return std::unique_ptr<StagedPipeline>(new StagedPipeline(config, std::move(transport), expert_kernels));
+  return std::unique_ptr<StagedPipeline>(new StagedPipeline(config, std::move(transport), options));
 }
 
 StagedPipeline::StagedPipeline(const Config& config, std::unique_ptr<comm::Transport> transport,
-                               ExpertKernels expert_kernels)
-    : config_(config), expert_kernels_(expert_kernels), transport_(std::move(transport)) {
+                               const PipelineOptions& options)
+    : config_(config), expert_kernels_(options.expert_kernels), transport_(std::move(transport)) {
   const bool training = !config.inference;
   launch_.tables = transport_->device_tables();
   launch_.launch_ranks = transport_->launch_ranks();
-  launch_.dims = make_dims(config, transport_->world_size());
+  launch_.dims = make_dims(config, transport_->world_size(), options);
   launch_.ws = plan_workspace(launch_.dims, training);
   int device = 0;
   cuda_check(cudaGetDevice(&device), "cudaGetDevice");
@@ -177,10 +213,20 @@ StagedPipeline::StagedPipeline(const Config& config, std::unique_ptr<comm::Trans
       rs.error_code = &transport_->device_error(s)->code;
       rs.chunk_offsets_CE = static_cast<int32_t*>(alloc(sizeof(int32_t) * d.num_chunks * d.E));
       rs.dest_row_TK = static_cast<int32_t*>(alloc(sizeof(int32_t) * d.T * d.K));
-      rs.group_offsets = static_cast<int32_t*>(alloc(sizeof(int32_t) * (d.E_local + 1)));
-      rs.group_counts = static_cast<int32_t*>(alloc(sizeof(int32_t) * d.E_local));
-      cuda_check(cudaMemset(rs.group_offsets, 0, sizeof(int32_t) * (d.E_local + 1)), "cudaMemset");
-      cuda_check(cudaMemset(rs.group_counts, 0, sizeof(int32_t) * d.E_local), "cudaMemset");
+      rs.dest_rank_TK = static_cast<int32_t*>(alloc(sizeof(int32_t) * d.T * d.K));
+      rs.group_offsets = static_cast<int32_t*>(alloc(sizeof(int32_t) * (d.groups + 1)));
+      rs.group_counts = static_cast<int32_t*>(alloc(sizeof(int32_t) * d.groups));
+      cuda_check(cudaMemset(rs.group_offsets, 0, sizeof(int32_t) * (d.groups + 1)), "cudaMemset");
+      cuda_check(cudaMemset(rs.group_counts, 0, sizeof(int32_t) * d.groups), "cudaMemset");
+      if (d.balanced) {
+        rs.plan_kept_E = static_cast<int32_t*>(alloc(sizeof(int32_t) * d.E));
+        rs.plan_piece_first_E = static_cast<int32_t*>(alloc(sizeof(int32_t) * (d.E + 1)));
+        rs.plan_pieces = static_cast<plan::shared::ReplicaPiece*>(
+            alloc(sizeof(plan::shared::ReplicaPiece) * std::max(1, d.world * d.replica_slots)));
+        rs.plan_group_offsets_RG = static_cast<int32_t*>(alloc(sizeof(int32_t) * d.world * (d.groups + 1)));
+        rs.plan_stats = static_cast<int32_t*>(alloc(sizeof(int32_t) * kPlanStats));
+        cuda_check(cudaMemset(rs.plan_piece_first_E, 0, sizeof(int32_t) * (d.E + 1)), "cudaMemset");
+      }
       rs.h13_R2F = static_cast<bf16*>(alloc(sizeof(bf16) * cap * 2 * d.F));
       rs.a_RF = static_cast<bf16*>(alloc(sizeof(bf16) * cap * d.F));
       rs.rows_out_RD = static_cast<bf16*>(alloc(sizeof(bf16) * cap * d.D));
@@ -189,6 +235,7 @@ StagedPipeline::StagedPipeline(const Config& config, std::unique_ptr<comm::Trans
         rs.grad_h13_R2F = static_cast<bf16*>(alloc(sizeof(bf16) * cap * 2 * d.F));
       }
     }
+    if (d.balanced) configure_balance_plan(launch_);
   } catch (...) {
     for (void* p : allocations_) cudaFree(p);
     throw;
@@ -271,6 +318,11 @@ void StagedPipeline::backward(std::span<const BackwardArgs> args, cudaStream_t s
   expert_backward(l, io, args[0].accumulate_wgrad, expert_kernels_, stream);
   stage(Stage::combine_push, stream);
   launch_combine_push(l, /*backward=*/true, stream);
+  if (l.dims.balanced) {
+    // After the combine barrier every rank's replica weight gradients are complete.
+    stage(Stage::replica_grads, stream);
+    launch_replica_grad_reduce(l, io, stream);
+  }
   stage(Stage::combine_reduce, stream);
   launch_combine_reduce(l, io, /*backward=*/true, stream);
   stage(Stage::end, stream);
@@ -303,8 +355,9 @@ LayoutSnapshot StagedPipeline::snapshot(int slot) const {
   const RankScratch& rs = launch_.scratch.rank[slot];
   LayoutSnapshot s;
   s.dest_row_TK.resize(static_cast<size_t>(d.T) * d.K);
-  s.group_offsets.resize(d.E_local + 1);
-  s.group_counts.resize(d.E_local);
+  s.group_offsets.resize(d.groups + 1);
+  s.group_counts.resize(d.groups);
+  s.dest_rank_TK.resize(static_cast<size_t>(d.T) * d.K);
   s.row_origin.resize(d.capacity_rows);
   s.row_primary.resize(d.capacity_rows);
   auto get = [](std::vector<int32_t>& v, const void* src) {
@@ -316,7 +369,32 @@ LayoutSnapshot StagedPipeline::snapshot(int slot) const {
   get(s.group_counts, rs.group_counts);
   get(s.row_origin, rs.workspace + launch_.ws.row_origin);
   get(s.row_primary, rs.workspace + launch_.ws.row_primary);
+  get(s.dest_rank_TK, rs.dest_rank_TK);
   return s;
+}
+
+PlanSnapshot StagedPipeline::plan_snapshot(int slot) const {
+  const EpDims& d = launch_.dims;
+  require(d.balanced, "plan_snapshot", "the pipeline does not balance (balance=capacity)");
+  const RankScratch& rs = launch_.scratch.rank[slot];
+  cuda_check(cudaDeviceSynchronize(), "plan_snapshot: cudaDeviceSynchronize");
+  PlanSnapshot p;
+  auto get = [](auto& v, const void* src) {
+    cuda_check(cudaMemcpy(v.data(), src, v.size() * sizeof(v[0]), cudaMemcpyDeviceToHost), "plan_snapshot");
+  };
+  std::vector<int32_t> first(d.E + 1), stats(kPlanStats);
+  p.kept_E.resize(d.E);
+  p.group_offsets_RG.resize(static_cast<size_t>(d.world) * (d.groups + 1));
+  get(first, rs.plan_piece_first_E);
+  get(stats, rs.plan_stats);
+  get(p.kept_E, rs.plan_kept_E);
+  get(p.group_offsets_RG, rs.plan_group_offsets_RG);
+  p.pieces.resize(first[d.E]);
+  if (!p.pieces.empty()) get(p.pieces, rs.plan_pieces);
+  p.exact = stats[kPlanExact] != 0;
+  p.moved_rows = stats[kPlanMovedRows];
+  p.max_rank_rows = stats[kPlanMaxRankRows];
+  return p;
 }
 
 }  // namespace poise::ep

@@ -8,8 +8,15 @@
 // slot. Backward reuses the forward's saved layout and activations, so it must follow the forward
 // it differentiates, before the next forward on the same pipeline.
 //
-// Balance mode: capacity only (receive rows = receive_capacity_factor * T*K + expert padding);
-// an overflow stops the call on every rank and check() reports it.
+// Balance modes (Config::balance):
+//  - exact: a planner kernel turns the all-gathered counts into a plan (docs/balance.md) so every
+//    rank computes at most row_limit = T*K + floor(balance_tolerance * T*K) rows (exactly T*K with
+//    tolerance 0), hot experts split over replica slots [E_local, E_local + B) of underloaded
+//    ranks. Owners push replica weights during dispatch; backward brings the replicas' fp32 weight
+//    gradients back to their owners. Receive rows: row_limit + padding of E_local + B groups.
+//  - capacity: every row on its owner (receive rows = receive_capacity_factor * T*K + expert padding).
+// An overflow (capacity mode, or exact with B < E_local when the plan cannot be exact) stops the
+// call on every rank and check() reports it. Memory and launches never depend on the routing.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -36,6 +43,7 @@ enum class Stage {
   combine_push,
   combine_reduce,
   grad_scores,
+  replica_grads,  // exact balance, backward: replica weight gradients added to their owners'
   end,
 };
 const char* to_string(Stage stage);
@@ -43,6 +51,12 @@ const char* to_string(Stage stage);
 struct PipelineOptions {
   uint64_t timeout_ns = 10'000'000'000ull;  // bound on every wait for a peer
   ExpertKernels expert_kernels = ExpertKernels::standin;
+  // Exact balance only. Extra rows a rank may compute, as a fraction of T*K (0: exact balance);
+  // a tolerance moves only what exceeds (1 + tolerance) * T*K and so cuts replica traffic.
+  double balance_tolerance = 0.0;
+  // Replica slots per rank, B in [0, E_local]; -1: E_local (training default: always exact).
+  // Fewer slots save memory; the plan is then exact when slots allow and overflows otherwise.
+  int64_t replica_slots = -1;
 };
 
 // Host copy of one slot's routing layout (tests, diagnostics).
@@ -52,15 +66,27 @@ struct LayoutSnapshot {
   std::vector<int32_t> group_counts;   // [E_local]
   std::vector<int32_t> row_origin;     // [capacity]
   std::vector<int32_t> row_primary;    // [capacity]
+  std::vector<int32_t> dest_rank_TK;   // [T*K]
+};
+
+// Host copy of one slot's balance plan (exact balance).
+struct PlanSnapshot {
+  std::vector<int32_t> kept_E;                         // [E]
+  std::vector<plan::shared::ReplicaPiece> pieces;      // sorted by expert, then begin
+  std::vector<int32_t> group_offsets_RG;               // [R][groups+1]
+  bool exact = false;
+  int64_t moved_rows = 0, max_rank_rows = 0;
 };
 
 class StagedPipeline {
  public:
-  // Rows each rank can receive: receive_capacity_factor*T*K plus 127 rows of padding per local expert,
-  // rounded up to 128.
-  static int64_t capacity_rows(const Config& config, int64_t ep_size);
+  // Rows each rank can receive, rounded up to 128: capacity mode, receive_capacity_factor*T*K plus
+  // 127 rows of padding per local expert; exact balance, row_limit plus 127 per group (E_local + B).
+  static int64_t capacity_rows(const Config& config, int64_t ep_size, const PipelineOptions& options = {});
   // Bytes of the symmetric workspace each rank must register.
-  static size_t workspace_bytes(const Config& config, int64_t ep_size);
+  static size_t workspace_bytes(const Config& config, int64_t ep_size, const PipelineOptions& options = {});
+  // Replica slots B the options give (exact balance; 0 in capacity mode).
+  static int64_t replica_slots(const Config& config, int64_t ep_size, const PipelineOptions& options = {});
 
   // All ep_size ranks in this process on the current GPU (virtual ranks).
   static std::unique_ptr<StagedPipeline> create_virtual(const Config& config, int64_t ep_size,
@@ -68,6 +94,9 @@ class StagedPipeline {
   // Over an existing transport (e.g. comm::NcclTransport), whose workspace holds workspace_bytes().
   static std::unique_ptr<StagedPipeline> create(const Config& config, std::unique_ptr<comm::Transport> transport,
                                                 ExpertKernels expert_kernels = ExpertKernels::standin);
+  // Same, with every option (timeout_ns is the transport's own and is ignored here).
+  static std::unique_ptr<StagedPipeline> create(const Config& config, std::unique_ptr<comm::Transport> transport,
+                                                const PipelineOptions& options);
   ~StagedPipeline();
 
   // Host-validates (InvalidArgument naming "args[slot].field") then enqueues. args: one per launch slot.
@@ -88,12 +117,14 @@ class StagedPipeline {
   const EpDims& dims() const { return launch_.dims; }
   comm::Transport& transport() { return *transport_; }
   LayoutSnapshot snapshot(int slot) const;
+  // Exact balance: the plan slot `slot` computed in the last forward (syncs the device).
+  PlanSnapshot plan_snapshot(int slot) const;
 
   StagedPipeline(const StagedPipeline&) = delete;
   StagedPipeline& operator=(const StagedPipeline&) = delete;
 
  private:
-  StagedPipeline(const Config& config, std::unique_ptr<comm::Transport> transport, ExpertKernels expert_kernels);
+  StagedPipeline(const Config& config, std::unique_ptr<comm::Transport> transport, const PipelineOptions& options);
   void stage(Stage s, cudaStream_t stream) {
     if (hook_) hook_(s, stream);
   }
