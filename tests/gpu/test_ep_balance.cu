@@ -1,0 +1,363 @@
+// Exact balance in the staged EP pipeline (virtual ranks), against the float64 layer model and
+// against the capacity-mode pipeline on the same inputs:
+//  - the planner kernel's plan equals the shared planner run on the host from the same counts;
+//  - every (t, k) lands in a group of its expert (own slot or the replica slot the plan says),
+//    rows unique, every rank computes exactly T*K rows (at most (1+eps)*T*K with a tolerance);
+//  - out, grad_x, grad_scores, grad_w13, grad_w2 match the float64 model (replica weight grads
+//    reduced to the owners), and match capacity mode (rows bitwise, weight grads to fp32 order);
+//  - routings: random, one hot expert, all K experts of a token on one rank, an idle rank,
+//    every token on rank 0's experts (peak/mean = R); R in {1, 2, 4, 8}; stand-in and SM90 GEMMs;
+//  - one captured graph replays correctly across routings (static memory and launches).
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <set>
+
+#include "kernels/device_info.hpp"
+#include "poise/errors.hpp"
+#include "test_ep_world.hpp"
+
+namespace poise::ep::testing {
+namespace {
+
+constexpr double kTolerance = 1e-2;     // norm-wise, bf16 storage of intermediates
+constexpr double kRowTolerance = 4e-2;  // any single token row / expert block
+
+bool have_gpu() { return cuda_device_count() > 0 && is_sm90_device(0); }
+
+uint64_t fresh_seed() {
+  return static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
+}
+
+struct BalanceCase {
+  LayerCase layer;
+  bool all_on_rank0 = false;  // every token picks K experts of rank 0: peak/mean = R
+  double tolerance = 0.0;
+};
+
+std::string balance_case_name(const ::testing::TestParamInfo<BalanceCase>& info) {
+  return case_name(info.param.layer) + (info.param.all_on_rank0 ? "_allOnRank0" : "") +
+         (info.param.tolerance > 0 ? "_tol" + std::to_string(int(info.param.tolerance * 100)) : "");
+}
+
+std::unique_ptr<EpWorld> make_world(const BalanceCase& b, uint64_t seed, Balance mode) {
+  LayerCase c = b.layer;
+  if (mode == Balance::capacity) c.capacity_factor = c.R;  // room for any routing
+  PipelineOptions o;
+  o.timeout_ns = 2'000'000'000ull;
+  o.expert_kernels = c.kernels;
+  o.balance_tolerance = b.tolerance;
+  auto world = std::make_unique<EpWorld>(c, seed, o.timeout_ns, [=](const Config& config) {
+    Config x = config;
+    x.balance = mode;
+    return StagedPipeline::create_virtual(x, c.R, o);
+  });
+  if (b.all_on_rank0) {
+    const int EL = c.E / c.R;
+    std::mt19937_64 rng(seed ^ 0x5eed);
+    for (int r = 0; r < c.R; ++r) {
+      auto& ids = world->host()[r].ids_TK;
+      for (int t = 0; t < c.T; ++t) {
+        std::vector<int32_t> pool(EL);
+        for (int j = 0; j < EL; ++j) pool[j] = j;
+        std::shuffle(pool.begin(), pool.end(), rng);
+        for (int k = 0; k < c.K; ++k) ids[size_t(t) * c.K + k] = pool[k];
+      }
+      world->dev()[r].ids->upload(ids);
+    }
+  }
+  return world;
+}
+
+// The plan the host computes from the routed counts with the same shared planner code.
+struct HostPlan {
+  std::vector<int32_t> kept;
+  std::vector<plan::shared::ReplicaPiece> pieces;
+};
+
+HostPlan host_plan(const EpWorld& w, int row_limit, int B) {
+  const LayerCase& c = w.c();
+  const int E = c.E, R = c.R, L = E / R;
+  std::vector<int32_t> counts(E, 0);
+  for (int r = 0; r < R; ++r)
+    for (int32_t e : w.host()[r].ids_TK) counts[e] += 1;
+  std::vector<int32_t> position(E), sequence(E), start(R * (L + 1)), remaining(R), received(R), replicas(R),
+      donors(R), takers(2 * R);
+  std::vector<plan::shared::ReplicaPiece> pieces(std::max(1, R * B));
+  plan::shared::BalanceProblem p{counts.data(), R, L, c.T * c.K, row_limit, B};
+  plan::shared::BalanceScratch s{position.data(), sequence.data(), start.data(), remaining.data(), received.data(),
+                                 replicas.data(), donors.data(), takers.data(), pieces.data()};
+  int32_t n = 0;
+  plan::shared::plan_balance_serial(p, s, &n);
+  HostPlan h;
+  for (int e = 0; e < E; ++e) h.kept.push_back(plan::shared::kept_rows(p, s, e));
+  h.pieces.assign(pieces.begin(), pieces.begin() + n);
+  std::sort(h.pieces.begin(), h.pieces.end(), [](const auto& a, const auto& b) {
+    return a.expert != b.expert ? a.expert < b.expert : a.begin < b.begin;
+  });
+  return h;
+}
+
+// The device plan equals the host's; each (t, k) sits in a group of its own expert; rows unique;
+// every rank computes C rows (at most row_limit with a tolerance).
+void check_plan_and_layout(EpWorld& w, double tolerance) {
+  const LayerCase& c = w.c();
+  const int R = c.R, L = c.E / R, C = c.T * c.K, U = C + int(std::floor(tolerance * C)), B = L;
+  const HostPlan want = host_plan(w, U, B);
+  std::vector<LayoutSnapshot> snaps;
+  for (int r = 0; r < R; ++r) {
+    const PlanSnapshot got = w.pipeline().plan_snapshot(r);
+    ASSERT_TRUE(got.exact) << "rank " << r;
+    EXPECT_EQ(got.kept_E, want.kept) << "rank " << r;
+    ASSERT_EQ(got.pieces.size(), want.pieces.size()) << "rank " << r;
+    for (size_t i = 0; i < want.pieces.size(); ++i) {
+      const auto &a = got.pieces[i], &b = want.pieces[i];
+      EXPECT_TRUE(a.expert == b.expert && a.rank == b.rank && a.slot == b.slot && a.begin == b.begin && a.end == b.end)
+          << "rank " << r << " piece " << i;
+    }
+    EXPECT_LE(got.max_rank_rows, U);
+    snaps.push_back(w.pipeline().snapshot(r));
+  }
+  const int G = L + B;
+  // expert_of[d][g]: the expert rank d computes in group g (-1: unused slot).
+  std::vector<std::vector<int>> expert_of(R, std::vector<int>(G, -1));
+  for (int d = 0; d < R; ++d)
+    for (int j = 0; j < L; ++j) expert_of[d][j] = d * L + j;
+  for (const auto& p : want.pieces) expert_of[p.rank][p.slot] = p.expert;
+  for (int d = 0; d < R; ++d) {
+    int rows = 0;
+    for (int g = 0; g < G; ++g) {
+      EXPECT_EQ(snaps[d].group_offsets[g] % 128, 0);
+      rows += snaps[d].group_counts[g];
+    }
+    if (tolerance == 0) EXPECT_EQ(rows, C) << "rank " << d << " must compute exactly T*K rows";
+    EXPECT_LE(rows, U) << "rank " << d;
+  }
+  std::set<std::pair<int, int>> used;
+  for (int src = 0; src < R; ++src) {
+    const auto& ids = w.host()[src].ids_TK;
+    for (size_t i = 0; i < ids.size(); ++i) {
+      const int d = snaps[src].dest_rank_TK[i], row = snaps[src].dest_row_TK[i];
+      ASSERT_TRUE(d >= 0 && d < R) << "src " << src << " entry " << i;
+      const LayoutSnapshot& s = snaps[d];
+      int g = 0;
+      while (g + 1 < G && s.group_offsets[g + 1] <= row) ++g;
+      ASSERT_EQ(expert_of[d][g], ids[i]) << "src " << src << " entry " << i << " rank " << d << " row " << row;
+      ASSERT_LT(row, s.group_offsets[g] + s.group_counts[g]);
+      ASSERT_TRUE(used.insert({d, row}).second) << "row " << row << " of rank " << d << " used twice";
+      EXPECT_EQ(s.row_origin[row], src * c.T * c.K + int(i));
+    }
+  }
+}
+
+void check_rows(const std::vector<double>& got, const std::vector<double>& want, int rows, int cols,
+                const std::string& what) {
+  EXPECT_LT(relative_error(got, want), kTolerance) << what;
+  double worst = 0;
+  for (int r = 0; r < rows; ++r) worst = std::max(worst, relative_error(got, want, size_t(r) * cols, size_t(r + 1) * cols));
+  EXPECT_LT(worst, kRowTolerance) << what;
+}
+
+void check_against_model(EpWorld& w, const std::vector<ModelOut>& model) {
+  const LayerCase& c = w.c();
+  const int EL = c.E / c.R;
+  const size_t w13n = size_t(EL) * 2 * c.F * c.D, w2n = size_t(EL) * c.D * c.F;
+  for (int r = 0; r < c.R; ++r) {
+    SCOPED_TRACE("rank " + std::to_string(r));
+    RankDevice& d = w.dev()[r];
+    check_rows(bf16_values(d.out->download<uint16_t>(size_t(c.T) * c.D)), model[r].out_TD, c.T, c.D, "out_TD");
+    check_rows(bf16_values(d.grad_x->download<uint16_t>(size_t(c.T) * c.D)), model[r].grad_x_TD, c.T, c.D,
+               "grad_x_TD");
+    EXPECT_LT(relative_error(w.scores_as_double(*d.grad_scores), model[r].grad_scores_TK), kTolerance);
+    auto gw13 = d.grad_w13->download<float>(w13n);
+    auto gw2 = d.grad_w2->download<float>(w2n);
+    std::vector<double> want13 = model[r].grad_w13_E2FD, want2 = model[r].grad_w2_EDF;
+    if (c.accumulate) {
+      for (size_t i = 0; i < w13n; ++i) want13[i] += w.prior_w13()[r][i];
+      for (size_t i = 0; i < w2n; ++i) want2[i] += w.prior_w2()[r][i];
+    }
+    const size_t per13 = w13n / EL, per2 = w2n / EL;
+    for (int j = 0; j < EL; ++j) {
+      if (model[r].rows_per_local_expert[j] == 0 && !c.accumulate) {
+        bool all_zero = true;
+        for (size_t i = j * per13; i < (j + 1) * per13; ++i) all_zero &= gw13[i] == 0.0f;
+        for (size_t i = j * per2; i < (j + 1) * per2; ++i) all_zero &= gw2[i] == 0.0f;
+        EXPECT_TRUE(all_zero) << "expert " << j << " received no rows but has nonzero gradients";
+      } else {
+        EXPECT_LT(relative_error(gw13, want13, j * per13, (j + 1) * per13), kRowTolerance) << "grad_w13 expert " << j;
+        EXPECT_LT(relative_error(gw2, want2, j * per2, (j + 1) * per2), kRowTolerance) << "grad_w2 expert " << j;
+      }
+    }
+  }
+}
+
+void run_pass(EpWorld& w, cudaStream_t stream) {
+  w.poison_outputs();
+  w.forward(stream);
+  ASSERT_NO_THROW(w.pipeline().check(stream));
+  w.backward(stream);
+  ASSERT_NO_THROW(w.pipeline().check(stream));
+}
+
+class EpBalance : public ::testing::TestWithParam<BalanceCase> {};
+
+TEST_P(EpBalance, MatchesFloat64ModelAndCapacityMode) {
+  if (!have_gpu()) GTEST_SKIP() << "needs an SM90 GPU";
+  const BalanceCase& b = GetParam();
+  const LayerCase& c = b.layer;
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  cudaStream_t stream;
+  EP_CUDA_OK(cudaStreamCreate(&stream));
+  auto exact = make_world(b, seed, Balance::exact);
+  const auto model = run_model(exact->shape(), exact->host());
+  run_pass(*exact, stream);
+  check_plan_and_layout(*exact, b.tolerance);
+  check_against_model(*exact, model);
+
+  // Capacity mode on the same inputs: every row is the same computation on another rank, so the
+  // layer outputs agree bitwise; weight gradients differ only in fp32 summation order.
+  auto capacity = make_world(b, seed, Balance::capacity);
+  ASSERT_EQ(capacity->host()[0].x_TD, exact->host()[0].x_TD);
+  run_pass(*capacity, stream);
+  const size_t TD = size_t(c.T) * c.D, EL = c.E / c.R;
+  for (int r = 0; r < c.R; ++r) {
+    SCOPED_TRACE("rank " + std::to_string(r));
+    RankDevice &e = exact->dev()[r], &k = capacity->dev()[r];
+    EXPECT_EQ(e.out->download<uint16_t>(TD), k.out->download<uint16_t>(TD)) << "out_TD";
+    EXPECT_EQ(e.grad_x->download<uint16_t>(TD), k.grad_x->download<uint16_t>(TD)) << "grad_x_TD";
+    const size_t w13n = EL * 2 * c.F * c.D, w2n = EL * c.D * c.F;
+    auto to_double = [](const std::vector<float>& v) { return std::vector<double>(v.begin(), v.end()); };
+    EXPECT_LT(relative_error(e.grad_w13->download<float>(w13n), to_double(k.grad_w13->download<float>(w13n))), 1e-5);
+    EXPECT_LT(relative_error(e.grad_w2->download<float>(w2n), to_double(k.grad_w2->download<float>(w2n))), 1e-5);
+  }
+  EP_CUDA_OK(cudaStreamDestroy(stream));
+}
+
+constexpr ExpertKernels kSm90 = ExpertKernels::sm90;
+
+INSTANTIATE_TEST_SUITE_P(
+    StandIn, EpBalance,
+    ::testing::Values(BalanceCase{LayerCase{1, 100, 192, 128, 8, 4}},
+                      BalanceCase{LayerCase{2, 77, 128, 192, 8, 3}},
+                      BalanceCase{LayerCase{4, 64, 192, 128, 16, 4}},
+                      BalanceCase{LayerCase{8, 48, 192, 128, 32, 4}},
+                      BalanceCase{LayerCase{4, 64, 128, 128, 16, 4, Routing::hot_expert}},
+                      BalanceCase{LayerCase{8, 40, 128, 128, 16, 2, Routing::hot_expert}},
+                      BalanceCase{LayerCase{8, 40, 128, 128, 32, 4, Routing::same_rank}},
+                      BalanceCase{LayerCase{4, 64, 192, 192, 16, 4, Routing::skip_last}},
+                      BalanceCase{LayerCase{8, 40, 128, 128, 32, 4}, true},
+                      BalanceCase{LayerCase{2, 64, 128, 128, 8, 2, Routing::hot_expert, 2.0, Activation::swiglu_clamped,
+                                            DType::bf16, false, 0.75}},
+                      BalanceCase{LayerCase{8, 48, 128, 128, 16, 2, Routing::hot_expert, 2.0, Activation::swiglu,
+                                            DType::fp32, true}},
+                      BalanceCase{LayerCase{8, 40, 128, 128, 32, 4}, true, 0.25},
+                      BalanceCase{LayerCase{4, 64, 128, 128, 16, 4, Routing::hot_expert}, false, 0.1}),
+    balance_case_name);
+
+INSTANTIATE_TEST_SUITE_P(
+    Sm90, EpBalance,
+    ::testing::Values(
+        BalanceCase{LayerCase{2, 77, 128, 192, 8, 3, Routing::random, 2.0, Activation::swiglu, DType::fp32, false, 7.0,
+                              kSm90}},
+        BalanceCase{LayerCase{4, 64, 192, 128, 16, 4, Routing::hot_expert, 2.0, Activation::swiglu, DType::fp32, false,
+                              7.0, kSm90}},
+        BalanceCase{LayerCase{8, 40, 128, 128, 32, 4, Routing::random, 2.0, Activation::swiglu, DType::fp32, true, 7.0,
+                              kSm90},
+                    true}),
+    balance_case_name);
+
+TEST(EpBalanceGraph, ReplayFollowsNewRoutingWithStaticMemory) {
+  if (!have_gpu()) GTEST_SKIP() << "needs an SM90 GPU";
+  const BalanceCase b{LayerCase{4, 64, 128, 128, 16, 4}};
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  auto w = make_world(b, seed, Balance::exact);
+  cudaStream_t stream;
+  EP_CUDA_OK(cudaStreamCreate(&stream));
+  w->forward(stream);
+  w->backward(stream);
+  ASSERT_NO_THROW(w->pipeline().check(stream));
+  size_t free_before = 0, total = 0;
+  EP_CUDA_OK(cudaMemGetInfo(&free_before, &total));
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  EP_CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  w->forward(stream);
+  w->backward(stream);
+  EP_CUDA_OK(cudaStreamEndCapture(stream, &graph));
+  EP_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+  for (Routing routing : {Routing::hot_expert, Routing::random, Routing::skip_last, Routing::same_rank}) {
+    SCOPED_TRACE(to_string(routing));
+    w->new_routing(routing);
+    w->poison_outputs();
+    const auto model = run_model(w->shape(), w->host());
+    EP_CUDA_OK(cudaGraphLaunch(exec, stream));
+    ASSERT_NO_THROW(w->pipeline().check(stream));
+    check_against_model(*w, model);
+    check_plan_and_layout(*w, 0.0);
+  }
+  size_t free_after = 0;
+  EP_CUDA_OK(cudaMemGetInfo(&free_after, &total));
+  EXPECT_EQ(free_after, free_before) << "replays must not allocate";
+  EP_CUDA_OK(cudaGraphExecDestroy(exec));
+  EP_CUDA_OK(cudaGraphDestroy(graph));
+  EP_CUDA_OK(cudaStreamDestroy(stream));
+}
+
+TEST(EpBalanceErrors, FewReplicaSlotsOverflowIsReported) {
+  if (!have_gpu()) GTEST_SKIP() << "needs an SM90 GPU";
+  // B = 0: no replicas, so every token on rank 0's experts cannot fit T*K rows: reported, no hang.
+  const LayerCase c{4, 64, 128, 128, 16, 4};
+  PipelineOptions o;
+  o.timeout_ns = 200'000'000ull;
+  o.replica_slots = 0;
+  EpWorld w(c, fresh_seed(), o.timeout_ns, [=](const Config& config) {
+    Config x = config;
+    x.balance = Balance::exact;
+    return StagedPipeline::create_virtual(x, c.R, o);
+  });
+  for (int r = 0; r < c.R; ++r) {
+    auto& ids = w.host()[r].ids_TK;
+    for (size_t i = 0; i < ids.size(); ++i) ids[i] = int32_t(i % c.K);
+    w.dev()[r].ids->upload(ids);
+  }
+  cudaStream_t stream;
+  EP_CUDA_OK(cudaStreamCreate(&stream));
+  w.forward(stream);
+  try {
+    w.pipeline().check(stream);
+    ADD_FAILURE() << "expected a capacity overflow";
+  } catch (const DeviceError& e) {
+    EXPECT_NE(std::string(e.what()).find("capacity"), std::string::npos) << e.what();
+  }
+  w.pipeline().reset();
+  w.new_routing(Routing::random);
+  w.forward(stream);
+  EXPECT_NO_THROW(w.pipeline().check(stream));
+  EP_CUDA_OK(cudaStreamDestroy(stream));
+}
+
+TEST(EpBalanceErrors, HostRejectsBadOptions) {
+  Config cfg;
+  cfg.num_local_input_tokens = 64;
+  cfg.hidden_dim = 128;
+  cfg.intermediate_dim = 128;
+  cfg.top_k = 4;
+  cfg.num_experts = 16;
+  cfg.balance = Balance::exact;
+  PipelineOptions o;
+  o.replica_slots = 5;  // E_local = 4 at R = 4
+  EXPECT_THROW(StagedPipeline::workspace_bytes(cfg, 4, o), InvalidArgument);
+  o.replica_slots = -1;
+  o.balance_tolerance = -0.1;
+  EXPECT_THROW(StagedPipeline::workspace_bytes(cfg, 4, o), InvalidArgument);
+  o.balance_tolerance = 0.0;
+  // Memory depends only on the configuration: B = E_local slots of weights and fp32 gradients.
+  const size_t with_slots = StagedPipeline::workspace_bytes(cfg, 4, o);
+  o.replica_slots = 0;
+  EXPECT_GT(with_slots, StagedPipeline::workspace_bytes(cfg, 4, o));
+}
+
+}  // namespace
+}  // namespace poise::ep::testing
