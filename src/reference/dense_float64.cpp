@@ -41,8 +41,12 @@ struct DenseLayer {
     const double limit = config.swiglu_limit, alpha = config.swiglu_alpha;
     const double gc = std::min(g, limit), uc = std::clamp(u, -limit, limit);
     const double s = sigmoid64(alpha * gc);
-    const double dg = g <= limit ? (uc + 1.0) * (s + alpha * gc * s * (1.0 - s)) : 0.0;
-    const double du = (u >= -limit && u <= limit) ? gc * s : 0.0;
+    // The derivative jumps at +-limit. Which side an element is on is decided on h13 as saved for
+    // backward (bf16), as every engine does: otherwise one bf16 rounding step near the limit flips a
+    // gradient element between 0 and its full value, which no bf16 implementation could match.
+    const double g_saved = round_to_bf16(float(g)), u_saved = round_to_bf16(float(u));
+    const double dg = g_saved <= limit ? (uc + 1.0) * (s + alpha * gc * s * (1.0 - s)) : 0.0;
+    const double du = (u_saved >= -limit && u_saved <= limit) ? gc * s : 0.0;
     return {dg, du};
   }
 };

@@ -48,7 +48,7 @@ struct RankState {
   // This rank as a destination: its expert-grouped rows.
   std::vector<std::vector<int64_t>> rows_from;  // [R] grouped row of each entry a source sent, in its order
   std::vector<float> x_GD;                      // [G, D] bf16 (padding rows zero)
-  std::vector<float> h13_G2F;                   // [G, 2F] fp32
+  std::vector<float> h13_G2F;                   // [G, 2F] bf16 values, as saved for backward
   std::vector<float> a_GF;                      // [G, F] bf16
   std::vector<float> replica_w13, replica_w2;   // [B, 2F, D], [B, D, F] weights of replica slots
 

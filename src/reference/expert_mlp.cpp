@@ -29,6 +29,9 @@ void expert_forward(const ExpertShape& shape, const SwigluParams& act, int64_t r
       a[f] = round_to_bf16(swiglu_forward(h13[shape.gate_row(f)], h13[shape.up_row(f)], act));
     }
     for (int64_t d = 0; d < D; ++d) y[d] = round_to_bf16(dot(a, w2_DF + d * F, F));
+    // a came from the fp32 accumulators; what backward sees is h13 as saved, in bf16. The clamped
+    // SwiGLU's derivative jumps at +-limit, so backward must read the same bf16 values the GPU does.
+    for (int64_t j = 0; j < 2 * F; ++j) h13[j] = round_to_bf16(h13[j]);
   }
 }
 
