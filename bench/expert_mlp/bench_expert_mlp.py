@@ -4,7 +4,7 @@
 One EP rank's local expert compute, forward and forward+backward, at the DeepSeek-V3 EP8 rank and
 Qwen3-30B-A3B shapes, balanced routing and peak/mean ~3. The same torch tensors feed both sides
 (Poise through ctypes on raw pointers). Poise's timed region covers the same work as the baseline:
-routing layout (argsort/bincount/cumsum in torch), gathering token rows into expert-grouped order,
+routing layout (one device kernel in the bench library, standing in for Poise's route stage), gathering token rows into expert-grouped order,
 the grouped GEMMs with SwiGLU and score multiply fused, and the top-k combine into out_TD; backward
 adds the grad_out gather, dgrad/wgrad GEMMs, the grad_x combine and the grad_scores gather.
 `*_kernels_ms` leave out the layout and the x gather (the EP dispatch writes grouped rows itself).
@@ -42,7 +42,8 @@ def load_lib(path):
         "pb_dgrad_w13": [c_void_p] * 4,
         "pb_wgrad_w2": [c_void_p, c_void_p, c_void_p, c_int, c_int, c_void_p],
         "pb_wgrad_w13": [c_void_p, c_void_p, c_void_p, c_int, c_int, c_void_p],
-        "pb_gather_rows": [c_void_p, c_int64, c_int64, c_void_p, c_void_p, c_void_p],
+        "pb_routing_layout": [c_void_p, c_void_p, c_int64, c_int64, c_void_p, c_void_p, c_void_p, c_void_p, c_void_p],
+        "pb_scatter_rows": [c_void_p, c_int64, c_int64, c_int64, c_void_p, c_void_p, c_void_p],
         "pb_combine_rows": [c_void_p, c_int64, c_int64, c_int64, c_void_p, c_void_p, c_void_p],
         "pb_gather_scalars": [c_void_p, c_int64, c_void_p, c_void_p, c_void_p],
     }
@@ -156,29 +157,22 @@ class PoiseBlock:
         self.grad_scores_R = torch.empty(R, device=dev, dtype=torch.float32)
 
     def layout(self, ids, scores):
+        """Routing layout on the device in one kernel (stand-in for Poise's route stage)."""
         T, K, E, R = self.T, self.K, self.E, self.R
-        flat = ids.flatten()
-        TK = flat.numel()
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=E)
-        padded = (counts + 127) // 128 * 128
-        offsets = torch.cumsum(padded, 0) - padded
-        starts = torch.cumsum(counts, 0) - counts
-        sorted_e = flat.index_select(0, order)
-        rows_sorted = offsets.index_select(0, sorted_e) + torch.arange(TK, device="cuda") - starts.index_select(0, sorted_e)
-        row_of_tk = torch.empty(TK, device="cuda", dtype=torch.int32)
-        row_of_tk[order] = rows_sorted.to(torch.int32)
-        token_of_row = torch.full((R,), -1, device="cuda", dtype=torch.int32)
-        token_of_row[rows_sorted] = (order // K).to(torch.int32)
-        scores_R = torch.zeros(R, device="cuda", dtype=torch.float32)
-        scores_R[rows_sorted] = scores.flatten().index_select(0, order).float()
-        self.lay = dict(offsets=offsets.to(torch.int32), counts=counts.to(torch.int32), row_of_tk=row_of_tk,
-                        token_of_row=token_of_row, scores_R=scores_R)
-        self.P.lib.pb_set_problem(self.lay["offsets"].data_ptr(), self.lay["counts"].data_ptr(), E, R, self.D,
-                                  self.F, 0, 0, 1.702, 7.0)
+        TK = T * K
+        if not hasattr(self, "lay"):
+            dev = "cuda"
+            self.lay = dict(offsets=torch.empty(E, device=dev, dtype=torch.int32),
+                            counts=torch.empty(E, device=dev, dtype=torch.int32),
+                            row_of_tk=torch.empty(TK, device=dev, dtype=torch.int32),
+                            scores_R=torch.zeros(R, device=dev, dtype=torch.float32))
+        L = self.lay
+        self.P.routing_layout(ids, scores, TK, E, L["counts"], L["offsets"], L["row_of_tk"], L["scores_R"])
+        self.P.lib.pb_set_problem(L["offsets"].data_ptr(), L["counts"].data_ptr(), E, R, self.D, self.F, 0, 0,
+                                  1.702, 7.0)
 
     def gather_x(self, x):
-        self.P.gather_rows(self.lay["token_of_row"], self.R, self.D, x, self.x_rows)
+        self.P.scatter_rows(self.lay["row_of_tk"], self.T * self.K, self.K, self.D, x, self.x_rows)
 
     def forward_kernels(self, w13, w2, out, save_h13=True):
         P, L = self.P, self.lay
@@ -193,7 +187,7 @@ class PoiseBlock:
 
     def backward(self, grad_out, w13, w2, grad_x, grad_w13, grad_w2, grad_scores_TK):
         P, L = self.P, self.lay
-        P.gather_rows(L["token_of_row"], self.R, self.D, grad_out, self.gy_rows)
+        P.scatter_rows(L["row_of_tk"], self.T * self.K, self.K, self.D, grad_out, self.gy_rows)
         self.grad_scores_R.zero_()
         P.dgrad_w2(self.gy_rows, w2, self.h13, L["scores_R"], self.gh13, self.a, self.grad_scores_R)
         P.wgrad_w2(self.gy_rows, self.a, grad_w2, 0, 0)
@@ -205,7 +199,7 @@ class PoiseBlock:
     def saved_bytes(self):
         # What backward needs from forward: grouped x rows, h13 (bf16), the routing layout, scores.
         L = self.lay
-        tensors = [self.x_rows, self.h13, L["row_of_tk"], L["token_of_row"], L["scores_R"], L["offsets"], L["counts"]]
+        tensors = [self.x_rows, self.h13, L["row_of_tk"], L["scores_R"], L["offsets"], L["counts"]]
         return sum(t.numel() * t.element_size() for t in tensors)
 
 

@@ -2,6 +2,7 @@
 // glue a full expert block needs around them: gathering token rows into expert-grouped order and
 // the top-k combine. The glue kernels here are simple bench stand-ins for the dispatch/combine
 // kernels of the EP data path; they are timed with the rest so the comparison covers the same work.
+#include <cub/block/block_scan.cuh>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -30,13 +31,44 @@ int guarded(Fn&& fn) {
 
 cudaStream_t as_stream(void* s) { return static_cast<cudaStream_t>(s); }
 
-// x_RD[row] = x_TD[token_of_row[row]] for rows some (token, k) maps to (others are padding).
-__global__ void gather_rows_kernel(const int32_t* token_of_row, int64_t D, const uint4* x_TD, uint4* x_RD) {
-  const int64_t row = blockIdx.x;
-  const int32_t token = token_of_row[row];
-  if (token < 0) return;
+// Routing layout in one CTA (the bench's stand-in for Poise's route stage): per-expert counts,
+// offsets padded to 128 rows, the grouped row of every (token, k) and the score of every row.
+// Rows of one expert are placed in atomic order (any order is a valid grouping).
+constexpr int kLayoutThreads = 1024;
+__global__ void __launch_bounds__(kLayoutThreads) routing_layout_kernel(
+    const int64_t* ids_TK, const float* scores_TK, int64_t tk, int num_experts, int32_t* counts_E,
+    int32_t* offsets_E, int32_t* row_of_tk, float* scores_R) {
+  __shared__ int32_t hist[kLayoutThreads];
+  __shared__ int32_t cursor[kLayoutThreads];
+  using Scan = cub::BlockScan<int32_t, kLayoutThreads>;
+  __shared__ typename Scan::TempStorage scan_storage;
+  hist[threadIdx.x] = 0;
+  __syncthreads();
+  for (int64_t i = threadIdx.x; i < tk; i += kLayoutThreads) atomicAdd(&hist[ids_TK[i]], 1);
+  __syncthreads();
+  const int e = threadIdx.x;
+  const int32_t count = e < num_experts ? hist[e] : 0;
+  int32_t offset = 0;
+  Scan(scan_storage).ExclusiveSum((count + 127) / 128 * 128, offset);
+  if (e < num_experts) {
+    counts_E[e] = count;
+    offsets_E[e] = offset;
+    cursor[e] = offset;
+  }
+  __syncthreads();
+  for (int64_t i = threadIdx.x; i < tk; i += kLayoutThreads) {
+    const int32_t row = atomicAdd(&cursor[ids_TK[i]], 1);
+    row_of_tk[i] = row;
+    scores_R[row] = scores_TK[i];
+  }
+}
+
+// x_RD[row_of_tk[t*K + k]] = x_TD[t]: token rows into expert-grouped order (padding rows untouched).
+__global__ void scatter_rows_kernel(const int32_t* row_of_tk, int64_t K, int64_t D, const uint4* x_TD, uint4* x_RD) {
+  const int64_t i = blockIdx.x;
+  const int64_t row = row_of_tk[i], token = i / K;
   const int64_t vecs = D / 8;
-  for (int64_t i = threadIdx.x; i < vecs; i += blockDim.x) x_RD[row * vecs + i] = x_TD[token * vecs + i];
+  for (int64_t v = threadIdx.x; v < vecs; v += blockDim.x) x_RD[row * vecs + v] = x_TD[token * vecs + v];
 }
 
 // out_TD[t] = sum_k y_RD[row_of_tk[t*K + k]] (weights were applied by the W2 epilogue), fp32 sum.
@@ -125,10 +157,20 @@ int pb_wgrad_w13(const void* grad_h13, const void* x, void* grad_w13, int fp32, 
   });
 }
 
-int pb_gather_rows(const int32_t* token_of_row, int64_t rows, int64_t D, const void* x_TD, void* x_RD, void* stream) {
-  if (rows == 0) return 0;
-  gather_rows_kernel<<<rows, 256, 0, as_stream(stream)>>>(token_of_row, D, static_cast<const uint4*>(x_TD),
-                                                          static_cast<uint4*>(x_RD));
+int pb_routing_layout(const int64_t* ids_TK, const float* scores_TK, int64_t tk, int64_t num_experts,
+                      int32_t* counts_E, int32_t* offsets_E, int32_t* row_of_tk, float* scores_R, void* stream) {
+  if (num_experts > kLayoutThreads) {
+    g_last_error = "pb_routing_layout: at most 1024 experts";
+    return -1;
+  }
+  routing_layout_kernel<<<1, kLayoutThreads, 0, as_stream(stream)>>>(ids_TK, scores_TK, tk, static_cast<int>(num_experts),
+                                                                    counts_E, offsets_E, row_of_tk, scores_R);
+  return launch_check();
+}
+int pb_scatter_rows(const int32_t* row_of_tk, int64_t tk, int64_t K, int64_t D, const void* x_TD, void* x_RD,
+                    void* stream) {
+  scatter_rows_kernel<<<tk, 256, 0, as_stream(stream)>>>(row_of_tk, K, D, static_cast<const uint4*>(x_TD),
+                                                         static_cast<uint4*>(x_RD));
   return launch_check();
 }
 int pb_combine_rows(const int32_t* row_of_tk, int64_t T, int64_t K, int64_t D, const void* y_RD, void* out_TD,
