@@ -115,6 +115,8 @@ class StagedPipeline {
   int world_size() const { return transport_->world_size(); }
   int launch_ranks() const { return transport_->launch_ranks(); }
   const EpDims& dims() const { return launch_.dims; }
+  // The launch parameters every stage uses (benchmarks time single kernels with them).
+  const EpLaunch& launch_params() const { return launch_; }
   comm::Transport& transport() { return *transport_; }
   LayoutSnapshot snapshot(int slot) const;
   // Exact balance: the plan slot `slot` computed in the last forward (syncs the device).

@@ -1,0 +1,301 @@
+// Exact-balance benchmark over R virtual ranks on one GPU (SM90 expert kernels).
+//
+//   balance_bench [out.json] [replica_slots] [iterations]
+// R=8 T=4096 D=7168 F=2048 E=256 K=8. For routings whose peak/mean rows per rank is 1, 1.3, 3
+// and 8 (the hot rank is rank 0; its experts share its rows evenly; other ranks uniform), times
+// the layer forward+backward with exact balance (tolerance 0 and 0.1) next to balancing off
+// (capacity mode with receive_capacity_factor = peak/mean, skipped when it does not fit in HBM),
+// the planner kernel alone, and the replica traffic the plan implies. One pipeline alive at a time.
+//
+// Memory: all virtual ranks share one copy of the layer weights (read-only) so that B replica
+// slots of weights and fp32 gradients per rank fit: 8 ranks x B x (88 MB bf16 + 176 MB fp32).
+// Default B = 16 (training would use E_local = 32; the plan needs at most 4 here).
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "kernels/ep/data_path.hpp"
+#include "moe/ep/staged_pipeline.hpp"
+
+using namespace poise;
+using namespace poise::ep;
+
+namespace {
+
+#define CHECK(expr)                                                                                       \
+  do {                                                                                                    \
+    cudaError_t s_ = (expr);                                                                              \
+    if (s_ != cudaSuccess) {                                                                              \
+      std::fprintf(stderr, "%s failed: %s (%s:%d)\n", #expr, cudaGetErrorString(s_), __FILE__, __LINE__); \
+      std::exit(1);                                                                                       \
+    }                                                                                                     \
+  } while (0)
+
+constexpr int R = 8, T = 4096, D = 7168, F = 2048, E = 256, K = 8, EL = E / R;
+
+__global__ void fill_random_bf16(__nv_bfloat16* p, size_t n, uint64_t seed, float scale) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    uint64_t z = (i + 1) * 0x9E3779B97F4A7C15ull ^ seed;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    p[i] = __float2bfloat16((2.0f * float(z >> 40) / float(1ull << 24) - 1.0f) * scale);
+  }
+}
+
+void* device_alloc(size_t bytes) {
+  void* p = nullptr;
+  CHECK(cudaMalloc(&p, bytes));
+  return p;
+}
+
+void random_fill(void* p, size_t n, uint64_t seed, float scale) {
+  fill_random_bf16<<<1024, 256>>>(static_cast<__nv_bfloat16*>(p), n, seed, scale);
+  CHECK(cudaGetLastError());
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0.0 : v[v.size() / 2];
+}
+
+// ids for every rank: each token puts m of its K experts on rank 0 (m = K*pm/R on average, the
+// fraction by a coin), the rest on other ranks, all distinct and uniform within their ranks.
+std::vector<std::vector<int32_t>> make_routing(double peak_mean, std::mt19937_64& rng) {
+  std::vector<std::vector<int32_t>> ids(R, std::vector<int32_t>(size_t(T) * K));
+  const double hot = K * peak_mean / R;
+  std::uniform_real_distribution<double> coin(0.0, 1.0);
+  std::vector<int32_t> hot_pool(EL), cold_pool(E - EL);
+  for (int e = 0; e < EL; ++e) hot_pool[e] = e;
+  for (int e = EL; e < E; ++e) cold_pool[e - EL] = e;
+  for (int r = 0; r < R; ++r) {
+    for (int t = 0; t < T; ++t) {
+      int m = static_cast<int>(std::floor(hot));
+      if (coin(rng) < hot - m) ++m;
+      m = std::min(m, K);
+      std::shuffle(hot_pool.begin(), hot_pool.end(), rng);
+      std::shuffle(cold_pool.begin(), cold_pool.end(), rng);
+      for (int k = 0; k < K; ++k) ids[r][size_t(t) * K + k] = k < m ? hot_pool[k] : cold_pool[k - m];
+    }
+  }
+  return ids;
+}
+
+struct Buffers {  // per-rank call buffers; weights shared by every rank
+  void *w13 = nullptr, *w2 = nullptr;
+  std::vector<void*> x, ids, scores, out, grad_out, grad_x, grad_scores, grad_w13, grad_w2;
+};
+
+size_t used_bytes() {
+  size_t free = 0, total = 0;
+  CHECK(cudaMemGetInfo(&free, &total));
+  return total - free;
+}
+
+struct RunResult {
+  bool ran = false;
+  std::string why;
+  double fwd_ms = 0, fwd_bwd_ms = 0, planner_us = 0;
+  PlanSnapshot plan;
+  size_t used = 0;
+};
+
+RunResult run(StagedPipeline& p, const Buffers& b, const std::vector<std::vector<int32_t>>& ids, int iterations,
+              cudaStream_t stream) {
+  std::vector<ForwardArgs> fwd(R);
+  std::vector<BackwardArgs> bwd(R);
+  for (int r = 0; r < R; ++r) {
+    CHECK(cudaMemcpy(b.ids[r], ids[r].data(), ids[r].size() * 4, cudaMemcpyHostToDevice));
+    fwd[r] = ForwardArgs{b.x[r], static_cast<int32_t*>(b.ids[r]), b.scores[r], DType::fp32, b.w13,
+                         W13Layout::gate_up_blocked, b.w2, b.out[r]};
+    bwd[r].forward = fwd[r];
+    bwd[r].grad_out_TD = b.grad_out[r];
+    bwd[r].grad_x_TD = b.grad_x[r];
+    bwd[r].grad_scores_TK = b.grad_scores[r];
+    bwd[r].grad_w13 = b.grad_w13[r];
+    bwd[r].grad_w2 = b.grad_w2[r];
+  }
+  cudaEvent_t e0, e1, e2;
+  CHECK(cudaEventCreate(&e0));
+  CHECK(cudaEventCreate(&e1));
+  CHECK(cudaEventCreate(&e2));
+  std::vector<double> f, fb;
+  RunResult res;
+  for (int i = 0; i <= iterations; ++i) {  // first pass: warm-up
+    CHECK(cudaEventRecord(e0, stream));
+    p.forward(fwd, stream);
+    CHECK(cudaEventRecord(e1, stream));
+    p.backward(bwd, stream);
+    CHECK(cudaEventRecord(e2, stream));
+    try {
+      p.check(stream);
+    } catch (const std::exception& ex) {
+      res.why = ex.what();
+      p.reset();
+      return res;
+    }
+    float a = 0, c = 0;
+    CHECK(cudaEventElapsedTime(&a, e0, e1));
+    CHECK(cudaEventElapsedTime(&c, e0, e2));
+    if (i > 0) f.push_back(a), fb.push_back(c);
+  }
+  res.ran = true;
+  res.fwd_ms = median(f);
+  res.fwd_bwd_ms = median(fb);
+  res.used = used_bytes();
+  if (p.dims().balanced) {
+    res.plan = p.plan_snapshot(0);
+    // The planner kernel alone, on the counts of the last forward (re-planning is idempotent).
+    constexpr int kReps = 200;
+    launch_balance_plan(p.launch_params(), stream);
+    CHECK(cudaEventRecord(e0, stream));
+    for (int i = 0; i < kReps; ++i) launch_balance_plan(p.launch_params(), stream);
+    CHECK(cudaEventRecord(e1, stream));
+    CHECK(cudaStreamSynchronize(stream));
+    float ms = 0;
+    CHECK(cudaEventElapsedTime(&ms, e0, e1));
+    res.planner_us = 1e3 * ms / kReps;
+  }
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  cudaEventDestroy(e2);
+  return res;
+}
+
+Config layer_config(Balance balance, double capacity_factor) {
+  Config c;
+  c.num_local_input_tokens = T;
+  c.hidden_dim = D;
+  c.intermediate_dim = F;
+  c.top_k = K;
+  c.num_experts = E;
+  c.balance = balance;
+  c.receive_capacity_factor = capacity_factor;
+  return c;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const std::string out_path = argc > 1 ? argv[1] : "bench/results/balance_h200.json";
+  const int B = argc > 2 ? std::atoi(argv[2]) : 16;
+  const int iterations = argc > 3 ? std::atoi(argv[3]) : 3;
+  const std::vector<double> skews = {1.0, 1.3, 3.0, 8.0};
+  const size_t TD = size_t(T) * D, TK = size_t(T) * K;
+  const size_t w13n = size_t(EL) * 2 * F * D, w2n = size_t(EL) * D * F;
+  const size_t expert_bf16 = (size_t(2) * F * D + size_t(D) * F) * 2;
+
+  Buffers b;
+  b.w13 = device_alloc(w13n * 2);
+  b.w2 = device_alloc(w2n * 2);
+  random_fill(b.w13, w13n, 1, 3.0f / std::sqrt(float(D)));
+  random_fill(b.w2, w2n, 2, 3.0f / std::sqrt(float(F)));
+  std::vector<float> scores(TK, 0.125f);
+  for (int r = 0; r < R; ++r) {
+    b.x.push_back(device_alloc(TD * 2));
+    b.grad_out.push_back(device_alloc(TD * 2));
+    random_fill(b.x[r], TD, 10 + r, 1.0f);
+    random_fill(b.grad_out[r], TD, 20 + r, 1.0f);
+    b.ids.push_back(device_alloc(TK * 4));
+    b.scores.push_back(device_alloc(TK * 4));
+    CHECK(cudaMemcpy(b.scores[r], scores.data(), TK * 4, cudaMemcpyHostToDevice));
+    b.out.push_back(device_alloc(TD * 2));
+    b.grad_x.push_back(device_alloc(TD * 2));
+    b.grad_scores.push_back(device_alloc(TK * 4));
+    b.grad_w13.push_back(device_alloc(w13n * 4));
+    b.grad_w2.push_back(device_alloc(w2n * 4));
+  }
+  cudaStream_t stream;
+  CHECK(cudaStreamCreate(&stream));
+  std::mt19937_64 rng(42);
+  std::vector<std::vector<std::vector<int32_t>>> routings;
+  for (double s : skews) routings.push_back(make_routing(s, rng));
+
+  // results[mode][skew]: mode 0 exact, 1 exact with tolerance 0.1, 2 capacity (balancing off)
+  std::vector<std::vector<RunResult>> results(3, std::vector<RunResult>(skews.size()));
+  std::vector<size_t> workspace(3, 0);
+  for (int mode = 0; mode < 2; ++mode) {
+    PipelineOptions o;
+    o.expert_kernels = ExpertKernels::sm90;
+    o.replica_slots = B;
+    o.balance_tolerance = mode == 0 ? 0.0 : 0.1;
+    const Config c = layer_config(Balance::exact, 1.0);
+    workspace[mode] = StagedPipeline::workspace_bytes(c, R, o);
+    auto p = StagedPipeline::create_virtual(c, R, o);
+    for (size_t i = 0; i < skews.size(); ++i) {
+      results[mode][i] = run(*p, b, routings[i], iterations, stream);
+      std::printf("exact tol %.1f  peak/mean %.1f: %s fwd %.3f ms fwd+bwd %.3f ms planner %.2f us moved %lld rows "
+                  "pieces %zu used %.2f GB\n",
+                  o.balance_tolerance, skews[i], results[mode][i].ran ? "" : results[mode][i].why.c_str(),
+                  results[mode][i].fwd_ms, results[mode][i].fwd_bwd_ms, results[mode][i].planner_us,
+                  (long long)results[mode][i].plan.moved_rows, results[mode][i].plan.pieces.size(),
+                  results[mode][i].used / 1e9);
+    }
+  }
+  for (size_t i = 0; i < skews.size(); ++i) {
+    const double factor = std::max(1.0, skews[i]) * 1.02;  // a little room over the exact peak
+    const Config c = layer_config(Balance::capacity, factor);
+    PipelineOptions o;
+    o.expert_kernels = ExpertKernels::sm90;
+    const size_t cap = StagedPipeline::capacity_rows(c, R, o);
+    const size_t need = R * (StagedPipeline::workspace_bytes(c, R, o) + cap * (size_t(2) * D + size_t(6) * F) * 2);
+    size_t free = 0, total = 0;
+    CHECK(cudaMemGetInfo(&free, &total));
+    if (need + (size_t(2) << 30) > free) {
+      results[2][i].why = "capacity factor " + std::to_string(factor) + " needs " + std::to_string(need >> 30) +
+                          " GiB, " + std::to_string(free >> 30) + " GiB free";
+      std::printf("off  peak/mean %.1f: skipped (%s)\n", skews[i], results[2][i].why.c_str());
+      continue;
+    }
+    auto p = StagedPipeline::create_virtual(c, R, o);
+    results[2][i] = run(*p, b, routings[i], iterations, stream);
+    std::printf("off  peak/mean %.1f: %s fwd %.3f ms fwd+bwd %.3f ms\n", skews[i],
+                results[2][i].ran ? "" : results[2][i].why.c_str(), results[2][i].fwd_ms, results[2][i].fwd_bwd_ms);
+  }
+
+  std::ostringstream js;
+  js << "{\n  \"bench\": \"balance_bench\", \"device\": \"";
+  cudaDeviceProp prop;
+  CHECK(cudaGetDeviceProperties(&prop, 0));
+  js << prop.name << "\",\n  \"R\": " << R << ", \"T\": " << T << ", \"D\": " << D << ", \"F\": " << F
+     << ", \"E\": " << E << ", \"K\": " << K << ", \"replica_slots\": " << B << ", \"expert_kernels\": \"sm90\""
+     << ", \"iterations\": " << iterations << ",\n  \"workspace_bytes_per_rank\": {\"exact\": " << workspace[0]
+     << ", \"exact_tol0.1\": " << workspace[1] << "},\n  \"runs\": [\n";
+  const char* names[3] = {"exact", "exact_tol0.1", "off"};
+  for (size_t i = 0; i < skews.size(); ++i) {
+    js << "    {\"peak_mean\": " << skews[i];
+    for (int mode = 0; mode < 3; ++mode) {
+      const RunResult& r = results[mode][i];
+      js << ",\n     \"" << names[mode] << "\": ";
+      if (!r.ran) {
+        js << "{\"ran\": false, \"why\": \"" << r.why << "\"}";
+        continue;
+      }
+      js << "{\"ran\": true, \"forward_ms\": " << r.fwd_ms << ", \"forward_backward_ms\": " << r.fwd_bwd_ms
+         << ", \"device_bytes_in_use\": " << r.used;
+      if (mode < 2) {
+        const size_t pieces = r.plan.pieces.size();
+        js << ", \"planner_us\": " << r.planner_us << ", \"plan_exact\": " << (r.plan.exact ? "true" : "false")
+           << ", \"max_rank_rows\": " << r.plan.max_rank_rows << ", \"moved_rows\": " << r.plan.moved_rows
+           << ", \"replica_pieces\": " << pieces << ", \"replica_weight_bytes\": " << pieces * expert_bf16
+           << ", \"replica_grad_bytes\": " << pieces * expert_bf16 * 2
+           << ", \"moved_row_bytes\": " << size_t(r.plan.moved_rows) * D * 2;
+      }
+      js << "}";
+    }
+    js << "}" << (i + 1 < skews.size() ? "," : "") << "\n";
+  }
+  js << "  ]\n}\n";
+  std::ofstream(out_path) << js.str();
+  std::printf("%s", js.str().c_str());
+  std::printf("wrote %s\n", out_path.c_str());
+  return 0;
+}
