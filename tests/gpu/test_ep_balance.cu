@@ -278,8 +278,6 @@ TEST(EpBalanceGraph, ReplayFollowsNewRoutingWithStaticMemory) {
   w->forward(stream);
   w->backward(stream);
   ASSERT_NO_THROW(w->pipeline().check(stream));
-  size_t free_before = 0, total = 0;
-  EP_CUDA_OK(cudaMemGetInfo(&free_before, &total));
   cudaGraph_t graph;
   cudaGraphExec_t exec;
   EP_CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
@@ -287,6 +285,10 @@ TEST(EpBalanceGraph, ReplayFollowsNewRoutingWithStaticMemory) {
   w->backward(stream);
   EP_CUDA_OK(cudaStreamEndCapture(stream, &graph));
   EP_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+  EP_CUDA_OK(cudaGraphLaunch(exec, stream));
+  ASSERT_NO_THROW(w->pipeline().check(stream));
+  size_t free_before = 0, total = 0;
+  EP_CUDA_OK(cudaMemGetInfo(&free_before, &total));
   for (Routing routing : {Routing::hot_expert, Routing::random, Routing::skip_last, Routing::same_rank}) {
     SCOPED_TRACE(to_string(routing));
     w->new_routing(routing);
