@@ -5,7 +5,7 @@ is sequentially reusable (one call in flight, calls ordered on the stream); afte
 reset() before the next one; after close(), reset() and calls raise poise.InvalidArgument.
 
 A context runs on a device: 'cuda' (the GPU engine: the C++ Context) or 'cpu' (the CPU reference
-engine, for tests and development; the torch ops create it on first use). Nothing here imports
+engine, for tests and development); the torch ops create the engine on first use. Nothing here imports
 torch unless a torch.distributed group is passed.
 """
 
@@ -118,6 +118,19 @@ class Context:
                 f"must be in [1, max_moe_layers_per_activation_slot={limit}], got {num_layers}",
             )
         self._activation_slot = (slot, num_layers)
+
+    def check(self) -> None:
+        """Waits for the current CUDA stream, then raises poise.DeviceError for a device-side fault of
+        the calls since the last check (an expert id out of range, a capacity overflow, a peer that
+        never arrived). GPU calls never synchronize with the host, so this is where such faults
+        surface. A CPU context raises them during the call: nothing to wait for."""
+        self._require_open()
+        if self._device == "cpu":
+            return
+        import torch  # a CUDA context is only used from PyTorch
+
+        device = torch.device(self._device) if ":" in self._device else None
+        _poise.context_check(self._cpp, torch.cuda.current_stream(device).cuda_stream)
 
     def reset(self) -> None:
         """Recovers after an aborted call (an exception, a device timeout). Raises once closed."""

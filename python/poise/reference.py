@@ -219,12 +219,22 @@ def dense_float64(
 
 
 def swiglu_torch(h_gate: torch.Tensor, h_up: torch.Tensor, config: Config) -> torch.Tensor:
-    """The activation in torch ops: silu(g) * u, or gpt-oss's clamped form."""
+    """The activation in torch ops: silu(g) * u, or gpt-oss's clamped form.
+
+    The clamped form's derivative jumps at +-limit; which side an element is on is decided on h as
+    the engines save it for backward, bf16 (docs/reference_engine.md), the value itself is exact.
+    """
     if config.activation == "swiglu":
         return functional.silu(h_gate) * h_up
     limit, alpha = config.swiglu_limit, config.swiglu_alpha
-    g = h_gate.clamp(max=limit)
-    u = h_up.clamp(min=-limit, max=limit)
+
+    def clamp(h: torch.Tensor, passes: torch.Tensor, low: float) -> torch.Tensor:
+        value = h.detach().clamp(min=low, max=limit)
+        return value + (h - h.detach()) * passes  # exact clamp, gradient where `passes`
+
+    saved_gate, saved_up = h_gate.detach().float().bfloat16(), h_up.detach().float().bfloat16()
+    g = clamp(h_gate, saved_gate <= limit, -float("inf"))
+    u = clamp(h_up, (saved_up >= -limit) & (saved_up <= limit), -limit)
     return g * torch.sigmoid(alpha * g) * (u + 1)
 
 
@@ -328,6 +338,12 @@ def global_experts(w13: Sequence[torch.Tensor], w2: Sequence[torch.Tensor], conf
 # ---- the engine of a CPU Context ---------------------------------------------------------------
 
 
+def call_identity(tensors: Sequence[torch.Tensor]) -> tuple:
+    """Tells whether a backward's inputs are those of the last forward: same memory, shape, dtype
+    and version counter mean the same values (views share the version counter)."""
+    return tuple((t.data_ptr(), tuple(t.shape), t.dtype, t._version) for t in tensors)
+
+
 class ContextEngine:
     """Runs a CPU Context's calls on the reference engine.
 
@@ -375,11 +391,6 @@ class ContextEngine:
             gathered.append([p.numpy() for p in parts])
         return gathered
 
-    @staticmethod
-    def _identity(tensors: Sequence[torch.Tensor]) -> tuple:
-        # Same memory, same shape, same version: the same values (views share the version counter).
-        return tuple((t.data_ptr(), tuple(t.shape), t.dtype, t._version) for t in tensors)
-
     def forward(self, x_TD, ids_TK, scores_TK, w13, w2, w13_layout: str) -> torch.Tensor:
         inputs = (x_TD, ids_TK, scores_TK, w13, w2)
         engine = self._engine(SCORES_DTYPES[scores_TK.dtype], w13_layout)
@@ -387,7 +398,7 @@ class ContextEngine:
                                _float32_numpy(w13), _float32_numpy(w2)])
         self._last_call = None
         out_TD = engine.forward(*arrays)[self._rank]
-        self._last_call = (engine, self._identity(inputs))
+        self._last_call = (engine, call_identity(inputs))
         self.forward_calls += 1
         return torch.from_numpy(out_TD).to(torch.bfloat16)
 
@@ -399,10 +410,10 @@ class ContextEngine:
         engine = self._engine(SCORES_DTYPES[scores_TK.dtype], w13_layout)
         arrays = self._gather([_float32_numpy(x_TD), _int32_numpy(ids_TK), _float32_numpy(scores_TK),
                                _float32_numpy(w13), _float32_numpy(w2)])
-        if self._group is not None or self._last_call != (engine, self._identity(inputs)):
+        if self._group is not None or self._last_call != (engine, call_identity(inputs)):
             self._last_call = None
             engine.forward(*arrays)
-            self._last_call = (engine, self._identity(inputs))
+            self._last_call = (engine, call_identity(inputs))
             self.recomputed_forwards += 1
         grad_out = self._gather([_float32_numpy(grad_out_TD)])[0]
         if accumulate is None:

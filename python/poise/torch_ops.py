@@ -26,7 +26,7 @@ from . import _poise
 from .context import Context, context_from_handle
 from .errors import InvalidArgument, NotAvailable
 from .options import ExecutionOptions
-from .reference import ContextEngine, check_accumulation_buffer
+from .reference import ContextEngine, call_identity, check_accumulation_buffer
 from .torch_checks import SCORES_DTYPES, check_grad_out, check_inputs, check_w13_layout, wgrad_dtype
 
 
@@ -34,24 +34,43 @@ from .torch_checks import SCORES_DTYPES, check_grad_out, check_inputs, check_w13
 
 
 class CudaEngine:
-    """A CUDA context's calls: device pointers and the current stream into the C++ entry points."""
+    """A CUDA context's calls: device pointers and the current stream into the C++ entry points.
+
+    The GPU backward differentiates the context's latest forward. A backward whose forward was not
+    the latest (layers sharing a context, a no_grad forward in between) first relaunches its
+    forward into a scratch output; the decision is taken on the host from the tensors' identity, so
+    a captured CUDA graph replays the same sequence.
+    """
 
     def __init__(self, context: Context):
         self._context = context
+        self._last_call: Optional[tuple] = None
+        self.forward_calls = 0
+        self.backward_calls = 0
+        self.recomputed_forwards = 0
 
     def reset(self) -> None:
-        pass
+        self._last_call = None
 
-    def forward(self, x_TD, ids_TK, scores_TK, w13, w2, w13_layout: str) -> Tensor:
-        out_TD = torch.empty_like(x_TD)
+    def _launch_forward(self, x_TD, ids_TK, scores_TK, w13, w2, w13_layout: str, out_TD) -> None:
         stream = torch.cuda.current_stream(x_TD.device).cuda_stream
+        self._last_call = None  # until the launch succeeded
         _poise.routed_experts_forward(
             self._context._cpp, x_TD.data_ptr(), ids_TK.data_ptr(), scores_TK.data_ptr(),
             SCORES_DTYPES[scores_TK.dtype], w13.data_ptr(), w13_layout, w2.data_ptr(), out_TD.data_ptr(), stream,
         )
+        self._last_call = call_identity((x_TD, ids_TK, scores_TK, w13, w2))
+
+    def forward(self, x_TD, ids_TK, scores_TK, w13, w2, w13_layout: str) -> Tensor:
+        out_TD = torch.empty_like(x_TD)
+        self._launch_forward(x_TD, ids_TK, scores_TK, w13, w2, w13_layout, out_TD)
+        self.forward_calls += 1
         return out_TD
 
     def backward(self, grad_out_TD, x_TD, ids_TK, scores_TK, w13, w2, w13_layout: str, accumulate):
+        if self._last_call != call_identity((x_TD, ids_TK, scores_TK, w13, w2)):
+            self._launch_forward(x_TD, ids_TK, scores_TK, w13, w2, w13_layout, torch.empty_like(x_TD))
+            self.recomputed_forwards += 1
         grad_x_TD, grad_scores_TK = torch.empty_like(x_TD), torch.empty_like(scores_TK)
         if accumulate is None:
             dtype = wgrad_dtype(self._context._cpp.config)
@@ -65,6 +84,7 @@ class CudaEngine:
             grad_x_TD.data_ptr(), grad_scores_TK.data_ptr(), grad_w13.data_ptr(), grad_w2.data_ptr(),
             accumulate is not None, stream,
         )
+        self.backward_calls += 1
         return grad_x_TD, grad_scores_TK, grad_w13, grad_w2
 
 

@@ -13,7 +13,10 @@ namespace poise::python {
 void bind_context(nb::module_& m) {
   using release_gil = nb::call_guard<nb::gil_scoped_release>;
   nb::class_<Context>(m, "Context", "The C++ poise::Context. Use poise.create_context().")
-      .def_static("create", &Context::create, "config"_a, "ep_size"_a, "rank"_a, release_gil())
+      .def_static(
+          "create",
+          [](const Config& config, int64_t ep_size, int64_t rank) { return Context::create(config, ep_size, rank); },
+          "config"_a, "ep_size"_a, "rank"_a, release_gil())
       .def_prop_ro("config", &Context::config)
       .def_prop_ro("plan", &Context::plan)
       .def_prop_ro("ep_size", &Context::ep_size)

@@ -1,7 +1,7 @@
 // The GPU entry points on raw device pointers and a CUDA stream, for poise.torch_ops' CUDA path:
 // torch passes data_ptr() and torch.cuda.current_stream().cuda_stream, so no DLPack conversion (and
 // none of its stream synchronization) sits on the hot path. Pointers arrive as integers; the C++
-// side validates them and, until the GPU pipeline lands, raises NotAvailable.
+// side validates them (InvalidArgument) and enqueues the staged GPU pipeline on the stream.
 #include <nanobind/stl/string.h>
 
 #include <cstdint>
@@ -49,6 +49,9 @@ void backward(Context& context, uintptr_t x_TD, uintptr_t ids_TK, uintptr_t scor
               uintptr_t stream) {
   BackwardArgs args;
   args.forward = forward_args(x_TD, ids_TK, scores_TK, scores_dtype, w13, w13_layout, w2);
+  // The pipeline validates the forward's out_TD although backward never writes it, and the torch
+  // op does not keep out_TD; grad_x_TD is a buffer of the same shape and dtype ([T, D] bf16).
+  args.forward.out_TD = pointer<void>(grad_x_TD);
   args.grad_out_TD = pointer<const void>(grad_out_TD);
   args.grad_x_TD = pointer<void>(grad_x_TD);
   args.grad_scores_TK = pointer<void>(grad_scores_TK);
@@ -57,6 +60,11 @@ void backward(Context& context, uintptr_t x_TD, uintptr_t ids_TK, uintptr_t scor
   args.accumulate_wgrad = accumulate_wgrad;
   nb::gil_scoped_release release;
   routed_experts_backward(context, args, pointer<CUstream_st>(stream));
+}
+
+void check(Context& context, uintptr_t stream) {
+  nb::gil_scoped_release release;
+  context.check(pointer<CUstream_st>(stream));
 }
 
 }  // namespace
@@ -79,6 +87,8 @@ void bind_routed_experts(nb::module_& m) {
         "w13"_a, "w13_layout"_a, "w2"_a, "grad_out_TD"_a, "grad_x_TD"_a, "grad_scores_TK"_a, "grad_w13"_a,
         "grad_w2"_a, "accumulate_wgrad"_a, "stream"_a,
         "poise::routed_experts_backward on device addresses (integers) and a cudaStream_t (integer).");
+  m.def("context_check", &check, "context"_a, "stream"_a,
+        "Context::check: waits for the stream, then raises DeviceError for a device-side fault of the last calls.");
 }
 
 }  // namespace poise::python

@@ -88,24 +88,60 @@ def test_reset_drops_the_saved_forward_and_close_stops_calls():
     assert raised.value.name == "context"
 
 
-def test_gpu_entry_points_raise_not_available_never_a_result():
-    """Until the GPU pipeline lands, the C++ entry points the CUDA ops call raise NotAvailable."""
+ADDRESS = 0x1000  # never dereferenced: these calls stop at host validation
+
+
+def forward_entry(context, x_TD=ADDRESS, scores_dtype="bf16"):
+    _poise.routed_experts_forward(context._cpp, x_TD, ADDRESS, ADDRESS, scores_dtype, ADDRESS, "gate_up_blocked",
+                                  ADDRESS, ADDRESS, 0)
+
+
+def test_gpu_entry_points_validate_on_the_host():
+    """The C++ entry points the CUDA ops call: named errors before any device work."""
     with poise.create_context(config=CONFIG, device="cuda") as context:
-        some_address = 0x1000  # never dereferenced: validation only checks for null
-        with pytest.raises(poise.NotAvailable, match="GPU pipeline"):
-            _poise.routed_experts_forward(context._cpp, *[some_address] * 3, "bf16", some_address, "gate_up_blocked",
-                                          some_address, some_address, 0)
-        with pytest.raises(poise.NotAvailable, match="GPU pipeline"):
-            _poise.routed_experts_backward(context._cpp, *[some_address] * 3, "fp32", some_address,
-                                           "gate_up_interleaved", *[some_address] * 6, True, 0)
-        with pytest.raises(poise.InvalidArgument) as raised:  # null pointers are named
-            _poise.routed_experts_forward(context._cpp, 0, *[some_address] * 2, "bf16", some_address,
-                                          "gate_up_blocked", some_address, some_address, 0)
+        with pytest.raises(poise.InvalidArgument) as raised:
+            forward_entry(context, x_TD=0)
         assert raised.value.name == "x_TD"
         with pytest.raises(poise.InvalidArgument) as raised:
-            _poise.routed_experts_forward(context._cpp, *[some_address] * 3, "fp16", some_address,
-                                          "gate_up_blocked", some_address, some_address, 0)
+            forward_entry(context, scores_dtype="fp16")
         assert raised.value.name == "scores_TK"
+    # Several GPUs need a communicator-backed context, which this build does not have: said, not faked.
+    with poise.create_context(config=CONFIG, device="cuda", ep_size=2, rank=0) as context:
+        with pytest.raises(poise.NotAvailable, match="communicator"):
+            forward_entry(context)
+        with pytest.raises(poise.NotAvailable, match="communicator"):
+            _poise.routed_experts_backward(context._cpp, *[ADDRESS] * 3, "fp32", ADDRESS, "gate_up_blocked",
+                                           *[ADDRESS] * 6, True, 0)
+
+
+def test_gpu_entry_points_without_a_device_raise_device_error():
+    """No CUDA device (hidden here even on a GPU machine): DeviceError, never a result."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import poise\n"
+        "config = poise.Config(num_local_input_tokens=32, hidden_dim=128, intermediate_dim=64, top_k=2, num_experts=4)\n"
+        "context = poise.create_context(config=config, device='cuda')\n"
+        "a = 0x1000\n"
+        "try:\n"
+        "    poise._poise.routed_experts_forward(context._cpp, a, a, a, 'bf16', a, 'gate_up_blocked', a, a, 0)\n"
+        "except poise.DeviceError as error:\n"
+        "    print('DeviceError:', error)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("DeviceError:") and "no CUDA device" in result.stdout
+
+
+def test_check_on_a_cpu_context_has_nothing_to_wait_for():
+    with poise.create_context(config=CONFIG, device="cpu") as context:
+        context.check()
+    with pytest.raises(poise.InvalidArgument) as raised:
+        context.check()
+    assert raised.value.name == "context"
 
 
 def test_poise_routed_experts_is_lazy_and_torch_free_at_import():
