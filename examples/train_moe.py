@@ -1,6 +1,8 @@
 """A BF16 training loop whose MoE layer runs its routed experts on Poise (router outside, in PyTorch).
 
-    torchrun --nproc_per_node 8 examples/train_moe.py                  # one GPU per rank, EP over all
+    torchrun --nproc_per_node 1 examples/train_moe.py                  # one GPU
+    torchrun --nproc_per_node 8 examples/train_moe.py                  # one GPU per rank (needs the
+                                                                       # multi-GPU context: not in this build)
     torchrun --nproc_per_node 2 examples/train_moe.py --device cpu     # CPU reference engine over gloo
     python examples/train_moe.py --device cpu                          # one process, no torchrun
 
