@@ -305,7 +305,9 @@ TEST(EpLayerErrors, HostRejectsBadArgumentsBeforeLaunch) {
   }
   Config exact = make_config(c);
   exact.balance = Balance::exact;
-  EXPECT_THROW(StagedPipeline::create_virtual(exact, 2), NotAvailable);
+  PipelineOptions too_many_slots;  // exact balance is supported (test_ep_balance.cu); its options are checked
+  too_many_slots.replica_slots = exact.num_local_experts(2) + 1;
+  EXPECT_THROW(StagedPipeline::create_virtual(exact, 2, too_many_slots), InvalidArgument);
   Config too_many = make_config(c);
   too_many.num_experts = 16;
   EXPECT_THROW(StagedPipeline::create_virtual(too_many, 16), InvalidArgument);  // > 8 virtual ranks
