@@ -1,36 +1,54 @@
 // Staged epilogue stores: a consumer warpgroup writes its 64-row fragment, one 128-byte column
-// chunk at a time (64 bf16 or 32 fp32 columns), into a padded shared-memory buffer, then copies
-// whole rows out with 16-byte stores, so each warp instruction writes full 128-byte lines.
+// chunk at a time (64 bf16 or 32 fp32 columns), into a shared-memory buffer, then either
+//  - hands the whole 64 x 128-byte box to the TMA engine (when all 64 rows may be written), or
+//  - copies the valid rows out with 16-byte stores (the last, partial slab of an expert).
 // (Storing straight from the wgmma fragment writes 4 bytes x 8 rows per instruction: half-filled
-// sectors, measured at ~1.4 TB/s chip-wide in v1.)
+// sectors, measured at ~1.4 TB/s chip-wide in v1; copying rows out by hand still kept the
+// warpgroup busy storing: v6.)
 //
-// Buffer: 64 rows x 144 bytes (128 data + 16 pad). Fragment writes (row 16w + l/4 [+8],
-// 4 bytes at column 4*(l%4) + 16j) then hit 32 distinct banks; row reads of 16 B are conflict-free.
+// Buffer layout: 64 rows x 128 bytes with the TMA 128-byte swizzle (16-byte unit u of row r lives
+// at unit u ^ (r % 8)), 1024-byte aligned. Fragment writes (rows 16w + l/4 [+8], 4 bytes at
+// 16j + 4(l%4)) then hit 32 distinct banks, and a row's 8 units are 8 distinct bank groups.
 #pragma once
 
+#include <cuda.h>
 #include <cstdint>
 
 #include "kernels/sm90/ptx/cp_async.cuh"
+#include "kernels/sm90/ptx/tma.cuh"
 #include "kernels/sm90/ptx/warpgroup.cuh"
 
 namespace poise::sm90 {
 
-inline constexpr int kStagingPitch = 144;
-inline constexpr int kStagingBytes = 64 * kStagingPitch;
+inline constexpr int kStagingBytes = 64 * 128;
 
 // Barrier among the 128 threads of one consumer warpgroup (ids 2, 3; 1 is the consumers' shared one).
 __device__ __forceinline__ void consumer_warpgroup_sync(int consumer) {
   ptx::named_barrier_sync(2 + consumer, 128);
 }
 
+__device__ __forceinline__ int staging_offset(int row, int byte_col) {
+  return row * 128 + ((((byte_col >> 4) ^ row) & 7) << 4) + (byte_col & 15);
+}
+
 __device__ __forceinline__ void stage_put_u32(uint8_t* buf, int row, int byte_col, uint32_t v) {
-  *reinterpret_cast<uint32_t*>(buf + row * kStagingPitch + byte_col) = v;
+  *reinterpret_cast<uint32_t*>(buf + staging_offset(row, byte_col)) = v;
 }
 __device__ __forceinline__ void stage_put_u16(uint8_t* buf, int row, int byte_col, uint16_t v) {
-  *reinterpret_cast<uint16_t*>(buf + row * kStagingPitch + byte_col) = v;
+  *reinterpret_cast<uint16_t*>(buf + staging_offset(row, byte_col)) = v;
 }
 __device__ __forceinline__ void stage_put_f32x2(uint8_t* buf, int row, int byte_col, float a, float b) {
-  *reinterpret_cast<float2*>(buf + row * kStagingPitch + byte_col) = make_float2(a, b);
+  *reinterpret_cast<float2*>(buf + staging_offset(row, byte_col)) = make_float2(a, b);
+}
+__device__ __forceinline__ uint32_t stage_get_u32(const uint8_t* buf, int row, int byte_col) {
+  return *reinterpret_cast<const uint32_t*>(buf + staging_offset(row, byte_col));
+}
+
+// Before writing the warpgroup's staging buffers: the TMA stores issued from them (by thread 0)
+// have read them, and every thread is done with the previous contents.
+__device__ __forceinline__ void acquire_staging(int consumer, int thread) {
+  if (thread == 0) ptx::tma_store_wait_read();
+  consumer_warpgroup_sync(consumer);
 }
 
 // Copies the 64 staged rows out: row_dst(r) gives the global address of row r's 128 bytes, or
@@ -42,26 +60,8 @@ __device__ __forceinline__ void staged_copy_out(const uint8_t* buf, int thread, 
     const int u = thread + 128 * i;
     const int r = u >> 3, c = u & 7;
     uint8_t* dst = row_dst(r);
-    if (dst)
-      *reinterpret_cast<uint4*>(dst + c * 16) = *reinterpret_cast<const uint4*>(buf + r * kStagingPitch + c * 16);
+    if (dst) *reinterpret_cast<uint4*>(dst + c * 16) = *reinterpret_cast<const uint4*>(buf + staging_offset(r, c * 16));
   }
-}
-
-// The reverse: fetches 64 rows of 128 bytes (row_src(r), or nullptr to skip) into the buffer with
-// cp.async; the caller commits, waits and syncs before reading.
-template <class RowSrc>
-__device__ __forceinline__ void staged_fetch_async(uint8_t* buf, int thread, RowSrc&& row_src) {
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int u = thread + 128 * i;
-    const int r = u >> 3, c = u & 7;
-    const uint8_t* src = row_src(r);
-    if (src) ptx::cp_async_16(buf + r * kStagingPitch + c * 16, src + c * 16);
-  }
-}
-
-__device__ __forceinline__ uint32_t stage_get_u32(const uint8_t* buf, int row, int byte_col) {
-  return *reinterpret_cast<const uint32_t*>(buf + row * kStagingPitch + byte_col);
 }
 
 // Same, combining with what is already there: combine(uint4 staged, uint4 old) -> uint4.
@@ -75,8 +75,40 @@ __device__ __forceinline__ void staged_combine_out(const uint8_t* buf, int threa
     uint8_t* dst = row_dst(r);
     if (dst) {
       uint4* p = reinterpret_cast<uint4*>(dst + c * 16);
-      *p = combine(*reinterpret_cast<const uint4*>(buf + r * kStagingPitch + c * 16), *p);
+      *p = combine(*reinterpret_cast<const uint4*>(buf + staging_offset(r, c * 16)), *p);
     }
+  }
+}
+
+// Emits a fully written buffer: by TMA store of the 64 x 128-byte box at (col, row) of `map` when
+// `whole` (all 64 rows may be written), else by copying rows out. Ends the warpgroup's use of the
+// buffer for writing; the next writer calls acquire_staging first.
+template <class RowDst>
+__device__ __forceinline__ void emit_staged(const uint8_t* buf, int consumer, int thread, bool whole,
+                                            const CUtensorMap* map, int32_t col, int64_t row, RowDst&& row_dst) {
+  if (whole) {
+    ptx::fence_async_shared();  // this thread's staging writes -> visible to the TMA engine
+    consumer_warpgroup_sync(consumer);
+    if (thread == 0) {
+      ptx::tma_store_2d(map, buf, col, static_cast<int32_t>(row));
+      ptx::tma_store_commit();
+    }
+  } else {
+    consumer_warpgroup_sync(consumer);
+    staged_copy_out(buf, thread, row_dst);
+  }
+}
+
+// The reverse of a copy-out: fetches 64 rows of 128 bytes (row_src(r), or nullptr to skip) into
+// the buffer with cp.async; the caller commits, waits and syncs before reading.
+template <class RowSrc>
+__device__ __forceinline__ void staged_fetch_async(uint8_t* buf, int thread, RowSrc&& row_src) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int u = thread + 128 * i;
+    const int r = u >> 3, c = u & 7;
+    const uint8_t* src = row_src(r);
+    if (src) ptx::cp_async_16(buf + staging_offset(r, c * 16), src + c * 16);
   }
 }
 

@@ -111,13 +111,15 @@ void expert_mlp_fprop_w13(const GroupedRows& rows, const ExpertMlpShape& shape,
   s.n_blocks = ceil_div(F, kBlockN / 2);
   s.b_rows_per_expert = static_cast<int32_t>(2 * F);
   s.b_split_rows = blocked ? static_cast<int32_t>(F) : 0;
+  const CUtensorMap a_map = make_store_tensor_map(args.a_RF, false, rows.max_rows, F, "a_RF");
+  const CUtensorMap h13_map = make_store_tensor_map(args.h13_R2F, false, rows.max_rows, 2 * F, "h13_R2F");
   if (blocked) {
-    const SwigluFpropEpilogue<false> epi{bf16(args.a_RF), bf16(args.h13_R2F), static_cast<int32_t>(F),
-                                         activation_params(shape)};
+    const SwigluFpropEpilogue<false> epi{a_map, h13_map, bf16(args.a_RF), bf16(args.h13_R2F),
+                                         static_cast<int32_t>(F), activation_params(shape)};
     launch<RowsAre::M, false>(map_a, map_b, s, epi, stream);
   } else {
-    const SwigluFpropEpilogue<true> epi{bf16(args.a_RF), bf16(args.h13_R2F), static_cast<int32_t>(F),
-                                        activation_params(shape)};
+    const SwigluFpropEpilogue<true> epi{a_map, h13_map, bf16(args.a_RF), bf16(args.h13_R2F),
+                                        static_cast<int32_t>(F), activation_params(shape)};
     launch<RowsAre::M, false>(map_a, map_b, s, epi, stream);
   }
 }
@@ -136,7 +138,8 @@ void expert_mlp_fprop_w2(const GroupedRows& rows, const ExpertMlpShape& shape,
   s.k_blocks = static_cast<int32_t>(F / kTileK);
   s.n_blocks = ceil_div(D, kBlockN);
   s.b_rows_per_expert = static_cast<int32_t>(D);
-  const RowsStoreEpilogue epi{bf16(args.y_RD), args.scores_R, static_cast<int32_t>(D)};
+  const RowsStoreEpilogue epi{make_store_tensor_map(args.y_RD, false, rows.max_rows, D, "y_RD"), bf16(args.y_RD),
+                              args.scores_R, static_cast<int32_t>(D)};
   launch<RowsAre::M, false>(map_a, map_b, s, epi, stream);
 }
 
@@ -157,6 +160,8 @@ void expert_mlp_dgrad_w2(const GroupedRows& rows, const ExpertMlpShape& shape,
   s.n_blocks = ceil_div(F, kBlockN);
   s.b_rows_per_expert = static_cast<int32_t>(D);
   auto run = [&](auto epi) {
+    epi.grad_h13_map = make_store_tensor_map(args.grad_h13_R2F, false, rows.max_rows, 2 * F, "grad_h13_R2F");
+    epi.a_map = make_store_tensor_map(args.a_RF, false, rows.max_rows, F, "a_RF");
     epi.h13_R2F = bf16(args.h13_R2F);
     epi.grad_h13_R2F = bf16(args.grad_h13_R2F);
     epi.a_RF = bf16(args.a_RF);
@@ -186,7 +191,8 @@ void expert_mlp_dgrad_w13(const GroupedRows& rows, const ExpertMlpShape& shape,
   s.k_blocks = static_cast<int32_t>(2 * F / kTileK);
   s.n_blocks = ceil_div(D, kBlockN);
   s.b_rows_per_expert = static_cast<int32_t>(2 * F);
-  const RowsStoreEpilogue epi{bf16(args.grad_x_RD), nullptr, static_cast<int32_t>(D)};
+  const RowsStoreEpilogue epi{make_store_tensor_map(args.grad_x_RD, false, rows.max_rows, D, "grad_x_RD"),
+                              bf16(args.grad_x_RD), nullptr, static_cast<int32_t>(D)};
   launch<RowsAre::M, true>(map_a, map_b, s, epi, stream);
 }
 
@@ -211,8 +217,10 @@ void wgrad(const GroupedRows& rows, const void* a_RM, const char* a_name, int64_
   GroupedGemmShape s = base_shape(rows);
   s.m_blocks = ceil_div(M, kTileM);
   s.n_blocks = ceil_div(N, kBlockN);
-  const WgradStoreEpilogue epi{out.grad_w, static_cast<int32_t>(M), static_cast<int32_t>(N),
-                               out.dtype == DType::fp32 ? 1 : 0, out.accumulate ? 1 : 0};
+  const bool fp32 = out.dtype == DType::fp32;
+  const WgradStoreEpilogue epi{make_store_tensor_map(out.grad_w, fp32, rows.num_experts * M, N, "grad_w"),
+                               out.grad_w, static_cast<int32_t>(M), static_cast<int32_t>(N), fp32 ? 1 : 0,
+                               out.accumulate ? 1 : 0};
   launch<RowsAre::K, true>(map_a, map_b, s, epi, stream);
 }
 

@@ -76,7 +76,7 @@ template <int kBlockN, int kStages, RowsAre kRows, bool kBMnMajor, class Epilogu
 __global__ void __launch_bounds__(kThreadsPerCta, 1)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
                         const __grid_constant__ CUtensorMap map_b, const GroupedGemmShape shape,
-                        const Epilogue epilogue) {
+                        const __grid_constant__ Epilogue epilogue) {  // holds the output TMA maps
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using Smem = GroupedGemmSmem<kBlockN, kStages, Epilogue::kStagingBuffers>;
   constexpr bool kAMnMajor = kRows == RowsAre::K;
@@ -210,6 +210,8 @@ __global__ void __launch_bounds__(kThreadsPerCta, 1)
       }
       epilogue.template store<kBlockN>(acc, tile, consumer, consumer_thread % 128, staging);
     }
+    // TMA stores read shared memory asynchronously: finish them before the CTA exits.
+    if (consumer_thread % 128 == 0) ptx::tma_store_wait_all();
   }
 #endif
 }

@@ -16,6 +16,19 @@ __device__ __forceinline__ void tma_load_2d(void* smem_dst, const CUtensorMap* m
                                   map, coords, full_bar);
 }
 
+// Stores one 2D box from shared memory (laid out as the map's swizzle expects) to global memory
+// at (inner, outer); an asynchronous bulk group of the issuing thread.
+__device__ __forceinline__ void tma_store_2d(const CUtensorMap* map, const void* smem_src, int32_t inner,
+                                             int32_t outer) {
+  const int32_t coords[2] = {inner, outer};
+  cuda::ptx::cp_async_bulk_tensor(cuda::ptx::space_global, cuda::ptx::space_shared, map, coords, smem_src);
+}
+__device__ __forceinline__ void tma_store_commit() { cuda::ptx::cp_async_bulk_commit_group(); }
+// The issuing thread's stores have finished reading shared memory (the buffer may be rewritten).
+__device__ __forceinline__ void tma_store_wait_read() { cuda::ptx::cp_async_bulk_wait_group_read(cuda::ptx::n32_t<0>{}); }
+// The issuing thread's stores are complete (before the CTA exits).
+__device__ __forceinline__ void tma_store_wait_all() { cuda::ptx::cp_async_bulk_wait_group(cuda::ptx::n32_t<0>{}); }
+
 // Warms the descriptor cache so the first loads of a tile do not wait on the descriptor fetch.
 __device__ __forceinline__ void tma_prefetch_descriptor(const CUtensorMap* map) {
   asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
