@@ -98,8 +98,8 @@ class Context:
         """Makes the next forwards save what backward needs into ``slot``, shared by that many layers.
 
         Each of the ``num_moe_layers_in_slot`` layers gets an equal share of the slot's room; what
-        does not fit is recomputed in backward. The CPU reference keeps everything, so there this is
-        bookkeeping only (validated like on the GPU).
+        does not fit is recomputed in backward. In this build the selection is validated and recorded
+        only: the CPU reference keeps everything, and the C++ Context has no slot selection yet.
         """
         self._require_open()
         config = self._cpp.config

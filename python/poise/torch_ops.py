@@ -43,7 +43,7 @@ class CudaEngine:
     """
 
     def __init__(self, context: Context):
-        self._context = context
+        self._cpp = context._cpp  # not the Context: it owns this engine
         self._last_call: Optional[tuple] = None
         self.forward_calls = 0
         self.backward_calls = 0
@@ -55,10 +55,11 @@ class CudaEngine:
     def _launch_forward(self, x_TD, ids_TK, scores_TK, w13, w2, w13_layout: str, out_TD) -> None:
         stream = torch.cuda.current_stream(x_TD.device).cuda_stream
         self._last_call = None  # until the launch succeeded
-        _poise.routed_experts_forward(
-            self._context._cpp, x_TD.data_ptr(), ids_TK.data_ptr(), scores_TK.data_ptr(),
-            SCORES_DTYPES[scores_TK.dtype], w13.data_ptr(), w13_layout, w2.data_ptr(), out_TD.data_ptr(), stream,
-        )
+        with torch.cuda.device(x_TD.device):  # the pipeline allocates on the current device
+            _poise.routed_experts_forward(
+                self._cpp, x_TD.data_ptr(), ids_TK.data_ptr(), scores_TK.data_ptr(),
+                SCORES_DTYPES[scores_TK.dtype], w13.data_ptr(), w13_layout, w2.data_ptr(), out_TD.data_ptr(), stream,
+            )
         self._last_call = call_identity((x_TD, ids_TK, scores_TK, w13, w2))
 
     def forward(self, x_TD, ids_TK, scores_TK, w13, w2, w13_layout: str) -> Tensor:
@@ -73,17 +74,18 @@ class CudaEngine:
             self.recomputed_forwards += 1
         grad_x_TD, grad_scores_TK = torch.empty_like(x_TD), torch.empty_like(scores_TK)
         if accumulate is None:
-            dtype = wgrad_dtype(self._context._cpp.config)
+            dtype = wgrad_dtype(self._cpp.config)
             grad_w13, grad_w2 = torch.empty_like(w13, dtype=dtype), torch.empty_like(w2, dtype=dtype)
         else:
             grad_w13, grad_w2 = accumulate
         stream = torch.cuda.current_stream(x_TD.device).cuda_stream
-        _poise.routed_experts_backward(
-            self._context._cpp, x_TD.data_ptr(), ids_TK.data_ptr(), scores_TK.data_ptr(),
-            SCORES_DTYPES[scores_TK.dtype], w13.data_ptr(), w13_layout, w2.data_ptr(), grad_out_TD.data_ptr(),
-            grad_x_TD.data_ptr(), grad_scores_TK.data_ptr(), grad_w13.data_ptr(), grad_w2.data_ptr(),
-            accumulate is not None, stream,
-        )
+        with torch.cuda.device(x_TD.device):
+            _poise.routed_experts_backward(
+                self._cpp, x_TD.data_ptr(), ids_TK.data_ptr(), scores_TK.data_ptr(),
+                SCORES_DTYPES[scores_TK.dtype], w13.data_ptr(), w13_layout, w2.data_ptr(), grad_out_TD.data_ptr(),
+                grad_x_TD.data_ptr(), grad_scores_TK.data_ptr(), grad_w13.data_ptr(), grad_w2.data_ptr(),
+                accumulate is not None, stream,
+            )
         self.backward_calls += 1
         return grad_x_TD, grad_scores_TK, grad_w13, grad_w2
 
