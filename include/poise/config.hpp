@@ -39,6 +39,9 @@ struct Config {
   double swiglu_limit = 7.0;    // used by swiglu_clamped
 
   Balance balance = Balance::exact;
+  // Exact mode: a rank may compute up to (1 + balance_tolerance) * T*K rows; only rows beyond that
+  // move to replicas, which cuts replica traffic under mild skew. 0 = exact balance.
+  double balance_tolerance = 0.0;
   double receive_capacity_factor = 2.0;  // capacity mode: receive rows = factor * T*K
 
   // Activation slots: where forward keeps what backward needs. A slot serves up to

@@ -72,6 +72,7 @@ class Context {
                                                        const ContextOptions& options = {});
   ~Context();
 
+  const ContextOptions& options() const;
   int64_t launch_ranks() const;  // argument sets per call: 1, or ep_size for virtual ranks
   // Waits for `stream`, then throws DeviceError for the first device-side fault of the last calls.
   void check(Stream stream);

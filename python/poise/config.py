@@ -45,6 +45,8 @@ class Config:
 
     balance: Balance = "exact"
     """'exact': every rank computes T*K rows (hot experts replicated); 'capacity': dropless up to a factor."""
+    balance_tolerance: float = 0.0
+    """Exact mode: a rank may compute up to (1 + tolerance) * T*K rows; only rows beyond move. 0 = exact."""
     receive_capacity_factor: float = 2.0
     """Capacity mode: a rank receives up to factor * T*K rows."""
 

@@ -74,6 +74,8 @@ void Config::validate(int64_t ep_size) const {
     require_finite_positive(swiglu_alpha, "swiglu_alpha");
     require_finite_positive(swiglu_limit, "swiglu_limit");
   }
+  require(std::isfinite(balance_tolerance) && balance_tolerance >= 0, "balance_tolerance",
+          "must be a finite number >= 0, got " + show(balance_tolerance));
   if (balance == Balance::capacity) {
     require(std::isfinite(receive_capacity_factor) && receive_capacity_factor >= 1.0,
             "receive_capacity_factor", "must be >= 1, got " + show(receive_capacity_factor));

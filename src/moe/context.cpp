@@ -29,6 +29,14 @@ std::unique_ptr<Context> Context::create(const Config& config, int64_t ep_size, 
   return std::unique_ptr<Context>(new Context(config, ep_size, rank, options));
 }
 
+// The pipeline runs what the memory plan sized: its replica slots, the SM90 expert kernels.
+static ep::PipelineOptions pipeline_options(const Context& context) {
+  return {.timeout_ns = context.options().wait_timeout_ns,
+          .expert_kernels = ep::ExpertKernels::sm90,
+          .balance_tolerance = context.config().balance_tolerance,
+          .replica_slots = context.plan().num_replica_slots};
+}
+
 std::unique_ptr<Context> Context::create_virtual_ranks(const Config& config, int64_t ep_size,
                                                        const ContextOptions& options) {
   config.validate(ep_size);
@@ -38,8 +46,7 @@ std::unique_ptr<Context> Context::create_virtual_ranks(const Config& config, int
     throw DeviceError("create_virtual_ranks: no CUDA device; virtual ranks run on one SM90 GPU "
                       "(poise::reference runs the same semantics on the CPU)");
   }
-  context->state_->pipeline = ep::StagedPipeline::create_virtual(
-      config, ep_size, {.timeout_ns = options.wait_timeout_ns, .expert_kernels = ep::ExpertKernels::sm90});
+  context->state_->pipeline = ep::StagedPipeline::create_virtual(config, ep_size, pipeline_options(*context));
   return context;
 }
 
@@ -58,6 +65,7 @@ const Config& Context::config() const { return state_->plan.config; }
 const MemoryPlan& Context::plan() const { return state_->plan; }
 int64_t Context::ep_size() const { return state_->plan.ep_size; }
 int64_t Context::rank() const { return state_->rank; }
+const ContextOptions& Context::options() const { return state_->options; }
 int64_t Context::launch_ranks() const { return state_->launch_ranks; }
 bool Context::closed() const { return state_->closed; }
 
@@ -120,8 +128,7 @@ void require_one_set_per_launch_rank(const Context& context, std::span<const Arg
 }  // namespace
 
 // The GPU pipeline of a one-rank context, created by its first call.
-static ep::StagedPipeline& pipeline_of(Context& context, std::unique_ptr<ep::StagedPipeline>& pipeline,
-                                       const ContextOptions& options) {
+static ep::StagedPipeline& pipeline_of(Context& context, std::unique_ptr<ep::StagedPipeline>& pipeline) {
   if (pipeline) return *pipeline;
   if (context.ep_size() != 1) {
     throw NotAvailable("routed_experts on a Context::create context with ep_size > 1 needs a communicator "
@@ -130,8 +137,7 @@ static ep::StagedPipeline& pipeline_of(Context& context, std::unique_ptr<ep::Sta
   if (cuda_device_count() == 0) {
     throw DeviceError("routed_experts: no CUDA device; the CPU semantics are in poise::reference");
   }
-  pipeline = ep::StagedPipeline::create_virtual(
-      context.config(), 1, {.timeout_ns = options.wait_timeout_ns, .expert_kernels = ep::ExpertKernels::sm90});
+  pipeline = ep::StagedPipeline::create_virtual(context.config(), 1, pipeline_options(context));
   return *pipeline;
 }
 
@@ -142,7 +148,7 @@ void routed_experts_forward(Context& context, std::span<const ForwardArgs> args_
   if (!context.config().inference && context.config().num_activation_slots == 0) {
     throw InvalidArgument("num_activation_slots", "must be >= 1 for a training forward (backward needs a slot)");
   }
-  pipeline_of(context, context.state_->pipeline, context.state_->options).forward(args_per_rank, stream);
+  pipeline_of(context, context.state_->pipeline).forward(args_per_rank, stream);
 }
 
 void routed_experts_backward(Context& context, std::span<const BackwardArgs> args_per_rank, Stream stream) {
@@ -152,7 +158,7 @@ void routed_experts_backward(Context& context, std::span<const BackwardArgs> arg
     throw InvalidArgument("context", "was created with inference=true; backward needs a training context");
   }
   for (const BackwardArgs& b : args_per_rank) validate_backward(b);
-  pipeline_of(context, context.state_->pipeline, context.state_->options).backward(args_per_rank, stream);
+  pipeline_of(context, context.state_->pipeline).backward(args_per_rank, stream);
 }
 
 }  // namespace poise

@@ -48,7 +48,10 @@ MemoryPlan plan_memory(const Config& c, int64_t ep_size) {
   // Each expert group is padded to the tile height, so padding adds at most (alignment - 1) per slot.
   const int64_t max_padding = expert_slots * (kExpertRowAlignment - 1);
 
-  p.balanced_rows = round_up(routed_rows + max_padding, kExpertRowAlignment);
+  // Exact mode computes at most (1 + balance_tolerance) * T*K rows per rank.
+  const int64_t computed_rows =
+      c.balance == Balance::exact ? ceil_times(1.0 + c.balance_tolerance, routed_rows) : routed_rows;
+  p.balanced_rows = round_up(computed_rows + max_padding, kExpertRowAlignment);
   // Rows the dispatch receive buffer accepts; more is an overflow the host reports.
   const int64_t receive_rows =
       c.balance == Balance::exact

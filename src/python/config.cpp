@@ -29,6 +29,7 @@ void bind_config(nb::module_& m) {
       .def_prop_rw(
           "balance", [](const Config& c) { return std::string(to_string(c.balance)); },
           [](Config& c, const std::string& s) { c.balance = balance_from_string(s); })
+      .def_rw("balance_tolerance", &Config::balance_tolerance)
       .def_rw("receive_capacity_factor", &Config::receive_capacity_factor)
       .def_rw("num_activation_slots", &Config::num_activation_slots)
       .def_rw("max_moe_layers_per_activation_slot", &Config::max_moe_layers_per_activation_slot)

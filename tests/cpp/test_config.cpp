@@ -48,6 +48,7 @@ TEST(Config, RejectsEachBrokenRule) {
   expect_rejected([](Config& c) { c.num_experts = 0; }, "num_experts");
   expect_rejected([](Config& c) { c.activation = Activation::swiglu_clamped; c.swiglu_limit = 0; }, "swiglu_limit");
   expect_rejected([](Config& c) { c.activation = Activation::swiglu_clamped; c.swiglu_alpha = -1; }, "swiglu_alpha");
+  expect_rejected([](Config& c) { c.balance_tolerance = -0.1; }, "balance_tolerance");
   expect_rejected([](Config& c) { c.balance = Balance::capacity; c.receive_capacity_factor = 0.5; },
                   "receive_capacity_factor");
   expect_rejected([](Config& c) { c.num_activation_slots = -1; }, "num_activation_slots");

@@ -37,6 +37,14 @@ TEST(MemoryPlan, RowsFollowTheFormulas) {
   EXPECT_EQ(p.host_overflow_scratch_bytes, 0);
 }
 
+TEST(MemoryPlan, BalanceToleranceAddsItsRows) {
+  Config c = deepseek_v3();
+  c.balance_tolerance = 0.1;
+  const MemoryPlan p = plan_memory(c, 8);
+  EXPECT_EQ(p.balanced_rows, (32768 + 3277 + 64 * 127 + 127) / 128 * 128);  // ceil(1.1 * T*K) + padding
+  EXPECT_GT(p.total_device_bytes, plan_memory(deepseek_v3(), 8).total_device_bytes);
+}
+
 TEST(MemoryPlan, SlotBoundsAreOrderedAndDefaultIsFullSave) {
   const MemoryPlan p = plan_memory(deepseek_v3(), 8);
   EXPECT_LT(p.activation_slot_min_bytes, p.activation_slot_full_save_bytes);

@@ -92,6 +92,8 @@ RULES = [
     (dict(activation="swiglu_clamped", swiglu_limit=-7.0), EP_SIZE, "swiglu_limit"),
     (dict(activation="swiglu_clamped", swiglu_limit=math.inf), EP_SIZE, "swiglu_limit"),
     (dict(balance="balanced"), EP_SIZE, "balance"),
+    (dict(balance_tolerance=-0.1), EP_SIZE, "balance_tolerance"),
+    (dict(balance_tolerance=math.inf), EP_SIZE, "balance_tolerance"),
     (dict(balance="capacity", receive_capacity_factor=0.5), EP_SIZE, "receive_capacity_factor"),
     (dict(balance="capacity", receive_capacity_factor=math.nan), EP_SIZE, "receive_capacity_factor"),
     (dict(num_activation_slots=-1), EP_SIZE, "num_activation_slots"),
