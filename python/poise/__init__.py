@@ -1,8 +1,8 @@
 """Poise: the routed experts of Mixture-of-Experts layers across expert-parallel GPUs.
 
 Importing poise does no CUDA work and needs no GPU: Config, plan_memory and the errors are pure
-host code. The PyTorch ops (poise.routed_experts, poise.torch_ops, poise.reference) import torch
-on first use. See docs/python.md and docs/pytorch.md.
+host code. The PyTorch parts (poise.routed_experts, poise.routed_experts_virtual, poise.torch_ops,
+poise.reference) import torch on first use. See docs/python.md and docs/pytorch.md.
 """
 
 from .errors import DeviceError, InvalidArgument, NotAvailable  # first: the extension raises these
@@ -26,11 +26,12 @@ __all__ = [
     "cuda_device_count",
     "plan_memory",
     "routed_experts",
+    "routed_experts_virtual",
 ]
 __version__ = "0.1.0"
 
 # The PyTorch parts load on first use, so `import poise` imports neither torch nor numpy.
-_LAZY_MODULES = ("reference", "torch_ops", "torch_checks")
+_LAZY_MODULES = ("reference", "torch_ops", "torch_checks", "torch_virtual")
 
 
 def __getattr__(name: str):
@@ -40,4 +41,6 @@ def __getattr__(name: str):
         return importlib.import_module(f".{name}", __name__)
     if name == "routed_experts":
         return importlib.import_module(".torch_ops", __name__).routed_experts
+    if name == "routed_experts_virtual":
+        return importlib.import_module(".torch_virtual", __name__).routed_experts_virtual
     raise AttributeError(f"module 'poise' has no attribute {name!r}")

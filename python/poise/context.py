@@ -39,16 +39,22 @@ def _device_name(device: object) -> str:
 class Context:
     """A Poise context for rank ``rank`` of an EP group of ``ep_size`` ranks. Collective to create."""
 
-    def __init__(self, config: Config, *, ep_size: int, rank: int, device: object = "cuda", group: Any = None):
+    def __init__(self, config: Config, *, ep_size: int, rank: int, device: object = "cuda", group: Any = None,
+                 virtual_ranks: bool = False):
         self._device = _device_name(device)
         ep_size, rank = as_index("ep_size", ep_size), as_index("rank", rank)
-        self._cpp = _poise.Context.create(to_cpp(config), ep_size, rank)
-        if self._device == "cpu" and ep_size > 1 and group is None:
+        self._virtual_ranks = bool(virtual_ranks)
+        if self._virtual_ranks and self._device != "cpu":
+            self._device, self._cpp = _create_virtual_ranks_on_gpu(config, ep_size, self._device)
+        else:
+            # A CPU virtual-ranks context runs poise.reference.Engine: the C++ Context only plans.
+            self._cpp = _poise.Context.create(to_cpp(config), ep_size, rank)
+        if self._device == "cpu" and ep_size > 1 and group is None and not self._virtual_ranks:
             self._cpp.close()
             raise InvalidArgument(
                 "group",
                 f"a CPU context with ep_size={ep_size} needs the torch.distributed group of its ranks; "
-                "for virtual ranks in one process use poise.reference.Engine",
+                "for all ranks in one process pass virtual_ranks=True",
             )
         self._group = group
         self._backend: Any = None  # the engine the torch ops run on, created on first use
@@ -72,8 +78,15 @@ class Context:
         return self._cpp.ep_size
 
     @property
-    def rank(self) -> int:
-        return self._cpp.rank
+    def rank(self) -> Optional[int]:
+        """This process's rank in the EP group; None for a virtual-ranks context (it is every rank)."""
+        return None if self._virtual_ranks else self._cpp.rank
+
+    @property
+    def virtual_ranks(self) -> bool:
+        """True: this context drives all ep_size ranks in this process (poise.routed_experts_virtual
+        takes one tensor per rank); False: one rank (poise.routed_experts)."""
+        return self._virtual_ranks
 
     @property
     def device(self) -> str:
@@ -82,7 +95,7 @@ class Context:
 
     @property
     def group(self) -> Any:
-        """The torch.distributed group of the EP ranks, or None (one rank, or in-process ranks)."""
+        """The torch.distributed group of the EP ranks, or None (one rank, or virtual ranks)."""
         return self._group
 
     @property
@@ -155,7 +168,18 @@ class Context:
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else "open"
-        return f"<poise.Context rank {self.rank} of {self.ep_size} on {self.device}, {state}>"
+        ranks = f"all {self.ep_size} ranks (virtual)" if self._virtual_ranks else f"rank {self.rank} of {self.ep_size}"
+        return f"<poise.Context {ranks} on {self.device}, {state}>"
+
+
+def _create_virtual_ranks_on_gpu(config: Config, ep_size: int, device: str) -> tuple[str, Any]:
+    """The C++ virtual-ranks context, allocated now on ``device`` (its index pinned: the buffers
+    live there). Returns ('cuda:N', the C++ Context)."""
+    import torch  # a CUDA context is only used from PyTorch
+
+    index = int(device.partition(":")[2]) if ":" in device else torch.cuda.current_device()
+    with torch.cuda.device(index):
+        return f"cuda:{index}", _poise.Context.create_virtual_ranks(to_cpp(config), ep_size)
 
 
 def context_from_handle(handle: int) -> Context:
@@ -187,6 +211,7 @@ def create_context(
     device: object = "cuda",
     ep_size: Optional[int] = None,
     rank: Optional[int] = None,
+    virtual_ranks: bool = False,
 ) -> Context:
     """Creates this rank's Context; every rank of the EP group calls it with the same config.
 
@@ -194,7 +219,21 @@ def create_context(
     group's (passing them too is allowed if they agree). Without a group: ``ep_size`` (default 1)
     and ``rank`` (default 0). ``device``: 'cuda' / 'cuda:N' / a torch.device for the GPU engine,
     'cpu' for the CPU reference engine.
+
+    ``virtual_ranks=True``: one context for all ``ep_size`` ranks in this process (no group, no
+    rank), called through poise.routed_experts_virtual with one tensor per rank. On a GPU the ranks
+    share that device (the C++ Context::create_virtual_ranks, which allocates now); on the CPU they
+    run the reference engine. For tests, development and single-GPU benchmarks.
     """
+    if not isinstance(virtual_ranks, bool):
+        raise InvalidArgument("virtual_ranks", f"must be a bool, got {type(virtual_ranks).__name__}")
+    if virtual_ranks:
+        if group is not None:
+            raise InvalidArgument("group", "a virtual-ranks context runs every rank in this process: pass no group")
+        if rank is not None:
+            raise InvalidArgument("rank", "a virtual-ranks context drives every rank: pass no rank")
+        return Context(config, ep_size=1 if ep_size is None else ep_size, rank=0, device=device,
+                       virtual_ranks=True)
     if group is not None:
         group_size, group_rank = _group_size_and_rank(group)
         if ep_size is not None and as_index("ep_size", ep_size) != group_size:

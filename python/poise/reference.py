@@ -431,3 +431,42 @@ class ContextEngine:
             return grad_x, grad_scores, _write_back(accumulate[0], g13), _write_back(accumulate[1], g2)
         dtype = wgrad_dtype(self._config)
         return grad_x, grad_scores, _from_numpy(g13, dtype, w13.shape), _from_numpy(g2, dtype, w2.shape)
+
+
+class VirtualRanksEngine:
+    """Runs a CPU virtual-ranks Context's calls (every rank in this process) on an ``Engine``.
+
+    The interface of the CUDA engine's virtual ranks: one (x_TD, ids_TK, scores_TK, w13, w2) tuple
+    per rank. Like ContextEngine, a backward whose forward was not the last one recomputes it first.
+    """
+
+    def __init__(self, context: Any):
+        self._engine = Engine(context.config, context.ep_size)
+        self._last_call: Optional[tuple] = None
+        self.forward_calls = 0
+        self.backward_calls = 0
+        self.recomputed_forwards = 0
+
+    def reset(self) -> None:
+        self._last_call = None
+
+    def _forward(self, ranks: Sequence[tuple], w13_layout: str) -> list[torch.Tensor]:
+        self._last_call = None
+        out_TD = self._engine.forward(*[list(column) for column in zip(*ranks)], w13_layout=w13_layout)
+        self._last_call = (w13_layout, call_identity([t for inputs in ranks for t in inputs]))
+        return out_TD
+
+    def forward_ranks(self, ranks: Sequence[tuple], w13_layout: str) -> list[torch.Tensor]:
+        out_TD = self._forward(ranks, w13_layout)
+        self.forward_calls += 1
+        return out_TD
+
+    def backward_ranks(self, grad_out_TD: Sequence[torch.Tensor], ranks: Sequence[tuple], w13_layout: str,
+                       accumulate: Optional[Sequence[tuple]]) -> tuple[list, list, list, list]:
+        if self._last_call != (w13_layout, call_identity([t for inputs in ranks for t in inputs])):
+            self._forward(ranks, w13_layout)
+            self.recomputed_forwards += 1
+        grads = self._engine.backward(list(grad_out_TD), accumulate_into=accumulate)
+        self.backward_calls += 1
+        return ([g.grad_x_TD for g in grads], [g.grad_scores_TK for g in grads], [g.grad_w13 for g in grads],
+                [g.grad_w2 for g in grads])

@@ -26,7 +26,7 @@ from . import _poise
 from .context import Context, context_from_handle
 from .errors import InvalidArgument, NotAvailable
 from .options import ExecutionOptions
-from .reference import ContextEngine, call_identity, check_accumulation_buffer
+from .reference import ContextEngine, VirtualRanksEngine, call_identity, check_accumulation_buffer
 from .torch_checks import SCORES_DTYPES, check_grad_out, check_inputs, check_w13_layout, wgrad_dtype
 
 
@@ -36,6 +36,9 @@ from .torch_checks import SCORES_DTYPES, check_grad_out, check_inputs, check_w13
 class CudaEngine:
     """A CUDA context's calls: device pointers and the current stream into the C++ entry points.
 
+    ``forward_ranks`` / ``backward_ranks`` take one (x_TD, ids_TK, scores_TK, w13, w2) tuple per
+    launch rank: one for a one-rank context, ep_size for a virtual-ranks context.
+
     The GPU backward differentiates the context's latest forward. A backward whose forward was not
     the latest (layers sharing a context, a no_grad forward in between) first relaunches its
     forward into a scratch output; the decision is taken on the host from the tensors' identity, so
@@ -44,6 +47,7 @@ class CudaEngine:
 
     def __init__(self, context: Context):
         self._cpp = context._cpp  # not the Context: it owns this engine
+        self._virtual_ranks = context.virtual_ranks
         self._last_call: Optional[tuple] = None
         self.forward_calls = 0
         self.backward_calls = 0
@@ -52,42 +56,83 @@ class CudaEngine:
     def reset(self) -> None:
         self._last_call = None
 
-    def _launch_forward(self, x_TD, ids_TK, scores_TK, w13, w2, w13_layout: str, out_TD) -> None:
-        stream = torch.cuda.current_stream(x_TD.device).cuda_stream
-        self._last_call = None  # until the launch succeeded
-        with torch.cuda.device(x_TD.device):  # the pipeline allocates on the current device
-            _poise.routed_experts_forward(
-                self._cpp, x_TD.data_ptr(), ids_TK.data_ptr(), scores_TK.data_ptr(),
-                SCORES_DTYPES[scores_TK.dtype], w13.data_ptr(), w13_layout, w2.data_ptr(), out_TD.data_ptr(), stream,
-            )
-        self._last_call = call_identity((x_TD, ids_TK, scores_TK, w13, w2))
-
+    # One rank (poise.routed_experts).
     def forward(self, x_TD, ids_TK, scores_TK, w13, w2, w13_layout: str) -> Tensor:
-        out_TD = torch.empty_like(x_TD)
-        self._launch_forward(x_TD, ids_TK, scores_TK, w13, w2, w13_layout, out_TD)
+        return self.forward_ranks([(x_TD, ids_TK, scores_TK, w13, w2)], w13_layout)[0]
+
+    def backward(self, grad_out_TD, x_TD, ids_TK, scores_TK, w13, w2, w13_layout: str, accumulate):
+        grads = self.backward_ranks([grad_out_TD], [(x_TD, ids_TK, scores_TK, w13, w2)], w13_layout,
+                                    None if accumulate is None else [accumulate])
+        return tuple(per_rank[0] for per_rank in grads)
+
+    # Every launch rank.
+    def forward_ranks(self, ranks: list[tuple], w13_layout: str) -> list[Tensor]:
+        out_TD = [torch.empty_like(inputs[0]) for inputs in ranks]
+        self._launch_forward(ranks, w13_layout, out_TD)
         self.forward_calls += 1
         return out_TD
 
-    def backward(self, grad_out_TD, x_TD, ids_TK, scores_TK, w13, w2, w13_layout: str, accumulate):
-        if self._last_call != call_identity((x_TD, ids_TK, scores_TK, w13, w2)):
-            self._launch_forward(x_TD, ids_TK, scores_TK, w13, w2, w13_layout, torch.empty_like(x_TD))
+    def backward_ranks(self, grad_out_TD: list[Tensor], ranks: list[tuple], w13_layout: str,
+                       accumulate: Optional[list[tuple[Tensor, Tensor]]]):
+        """Returns per-rank lists (grad_x_TD, grad_scores_TK, grad_w13, grad_w2); with ``accumulate``
+        (a (grad_w13, grad_w2) pair of buffers per rank) adds into them and returns them."""
+        if self._last_call != _identity(ranks):
+            self._launch_forward(ranks, w13_layout, [torch.empty_like(inputs[0]) for inputs in ranks])
             self.recomputed_forwards += 1
-        grad_x_TD, grad_scores_TK = torch.empty_like(x_TD), torch.empty_like(scores_TK)
+        grad_x_TD = [torch.empty_like(inputs[0]) for inputs in ranks]
+        grad_scores_TK = [torch.empty_like(inputs[2]) for inputs in ranks]
         if accumulate is None:
             dtype = wgrad_dtype(self._cpp.config)
-            grad_w13, grad_w2 = torch.empty_like(w13, dtype=dtype), torch.empty_like(w2, dtype=dtype)
+            grad_w13 = [torch.empty_like(inputs[3], dtype=dtype) for inputs in ranks]
+            grad_w2 = [torch.empty_like(inputs[4], dtype=dtype) for inputs in ranks]
         else:
-            grad_w13, grad_w2 = accumulate
-        stream = torch.cuda.current_stream(x_TD.device).cuda_stream
-        with torch.cuda.device(x_TD.device):
-            _poise.routed_experts_backward(
-                self._cpp, x_TD.data_ptr(), ids_TK.data_ptr(), scores_TK.data_ptr(),
-                SCORES_DTYPES[scores_TK.dtype], w13.data_ptr(), w13_layout, w2.data_ptr(), grad_out_TD.data_ptr(),
-                grad_x_TD.data_ptr(), grad_scores_TK.data_ptr(), grad_w13.data_ptr(), grad_w2.data_ptr(),
-                accumulate is not None, stream,
-            )
+            grad_w13, grad_w2 = [pair[0] for pair in accumulate], [pair[1] for pair in accumulate]
+        device = ranks[0][0].device
+        stream = torch.cuda.current_stream(device).cuda_stream
+        scores_dtype = SCORES_DTYPES[ranks[0][2].dtype]
+        with torch.cuda.device(device):
+            if self._virtual_ranks:
+                _poise.routed_experts_backward_ranks(
+                    self._cpp, _addresses(r[0] for r in ranks), _addresses(r[1] for r in ranks),
+                    _addresses(r[2] for r in ranks), scores_dtype, _addresses(r[3] for r in ranks), w13_layout,
+                    _addresses(r[4] for r in ranks), _addresses(grad_out_TD), _addresses(grad_x_TD),
+                    _addresses(grad_scores_TK), _addresses(grad_w13), _addresses(grad_w2), accumulate is not None,
+                    stream)
+            else:  # the scalar entry point: no lists on the one-rank hot path
+                (x, ids, scores, w13, w2), = ranks
+                _poise.routed_experts_backward(
+                    self._cpp, x.data_ptr(), ids.data_ptr(), scores.data_ptr(), scores_dtype, w13.data_ptr(),
+                    w13_layout, w2.data_ptr(), grad_out_TD[0].data_ptr(), grad_x_TD[0].data_ptr(),
+                    grad_scores_TK[0].data_ptr(), grad_w13[0].data_ptr(), grad_w2[0].data_ptr(),
+                    accumulate is not None, stream)
         self.backward_calls += 1
         return grad_x_TD, grad_scores_TK, grad_w13, grad_w2
+
+    def _launch_forward(self, ranks: list[tuple], w13_layout: str, out_TD: list[Tensor]) -> None:
+        device = ranks[0][0].device
+        stream = torch.cuda.current_stream(device).cuda_stream
+        scores_dtype = SCORES_DTYPES[ranks[0][2].dtype]
+        self._last_call = None  # until the launch succeeded
+        with torch.cuda.device(device):  # the pipeline allocates on the current device
+            if self._virtual_ranks:
+                _poise.routed_experts_forward_ranks(
+                    self._cpp, _addresses(r[0] for r in ranks), _addresses(r[1] for r in ranks),
+                    _addresses(r[2] for r in ranks), scores_dtype, _addresses(r[3] for r in ranks), w13_layout,
+                    _addresses(r[4] for r in ranks), _addresses(out_TD), stream)
+            else:
+                (x, ids, scores, w13, w2), = ranks
+                _poise.routed_experts_forward(
+                    self._cpp, x.data_ptr(), ids.data_ptr(), scores.data_ptr(), scores_dtype, w13.data_ptr(),
+                    w13_layout, w2.data_ptr(), out_TD[0].data_ptr(), stream)
+        self._last_call = _identity(ranks)
+
+
+def _addresses(tensors) -> list[int]:
+    return [t.data_ptr() for t in tensors]
+
+
+def _identity(ranks: list[tuple]) -> tuple:
+    return call_identity([t for inputs in ranks for t in inputs])
 
 
 def _open_context(handle: int) -> Context:
@@ -98,11 +143,19 @@ def _open_context(handle: int) -> Context:
 
 def _engine(context: Context) -> Any:
     if context._backend is None:
-        context._backend = ContextEngine(context) if context.device == "cpu" else CudaEngine(context)
+        if context.device != "cpu":
+            context._backend = CudaEngine(context)
+        elif context.virtual_ranks:
+            context._backend = VirtualRanksEngine(context)
+        else:
+            context._backend = ContextEngine(context)
     return context._backend
 
 
 def _check_call(context: Context, x_TD, ids_TK, scores_TK, w13, w2, w13_layout) -> None:
+    if context.virtual_ranks:
+        raise InvalidArgument("context", "is a virtual-ranks context (all ranks in this process): call "
+                                         "poise.routed_experts_virtual with one tensor per rank")
     check_w13_layout(w13_layout)
     check_inputs(context._cpp.config, context.ep_size, context.device, x_TD, ids_TK, scores_TK, w13, w2)
 

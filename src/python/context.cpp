@@ -17,6 +17,12 @@ void bind_context(nb::module_& m) {
           "create",
           [](const Config& config, int64_t ep_size, int64_t rank) { return Context::create(config, ep_size, rank); },
           "config"_a, "ep_size"_a, "rank"_a, release_gil())
+      .def_static(
+          "create_virtual_ranks",
+          [](const Config& config, int64_t ep_size) { return Context::create_virtual_ranks(config, ep_size); },
+          "config"_a, "ep_size"_a, release_gil(),
+          "All ep_size ranks as virtual ranks on the current CUDA device; allocates now (needs an SM90 GPU).")
+      .def_prop_ro("launch_ranks", &Context::launch_ranks)
       .def_prop_ro("config", &Context::config)
       .def_prop_ro("plan", &Context::plan)
       .def_prop_ro("ep_size", &Context::ep_size)

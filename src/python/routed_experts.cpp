@@ -3,9 +3,11 @@
 // none of its stream synchronization) sits on the hot path. Pointers arrive as integers; the C++
 // side validates them (InvalidArgument) and enqueues the staged GPU pipeline on the stream.
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "poise/context.hpp"
 #include "poise/errors.hpp"
@@ -62,6 +64,73 @@ void backward(Context& context, uintptr_t x_TD, uintptr_t ids_TK, uintptr_t scor
   routed_experts_backward(context, args, pointer<CUstream_st>(stream));
 }
 
+// ---- virtual ranks: one address per rank in each list (Context::create_virtual_ranks) ----------
+
+using Addresses = std::vector<uintptr_t>;
+
+// Every list holds one address per launch rank; the C++ entry point checks the count against the
+// context, this names the list that disagrees with x_TD.
+void require_same_length(const Addresses& list, const char* name, size_t ranks) {
+  if (list.size() != ranks) {
+    throw InvalidArgument(name, "must hold one address per rank like x_TD (" + std::to_string(ranks) + "), got " +
+                                    std::to_string(list.size()));
+  }
+}
+
+std::vector<ForwardArgs> forward_args_per_rank(const Addresses& x_TD, const Addresses& ids_TK,
+                                               const Addresses& scores_TK, const std::string& scores_dtype,
+                                               const Addresses& w13, const std::string& w13_layout,
+                                               const Addresses& w2) {
+  const size_t ranks = x_TD.size();
+  require_same_length(ids_TK, "ids_TK", ranks);
+  require_same_length(scores_TK, "scores_TK", ranks);
+  require_same_length(w13, "w13", ranks);
+  require_same_length(w2, "w2", ranks);
+  std::vector<ForwardArgs> args;
+  args.reserve(ranks);
+  for (size_t r = 0; r < ranks; ++r) {
+    args.push_back(forward_args(x_TD[r], ids_TK[r], scores_TK[r], scores_dtype, w13[r], w13_layout, w2[r]));
+  }
+  return args;
+}
+
+void forward_ranks(Context& context, const Addresses& x_TD, const Addresses& ids_TK, const Addresses& scores_TK,
+                   const std::string& scores_dtype, const Addresses& w13, const std::string& w13_layout,
+                   const Addresses& w2, const Addresses& out_TD, uintptr_t stream) {
+  std::vector<ForwardArgs> args = forward_args_per_rank(x_TD, ids_TK, scores_TK, scores_dtype, w13, w13_layout, w2);
+  require_same_length(out_TD, "out_TD", args.size());
+  for (size_t r = 0; r < args.size(); ++r) args[r].out_TD = pointer<void>(out_TD[r]);
+  nb::gil_scoped_release release;
+  routed_experts_forward(context, args, pointer<CUstream_st>(stream));
+}
+
+void backward_ranks(Context& context, const Addresses& x_TD, const Addresses& ids_TK, const Addresses& scores_TK,
+                    const std::string& scores_dtype, const Addresses& w13, const std::string& w13_layout,
+                    const Addresses& w2, const Addresses& grad_out_TD, const Addresses& grad_x_TD,
+                    const Addresses& grad_scores_TK, const Addresses& grad_w13, const Addresses& grad_w2,
+                    bool accumulate_wgrad, uintptr_t stream) {
+  std::vector<ForwardArgs> forward = forward_args_per_rank(x_TD, ids_TK, scores_TK, scores_dtype, w13, w13_layout, w2);
+  const size_t ranks = forward.size();
+  require_same_length(grad_out_TD, "grad_out_TD", ranks);
+  require_same_length(grad_x_TD, "grad_x_TD", ranks);
+  require_same_length(grad_scores_TK, "grad_scores_TK", ranks);
+  require_same_length(grad_w13, "grad_w13", ranks);
+  require_same_length(grad_w2, "grad_w2", ranks);
+  std::vector<BackwardArgs> args(ranks);
+  for (size_t r = 0; r < ranks; ++r) {
+    args[r].forward = forward[r];
+    args[r].forward.out_TD = pointer<void>(grad_x_TD[r]);  // validated, never written (see backward())
+    args[r].grad_out_TD = pointer<const void>(grad_out_TD[r]);
+    args[r].grad_x_TD = pointer<void>(grad_x_TD[r]);
+    args[r].grad_scores_TK = pointer<void>(grad_scores_TK[r]);
+    args[r].grad_w13 = pointer<void>(grad_w13[r]);
+    args[r].grad_w2 = pointer<void>(grad_w2[r]);
+    args[r].accumulate_wgrad = accumulate_wgrad;
+  }
+  nb::gil_scoped_release release;
+  routed_experts_backward(context, args, pointer<CUstream_st>(stream));
+}
+
 void check(Context& context, uintptr_t stream) {
   nb::gil_scoped_release release;
   context.check(pointer<CUstream_st>(stream));
@@ -87,6 +156,15 @@ void bind_routed_experts(nb::module_& m) {
         "w13"_a, "w13_layout"_a, "w2"_a, "grad_out_TD"_a, "grad_x_TD"_a, "grad_scores_TK"_a, "grad_w13"_a,
         "grad_w2"_a, "accumulate_wgrad"_a, "stream"_a,
         "poise::routed_experts_backward on device addresses (integers) and a cudaStream_t (integer).");
+  m.def("routed_experts_forward_ranks", &forward_ranks, "context"_a, "x_TD"_a, "ids_TK"_a, "scores_TK"_a,
+        "scores_dtype"_a, "w13"_a, "w13_layout"_a, "w2"_a, "out_TD"_a, "stream"_a,
+        "poise::routed_experts_forward over the launch ranks of a virtual-ranks context: one address per rank "
+        "in each list.");
+  m.def("routed_experts_backward_ranks", &backward_ranks, "context"_a, "x_TD"_a, "ids_TK"_a, "scores_TK"_a,
+        "scores_dtype"_a, "w13"_a, "w13_layout"_a, "w2"_a, "grad_out_TD"_a, "grad_x_TD"_a, "grad_scores_TK"_a,
+        "grad_w13"_a, "grad_w2"_a, "accumulate_wgrad"_a, "stream"_a,
+        "poise::routed_experts_backward over the launch ranks of a virtual-ranks context: one address per rank "
+        "in each list.");
   m.def("context_check", &check, "context"_a, "stream"_a,
         "Context::check: waits for the stream, then raises DeviceError for a device-side fault of the last calls.");
 }
