@@ -46,7 +46,7 @@ struct GroupedRowAddress {
   int64_t first_row;  // grouped row of slab row 0
   int32_t valid;      // slab rows [0, valid) belong to the expert
   __device__ GroupedRowAddress(const TileInfo& tile, int consumer) {
-    const int32_t m0 = tile.slab_first(consumer);
+    const int32_t m0 = tile.m_block * kTileM + 64 * consumer;
     first_row = tile.row_begin + m0;
     valid = tile.row_count - m0;
   }
@@ -352,7 +352,7 @@ struct WgradStoreEpilogue {
   __device__ __forceinline__ void store(float (&d)[kBlockN / 2], const TileInfo& tile, int consumer,
                                         int thread, uint8_t* buf) const {
     const Fragment fr(thread);
-    const int32_t m0 = tile.slab_first(consumer);
+    const int32_t m0 = tile.m_block * kTileM + 64 * consumer;
     const int64_t first = int64_t(tile.expert) * M + m0;
     const int32_t valid = M - m0;
     if (out_fp32) {

@@ -77,13 +77,12 @@ GroupedGemmShape base_shape(const GroupedRows& rows) {
 
 int32_t ceil_div(int64_t a, int64_t b) { return static_cast<int32_t>((a + b - 1) / b); }
 
-template <RowsAre kRows, bool kBMnMajor, class Epilogue, bool kPingPong = false>
+template <RowsAre kRows, bool kBMnMajor, class Epilogue>
 void launch(const CUtensorMap& map_a, const CUtensorMap& map_b, const GroupedGemmShape& shape,
             const Epilogue& epilogue, cudaStream_t stream) {
   constexpr int kStages = kStagesFor<Epilogue>;
-  auto kernel = grouped_gemm_kernel<kBlockN, kStages, kRows, kBMnMajor, Epilogue, kPingPong>;
-  constexpr uint32_t smem =
-      GroupedGemmSmem<kBlockN, kStages, Epilogue::kStagingBuffers, kPingPong ? 64 : kTileM>::kTotalBytes;
+  auto kernel = grouped_gemm_kernel<kBlockN, kStages, kRows, kBMnMajor, Epilogue>;
+  constexpr uint32_t smem = GroupedGemmSmem<kBlockN, kStages, Epilogue::kStagingBuffers>::kTotalBytes;
   check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
              "cudaFuncSetAttribute(grouped_gemm_kernel)");
   kernel<<<sm_count(), kThreadsPerCta, smem, stream>>>(map_a, map_b, shape, epilogue);
@@ -216,13 +215,13 @@ void wgrad(const GroupedRows& rows, const void* a_RM, const char* a_name, int64_
   const CUtensorMap map_a = make_bf16_tensor_map(a_RM, rows.max_rows, M, 64, a_name);
   const CUtensorMap map_b = make_bf16_tensor_map(b_RN, rows.max_rows, N, 64, b_name);
   GroupedGemmShape s = base_shape(rows);
-  s.m_blocks = ceil_div(M, 64);  // ping-pong: 64-row tiles, one consumer warpgroup each
+  s.m_blocks = ceil_div(M, kTileM);
   s.n_blocks = ceil_div(N, kBlockN);
   const bool fp32 = out.dtype == DType::fp32;
   const WgradStoreEpilogue epi{make_store_tensor_map(out.grad_w, fp32, rows.num_experts * M, N, "grad_w"),
                                out.grad_w, static_cast<int32_t>(M), static_cast<int32_t>(N), fp32 ? 1 : 0,
                                out.accumulate ? 1 : 0};
-  launch<RowsAre::K, true, WgradStoreEpilogue, true>(map_a, map_b, s, epi, stream);
+  launch<RowsAre::K, true>(map_a, map_b, s, epi, stream);
 }
 
 }  // namespace

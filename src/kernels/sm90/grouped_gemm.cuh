@@ -37,9 +37,9 @@ inline constexpr int kConsumerWarps = 8;
 #endif
 inline constexpr int kWgmmaGroupsInFlight = POISE_WGMMA_GROUPS_IN_FLIGHT;
 
-template <int kBlockN, int kStages, int kStagingBuffers, int kTileRows = kTileM>
+template <int kBlockN, int kStages, int kStagingBuffers>
 struct GroupedGemmSmem {
-  static constexpr uint32_t kABytes = kTileRows * kTileK * 2;  // 16 KiB (8 KiB ping-pong)
+  static constexpr uint32_t kABytes = kTileM * kTileK * 2;   // 16 KiB
   static constexpr uint32_t kBBytes = kBlockN * kTileK * 2;  // 32 KiB at kBlockN = 256
   static constexpr uint32_t kStageBytes = kABytes + kBBytes;
   // Epilogue staging: kStagingBuffers buffers per consumer warpgroup (epilogue_staging.cuh).
@@ -53,38 +53,32 @@ struct GroupedGemmSmem {
 
 // Zeroes rows [valid_rows, 64) of every 64-row MN-major chunk of this stage (both operands).
 // Whole 128-byte rows are zeroed, so the swizzle (which permutes 16 B units within a row) is moot.
-// `threads` consumer threads (256: both warpgroups, barrier 1; 128: the owning warpgroup of a
-// ping-pong tile, its own barrier) take part; `thread` is the index among them.
-template <int kBlockN, int kTileRows>
-__device__ __forceinline__ void zero_k_tail(uint8_t* stage_a, uint8_t* stage_b, int valid_rows, int thread,
-                                            int threads, int barrier_id) {
-  constexpr int kChunks = kTileRows / 64 + kBlockN / 64;
+template <int kBlockN>
+__device__ __forceinline__ void zero_k_tail(uint8_t* stage_a, uint8_t* stage_b, int valid_rows,
+                                            int consumer_thread) {
+  constexpr int kChunks = kTileM / 64 + kBlockN / 64;
   const int tail_rows = kTileK - valid_rows;
   const int units = kChunks * tail_rows * 8;  // 16-byte units
-  for (int u = thread; u < units; u += threads) {
+  for (int u = consumer_thread; u < units; u += 128 * 2) {
     const int chunk = u / (tail_rows * 8);
     const int rem = u - chunk * tail_rows * 8;
     const int row = valid_rows + rem / 8;
     const int col16 = rem % 8;
-    uint8_t* base = chunk < kTileRows / 64 ? stage_a + chunk * ptx::kMnChunkBytes
-                                           : stage_b + (chunk - kTileRows / 64) * ptx::kMnChunkBytes;
+    uint8_t* base = chunk < kTileM / 64 ? stage_a + chunk * ptx::kMnChunkBytes
+                                        : stage_b + (chunk - kTileM / 64) * ptx::kMnChunkBytes;
     *reinterpret_cast<uint4*>(base + row * 128 + col16 * 16) = make_uint4(0, 0, 0, 0);
   }
   ptx::fence_async_shared();
-  ptx::named_barrier_sync(barrier_id, threads);
+  ptx::named_barrier_sync(1, 256);
 }
 
-// kPingPong (rows as K only): tiles are 64 rows tall and the two consumer warpgroups take turns,
-// one tile each, so one warpgroup's epilogue overlaps the other's wgmmas.
-template <int kBlockN, int kStages, RowsAre kRows, bool kBMnMajor, class Epilogue, bool kPingPong = false>
+template <int kBlockN, int kStages, RowsAre kRows, bool kBMnMajor, class Epilogue>
 __global__ void __launch_bounds__(kThreadsPerCta, 1)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
                         const __grid_constant__ CUtensorMap map_b, const GroupedGemmShape shape,
                         const __grid_constant__ Epilogue epilogue) {  // holds the output TMA maps
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  static_assert(!kPingPong || kRows == RowsAre::K, "ping-pong tiles are for rows as K");
-  constexpr int kTileRows = kPingPong ? 64 : kTileM;
-  using Smem = GroupedGemmSmem<kBlockN, kStages, Epilogue::kStagingBuffers, kTileRows>;
+  using Smem = GroupedGemmSmem<kBlockN, kStages, Epilogue::kStagingBuffers>;
   constexpr bool kAMnMajor = kRows == RowsAre::K;
   // With 3 stages, release each stage as soon as it is read (one more stage of TMA prefetch).
   constexpr int kInFlight = kStages >= 4 ? kWgmmaGroupsInFlight : 0;
@@ -105,11 +99,11 @@ __global__ void __launch_bounds__(kThreadsPerCta, 1)
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
       ptx::mbarrier_init(&full_bar[s], 1);
-      ptx::mbarrier_init(&empty_bar[s], kPingPong ? kConsumerWarps / 2 : kConsumerWarps);
+      ptx::mbarrier_init(&empty_bar[s], kConsumerWarps);
     }
     ptx::fence_barrier_init();
   }
-  const auto scheduler = TileScheduler<kRows, kTileRows>::build(sched_storage, shape);  // syncs the CTA
+  const auto scheduler = TileScheduler<kRows>::build(sched_storage, shape);  // syncs the CTA
 
   if (warpgroup == 0) {
     // ---------------- TMA producer ----------------
@@ -147,9 +141,9 @@ __global__ void __launch_bounds__(kThreadsPerCta, 1)
           } else {
             const int32_t r0 = tile.row_begin + kb * kTileK;
 #pragma unroll
-            for (int j = 0; j < kTileRows / 64; ++j)
+            for (int j = 0; j < kTileM / 64; ++j)
               ptx::tma_load_2d(stage_a(s) + j * ptx::kMnChunkBytes, &map_a,
-                               tile.m_first + 64 * j, r0, &full_bar[s]);
+                               tile.m_block * kTileM + 64 * j, r0, &full_bar[s]);
 #pragma unroll
             for (int j = 0; j < kBlockN / 64; ++j)
               ptx::tma_load_2d(stage_b(s) + j * ptx::kMnChunkBytes, &map_b,
@@ -165,14 +159,9 @@ __global__ void __launch_bounds__(kThreadsPerCta, 1)
     const int consumer_thread = threadIdx.x - 128;
     float acc[kBlockN / 2];
     uint32_t it = 0;
-    int32_t turn = 0;
-    for (int32_t t = blockIdx.x; t < scheduler.total_tiles; t += gridDim.x, ++turn) {
+    for (int32_t t = blockIdx.x; t < scheduler.total_tiles; t += gridDim.x) {
       const TileInfo tile = scheduler.tile(t);
       const int32_t k_blocks = scheduler.k_blocks(tile);
-      if (kPingPong && (turn & 1) != consumer) {  // the other warpgroup's tile: skip its stages
-        it += k_blocks;
-        continue;
-      }
       uint8_t* staging = smem + Smem::kStagingOffset + consumer * Smem::kStagingPerConsumer;
       epilogue.template begin_tile<kBlockN>(tile, consumer, consumer_thread % 128, staging);
 #pragma unroll
@@ -183,17 +172,11 @@ __global__ void __launch_bounds__(kThreadsPerCta, 1)
         ptx::mbarrier_wait(&full_bar[s], (it / kStages) & 1);
         if constexpr (kRows == RowsAre::K) {
           const int valid = tile.row_count - kb * kTileK;
-          if (valid < kTileK) {
-            if constexpr (kPingPong)
-              zero_k_tail<kBlockN, kTileRows>(stage_a(s), stage_b(s), valid, consumer_thread % 128, 128, 4 + consumer);
-            else
-              zero_k_tail<kBlockN, kTileRows>(stage_a(s), stage_b(s), valid, consumer_thread, 256, 1);
-          }
+          if (valid < kTileK) zero_k_tail<kBlockN>(stage_a(s), stage_b(s), valid, consumer_thread);
         }
         // A: this warpgroup's 64 rows; K-major rows are 128 B, MN-major chunks are 64 M wide.
-        const int a_slab = kPingPong ? 0 : consumer;
-        const uint64_t desc_a = kAMnMajor ? ptx::make_mn_major_desc(stage_a(s) + a_slab * ptx::kMnChunkBytes)
-                                          : ptx::make_k_major_desc(stage_a(s) + a_slab * 64 * 128);
+        const uint64_t desc_a = kAMnMajor ? ptx::make_mn_major_desc(stage_a(s) + consumer * ptx::kMnChunkBytes)
+                                          : ptx::make_k_major_desc(stage_a(s) + consumer * 64 * 128);
         const uint64_t desc_b = kBMnMajor ? ptx::make_mn_major_desc(stage_b(s))
                                           : ptx::make_k_major_desc(stage_b(s));
         ptx::fence_accumulators(acc);

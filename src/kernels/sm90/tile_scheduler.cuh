@@ -37,12 +37,8 @@ struct TileInfo {
   int32_t expert;
   int32_t m_block;
   int32_t n_block;
-  int32_t row_begin;    // first row of the expert in the grouped buffers
-  int32_t row_count;    // rows of the expert
-  int32_t m_first;      // first M index of the tile (rows as M: row within the expert)
-  int32_t slab_stride;  // 64 when the two consumers split the tile's rows, 0 when one owns it
-  // First M index of the 64-row slab a consumer warpgroup stores.
-  __device__ int32_t slab_first(int consumer) const { return m_first + slab_stride * consumer; }
+  int32_t row_begin;  // first row of the expert in the grouped buffers
+  int32_t row_count;  // rows of the expert
 };
 
 struct SchedulerStorage {
@@ -50,8 +46,7 @@ struct SchedulerStorage {
   int2 rows[kMaxExperts];                // (offset, count) per expert
 };
 
-// kTileRows: 128 (two consumers share a tile) or 64 (rows as K, ping-pong: one consumer per tile).
-template <RowsAre kRows, int kTileRows = kTileM>
+template <RowsAre kRows>
 struct TileScheduler {
   const SchedulerStorage* storage;
   GroupedGemmShape shape;
@@ -104,8 +99,6 @@ struct TileScheduler {
       info.n_block = local / m_blocks;
       info.row_begin = rows.x;
       info.row_count = rows.y;
-      info.m_first = info.m_block * kTileM;
-      info.slab_stride = 64;
     } else {
       const int32_t per_expert = shape.m_blocks * shape.n_blocks;
       const int32_t e = t / per_expert;
@@ -116,8 +109,6 @@ struct TileScheduler {
       info.n_block = local / shape.m_blocks;
       info.row_begin = rows.x;
       info.row_count = rows.y;
-      info.m_first = info.m_block * kTileRows;
-      info.slab_stride = kTileRows == 128 ? 64 : 0;
     }
     return info;
   }
