@@ -12,6 +12,10 @@
 //   rows as K (wgrad): A = grouped rows [R][M], MN-major; B = grouped rows [R][N], MN-major.
 //     Rows of a K block past the expert's count are zeroed in shared memory before the wgmma
 //     (they hold padding or the next expert's rows), so they never contribute.
+//
+// Both consumers read every stage in ring order, so neither waits on a stage more than one phase
+// ahead of its barrier: mbarrier parity waits cannot tell phase p from p + 2. (A ping-pong variant
+// where each warpgroup skips the other's tiles broke exactly this and hung: see performance.md v8.)
 #pragma once
 
 #include <cuda.h>
