@@ -142,7 +142,7 @@ std::string MemoryPlan::explain() const {
                   human_bytes(activation_slot_min_bytes).c_str(), human_bytes(activation_slot_full_save_bytes).c_str(),
                   human_bytes(activation_slot_max_useful_bytes).c_str());
     row("activation slot (each)", activation_slot_bytes, line);
-    row("activation slots (all)", activation_slots_total_bytes, "rows beyond a slot's room are recomputed in backward");
+    row("activation slots (all)", activation_slots_total_bytes, "x rows + h13 per row (recompute beyond a slot: not yet)");
   }
   row("device scratch", device_scratch_bytes, c.inference ? "device rows x (3F+D) x 2" : "device rows x (5F+D) x 2");
   row("host overflow scratch", host_overflow_scratch_bytes, "host-backed (VMM) rows beyond the device rows");
