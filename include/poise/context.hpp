@@ -21,6 +21,8 @@
 
 // Keeps this header free of CUDA headers: cudaStream_t is a pointer to this opaque struct.
 struct CUstream_st;
+// NCCL's communicator (ncclComm_t == ncclComm*), opaque here: see poise/nccl.hpp.
+struct ncclComm;
 
 namespace poise {
 
@@ -70,6 +72,10 @@ class Context {
   // one argument set per rank. Allocates now (needs an SM90 GPU).
   static std::unique_ptr<Context> create_virtual_ranks(const Config& config, int64_t ep_size,
                                                        const ContextOptions& options = {});
+  // One rank per process over an NCCL communicator (ep_size and rank are the communicator's).
+  // Declared in poise/nccl.hpp's library poise_nccl; include poise/nccl.hpp to use it.
+  static std::unique_ptr<Context> create_from_nccl(const Config& config, ncclComm* comm,
+                                                   const ContextOptions& options = {});
   ~Context();
 
   const ContextOptions& options() const;
@@ -93,6 +99,7 @@ class Context {
   Context(const Config& config, int64_t ep_size, int64_t rank, const ContextOptions& options);
   struct State;
   std::unique_ptr<State> state_;
+  friend struct ContextAccess;  // src/moe/context_internal.hpp: contexts whose pipeline is built elsewhere
   friend void routed_experts_forward(Context&, std::span<const ForwardArgs>, Stream);
   friend void routed_experts_backward(Context&, std::span<const BackwardArgs>, Stream);
 };

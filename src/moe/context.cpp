@@ -5,6 +5,7 @@
 #include <string>
 
 #include "kernels/device_info.hpp"
+#include "moe/context_internal.hpp"
 #include "moe/ep/staged_pipeline.hpp"
 #include "poise/errors.hpp"
 
@@ -17,6 +18,7 @@ struct Context::State {
   int64_t launch_ranks = 1;
   bool closed = false;
   std::unique_ptr<ep::StagedPipeline> pipeline;  // GPU resources; created on first use for create()
+  std::shared_ptr<void> release_after_pipeline;  // e.g. an owned communicator (ContextAccess)
 };
 
 std::unique_ptr<Context> Context::create(const Config& config, int64_t ep_size, int64_t rank,
@@ -48,6 +50,19 @@ std::unique_ptr<Context> Context::create_virtual_ranks(const Config& config, int
   }
   context->state_->pipeline = ep::StagedPipeline::create_virtual(config, ep_size, pipeline_options(*context));
   return context;
+}
+
+std::unique_ptr<Context> ContextAccess::with_pipeline(const Config& config, int64_t ep_size, int64_t rank,
+                                                      const ContextOptions& options,
+                                                      const MakePipeline& make_pipeline) {
+  std::unique_ptr<Context> context = Context::create(config, ep_size, rank, options);
+  context->state_->pipeline = make_pipeline(pipeline_options(*context));
+  if (!context->state_->pipeline) throw DeviceError("Context: the pipeline factory returned no pipeline");
+  return context;
+}
+
+void ContextAccess::release_after_pipeline(Context& context, std::shared_ptr<void> resource) {
+  context.state_->release_after_pipeline = std::move(resource);
 }
 
 Context::Context(const Config& config, int64_t ep_size, int64_t rank, const ContextOptions& options)
@@ -89,6 +104,7 @@ void Context::check(Stream stream) {
 
 void Context::close() {
   state_->pipeline.reset();
+  state_->release_after_pipeline.reset();  // after the pipeline: it may hold a window on it
   state_->closed = true;
 }
 
