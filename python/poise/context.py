@@ -108,11 +108,13 @@ class Context:
         return self._activation_slot
 
     def select_activation_slot(self, slot: int, num_moe_layers_in_slot: int = 1) -> None:
-        """Makes the next forwards save what backward needs into ``slot``, shared by that many layers.
+        """Validates and records an activation-slot selection: ``slot``, shared by that many layers.
 
-        Each of the ``num_moe_layers_in_slot`` layers gets an equal share of the slot's room; what
-        does not fit is recomputed in backward. In this build the selection is validated and recorded
-        only: the CPU reference keeps everything, and the C++ Context has no slot selection yet.
+        Bookkeeping only in this build: nothing reads the selection. The GPU pipeline keeps what
+        backward needs (layout, x rows, h13, SwiGLU output of every received row) for its latest
+        forward only, in buffers of its own; a backward of an older forward relaunches that forward
+        (decided on the host). Per-slot capacity and a device-side recompute predicate are missing
+        (docs/pytorch.md, "Activation slots: what this build does").
         """
         self._require_open()
         config = self._cpp.config
