@@ -243,5 +243,10 @@ def create_context(
         if rank is not None and as_index("rank", rank) != group_rank:
             raise InvalidArgument("rank", f"is {rank} but this process is rank {group_rank} of the group")
         ep_size, rank = group_size, group_rank
-    return Context(config, ep_size=1 if ep_size is None else ep_size, rank=0 if rank is None else rank,
-                   device=device, group=group)
+    context = Context(config, ep_size=1 if ep_size is None else ep_size, rank=0 if rank is None else rank,
+                      device=device, group=group)
+    if group is not None and context.device != "cpu":  # one process per GPU: NCCL (needs libnccl)
+        from .nccl_context import attach_nccl_communicator
+
+        attach_nccl_communicator(context, group)
+    return context
