@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 from . import _poise
 from .config import Config, from_cpp, to_cpp
-from .errors import InvalidArgument, as_index
+from .errors import DeviceError, InvalidArgument, as_index
 from .plan import MemoryPlan, plan_from_cpp
 
 # Live contexts by handle: the torch ops carry the handle (an int), not the object.
@@ -179,6 +179,9 @@ def _create_virtual_ranks_on_gpu(config: Config, ep_size: int, device: str) -> t
     live there). Returns ('cuda:N', the C++ Context)."""
     import torch  # a CUDA context is only used from PyTorch
 
+    if not torch.cuda.is_available():
+        raise DeviceError(f"create_context(virtual_ranks=True, device={device!r}): no CUDA device; "
+                          "device='cpu' runs the same virtual ranks on the reference engine")
     index = int(device.partition(":")[2]) if ":" in device else torch.cuda.current_device()
     with torch.cuda.device(index):
         return f"cuda:{index}", _poise.Context.create_virtual_ranks(to_cpp(config), ep_size)

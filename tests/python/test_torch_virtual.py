@@ -163,3 +163,9 @@ def test_create_context_arguments():
     with pytest.raises(poise.InvalidArgument) as error:  # 8 experts over 3 ranks
         poise.create_context(config=CONFIG, device="cpu", ep_size=3, virtual_ranks=True)
     assert error.value.name in ("num_experts", "ep_size")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without a CUDA device")
+def test_cuda_virtual_ranks_without_a_device_is_a_device_error():
+    with pytest.raises(poise.DeviceError, match="no CUDA device"):
+        poise.create_context(config=CONFIG, device="cuda", ep_size=2, virtual_ranks=True)
