@@ -214,6 +214,49 @@ def test_virtual_ranks_raw_binding_writes_every_poisoned_output():
             assert relative_error(got, want_grads[r][name].reshape(got.shape)) < TOLERANCE, (r, name)
 
 
+def test_virtual_ranks_cuda_graph_replays_new_routings():
+    """A captured forward+backward over 4 virtual ranks replays for routings it never saw."""
+    ep_size = 4
+    device = torch.device("cuda", torch.cuda.current_device())
+    generated = reference.random_inputs(CONFIG, ep_size, seed=40)
+    static = [{n: generated[n][r].to(device).requires_grad_(n != "ids_TK") for n in NAMES} for r in range(ep_size)]
+    grad_out = [torch.randn(CONFIG.num_local_input_tokens, CONFIG.hidden_dim, device=device).bfloat16()
+                for _ in range(ep_size)]
+    leaves = [inputs[n] for inputs in static for n in ("x_TD", "scores_TK", "w13", "w2")]
+    with poise.create_context(config=CONFIG, device=device, ep_size=ep_size, virtual_ranks=True) as context:
+        def step():
+            outs = poise.routed_experts_virtual(*[[inputs[n] for inputs in static] for n in NAMES], context)
+            torch.autograd.backward(outs, grad_out)
+            return outs
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            step()
+        torch.cuda.current_stream().wait_stream(side)
+        for t in leaves:
+            t.grad = None
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_outs = step()
+        for seed, routing in ((41, "one_expert"), (42, "uniform")):
+            fresh = reference.random_inputs(CONFIG, ep_size, seed=seed, routing=routing)
+            with torch.no_grad():
+                for r, inputs in enumerate(static):
+                    for name in ("x_TD", "ids_TK", "scores_TK"):
+                        inputs[name].copy_(fresh[name][r])
+                for t in leaves:
+                    t.grad.fill_(float("nan"))  # the replay overwrites (grads created in the capture)
+            graph.replay()
+            context.check()
+            want_outs, want_grads = reference_virtual(CONFIG, static, grad_out)
+            for r in range(ep_size):
+                assert relative_error(static_outs[r], want_outs[r]) < TOLERANCE, (routing, r)
+                for name in ("x_TD", "scores_TK", "w13", "w2"):
+                    got = static[r][name].grad
+                    assert relative_error(got, want_grads[r][name].reshape(got.shape)) < TOLERANCE, (routing, r, name)
+
+
 def test_train_moe_under_torchrun_one_process(repo_root):
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
                "examples/train_moe.py", "--device", "cuda", "--steps", "3"]
