@@ -92,6 +92,28 @@ void launch(const CUtensorMap& map_a, const CUtensorMap& map_b, const GroupedGem
 __nv_bfloat16* bf16(void* p) { return static_cast<__nv_bfloat16*>(p); }
 const __nv_bfloat16* bf16(const void* p) { return static_cast<const __nv_bfloat16*>(p); }
 
+// Fprop and dgrad GEMMs run over the routed rows: A = [R][K] rows (read in kTileM-row boxes),
+// B = E weight blocks of b_rows_per_expert rows each, N output columns in n_tile-wide tiles.
+CUtensorMap rows_operand_map(const void* a_RK, const GroupedRows& rows, int64_t K, const char* name) {
+  return make_bf16_tensor_map(a_RK, rows.max_rows, K, kTileM, name);
+}
+
+GroupedGemmShape rows_gemm_shape(const GroupedRows& rows, int64_t K, int64_t b_rows_per_expert, int64_t N,
+                                 int64_t n_tile) {
+  GroupedGemmShape s = base_shape(rows);
+  s.k_blocks = static_cast<int32_t>(K / kTileK);
+  s.n_blocks = ceil_div(N, n_tile);
+  s.b_rows_per_expert = static_cast<int32_t>(b_rows_per_expert);
+  return s;
+}
+
+// Rows output [R][N] (bf16), optionally scaled by a per-row score.
+RowsStoreEpilogue rows_store_epilogue(void* out_RN, const char* name, const float* scores_R,
+                                      const GroupedRows& rows, int64_t N) {
+  return RowsStoreEpilogue{make_store_tensor_map(out_RN, false, rows.max_rows, N, name),
+                           bf16(out_RN), scores_R, static_cast<int32_t>(N)};
+}
+
 }  // namespace
 
 void expert_mlp_fprop_w13(const GroupedRows& rows, const ExpertMlpShape& shape,
@@ -103,25 +125,24 @@ void expert_mlp_fprop_w13(const GroupedRows& rows, const ExpertMlpShape& shape,
   if (rows.max_rows == 0) return;
   const int64_t D = shape.hidden_dim, F = shape.intermediate_dim, E = rows.num_experts;
   const bool blocked = shape.w13_layout == W13Layout::gate_up_blocked;
-  const CUtensorMap map_a = make_bf16_tensor_map(args.x_RD, rows.max_rows, D, kTileM, "x_RD");
+  const CUtensorMap map_a = rows_operand_map(args.x_RD, rows, D, "x_RD");
   const CUtensorMap map_b =
       make_bf16_tensor_map(args.w13_E2FD, E * 2 * F, D, blocked ? kBlockN / 2 : kBlockN, "w13_E2FD");
-  GroupedGemmShape s = base_shape(rows);
-  s.k_blocks = static_cast<int32_t>(D / kTileK);
-  s.n_blocks = ceil_div(F, kBlockN / 2);
-  s.b_rows_per_expert = static_cast<int32_t>(2 * F);
+  GroupedGemmShape s = rows_gemm_shape(rows, D, 2 * F, F, kBlockN / 2);
   s.b_split_rows = blocked ? static_cast<int32_t>(F) : 0;
   const CUtensorMap a_map = make_store_tensor_map(args.a_RF, false, rows.max_rows, F, "a_RF");
   const CUtensorMap h13_map = make_store_tensor_map(args.h13_R2F, false, rows.max_rows, 2 * F, "h13_R2F");
-  if (blocked) {
-    const SwigluFpropEpilogue<false> epi{a_map, h13_map, bf16(args.a_RF), bf16(args.h13_R2F),
-                                         static_cast<int32_t>(F), activation_params(shape)};
+  auto run = [&](auto epi) {
+    epi.a_map = a_map;
+    epi.h13_map = h13_map;
+    epi.a_RF = bf16(args.a_RF);
+    epi.h13_R2F = bf16(args.h13_R2F);
+    epi.F = static_cast<int32_t>(F);
+    epi.act = activation_params(shape);
     launch<RowsAre::M, false>(map_a, map_b, s, epi, stream);
-  } else {
-    const SwigluFpropEpilogue<true> epi{a_map, h13_map, bf16(args.a_RF), bf16(args.h13_R2F),
-                                        static_cast<int32_t>(F), activation_params(shape)};
-    launch<RowsAre::M, false>(map_a, map_b, s, epi, stream);
-  }
+  };
+  if (blocked) run(SwigluFpropEpilogue<false>{});
+  else run(SwigluFpropEpilogue<true>{});
 }
 
 void expert_mlp_fprop_w2(const GroupedRows& rows, const ExpertMlpShape& shape,
@@ -132,15 +153,11 @@ void expert_mlp_fprop_w2(const GroupedRows& rows, const ExpertMlpShape& shape,
   require_ptr(args.y_RD, "y_RD");
   if (rows.max_rows == 0) return;
   const int64_t D = shape.hidden_dim, F = shape.intermediate_dim, E = rows.num_experts;
-  const CUtensorMap map_a = make_bf16_tensor_map(args.a_RF, rows.max_rows, F, kTileM, "a_RF");
+  const CUtensorMap map_a = rows_operand_map(args.a_RF, rows, F, "a_RF");
   const CUtensorMap map_b = make_bf16_tensor_map(args.w2_EDF, E * D, F, kBlockN, "w2_EDF");
-  GroupedGemmShape s = base_shape(rows);
-  s.k_blocks = static_cast<int32_t>(F / kTileK);
-  s.n_blocks = ceil_div(D, kBlockN);
-  s.b_rows_per_expert = static_cast<int32_t>(D);
-  const RowsStoreEpilogue epi{make_store_tensor_map(args.y_RD, false, rows.max_rows, D, "y_RD"), bf16(args.y_RD),
-                              args.scores_R, static_cast<int32_t>(D)};
-  launch<RowsAre::M, false>(map_a, map_b, s, epi, stream);
+  const GroupedGemmShape s = rows_gemm_shape(rows, F, D, D, kBlockN);
+  launch<RowsAre::M, false>(map_a, map_b, s, rows_store_epilogue(args.y_RD, "y_RD", args.scores_R, rows, D),
+                            stream);
 }
 
 void expert_mlp_dgrad_w2(const GroupedRows& rows, const ExpertMlpShape& shape,
@@ -152,13 +169,10 @@ void expert_mlp_dgrad_w2(const GroupedRows& rows, const ExpertMlpShape& shape,
   require_ptr(args.grad_h13_R2F, "grad_h13_R2F");
   if (rows.max_rows == 0) return;
   const int64_t D = shape.hidden_dim, F = shape.intermediate_dim, E = rows.num_experts;
-  const CUtensorMap map_a = make_bf16_tensor_map(args.grad_y_RD, rows.max_rows, D, kTileM, "grad_y_RD");
+  const CUtensorMap map_a = rows_operand_map(args.grad_y_RD, rows, D, "grad_y_RD");
   // W2[e] is [D][F]: K = D rows, N = F contiguous -> MN-major B, 64 x 64 boxes.
   const CUtensorMap map_b = make_bf16_tensor_map(args.w2_EDF, E * D, F, 64, "w2_EDF");
-  GroupedGemmShape s = base_shape(rows);
-  s.k_blocks = static_cast<int32_t>(D / kTileK);
-  s.n_blocks = ceil_div(F, kBlockN);
-  s.b_rows_per_expert = static_cast<int32_t>(D);
+  const GroupedGemmShape s = rows_gemm_shape(rows, D, D, F, kBlockN);
   auto run = [&](auto epi) {
     epi.grad_h13_map = make_store_tensor_map(args.grad_h13_R2F, false, rows.max_rows, 2 * F, "grad_h13_R2F");
     epi.a_map = make_store_tensor_map(args.a_RF, false, rows.max_rows, F, "a_RF");
@@ -183,17 +197,12 @@ void expert_mlp_dgrad_w13(const GroupedRows& rows, const ExpertMlpShape& shape,
   require_ptr(args.grad_x_RD, "grad_x_RD");
   if (rows.max_rows == 0) return;
   const int64_t D = shape.hidden_dim, F = shape.intermediate_dim, E = rows.num_experts;
-  const CUtensorMap map_a =
-      make_bf16_tensor_map(args.grad_h13_R2F, rows.max_rows, 2 * F, kTileM, "grad_h13_R2F");
+  const CUtensorMap map_a = rows_operand_map(args.grad_h13_R2F, rows, 2 * F, "grad_h13_R2F");
   // W13[e] is [2F][D]: K = 2F rows, N = D contiguous -> MN-major B.
   const CUtensorMap map_b = make_bf16_tensor_map(args.w13_E2FD, E * 2 * F, D, 64, "w13_E2FD");
-  GroupedGemmShape s = base_shape(rows);
-  s.k_blocks = static_cast<int32_t>(2 * F / kTileK);
-  s.n_blocks = ceil_div(D, kBlockN);
-  s.b_rows_per_expert = static_cast<int32_t>(2 * F);
-  const RowsStoreEpilogue epi{make_store_tensor_map(args.grad_x_RD, false, rows.max_rows, D, "grad_x_RD"),
-                              bf16(args.grad_x_RD), nullptr, static_cast<int32_t>(D)};
-  launch<RowsAre::M, true>(map_a, map_b, s, epi, stream);
+  const GroupedGemmShape s = rows_gemm_shape(rows, 2 * F, 2 * F, D, kBlockN);
+  launch<RowsAre::M, true>(map_a, map_b, s, rows_store_epilogue(args.grad_x_RD, "grad_x_RD", nullptr, rows, D),
+                           stream);
 }
 
 namespace {
