@@ -82,20 +82,26 @@ sm90::ExpertMlpShape sm90_shape(const EpLaunch& l) {
   return shape;
 }
 
-void sm90_forward(const EpLaunch& l, const LaunchIo& io, cudaStream_t stream) {
-  const sm90::ExpertMlpShape shape = sm90_shape(l);
+// The SM90 kernels run per rank: fn(slot, rank scratch, group range, its rows) for every launched
+// rank and each of its group ranges, rank by rank, own experts before replicas.
+template <class Fn>
+void for_each_rank_range(const EpLaunch& l, Fn&& fn) {
   GroupRange ranges[2];
   const int n = group_ranges(l, ranges);
   for (int s = 0; s < l.launch_ranks; ++s) {
     const RankScratch& rs = l.scratch.rank[s];
-    for (int i = 0; i < n; ++i) {
-      const sm90::GroupedRows rows = sm90_rows(l, s, ranges[i]);
-      sm90::expert_mlp_fprop_w13(rows, shape,
-                                 {workspace_rows(l, s, l.ws.recv_x), w13_of(l, io, s, ranges[i]), rs.a_RF, rs.h13_R2F},
-                                 stream);
-      sm90::expert_mlp_fprop_w2(rows, shape, {rs.a_RF, w2_of(l, io, s, ranges[i]), nullptr, rs.rows_out_RD}, stream);
-    }
+    for (int i = 0; i < n; ++i) fn(s, rs, ranges[i], sm90_rows(l, s, ranges[i]));
   }
+}
+
+void sm90_forward(const EpLaunch& l, const LaunchIo& io, cudaStream_t stream) {
+  const sm90::ExpertMlpShape shape = sm90_shape(l);
+  for_each_rank_range(l, [&](int s, const RankScratch& rs, const GroupRange& range, const sm90::GroupedRows& rows) {
+    sm90::expert_mlp_fprop_w13(rows, shape,
+                               {workspace_rows(l, s, l.ws.recv_x), w13_of(l, io, s, range), rs.a_RF, rs.h13_R2F},
+                               stream);
+    sm90::expert_mlp_fprop_w2(rows, shape, {rs.a_RF, w2_of(l, io, s, range), nullptr, rs.rows_out_RD}, stream);
+  });
 }
 
 // grad_y rows arrive already score-scaled (fanout_scale), so the SM90 kernels run with no scores:
@@ -103,27 +109,20 @@ void sm90_forward(const EpLaunch& l, const LaunchIo& io, cudaStream_t stream) {
 // gradients are always overwritten (the owners accumulate them).
 void sm90_backward(const EpLaunch& l, const LaunchIo& io, bool accumulate, cudaStream_t stream) {
   const sm90::ExpertMlpShape shape = sm90_shape(l);
-  GroupRange ranges[2];
-  const int n = group_ranges(l, ranges);
-  for (int s = 0; s < l.launch_ranks; ++s) {
-    const RankScratch& rs = l.scratch.rank[s];
-    for (int i = 0; i < n; ++i) {
-      const GroupRange& range = ranges[i];
-      const sm90::GroupedRows rows = sm90_rows(l, s, range);
-      const bool acc = accumulate && !range.replicas;
-      sm90::DgradW2Args dgrad_w2;
-      dgrad_w2.grad_y_RD = rs.grad_y_RD;
-      dgrad_w2.w2_EDF = w2_of(l, io, s, range);
-      dgrad_w2.h13_R2F = rs.h13_R2F;
-      dgrad_w2.grad_h13_R2F = rs.grad_h13_R2F;
-      sm90::expert_mlp_dgrad_w2(rows, shape, dgrad_w2, stream);
-      sm90::expert_mlp_dgrad_w13(rows, shape, {rs.grad_h13_R2F, w13_of(l, io, s, range), rs.rows_out_RD}, stream);
-      sm90::expert_mlp_wgrad_w2(rows, shape, rs.grad_y_RD, rs.a_RF, {grad_w2_of(l, io, s, range), DType::fp32, acc},
-                                stream);
-      sm90::expert_mlp_wgrad_w13(rows, shape, rs.grad_h13_R2F, workspace_rows(l, s, l.ws.recv_x),
-                                 {grad_w13_of(l, io, s, range), DType::fp32, acc}, stream);
-    }
-  }
+  for_each_rank_range(l, [&](int s, const RankScratch& rs, const GroupRange& range, const sm90::GroupedRows& rows) {
+    const bool acc = accumulate && !range.replicas;
+    sm90::DgradW2Args dgrad_w2;
+    dgrad_w2.grad_y_RD = rs.grad_y_RD;
+    dgrad_w2.w2_EDF = w2_of(l, io, s, range);
+    dgrad_w2.h13_R2F = rs.h13_R2F;
+    dgrad_w2.grad_h13_R2F = rs.grad_h13_R2F;
+    sm90::expert_mlp_dgrad_w2(rows, shape, dgrad_w2, stream);
+    sm90::expert_mlp_dgrad_w13(rows, shape, {rs.grad_h13_R2F, w13_of(l, io, s, range), rs.rows_out_RD}, stream);
+    sm90::expert_mlp_wgrad_w2(rows, shape, rs.grad_y_RD, rs.a_RF, {grad_w2_of(l, io, s, range), DType::fp32, acc},
+                              stream);
+    sm90::expert_mlp_wgrad_w13(rows, shape, rs.grad_h13_R2F, workspace_rows(l, s, l.ws.recv_x),
+                               {grad_w13_of(l, io, s, range), DType::fp32, acc}, stream);
+  });
 }
 
 }  // namespace
