@@ -7,6 +7,7 @@
 #include "comm/cuda_check.hpp"
 #include "kernels/ep/data_path.hpp"
 #include "kernels/ep/rank_view.cuh"
+#include "kernels/ep/warp_rows.cuh"
 
 namespace poise::ep {
 namespace {
@@ -14,14 +15,11 @@ namespace {
 using comm::PeerTable;
 using comm::Phase;
 
-constexpr int kWarps = 8;
-constexpr int kThreads = kWarps * 32;
-
 template <bool kBackward>
 __global__ void __launch_bounds__(kThreads) combine_push_kernel(const PeerTable* tables, EpDims dims,
                                                                 WorkspaceOffsets ws, LaunchScratch scratch,
                                                                 int blocks_per_rank) {
-  const int slot = blockIdx.x / blocks_per_rank;
+  const int slot = rank_slot(blocks_per_rank);
   const PeerTable& pt = tables[slot];
   if (!comm::rank_failed(pt)) {
     const RankScratch& rs = scratch.rank[slot];
@@ -30,16 +28,13 @@ __global__ void __launch_bounds__(kThreads) combine_push_kernel(const PeerTable*
     const size_t row_bytes = static_cast<size_t>(dims.D) * sizeof(bf16);
     const int TK = dims.T * dims.K;
     const int lane = threadIdx.x % 32;
-    const int rows_used = rs.group_offsets[dims.groups];
-    for (int r = (blockIdx.x % blocks_per_rank) * kWarps + threadIdx.x / 32; r < rows_used;
-         r += blocks_per_rank * kWarps) {
-      if (!row_in_use(rs, dims.groups, r)) continue;
+    for_each_row_in_use(rs, dims.groups, blocks_per_rank, [&](int r) {
       const int origin = row_origin[r];
       const int owner = origin / TK;
       const size_t entry = origin % TK;
       char* dst = comm::peer_ptr<char>(pt, owner, ws.combine) + entry * row_bytes;
       comm::warp_copy_16B(dst, rows + static_cast<size_t>(r) * row_bytes, row_bytes, lane);
-    }
+    });
   }
   comm::arrive_then_barrier(pt, blocks_per_rank, kBackward ? Phase::combine_backward : Phase::combine);
 }
@@ -49,7 +44,7 @@ template <bool kWeighted>
 __global__ void __launch_bounds__(kThreads) combine_reduce_kernel(const PeerTable* tables, EpDims dims,
                                                                   WorkspaceOffsets ws, LaunchIo io,
                                                                   int blocks_per_rank) {
-  const int slot = blockIdx.x / blocks_per_rank;
+  const int slot = rank_slot(blocks_per_rank);
   const PeerTable& pt = tables[slot];
   if (comm::rank_failed(pt)) return;
   const RankIo& rio = io.rank[slot];
@@ -76,7 +71,7 @@ __global__ void __launch_bounds__(kThreads) combine_reduce_kernel(const PeerTabl
 __global__ void __launch_bounds__(kThreads) grad_scores_kernel(const PeerTable* tables, EpDims dims,
                                                                WorkspaceOffsets ws, LaunchIo io,
                                                                int blocks_per_rank) {
-  const int slot = blockIdx.x / blocks_per_rank;
+  const int slot = rank_slot(blocks_per_rank);
   const PeerTable& pt = tables[slot];
   if (comm::rank_failed(pt)) return;
   const RankIo& rio = io.rank[slot];
@@ -85,8 +80,7 @@ __global__ void __launch_bounds__(kThreads) grad_scores_kernel(const PeerTable* 
   const int vecs = dims.D / 8;
   const int lane = threadIdx.x % 32;
   const int TK = dims.T * dims.K;
-  for (int entry = (blockIdx.x % blocks_per_rank) * kWarps + threadIdx.x / 32; entry < TK;
-       entry += blocks_per_rank * kWarps) {
+  for (int entry = first_warp_item(blocks_per_rank); entry < TK; entry += warp_item_stride(blocks_per_rank)) {
     const size_t t = entry / dims.K;
     float sum = 0.0f;
     for (int v = lane; v < vecs; v += 32) {
@@ -108,21 +102,20 @@ int local_blocks(const EpLaunch& l, size_t work_items, int items_per_block) {
   return static_cast<int>(want < 1 ? 1 : (want < cap ? want : cap));
 }
 
+template <bool kBackward>
+void launch_push(const EpLaunch& l, cudaStream_t stream) {
+  const int work_blocks = (l.dims.capacity_rows + kWarps - 1) / kWarps;
+  const int blocks = persistent_blocks_per_rank(
+      l, reinterpret_cast<const void*>(&combine_push_kernel<kBackward>), kThreads, work_blocks);
+  combine_push_kernel<kBackward><<<l.launch_ranks * blocks, kThreads, 0, stream>>>(l.tables, l.dims, l.ws,
+                                                                                  l.scratch, blocks);
+}
+
 }  // namespace
 
 void launch_combine_push(const EpLaunch& l, bool backward, cudaStream_t stream) {
-  const int work_blocks = (l.dims.capacity_rows + kWarps - 1) / kWarps;
-  if (backward) {
-    const int blocks = persistent_blocks_per_rank(
-        l, reinterpret_cast<const void*>(&combine_push_kernel<true>), kThreads, work_blocks);
-    combine_push_kernel<true><<<l.launch_ranks * blocks, kThreads, 0, stream>>>(l.tables, l.dims, l.ws, l.scratch,
-                                                                               blocks);
-  } else {
-    const int blocks = persistent_blocks_per_rank(
-        l, reinterpret_cast<const void*>(&combine_push_kernel<false>), kThreads, work_blocks);
-    combine_push_kernel<false><<<l.launch_ranks * blocks, kThreads, 0, stream>>>(l.tables, l.dims, l.ws,
-                                                                                l.scratch, blocks);
-  }
+  if (backward) launch_push<true>(l, stream);
+  else launch_push<false>(l, stream);
   comm::cuda_check_launch("combine_push_kernel");
 }
 

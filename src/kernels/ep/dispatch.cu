@@ -9,15 +9,13 @@
 #include "comm/cuda_check.hpp"
 #include "kernels/ep/data_path.hpp"
 #include "kernels/ep/rank_view.cuh"
+#include "kernels/ep/warp_rows.cuh"
 
 namespace poise::ep {
 namespace {
 
 using comm::PeerTable;
 using comm::Phase;
-
-constexpr int kWarps = 8;
-constexpr int kThreads = kWarps * 32;
 
 // Exact balance: this rank's experts that the plan replicates elsewhere go, weights W13 and W2,
 // into the replica slot of the rank hosting them, in chunks spread over the rank's warps (after
@@ -32,8 +30,7 @@ __device__ void push_replica_weights(const PeerTable& pt, const EpDims& dims, co
   const size_t chunks = w13_chunks + (w2_bytes + kWeightChunkBytes - 1) / kWeightChunkBytes;
   const int lane = threadIdx.x % 32;
   const size_t warps_per_rank = size_t(blocks_per_rank) * kWarps;
-  for (size_t unit = (blockIdx.x % blocks_per_rank) * kWarps + threadIdx.x / 32; unit < pieces * chunks;
-       unit += warps_per_rank) {
+  for (size_t unit = first_warp_item(blocks_per_rank); unit < pieces * chunks; unit += warps_per_rank) {
     const plan::shared::ReplicaPiece p = rs.plan_pieces[unit / chunks];
     if (p.expert / dims.E_local != pt.rank) continue;
     const size_t chunk = unit % chunks, local = p.expert % dims.E_local, replica = p.slot - dims.E_local;
@@ -51,7 +48,7 @@ template <bool kBackward>
 __global__ void __launch_bounds__(kThreads) dispatch_kernel(const PeerTable* tables, EpDims dims,
                                                             WorkspaceOffsets ws, LaunchIo io,
                                                             LaunchScratch scratch, int blocks_per_rank) {
-  const int slot = blockIdx.x / blocks_per_rank;
+  const int slot = rank_slot(blocks_per_rank);
   const PeerTable& pt = tables[slot];
   if (!comm::rank_failed(pt)) {
     const RankIo& rio = io.rank[slot];
@@ -59,10 +56,9 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const PeerTable* tab
     const bf16* src_TD = kBackward ? rio.grad_out_TD : rio.x_TD;
     const size_t rows_region = kBackward ? ws.recv_grad : ws.recv_x;
     const int lane = threadIdx.x % 32;
-    const int warps_per_rank = blocks_per_rank * kWarps;
     const int TK = dims.T * dims.K;
     const size_t row_bytes = static_cast<size_t>(dims.D) * sizeof(bf16);
-    for (int t = (blockIdx.x % blocks_per_rank) * kWarps + threadIdx.x / 32; t < dims.T; t += warps_per_rank) {
+    for (int t = first_warp_item(blocks_per_rank); t < dims.T; t += warp_item_stride(blocks_per_rank)) {
       const bool active = lane < dims.K;
       const int entry = t * dims.K + lane;
       const int dest = active ? scratch.rank[slot].dest_rank_TK[entry] : -1;
@@ -95,7 +91,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const PeerTable* tab
 __global__ void __launch_bounds__(kThreads)
     fanout_rows_kernel(const PeerTable* tables, EpDims dims, WorkspaceOffsets ws, LaunchScratch scratch,
                        int blocks_per_rank) {
-  const int slot = blockIdx.x / blocks_per_rank;
+  const int slot = rank_slot(blocks_per_rank);
   const PeerTable& pt = tables[slot];
   if (comm::rank_failed(pt)) return;
   const RankScratch& rs = scratch.rank[slot];
@@ -103,20 +99,17 @@ __global__ void __launch_bounds__(kThreads)
   char* rows = comm::peer_ptr<char>(pt, pt.rank, ws.recv_x);
   const size_t row_bytes = static_cast<size_t>(dims.D) * sizeof(bf16);
   const int lane = threadIdx.x % 32;
-  const int rows_used = rs.group_offsets[dims.groups];
-  for (int r = (blockIdx.x % blocks_per_rank) * kWarps + threadIdx.x / 32; r < rows_used;
-       r += blocks_per_rank * kWarps) {
-    if (!row_in_use(rs, dims.groups, r)) continue;
+  for_each_row_in_use(rs, dims.groups, blocks_per_rank, [&](int r) {
     const int primary = row_primary[r];
     if (primary != r) comm::warp_copy_16B(rows + r * row_bytes, rows + primary * row_bytes, row_bytes, lane);
-  }
+  });
 }
 
 // Backward: grad_y[row] = bf16(score * grad_out[primary]) for every received row.
 __global__ void __launch_bounds__(kThreads)
     fanout_scale_grad_kernel(const PeerTable* tables, EpDims dims, WorkspaceOffsets ws, LaunchScratch scratch,
                              int blocks_per_rank) {
-  const int slot = blockIdx.x / blocks_per_rank;
+  const int slot = rank_slot(blocks_per_rank);
   const PeerTable& pt = tables[slot];
   if (comm::rank_failed(pt)) return;
   const RankScratch& rs = scratch.rank[slot];
@@ -126,10 +119,7 @@ __global__ void __launch_bounds__(kThreads)
   uint4* grad_y = reinterpret_cast<uint4*>(rs.grad_y_RD);
   const int vecs = dims.D / 8;
   const int lane = threadIdx.x % 32;
-  const int rows_used = rs.group_offsets[dims.groups];
-  for (int r = (blockIdx.x % blocks_per_rank) * kWarps + threadIdx.x / 32; r < rows_used;
-       r += blocks_per_rank * kWarps) {
-    if (!row_in_use(rs, dims.groups, r)) continue;
+  for_each_row_in_use(rs, dims.groups, blocks_per_rank, [&](int r) {
     const size_t primary = row_primary[r];
     const float score = row_score[r];
     for (int v = lane; v < vecs; v += 32) {
@@ -139,7 +129,7 @@ __global__ void __launch_bounds__(kThreads)
       for (int i = 0; i < 8; ++i) f[i] *= score;
       grad_y[static_cast<size_t>(r) * vecs + v] = pack8(f);
     }
-  }
+  });
 }
 
 int local_blocks_per_rank(const EpLaunch& l) {
