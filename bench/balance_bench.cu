@@ -22,50 +22,17 @@
 #include <string>
 #include <vector>
 
+#include "bench_support.hpp"
 #include "kernels/ep/data_path.hpp"
 #include "moe/ep/staged_pipeline.hpp"
 
 using namespace poise;
 using namespace poise::ep;
+using namespace poise::bench;
 
 namespace {
 
-#define CHECK(expr)                                                                                       \
-  do {                                                                                                    \
-    cudaError_t s_ = (expr);                                                                              \
-    if (s_ != cudaSuccess) {                                                                              \
-      std::fprintf(stderr, "%s failed: %s (%s:%d)\n", #expr, cudaGetErrorString(s_), __FILE__, __LINE__); \
-      std::exit(1);                                                                                       \
-    }                                                                                                     \
-  } while (0)
-
 constexpr int R = 8, T = 4096, D = 7168, F = 2048, E = 256, K = 8, EL = E / R;
-
-__global__ void fill_random_bf16(__nv_bfloat16* p, size_t n, uint64_t seed, float scale) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
-    uint64_t z = (i + 1) * 0x9E3779B97F4A7C15ull ^ seed;
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    z ^= z >> 31;
-    p[i] = __float2bfloat16((2.0f * float(z >> 40) / float(1ull << 24) - 1.0f) * scale);
-  }
-}
-
-void* device_alloc(size_t bytes) {
-  void* p = nullptr;
-  CHECK(cudaMalloc(&p, bytes));
-  return p;
-}
-
-void random_fill(void* p, size_t n, uint64_t seed, float scale) {
-  fill_random_bf16<<<1024, 256>>>(static_cast<__nv_bfloat16*>(p), n, seed, scale);
-  CHECK(cudaGetLastError());
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0.0 : v[v.size() / 2];
-}
 
 // ids for every rank: each token puts m of its K experts on rank 0 (m = K*pm/R on average, the
 // fraction by a coin), the rest on other ranks, all distinct and uniform within their ranks.
@@ -170,18 +137,6 @@ RunResult run(StagedPipeline& p, const Buffers& b, const std::vector<std::vector
   return res;
 }
 
-Config layer_config(Balance balance, double capacity_factor) {
-  Config c;
-  c.num_local_input_tokens = T;
-  c.hidden_dim = D;
-  c.intermediate_dim = F;
-  c.top_k = K;
-  c.num_experts = E;
-  c.balance = balance;
-  c.receive_capacity_factor = capacity_factor;
-  return c;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -227,7 +182,7 @@ int main(int argc, char** argv) {
     o.expert_kernels = ExpertKernels::sm90;
     o.replica_slots = B;
     o.balance_tolerance = mode == 0 ? 0.0 : 0.1;
-    const Config c = layer_config(Balance::exact, 1.0);
+    const Config c = layer_config(T, D, F, E, K, Balance::exact, 1.0);
     workspace[mode] = StagedPipeline::workspace_bytes(c, R, o);
     auto p = StagedPipeline::create_virtual(c, R, o);
     for (size_t i = 0; i < skews.size(); ++i) {
@@ -242,7 +197,7 @@ int main(int argc, char** argv) {
   }
   for (size_t i = 0; i < skews.size(); ++i) {
     const double factor = std::max(1.0, skews[i]) * 1.02;  // a little room over the exact peak
-    const Config c = layer_config(Balance::capacity, factor);
+    const Config c = layer_config(T, D, F, E, K, Balance::capacity, factor);
     PipelineOptions o;
     o.expert_kernels = ExpertKernels::sm90;
     const size_t cap = StagedPipeline::capacity_rows(c, R, o);

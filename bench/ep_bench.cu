@@ -18,48 +18,14 @@
 #include <string>
 #include <vector>
 
+#include "bench_support.hpp"
 #include "moe/ep/staged_pipeline.hpp"
 
 using namespace poise;
 using namespace poise::ep;
+using namespace poise::bench;
 
 namespace {
-
-#define CHECK(expr)                                                                                 \
-  do {                                                                                              \
-    cudaError_t s_ = (expr);                                                                        \
-    if (s_ != cudaSuccess) {                                                                        \
-      std::fprintf(stderr, "%s failed: %s (%s:%d)\n", #expr, cudaGetErrorString(s_), __FILE__, __LINE__); \
-      std::exit(1);                                                                                 \
-    }                                                                                               \
-  } while (0)
-
-__global__ void fill_random_bf16(__nv_bfloat16* p, size_t n, uint64_t seed, float scale) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
-    uint64_t z = (i + 1) * 0x9E3779B97F4A7C15ull ^ seed;
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    z ^= z >> 31;
-    const float u = float(z >> 40) / float(1ull << 24);  // [0, 1)
-    p[i] = __float2bfloat16((2.0f * u - 1.0f) * scale);
-  }
-}
-
-void* device_alloc(size_t bytes) {
-  void* p = nullptr;
-  CHECK(cudaMalloc(&p, bytes));
-  return p;
-}
-
-void random_fill(void* p, size_t n, uint64_t seed, float scale) {
-  fill_random_bf16<<<1024, 256>>>(static_cast<__nv_bfloat16*>(p), n, seed, scale);
-  CHECK(cudaGetLastError());
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0.0 : v[v.size() / 2];
-}
 
 // Records an event at every stage boundary of one pass; durations per stage after a sync.
 struct StageClock {
@@ -97,14 +63,7 @@ int main(int argc, char** argv) {
     F = std::atoi(argv[5]); E = std::atoi(argv[6]); K = std::atoi(argv[7]);
   }
   if (argc > 8) iterations = std::atoi(argv[8]);
-  Config cfg;
-  cfg.num_local_input_tokens = T;
-  cfg.hidden_dim = D;
-  cfg.intermediate_dim = F;
-  cfg.top_k = K;
-  cfg.num_experts = E;
-  cfg.balance = Balance::capacity;
-  cfg.receive_capacity_factor = 1.25;
+  const Config cfg = layer_config(T, D, F, E, K, Balance::capacity, 1.25);
   const int EL = E / R;
 
   cudaDeviceProp prop{};

@@ -1,0 +1,67 @@
+// Shared by the single-file benchmarks (ep_bench, balance_bench): CUDA error exit, device buffers
+// of random bf16, medians, the layer Config. Each benchmark is one translation unit.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+#include "poise/config.hpp"
+
+#define CHECK(expr)                                                                                       \
+  do {                                                                                                    \
+    cudaError_t s_ = (expr);                                                                              \
+    if (s_ != cudaSuccess) {                                                                              \
+      std::fprintf(stderr, "%s failed: %s (%s:%d)\n", #expr, cudaGetErrorString(s_), __FILE__, __LINE__); \
+      std::exit(1);                                                                                       \
+    }                                                                                                     \
+  } while (0)
+
+namespace poise::bench {
+
+// Uniform in [-scale, scale) from a hash of (index, seed): no host copy of the data.
+static __global__ void fill_random_bf16(__nv_bfloat16* p, size_t n, uint64_t seed, float scale) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    uint64_t z = (i + 1) * 0x9E3779B97F4A7C15ull ^ seed;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    const float u = float(z >> 40) / float(1ull << 24);  // [0, 1)
+    p[i] = __float2bfloat16((2.0f * u - 1.0f) * scale);
+  }
+}
+
+inline void* device_alloc(size_t bytes) {
+  void* p = nullptr;
+  CHECK(cudaMalloc(&p, bytes));
+  return p;
+}
+
+inline void random_fill(void* p, size_t n, uint64_t seed, float scale) {
+  fill_random_bf16<<<1024, 256>>>(static_cast<__nv_bfloat16*>(p), n, seed, scale);
+  CHECK(cudaGetLastError());
+}
+
+inline double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0.0 : v[v.size() / 2];
+}
+
+inline Config layer_config(int T, int D, int F, int E, int K, Balance balance, double capacity_factor) {
+  Config c;
+  c.num_local_input_tokens = T;
+  c.hidden_dim = D;
+  c.intermediate_dim = F;
+  c.top_k = K;
+  c.num_experts = E;
+  c.balance = balance;
+  c.receive_capacity_factor = capacity_factor;
+  return c;
+}
+
+}  // namespace poise::bench
