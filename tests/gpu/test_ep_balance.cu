@@ -10,7 +10,6 @@
 //  - one captured graph replays correctly across routings (static memory and launches).
 #include <gtest/gtest.h>
 
-#include <chrono>
 #include <set>
 
 #include "kernels/device_info.hpp"
@@ -19,15 +18,6 @@
 
 namespace poise::ep::testing {
 namespace {
-
-constexpr double kTolerance = 1e-2;     // norm-wise, bf16 storage of intermediates
-constexpr double kRowTolerance = 4e-2;  // any single token row / expert block
-
-bool have_gpu() { return cuda_device_count() > 0 && is_sm90_device(0); }
-
-uint64_t fresh_seed() {
-  return static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
-}
 
 struct BalanceCase {
   LayerCase layer;
@@ -150,14 +140,6 @@ void check_plan_and_layout(EpWorld& w, double tolerance) {
   }
 }
 
-void check_rows(const std::vector<double>& got, const std::vector<double>& want, int rows, int cols,
-                const std::string& what) {
-  EXPECT_LT(relative_error(got, want), kTolerance) << what;
-  double worst = 0;
-  for (int r = 0; r < rows; ++r) worst = std::max(worst, relative_error(got, want, size_t(r) * cols, size_t(r + 1) * cols));
-  EXPECT_LT(worst, kRowTolerance) << what;
-}
-
 void check_against_model(EpWorld& w, const std::vector<ModelOut>& model) {
   const LayerCase& c = w.c();
   const int EL = c.E / c.R;
@@ -191,18 +173,10 @@ void check_against_model(EpWorld& w, const std::vector<ModelOut>& model) {
   }
 }
 
-void run_pass(EpWorld& w, cudaStream_t stream) {
-  w.poison_outputs();
-  w.forward(stream);
-  ASSERT_NO_THROW(w.pipeline().check(stream));
-  w.backward(stream);
-  ASSERT_NO_THROW(w.pipeline().check(stream));
-}
-
 class EpBalance : public ::testing::TestWithParam<BalanceCase> {};
 
 TEST_P(EpBalance, MatchesFloat64ModelAndCapacityMode) {
-  if (!have_gpu()) GTEST_SKIP() << "needs an SM90 GPU";
+  if (!have_sm90_gpu()) GTEST_SKIP() << "needs an SM90 GPU";
   const BalanceCase& b = GetParam();
   const LayerCase& c = b.layer;
   const uint64_t seed = fresh_seed();
@@ -268,7 +242,7 @@ INSTANTIATE_TEST_SUITE_P(
     balance_case_name);
 
 TEST(EpBalanceGraph, ReplayFollowsNewRoutingWithStaticMemory) {
-  if (!have_gpu()) GTEST_SKIP() << "needs an SM90 GPU";
+  if (!have_sm90_gpu()) GTEST_SKIP() << "needs an SM90 GPU";
   const BalanceCase b{LayerCase{4, 64, 128, 128, 16, 4}};
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
@@ -308,7 +282,7 @@ TEST(EpBalanceGraph, ReplayFollowsNewRoutingWithStaticMemory) {
 }
 
 TEST(EpBalanceErrors, FewReplicaSlotsOverflowIsReported) {
-  if (!have_gpu()) GTEST_SKIP() << "needs an SM90 GPU";
+  if (!have_sm90_gpu()) GTEST_SKIP() << "needs an SM90 GPU";
   // B = 0: no replicas, so every token on rank 0's experts cannot fit T*K rows: reported, no hang.
   const LayerCase c{4, 64, 128, 128, 16, 4};
   PipelineOptions o;

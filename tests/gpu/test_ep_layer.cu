@@ -2,7 +2,6 @@
 // forward and backward, R in {1, 2, 4, 8}, random and adversarial routings, capacity mode.
 #include <gtest/gtest.h>
 
-#include <chrono>
 #include <map>
 #include <set>
 
@@ -12,15 +11,6 @@
 
 namespace poise::ep::testing {
 namespace {
-
-constexpr double kTolerance = 1e-2;     // norm-wise, bf16 storage of intermediates
-constexpr double kRowTolerance = 4e-2;  // any single token row / expert block
-
-bool have_gpu() { return cuda_device_count() > 0 && is_sm90_device(0); }
-
-uint64_t fresh_seed() {
-  return static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
-}
 
 // Every (t, k) sits in its expert's group on its destination rank, no two share a row, and the
 // destination's metadata points back at it (origin) and at the row that carries its bytes (primary).
@@ -59,22 +49,10 @@ void check_layout(EpWorld& w, const std::vector<ModelOut>& model) {
   }
 }
 
-void check_rows(const std::vector<double>& got, const std::vector<double>& want, int rows, int cols,
-                const std::string& what) {
-  EXPECT_LT(relative_error(got, want), kTolerance) << what;
-  double worst = 0;
-  int worst_row = -1;
-  for (int r = 0; r < rows; ++r) {
-    const double e = relative_error(got, want, size_t(r) * cols, size_t(r + 1) * cols);
-    if (e > worst) worst = e, worst_row = r;
-  }
-  EXPECT_LT(worst, kRowTolerance) << what << ": worst row " << worst_row;
-}
-
 class EpLayer : public ::testing::TestWithParam<LayerCase> {};
 
 TEST_P(EpLayer, ForwardBackwardMatchFloat64Model) {
-  if (!have_gpu()) GTEST_SKIP() << "needs an SM90 GPU";
+  if (!have_sm90_gpu()) GTEST_SKIP() << "needs an SM90 GPU";
   const LayerCase& c = GetParam();
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
@@ -82,11 +60,7 @@ TEST_P(EpLayer, ForwardBackwardMatchFloat64Model) {
   const auto model = run_model(w.shape(), w.host());
   cudaStream_t stream;
   EP_CUDA_OK(cudaStreamCreate(&stream));
-  w.poison_outputs();
-  w.forward(stream);
-  ASSERT_NO_THROW(w.pipeline().check(stream));
-  w.backward(stream);
-  ASSERT_NO_THROW(w.pipeline().check(stream));
+  ASSERT_NO_FATAL_FAILURE(run_pass(w, stream));
   check_layout(w, model);
 
   const int EL = c.E / c.R;
@@ -166,7 +140,7 @@ INSTANTIATE_TEST_SUITE_P(
 
 // Captured once, replayed for a different routing: the call has no host sync and static shapes.
 TEST(EpLayerGraph, ReplayFollowsNewRouting) {
-  if (!have_gpu()) GTEST_SKIP() << "needs an SM90 GPU";
+  if (!have_sm90_gpu()) GTEST_SKIP() << "needs an SM90 GPU";
   const LayerCase c{4, 64, 128, 128, 16, 4};
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
@@ -245,19 +219,19 @@ void overflow_then_recover(ExpertKernels kernels) {
 }
 
 TEST(EpLayerErrors, CapacityOverflowIsReportedThenRecovers) {
-  if (!have_gpu()) GTEST_SKIP() << "needs an SM90 GPU";
+  if (!have_sm90_gpu()) GTEST_SKIP() << "needs an SM90 GPU";
   overflow_then_recover(ExpertKernels::standin);
 }
 
 TEST(EpLayerErrors, CapacityOverflowWithSm90ExpertsTouchesNoRowPastCapacity) {
-  if (!have_gpu()) GTEST_SKIP() << "needs an SM90 GPU";
+  if (!have_sm90_gpu()) GTEST_SKIP() << "needs an SM90 GPU";
   overflow_then_recover(ExpertKernels::sm90);
 }
 
 // An expert id out of range on one rank: that rank reports it; the others stop at the counts
 // exchange with a bounded wait instead of hanging.
 TEST(EpLayerErrors, BadExpertIdIsReportedWithoutHang) {
-  if (!have_gpu()) GTEST_SKIP() << "needs an SM90 GPU";
+  if (!have_sm90_gpu()) GTEST_SKIP() << "needs an SM90 GPU";
   const LayerCase c{4, 64, 128, 128, 16, 2};
   EpWorld w(c, fresh_seed(), 200'000'000ull);
   w.host()[1].ids_TK[7] = c.E + 3;
@@ -281,7 +255,7 @@ TEST(EpLayerErrors, BadExpertIdIsReportedWithoutHang) {
 }
 
 TEST(EpLayerErrors, HostRejectsBadArgumentsBeforeLaunch) {
-  if (!have_gpu()) GTEST_SKIP() << "needs an SM90 GPU";
+  if (!have_sm90_gpu()) GTEST_SKIP() << "needs an SM90 GPU";
   const LayerCase c{2, 32, 128, 128, 4, 2};
   EpWorld w(c, fresh_seed());
   auto args = w.forward_args();

@@ -3,8 +3,6 @@
 // need the same binary launched once per GPU (not available on the test machine).
 #include <gtest/gtest.h>
 
-#include <chrono>
-
 #include "comm/barrier_probe.hpp"
 #include "comm/nccl_transport.hpp"
 #include "kernels/device_info.hpp"
@@ -16,7 +14,7 @@ namespace {
 class NcclOneRank : public ::testing::Test {
  protected:
   void SetUp() override {
-    if (cuda_device_count() == 0 || !is_sm90_device(0)) GTEST_SKIP() << "needs an SM90 GPU";
+    if (!have_sm90_gpu()) GTEST_SKIP() << "needs an SM90 GPU";
     int version = 0;
     ASSERT_EQ(ncclGetVersion(&version), ncclSuccess);
     if (version < 22800) GTEST_SKIP() << "NCCL " << version << " has no LSA window device API (needs 2.28)";
@@ -49,7 +47,7 @@ TEST_F(NcclOneRank, BarrierProbeOverWindow) {
 
 TEST_F(NcclOneRank, LayerForwardBackwardMatchesModel) {
   const LayerCase c{1, 96, 192, 128, 8, 4};
-  const uint64_t seed = static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
+  const uint64_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   ncclComm_t comm = comm_;
   EpWorld w(c, seed, 2'000'000'000ull, [comm](const Config& cfg) {
@@ -59,11 +57,7 @@ TEST_F(NcclOneRank, LayerForwardBackwardMatchesModel) {
   const auto model = run_model(w.shape(), w.host());
   cudaStream_t stream;
   EP_CUDA_OK(cudaStreamCreate(&stream));
-  w.poison_outputs();
-  w.forward(stream);
-  ASSERT_NO_THROW(w.pipeline().check(stream));
-  w.backward(stream);
-  ASSERT_NO_THROW(w.pipeline().check(stream));
+  ASSERT_NO_FATAL_FAILURE(run_pass(w, stream));
   RankDevice& d = w.dev()[0];
   EXPECT_LT(relative_error(bf16_values(d.out->download<uint16_t>(size_t(c.T) * c.D)), model[0].out_TD), 1e-2);
   EXPECT_LT(relative_error(bf16_values(d.grad_x->download<uint16_t>(size_t(c.T) * c.D)), model[0].grad_x_TD), 1e-2);

@@ -229,6 +229,24 @@ double relative_error(const std::vector<Got>& got, const std::vector<double>& wa
   return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
 }
 
+// Layer outputs against the float64 model: norm-wise over a whole tensor (bf16 storage of
+// intermediates), and for any single token row / expert block.
+inline constexpr double kTolerance = 1e-2;
+inline constexpr double kRowTolerance = 4e-2;
+
+// A [rows][cols] tensor within kTolerance as a whole and kRowTolerance in every row.
+inline void check_rows(const std::vector<double>& got, const std::vector<double>& want, int rows, int cols,
+                       const std::string& what) {
+  EXPECT_LT(relative_error(got, want), kTolerance) << what;
+  double worst = 0;
+  int worst_row = -1;
+  for (int r = 0; r < rows; ++r) {
+    const double e = relative_error(got, want, size_t(r) * cols, size_t(r + 1) * cols);
+    if (e > worst) worst = e, worst_row = r;
+  }
+  EXPECT_LT(worst, kRowTolerance) << what << ": worst row " << worst_row;
+}
+
 inline std::vector<double> bf16_values(const std::vector<uint16_t>& v) {
   std::vector<double> out(v.size());
   for (size_t i = 0; i < v.size(); ++i) out[i] = from_bf16(v[i]);

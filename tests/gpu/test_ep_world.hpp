@@ -6,6 +6,7 @@
 #include <memory>
 
 #include "moe/ep/staged_pipeline.hpp"
+#include "gpu_test_support.hpp"
 #include "test_ep_support.hpp"
 
 namespace poise::ep::testing {
@@ -226,5 +227,18 @@ class EpWorld {
   std::vector<RankDevice> dev_;
   std::vector<std::vector<float>> prior_w13_, prior_w2_;
 };
+
+// One forward and one backward pass on poisoned outputs, the pipeline's error state checked after
+// each (wrap in ASSERT_NO_FATAL_FAILURE to stop the test at a failed check).
+inline void run_pass(EpWorld& w, cudaStream_t stream) {
+  w.poison_outputs();
+  w.forward(stream);
+  ASSERT_NO_THROW(w.pipeline().check(stream));
+  w.backward(stream);
+  ASSERT_NO_THROW(w.pipeline().check(stream));
+}
+
+using poise::testing::fresh_seed;
+using poise::testing::have_sm90_gpu;
 
 }  // namespace poise::ep::testing
