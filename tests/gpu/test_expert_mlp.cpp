@@ -63,6 +63,13 @@ std::vector<double> ref_wgrad(const RowLayout& l, const std::vector<double>& A, 
   return out;
 }
 
+// Random bf16 rows [R][cols] (normal, stddev), the rows no expert owns poisoned.
+std::vector<uint16_t> random_rows(Rng& rng, const RowLayout& l, int64_t cols, float stddev) {
+  auto v = rng.bf16_normal(l.rows * cols, stddev);
+  poison_padding_rows(v, l, cols);
+  return v;
+}
+
 // Index of gate / up of activation column f inside a [2F] row, per W13 layout.
 int64_t gate_col(int64_t f, int64_t F, W13Layout lay) { return lay == W13Layout::gate_up_blocked ? f : 2 * f; }
 int64_t up_col(int64_t f, int64_t F, W13Layout lay) { return lay == W13Layout::gate_up_blocked ? F + f : 2 * f + 1; }
@@ -144,8 +151,7 @@ TEST_P(ExpertMlpKernels, FpropW13SwigluMatchesFloat64) {
   Fixture fx(GetParam());
   const int64_t R = fx.l.rows, D = fx.cs.D, F = fx.cs.F, E = fx.E();
   Rng rng(fx.cs.seed);
-  auto x = rng.bf16_normal(R * D, 1.0f);
-  poison_padding_rows(x, fx.l, D);
+  auto x = random_rows(rng, fx.l, D, 1.0f);
   const auto w13 = rng.bf16_normal(E * 2 * F * D, 2.0f / std::sqrt(float(D)));
   DeviceBuffer<uint16_t> dx(x), dw(w13), da(std::vector<uint16_t>(R * F, kBf16Poison)),
       dh(std::vector<uint16_t>(R * 2 * F, kBf16Poison));
@@ -166,8 +172,7 @@ TEST_P(ExpertMlpKernels, FpropW2ScoredMatchesFloat64) {
   Fixture fx(GetParam());
   const int64_t R = fx.l.rows, D = fx.cs.D, F = fx.cs.F, E = fx.E();
   Rng rng(fx.cs.seed + 1);
-  auto a = rng.bf16_normal(R * F, 1.0f);
-  poison_padding_rows(a, fx.l, F);
+  auto a = random_rows(rng, fx.l, F, 1.0f);
   const auto w2 = rng.bf16_normal(E * D * F, 1.0f / std::sqrt(float(F)));
   const auto scores = rng.uniform(R, 0.1f, 1.0f);
   DeviceBuffer<uint16_t> da(a), dw(w2), dy(std::vector<uint16_t>(R * D, kBf16Poison)),
@@ -188,10 +193,8 @@ TEST_P(ExpertMlpKernels, DgradW2SwigluBackwardMatchesFloat64) {
   Fixture fx(GetParam());
   const int64_t R = fx.l.rows, D = fx.cs.D, F = fx.cs.F, E = fx.E();
   Rng rng(fx.cs.seed + 2);
-  auto gy = rng.bf16_normal(R * D, 1.0f);
-  poison_padding_rows(gy, fx.l, D);
-  auto h13 = rng.bf16_normal(R * 2 * F, 2.0f);
-  poison_padding_rows(h13, fx.l, 2 * F);
+  auto gy = random_rows(rng, fx.l, D, 1.0f);
+  auto h13 = random_rows(rng, fx.l, 2 * F, 2.0f);
   const auto w2 = rng.bf16_normal(E * D * F, 1.0f / std::sqrt(float(D)));
   const auto scores = rng.uniform(R, 0.1f, 1.0f);
   DeviceBuffer<uint16_t> dgy(gy), dh(h13), dw(w2), dgh(std::vector<uint16_t>(R * 2 * F, kBf16Poison)),
@@ -235,8 +238,7 @@ TEST_P(ExpertMlpKernels, DgradW13MatchesFloat64) {
   Fixture fx(GetParam());
   const int64_t R = fx.l.rows, D = fx.cs.D, F = fx.cs.F, E = fx.E();
   Rng rng(fx.cs.seed + 3);
-  auto gh = rng.bf16_normal(R * 2 * F, 1.0f);
-  poison_padding_rows(gh, fx.l, 2 * F);
+  auto gh = random_rows(rng, fx.l, 2 * F, 1.0f);
   const auto w13 = rng.bf16_normal(E * 2 * F * D, 1.0f / std::sqrt(float(2 * F)));
   DeviceBuffer<uint16_t> dgh(gh), dw(w13), dgx(std::vector<uint16_t>(R * D, kBf16Poison));
   sm90::expert_mlp_dgrad_w13(fx.rows, fx.shape, {dgh.ptr, dw.ptr, dgx.ptr}, nullptr);
@@ -249,10 +251,8 @@ TEST_P(ExpertMlpKernels, DgradW13MatchesFloat64) {
 void check_wgrad(const Fixture& fx, int64_t M, int64_t N, bool is_w2, uint64_t seed) {
   const int64_t R = fx.l.rows, E = fx.E();
   Rng rng(seed);
-  auto A = rng.bf16_normal(R * M, 1.0f);
-  auto B = rng.bf16_normal(R * N, 1.0f);
-  poison_padding_rows(A, fx.l, M);
-  poison_padding_rows(B, fx.l, N);
+  auto A = random_rows(rng, fx.l, M, 1.0f);
+  auto B = random_rows(rng, fx.l, N, 1.0f);
   DeviceBuffer<uint16_t> dA(A), dB(B);
   const auto ref = ref_wgrad(fx.l, to_double(A), M, to_double(B), N);
   auto run = [&](void* out, DType dt, bool accumulate) {
@@ -342,10 +342,8 @@ TEST(ExpertMlpChain, ForwardBackwardMatchesFloat64) {
   Fixture fx(Case{"chain", {200, 0, 333, 64, 129}, 256, 192, W13Layout::gate_up_blocked, false, 21});
   const int64_t R = fx.l.rows, D = fx.cs.D, F = fx.cs.F, E = fx.E();
   Rng rng(21);
-  auto x = rng.bf16_normal(R * D, 1.0f);
-  auto gy = rng.bf16_normal(R * D, 1.0f);
-  poison_padding_rows(x, fx.l, D);
-  poison_padding_rows(gy, fx.l, D);
+  auto x = random_rows(rng, fx.l, D, 1.0f);
+  auto gy = random_rows(rng, fx.l, D, 1.0f);
   const auto w13 = rng.bf16_normal(E * 2 * F * D, 2.0f / std::sqrt(float(D)));
   const auto w2 = rng.bf16_normal(E * D * F, 1.0f / std::sqrt(float(F)));
   const auto scores = rng.uniform(R, 0.1f, 1.0f);
