@@ -249,7 +249,7 @@ TEST_P(ExpertMlpKernels, DgradW13MatchesFloat64) {
 
 // Runs one wgrad four ways: fp32 / bf16 output, overwrite / accumulate into random contents.
 void check_wgrad(const Fixture& fx, int64_t M, int64_t N, bool is_w2, uint64_t seed) {
-  const int64_t R = fx.l.rows, E = fx.E();
+  const int64_t E = fx.E();
   Rng rng(seed);
   auto A = random_rows(rng, fx.l, M, 1.0f);
   auto B = random_rows(rng, fx.l, N, 1.0f);
