@@ -24,6 +24,7 @@ import torch.nn.functional as functional
 from . import _poise
 from .config import Config, to_cpp
 from .errors import InvalidArgument, as_index
+from .latest_forward import LatestForward
 from .torch_checks import SCORES_DTYPES, check_grad_out, check_inputs, check_w13_layout, wgrad_dtype
 
 
@@ -344,7 +345,7 @@ def call_identity(tensors: Sequence[torch.Tensor]) -> tuple:
     return tuple((t.data_ptr(), tuple(t.shape), t.dtype, t._version) for t in tensors)
 
 
-class ContextEngine:
+class ContextEngine(LatestForward):
     """Runs a CPU Context's calls on the reference engine.
 
     One rank (no group): an ep_size-1 engine. A torch.distributed group of R ranks: every rank
@@ -363,13 +364,7 @@ class ContextEngine:
         self._rank = context.rank
         self._group = context.group
         self._engines: dict[tuple[str, str], Any] = {}
-        self._last_call: Optional[tuple] = None
-        self.forward_calls = 0
-        self.backward_calls = 0
-        self.recomputed_forwards = 0
-
-    def reset(self) -> None:
-        self._last_call = None
+        super().__init__()
 
     def _engine(self, scores_dtype: str, w13_layout: str) -> Any:
         key = (scores_dtype, w13_layout)
@@ -396,9 +391,7 @@ class ContextEngine:
         engine = self._engine(SCORES_DTYPES[scores_TK.dtype], w13_layout)
         arrays = self._gather([_float32_numpy(x_TD), _int32_numpy(ids_TK), _float32_numpy(scores_TK),
                                _float32_numpy(w13), _float32_numpy(w2)])
-        self._last_call = None
-        out_TD = engine.forward(*arrays)[self._rank]
-        self._last_call = (engine, call_identity(inputs))
+        out_TD = self._run_forward((engine, call_identity(inputs)), lambda: engine.forward(*arrays))[self._rank]
         self.forward_calls += 1
         return torch.from_numpy(out_TD).to(torch.bfloat16)
 
@@ -410,11 +403,8 @@ class ContextEngine:
         engine = self._engine(SCORES_DTYPES[scores_TK.dtype], w13_layout)
         arrays = self._gather([_float32_numpy(x_TD), _int32_numpy(ids_TK), _float32_numpy(scores_TK),
                                _float32_numpy(w13), _float32_numpy(w2)])
-        if self._group is not None or self._last_call != (engine, call_identity(inputs)):
-            self._last_call = None
-            engine.forward(*arrays)
-            self._last_call = (engine, call_identity(inputs))
-            self.recomputed_forwards += 1
+        self._ensure_forward((engine, call_identity(inputs)), lambda: engine.forward(*arrays),
+                             always=self._group is not None)
         grad_out = self._gather([_float32_numpy(grad_out_TD)])[0]
         if accumulate is None:
             results = engine.backward(*arrays, grad_out, False, [], [])
@@ -433,7 +423,7 @@ class ContextEngine:
         return grad_x, grad_scores, _from_numpy(g13, dtype, w13.shape), _from_numpy(g2, dtype, w2.shape)
 
 
-class VirtualRanksEngine:
+class VirtualRanksEngine(LatestForward):
     """Runs a CPU virtual-ranks Context's calls (every rank in this process) on an ``Engine``.
 
     The interface of the CUDA engine's virtual ranks: one (x_TD, ids_TK, scores_TK, w13, w2) tuple
@@ -442,30 +432,23 @@ class VirtualRanksEngine:
 
     def __init__(self, context: Any):
         self._engine = Engine(context.config, context.ep_size)
-        self._last_call: Optional[tuple] = None
-        self.forward_calls = 0
-        self.backward_calls = 0
-        self.recomputed_forwards = 0
-
-    def reset(self) -> None:
-        self._last_call = None
+        super().__init__()
 
     def _forward(self, ranks: Sequence[tuple], w13_layout: str) -> list[torch.Tensor]:
-        self._last_call = None
-        out_TD = self._engine.forward(*[list(column) for column in zip(*ranks)], w13_layout=w13_layout)
-        self._last_call = (w13_layout, call_identity([t for inputs in ranks for t in inputs]))
-        return out_TD
+        return self._engine.forward(*[list(column) for column in zip(*ranks)], w13_layout=w13_layout)
+
+    @staticmethod
+    def _key(ranks: Sequence[tuple], w13_layout: str) -> tuple:
+        return (w13_layout, call_identity([t for inputs in ranks for t in inputs]))
 
     def forward_ranks(self, ranks: Sequence[tuple], w13_layout: str) -> list[torch.Tensor]:
-        out_TD = self._forward(ranks, w13_layout)
+        out_TD = self._run_forward(self._key(ranks, w13_layout), lambda: self._forward(ranks, w13_layout))
         self.forward_calls += 1
         return out_TD
 
     def backward_ranks(self, grad_out_TD: Sequence[torch.Tensor], ranks: Sequence[tuple], w13_layout: str,
                        accumulate: Optional[Sequence[tuple]]) -> tuple[list, list, list, list]:
-        if self._last_call != (w13_layout, call_identity([t for inputs in ranks for t in inputs])):
-            self._forward(ranks, w13_layout)
-            self.recomputed_forwards += 1
+        self._ensure_forward(self._key(ranks, w13_layout), lambda: self._forward(ranks, w13_layout))
         grads = self._engine.backward(list(grad_out_TD), accumulate_into=accumulate)
         self.backward_calls += 1
         return ([g.grad_x_TD for g in grads], [g.grad_scores_TK for g in grads], [g.grad_w13 for g in grads],

@@ -25,6 +25,7 @@ from torch import Tensor
 from . import _poise
 from .context import Context, context_from_handle
 from .errors import InvalidArgument, NotAvailable
+from .latest_forward import LatestForward
 from .options import ExecutionOptions
 from .reference import ContextEngine, VirtualRanksEngine, call_identity, check_accumulation_buffer
 from .torch_checks import SCORES_DTYPES, check_grad_out, check_inputs, check_w13_layout, wgrad_dtype
@@ -33,7 +34,7 @@ from .torch_checks import SCORES_DTYPES, check_grad_out, check_inputs, check_w13
 # ---- engines behind a context --------------------------------------------------------------------
 
 
-class CudaEngine:
+class CudaEngine(LatestForward):
     """A CUDA context's calls: device pointers and the current stream into the C++ entry points.
 
     ``forward_ranks`` / ``backward_ranks`` take one (x_TD, ids_TK, scores_TK, w13, w2) tuple per
@@ -48,13 +49,7 @@ class CudaEngine:
     def __init__(self, context: Context):
         self._cpp = context._cpp  # not the Context: it owns this engine
         self._virtual_ranks = context.virtual_ranks
-        self._last_call: Optional[tuple] = None
-        self.forward_calls = 0
-        self.backward_calls = 0
-        self.recomputed_forwards = 0
-
-    def reset(self) -> None:
-        self._last_call = None
+        super().__init__()
 
     # One rank (poise.routed_experts).
     def forward(self, x_TD, ids_TK, scores_TK, w13, w2, w13_layout: str) -> Tensor:
@@ -68,7 +63,7 @@ class CudaEngine:
     # Every launch rank.
     def forward_ranks(self, ranks: list[tuple], w13_layout: str) -> list[Tensor]:
         out_TD = [torch.empty_like(inputs[0]) for inputs in ranks]
-        self._launch_forward(ranks, w13_layout, out_TD)
+        self._run_forward(_identity(ranks), lambda: self._launch_forward(ranks, w13_layout, out_TD))
         self.forward_calls += 1
         return out_TD
 
@@ -76,9 +71,8 @@ class CudaEngine:
                        accumulate: Optional[list[tuple[Tensor, Tensor]]]):
         """Returns per-rank lists (grad_x_TD, grad_scores_TK, grad_w13, grad_w2); with ``accumulate``
         (a (grad_w13, grad_w2) pair of buffers per rank) adds into them and returns them."""
-        if self._last_call != _identity(ranks):
-            self._launch_forward(ranks, w13_layout, [torch.empty_like(inputs[0]) for inputs in ranks])
-            self.recomputed_forwards += 1
+        self._ensure_forward(_identity(ranks), lambda: self._launch_forward(
+            ranks, w13_layout, [torch.empty_like(inputs[0]) for inputs in ranks]))
         grad_x_TD = [torch.empty_like(inputs[0]) for inputs in ranks]
         grad_scores_TK = [torch.empty_like(inputs[2]) for inputs in ranks]
         if accumulate is None:
@@ -112,7 +106,6 @@ class CudaEngine:
         device = ranks[0][0].device
         stream = torch.cuda.current_stream(device).cuda_stream
         scores_dtype = SCORES_DTYPES[ranks[0][2].dtype]
-        self._last_call = None  # until the launch succeeded
         with torch.cuda.device(device):  # the pipeline allocates on the current device
             if self._virtual_ranks:
                 _poise.routed_experts_forward_ranks(
@@ -124,7 +117,6 @@ class CudaEngine:
                 _poise.routed_experts_forward(
                     self._cpp, x.data_ptr(), ids.data_ptr(), scores.data_ptr(), scores_dtype, w13.data_ptr(),
                     w13_layout, w2.data_ptr(), out_TD[0].data_ptr(), stream)
-        self._last_call = _identity(ranks)
 
 
 def _addresses(tensors) -> list[int]:
