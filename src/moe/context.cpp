@@ -1,5 +1,5 @@
 // Context lifecycle and the routed_experts entry points: host-side validation, then the staged
-// GPU pipeline (src/moe/ep/staged_pipeline.hpp) over virtual ranks or, later, a communicator.
+// GPU pipeline (src/moe/ep/staged_pipeline.hpp) over virtual ranks or a communicator (context_nccl.cpp).
 #include "poise/context.hpp"
 
 #include <string>
