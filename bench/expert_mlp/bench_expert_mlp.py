@@ -232,8 +232,8 @@ def dense_tflops():
     return 2 * n**3 / ms / 1e9
 
 
-def run_case(P, name, skew_target, dense, commit, gemm_detail):
-    T, D, F, E, K = SHAPES[name]
+def make_inputs(T, D, F, E, K, skew_target):
+    """The same seeded inputs for every measurement of a case: routing, x, scores, weights, grad_out."""
     gen = torch.Generator(device="cuda")
     gen.manual_seed(1234)
     torch.manual_seed(1234)
@@ -244,6 +244,13 @@ def run_case(P, name, skew_target, dense, commit, gemm_detail):
     w13 = (torch.randn(E, 2 * F, D, device=dev) / math.sqrt(D)).to(bf)
     w2 = (torch.randn(E, D, F, device=dev) / math.sqrt(F)).to(bf)
     grad_out = torch.randn(T, D, device=dev, dtype=bf)
+    return ids, skew, x, scores, w13, w2, grad_out
+
+
+def run_case(P, name, skew_target, dense, commit, gemm_detail):
+    T, D, F, E, K = SHAPES[name]
+    dev, bf = "cuda", torch.bfloat16
+    ids, skew, x, scores, w13, w2, grad_out = make_inputs(T, D, F, E, K, skew_target)
     TK = T * K
     flops_fwd = 6.0 * TK * D * F
 
@@ -341,16 +348,8 @@ def run_case(P, name, skew_target, dense, commit, gemm_detail):
 def gemm_only(P, name, skew_target, label):
     """Times the six Poise GEMMs alone (no baseline): for comparing two builds of the kernels."""
     T, D, F, E, K = SHAPES[name]
-    gen = torch.Generator(device="cuda")
-    gen.manual_seed(1234)
-    torch.manual_seed(1234)
     dev, bf = "cuda", torch.bfloat16
-    ids, skew = make_routing(T, E, K, skew_target, gen)
-    x = torch.randn(T, D, device=dev, dtype=bf)
-    scores = torch.softmax(torch.randn(T, K, device=dev), dim=-1)
-    w13 = (torch.randn(E, 2 * F, D, device=dev) / math.sqrt(D)).to(bf)
-    w2 = (torch.randn(E, D, F, device=dev) / math.sqrt(F)).to(bf)
-    grad_out = torch.randn(T, D, device=dev, dtype=bf)
+    ids, skew, x, scores, w13, w2, grad_out = make_inputs(T, D, F, E, K, skew_target)
     blk = PoiseBlock(P, T, D, F, E, K)
     out = torch.empty(T, D, device=dev, dtype=bf)
     gx, gs = torch.empty_like(out), torch.empty(T, K, device=dev)
