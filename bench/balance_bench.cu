@@ -17,6 +17,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <map>
 #include <random>
 #include <sstream>
 #include <string>
@@ -73,6 +74,7 @@ struct RunResult {
   double fwd_ms = 0, fwd_bwd_ms = 0, planner_us = 0;
   PlanSnapshot plan;
   size_t used = 0;
+  std::map<std::string, double> fwd_stages_ms, bwd_stages_ms;  // one extra pass with stage events
 };
 
 RunResult run(StagedPipeline& p, const Buffers& b, const std::vector<std::vector<int32_t>>& ids, int iterations,
@@ -118,6 +120,17 @@ RunResult run(StagedPipeline& p, const Buffers& b, const std::vector<std::vector
   res.fwd_ms = median(f);
   res.fwd_bwd_ms = median(fb);
   res.used = used_bytes();
+  {  // where the time goes: one more pass with an event at every stage boundary
+    StageClock clock;
+    p.set_stage_hook([&](Stage s, cudaStream_t st) { clock.hook(s, st); });
+    p.forward(fwd, stream);
+    p.check(stream);
+    res.fwd_stages_ms = clock.read();
+    p.backward(bwd, stream);
+    p.check(stream);
+    res.bwd_stages_ms = clock.read();
+    p.set_stage_hook(nullptr);
+  }
   if (p.dims().balanced) {
     res.plan = p.plan_snapshot(0);
     // The planner kernel alone, on the counts of the last forward (re-planning is idempotent).
@@ -243,6 +256,13 @@ int main(int argc, char** argv) {
            << ", \"replica_pieces\": " << pieces << ", \"replica_weight_bytes\": " << pieces * expert_bf16
            << ", \"replica_grad_bytes\": " << pieces * expert_bf16 * 2
            << ", \"moved_row_bytes\": " << size_t(r.plan.moved_rows) * D * 2;
+      }
+      for (const auto& [key, stages] : {std::pair{"forward_stages_ms", &r.fwd_stages_ms},
+                                        std::pair{"backward_stages_ms", &r.bwd_stages_ms}}) {
+        js << ", \"" << key << "\": {";
+        const char* sep = "";
+        for (const auto& [stage, ms] : *stages) js << sep << "\"" << stage << "\": " << ms, sep = ", ";
+        js << "}";
       }
       js << "}";
     }

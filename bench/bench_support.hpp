@@ -11,6 +11,10 @@
 #include <cstdlib>
 #include <vector>
 
+#include <map>
+#include <string>
+
+#include "moe/ep/staged_pipeline.hpp"
 #include "poise/config.hpp"
 
 #define CHECK(expr)                                                                                       \
@@ -63,5 +67,31 @@ inline Config layer_config(int T, int D, int F, int E, int K, Balance balance, d
   c.receive_capacity_factor = capacity_factor;
   return c;
 }
+
+// Records an event at every stage boundary of one pass; durations per stage after a sync.
+struct StageClock {
+  std::vector<std::pair<ep::Stage, cudaEvent_t>> marks;
+  void hook(ep::Stage s, cudaStream_t stream) {
+    cudaEvent_t e;
+    CHECK(cudaEventCreate(&e));
+    CHECK(cudaEventRecord(e, stream));
+    marks.push_back({s, e});
+  }
+  // stage -> ms, plus "total"
+  std::map<std::string, double> read() {
+    std::map<std::string, double> ms;
+    for (size_t i = 0; i + 1 < marks.size(); ++i) {
+      float t = 0;
+      CHECK(cudaEventElapsedTime(&t, marks[i].second, marks[i + 1].second));
+      ms[ep::to_string(marks[i].first)] += t;
+    }
+    float total = 0;
+    CHECK(cudaEventElapsedTime(&total, marks.front().second, marks.back().second));
+    ms["total"] = total;
+    for (auto& m : marks) cudaEventDestroy(m.second);
+    marks.clear();
+    return ms;
+  }
+};
 
 }  // namespace poise::bench

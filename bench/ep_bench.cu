@@ -25,36 +25,6 @@ using namespace poise;
 using namespace poise::ep;
 using namespace poise::bench;
 
-namespace {
-
-// Records an event at every stage boundary of one pass; durations per stage after a sync.
-struct StageClock {
-  std::vector<std::pair<Stage, cudaEvent_t>> marks;
-  void hook(Stage s, cudaStream_t stream) {
-    cudaEvent_t e;
-    CHECK(cudaEventCreate(&e));
-    CHECK(cudaEventRecord(e, stream));
-    marks.push_back({s, e});
-  }
-  // stage -> ms, plus "total"
-  std::map<std::string, double> read() {
-    std::map<std::string, double> ms;
-    for (size_t i = 0; i + 1 < marks.size(); ++i) {
-      float t = 0;
-      CHECK(cudaEventElapsedTime(&t, marks[i].second, marks[i + 1].second));
-      ms[to_string(marks[i].first)] += t;
-    }
-    float total = 0;
-    CHECK(cudaEventElapsedTime(&total, marks.front().second, marks.back().second));
-    ms["total"] = total;
-    for (auto& m : marks) cudaEventDestroy(m.second);
-    marks.clear();
-    return ms;
-  }
-};
-
-}  // namespace
-
 int main(int argc, char** argv) {
   const std::string out_path = argc > 1 ? argv[1] : "bench/results/ep_h200.json";
   int R = 8, T = 4096, D = 7168, F = 2048, E = 256, K = 8, iterations = 3;

@@ -1,22 +1,64 @@
 #!/usr/bin/env bash
-# One device call (see docs/performance.md): the whole GPU suite (C++ binaries prebuilt on the CPU
-# machine and carried in .carry/, the Python module built here), the demo on the GPU and the Python
-# overhead benchmark. Logs and JSON go to $OUT (at most 8 files come back).
+# One device call (see docs/performance.md): parts of the GPU work, C++ binaries prebuilt on the CPU
+# machine and carried in .carry/, the Python module built here. Logs and JSON go to $OUT.
+#
+#   scripts/device_session.sh [part ...]     parts (default: tests demo python overhead)
+#     tests      every .carry/test_* binary (the C++ GPU suite) + the HGMMA count
+#     demo       .carry/poise_demo on the GPU
+#     python     pip install the module here, pytest -m gpu
+#     overhead   bench/python_overhead.py (needs python first)
+#     balance    .carry/balance_bench -> $OUT/balance_h200.json
+#     ep         .carry/ep_bench -> $OUT/ep_h200.json
+#     mlp        bench/expert_mlp/bench_expert_mlp.py with .carry/libpoise_expert_mlp_bench.so
+#     gemm_only  the six GEMMs alone, .carry/libpoise_expert_mlp_bench*.so (one line per build)
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 NCCL_DIR=$(python3 -c "import nvidia.nccl as n; print(list(n.__path__)[0])" 2>/dev/null)
 export LD_LIBRARY_PATH="${NCCL_DIR:+$NCCL_DIR/lib:}${LD_LIBRARY_PATH:-}"
-log="$OUT/gpu_suite.log"
-for t in .carry/test_*; do
-  echo "== $t" | tee -a "$log"
-  timeout 120 "$t" >> "$log" 2>&1; rc=$?
-  echo "$t rc=$rc $(grep -E '^\[  (PASSED|FAILED) ' "$log" | tail -1)"
+commit=$(cat .carry/COMMIT 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)
+
+part_tests() {
+  local log="$OUT/gpu_suite.log"
+  for t in .carry/test_*; do
+    echo "== $t" >> "$log"
+    timeout 150 "$t" >> "$log" 2>&1; local rc=$?
+    echo "$t rc=$rc $(grep -E '^\[  (PASSED|FAILED) ' "$log" | tail -1)"
+  done
+  grep -E '^\[  FAILED  \]' "$log" | head -20
+  echo "HGMMA instructions in test_expert_mlp: $(cuobjdump --dump-sass .carry/test_expert_mlp | grep -c HGMMA)" | tee -a "$log"
+}
+part_demo() { timeout 60 .carry/poise_demo > "$OUT/demo.log" 2>&1; echo "demo rc=$? $(tail -1 "$OUT/demo.log")"; }
+part_python() {
+  local flags=()
+  [ -n "$NCCL_DIR" ] && flags=(-C "cmake.define.POISE_NCCL_INCLUDE=$NCCL_DIR/include" -C "cmake.define.POISE_NCCL_LIBRARY=$NCCL_DIR/lib/libnccl.so.2")
+  CMAKE_BUILD_PARALLEL_LEVEL=16 timeout 200 python3 -m pip install -q --no-build-isolation --no-deps "${flags[@]}" . > "$OUT/pip.log" 2>&1 || { echo "pip failed"; tail -20 "$OUT/pip.log"; }
+  timeout 150 python3 -m pytest -q -m gpu tests/python > "$OUT/pytest_gpu.log" 2>&1; echo "pytest rc=$?"; tail -8 "$OUT/pytest_gpu.log"
+}
+part_overhead() {
+  PYTHONUNBUFFERED=1 timeout 75 python3 bench/python_overhead.py "$OUT/python_overhead_h200.json" > "$OUT/python_overhead.log" 2>&1
+  echo "overhead rc=$?"; tail -12 "$OUT/python_overhead.log"
+}
+part_balance() {
+  timeout 240 .carry/balance_bench "$OUT/balance_h200.json" 16 3 > "$OUT/balance.log" 2>&1; echo "balance rc=$?"
+  grep -E "^(exact|off)" "$OUT/balance.log"
+}
+part_ep() { timeout 120 .carry/ep_bench "$OUT/ep_h200.json" > "$OUT/ep.log" 2>&1; echo "ep rc=$?"; tail -5 "$OUT/ep.log"; }
+part_mlp() {
+  PYTHONUNBUFFERED=1 timeout 300 python3 bench/expert_mlp/bench_expert_mlp.py --lib .carry/libpoise_expert_mlp_bench.so \
+    --out "$OUT/expert_mlp_h200.json" --commit "$commit" > "$OUT/mlp.log" 2>&1
+  echo "mlp rc=$?"; tail -16 "$OUT/mlp.log"
+}
+part_gemm_only() {
+  for lib in .carry/libpoise_expert_mlp_bench*.so; do
+    local label; label=$(basename "$lib" .so)
+    PYTHONUNBUFFERED=1 timeout 120 python3 bench/expert_mlp/bench_expert_mlp.py --lib "$lib" --out /dev/null \
+      --skews 1 --gemm-only "$label" 2>&1 | tee -a "$OUT/gemm_only.log" | grep -v "^$"
+  done
+}
+
+parts=("$@")
+[ ${#parts[@]} -eq 0 ] && parts=(tests demo python overhead)
+for p in "${parts[@]}"; do
+  echo "=== $p ($(date +%T))"
+  "part_$p"
 done
-echo "HGMMA instructions in test_expert_mlp: $(cuobjdump --dump-sass .carry/test_expert_mlp | grep -c HGMMA)" | tee -a "$log"
-timeout 60 .carry/poise_demo > "$OUT/demo.log" 2>&1; echo "demo rc=$? $(tail -1 "$OUT/demo.log")"
-echo "== python module"
-flags=()
-[ -n "$NCCL_DIR" ] && flags=(-C "cmake.define.POISE_NCCL_INCLUDE=$NCCL_DIR/include" -C "cmake.define.POISE_NCCL_LIBRARY=$NCCL_DIR/lib/libnccl.so.2")
-CMAKE_BUILD_PARALLEL_LEVEL=16 timeout 200 python3 -m pip install -q --no-build-isolation --no-deps "${flags[@]}" . > "$OUT/pip.log" 2>&1 || { echo "pip failed"; tail -20 "$OUT/pip.log"; }
-timeout 150 python3 -m pytest -q -m gpu tests/python > "$OUT/pytest_gpu.log" 2>&1; echo "pytest rc=$?"; tail -8 "$OUT/pytest_gpu.log"
-PYTHONUNBUFFERED=1 timeout 75 python3 bench/python_overhead.py "$OUT/python_overhead_h200.json" > "$OUT/python_overhead.log" 2>&1; echo "overhead rc=$?"; tail -12 "$OUT/python_overhead.log"

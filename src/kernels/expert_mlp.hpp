@@ -26,6 +26,12 @@ struct GroupedRows {
   const int32_t* row_counts_E = nullptr;   // device int32 [E]
   int64_t num_experts = 0;                 // E: 1..1024
   int64_t max_rows = 0;                    // R: rows of every [R, *] buffer
+  // EP exact balance: experts [first_replica, num_experts) are replica slots, so one GEMM covers a
+  // rank's own experts and its replicas. Their weights come from the replica_* pointers (index
+  // e - first_replica) and their weight gradients go to WgradOutput::replica_grad_w, always
+  // overwritten; a replica without rows gets no weight-gradient tiles (its target is left as is).
+  // -1: no replicas, every expert uses the main pointers.
+  int64_t first_replica = -1;
 };
 
 struct ExpertMlpShape {
@@ -43,6 +49,7 @@ struct FpropW13Args {
   const void* w13_E2FD = nullptr;
   void* a_RF = nullptr;
   void* h13_R2F = nullptr;  // nullable: do not save h13 for backward
+  const void* replica_w13_E2FD = nullptr;  // with GroupedRows::first_replica
 };
 void expert_mlp_fprop_w13(const GroupedRows& rows, const ExpertMlpShape& shape,
                           const FpropW13Args& args, cudaStream_t stream);
@@ -53,6 +60,7 @@ struct FpropW2Args {
   const void* w2_EDF = nullptr;
   const float* scores_R = nullptr;  // nullable
   void* y_RD = nullptr;
+  const void* replica_w2_EDF = nullptr;  // with GroupedRows::first_replica
 };
 void expert_mlp_fprop_w2(const GroupedRows& rows, const ExpertMlpShape& shape,
                          const FpropW2Args& args, cudaStream_t stream);
@@ -68,6 +76,7 @@ struct DgradW2Args {
   void* grad_h13_R2F = nullptr;
   void* a_RF = nullptr;             // nullable
   float* grad_scores_R = nullptr;   // nullable
+  const void* replica_w2_EDF = nullptr;  // with GroupedRows::first_replica
 };
 void expert_mlp_dgrad_w2(const GroupedRows& rows, const ExpertMlpShape& shape,
                          const DgradW2Args& args, cudaStream_t stream);
@@ -77,6 +86,7 @@ struct DgradW13Args {
   const void* grad_h13_R2F = nullptr;
   const void* w13_E2FD = nullptr;
   void* grad_x_RD = nullptr;
+  const void* replica_w13_E2FD = nullptr;  // with GroupedRows::first_replica
 };
 void expert_mlp_dgrad_w13(const GroupedRows& rows, const ExpertMlpShape& shape,
                           const DgradW13Args& args, cudaStream_t stream);
@@ -87,6 +97,8 @@ struct WgradOutput {
   void* grad_w = nullptr;  // [E, D, F] for W2, [E, 2F, D] for W13 (W13's row order)
   DType dtype = DType::fp32;
   bool accumulate = false;
+  void* replica_grad_w = nullptr;  // with GroupedRows::first_replica: [E - first_replica, ...]
+  DType replica_dtype = DType::fp32;
 };
 // grad_W2[e] = grad_y[e]^T . a[e]   (a as written by expert_mlp_dgrad_w2: already score-scaled)
 void expert_mlp_wgrad_w2(const GroupedRows& rows, const ExpertMlpShape& shape,

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <tuple>
 #include <cuda_runtime_api.h>
 
 #include "kernels/device_info.hpp"
@@ -398,6 +399,101 @@ TEST(ExpertMlpChain, ForwardBackwardMatchesFloat64) {
   expect_close(acc.finish(), kChainTolerance, "grad_scores_R");
 }
 
+// EP exact balance runs one GEMM over a rank's own experts and its replica slots, whose weights
+// and weight gradients live in separate buffers (GroupedRows::first_replica). Every output must
+// equal, bit for bit, the same experts run from one buffer; an empty replica slot's gradient
+// target keeps its poison; own gradients may accumulate while replicas are overwritten.
+TEST(ExpertMlpReplicas, SplitWeightsEqualOneBufferBitwise) {
+  if (!have_sm90()) GTEST_SKIP() << "needs an SM90 GPU";
+  // Experts 0-2 own, 3-5 replicas; replica 3 has no rows, own expert 1 neither.
+  Fixture fx(Case{"replicas", {200, 0, 333, 0, 129, 64}, 256, 192, W13Layout::gate_up_blocked, true, 41});
+  const int64_t R = fx.l.rows, D = fx.cs.D, F = fx.cs.F, E = fx.E(), own = 3, reps = E - own;
+  const int64_t w13_n = 2 * F * D, w2_n = D * F;
+  Rng rng(41);
+  const auto x = random_rows(rng, fx.l, D, 1.0f), gy = random_rows(rng, fx.l, D, 1.0f);
+  const auto w13 = rng.bf16_normal(E * w13_n, 2.0f / std::sqrt(float(D)));
+  const auto w2 = rng.bf16_normal(E * w2_n, 1.0f / std::sqrt(float(F)));
+  const auto scores = rng.uniform(R, 0.1f, 1.0f);
+  const auto prior_w13 = rng.uniform(own * w13_n, -1.0f, 1.0f), prior_w2 = rng.uniform(own * w2_n, -1.0f, 1.0f);
+  DeviceBuffer<uint16_t> dx(x), dgy(gy), dw13(w13), dw2(w2);
+  DeviceBuffer<uint16_t> dw13_own(std::vector<uint16_t>(w13.begin(), w13.begin() + own * w13_n)),
+      dw13_rep(std::vector<uint16_t>(w13.begin() + own * w13_n, w13.end())),
+      dw2_own(std::vector<uint16_t>(w2.begin(), w2.begin() + own * w2_n)),
+      dw2_rep(std::vector<uint16_t>(w2.begin() + own * w2_n, w2.end()));
+  DeviceBuffer<float> ds(scores);
+
+  struct Outputs {  // every output of the six kernels, poisoned
+    DeviceBuffer<uint16_t> a, h13, y, gh, a2, gx;
+    DeviceBuffer<float> gs, gw2, gw13, rep_gw2, rep_gw13;
+    Outputs(int64_t R, int64_t D, int64_t F, int64_t E_own, int64_t E_rep)
+        : a(std::vector<uint16_t>(R * F, kBf16Poison)), h13(std::vector<uint16_t>(R * 2 * F, kBf16Poison)),
+          y(std::vector<uint16_t>(R * D, kBf16Poison)), gh(std::vector<uint16_t>(R * 2 * F, kBf16Poison)),
+          a2(std::vector<uint16_t>(R * F, kBf16Poison)), gx(std::vector<uint16_t>(R * D, kBf16Poison)),
+          gs(std::vector<float>(R, 0.0f)), gw2(std::vector<float>(E_own * D * F, fp32_poison())),
+          gw13(std::vector<float>(E_own * 2 * F * D, fp32_poison())),
+          rep_gw2(std::vector<float>(std::max<int64_t>(E_rep, 1) * D * F, fp32_poison())),
+          rep_gw13(std::vector<float>(std::max<int64_t>(E_rep, 1) * 2 * F * D, fp32_poison())) {}
+  };
+  auto run = [&](const GroupedRows& rows, Outputs& o, const void* w13_own, const void* w13_rep, const void* w2_own,
+                 const void* w2_rep, bool accumulate) {
+    sm90::FpropW13Args f13{dx.ptr, w13_own, o.a.ptr, o.h13.ptr};
+    f13.replica_w13_E2FD = w13_rep;
+    sm90::FpropW2Args f2{o.a.ptr, w2_own, ds.ptr, o.y.ptr};
+    f2.replica_w2_EDF = w2_rep;
+    sm90::DgradW2Args g2{dgy.ptr, w2_own, o.h13.ptr, ds.ptr, o.gh.ptr, o.a2.ptr, o.gs.ptr};
+    g2.replica_w2_EDF = w2_rep;
+    sm90::DgradW13Args g13{o.gh.ptr, w13_own, o.gx.ptr};
+    g13.replica_w13_E2FD = w13_rep;
+    sm90::WgradOutput o2{o.gw2.ptr, DType::fp32, accumulate, o.rep_gw2.ptr};
+    sm90::WgradOutput o13{o.gw13.ptr, DType::fp32, accumulate, o.rep_gw13.ptr};
+    sm90::expert_mlp_fprop_w13(rows, fx.shape, f13, nullptr);
+    sm90::expert_mlp_fprop_w2(rows, fx.shape, f2, nullptr);
+    sm90::expert_mlp_dgrad_w2(rows, fx.shape, g2, nullptr);
+    sm90::expert_mlp_dgrad_w13(rows, fx.shape, g13, nullptr);
+    sm90::expert_mlp_wgrad_w2(rows, fx.shape, dgy.ptr, o.a2.ptr, o2, nullptr);
+    sm90::expert_mlp_wgrad_w13(rows, fx.shape, o.gh.ptr, dx.ptr, o13, nullptr);
+    cuda_ok(cudaDeviceSynchronize(), "replica run");
+  };
+  Outputs one(R, D, F, E, 0), split(R, D, F, own, reps);
+  run(fx.rows, one, dw13.ptr, nullptr, dw2.ptr, nullptr, false);
+  GroupedRows rows = fx.rows;
+  rows.first_replica = own;
+  split.gw2.upload(prior_w2);
+  split.gw13.upload(prior_w13);
+  run(rows, split, dw13_own.ptr, dw13_rep.ptr, dw2_own.ptr, dw2_rep.ptr, true);
+
+  for (auto [a, b, what] : {std::tuple{&one.a, &split.a, "a_RF"}, {&one.h13, &split.h13, "h13_R2F"},
+                            {&one.y, &split.y, "y_RD"}, {&one.gh, &split.gh, "grad_h13_R2F"},
+                            {&one.a2, &split.a2, "a_RF (dgrad)"}, {&one.gx, &split.gx, "grad_x_RD"}})
+    EXPECT_TRUE(a->download() == b->download()) << what << " differs between one buffer and split weights";
+  // grad_scores sums tiles by atomics (order varies): compare with a tolerance.
+  ErrorAccumulator gs_acc;
+  const auto gs_one = one.gs.download(), gs_split = split.gs.download();
+  for (int64_t r = 0; r < R; ++r) gs_acc.add(gs_split[r], gs_one[r]);
+  expect_close(gs_acc.finish(), 1e-5, "grad_scores_R");
+
+  auto check_wgrad = [&](const DeviceBuffer<float>& ref_all, const DeviceBuffer<float>& own_out,
+                         const DeviceBuffer<float>& rep_out, const std::vector<float>& prior, int64_t per_expert,
+                         const char* what) {
+    const auto ref = ref_all.download(), got_own = own_out.download(), got_rep = rep_out.download();
+    int64_t own_bad = 0, rep_bad = 0, poison_lost = 0;
+    for (int64_t i = 0; i < own * per_expert; ++i) own_bad += got_own[i] != prior[i] + ref[i];
+    for (int64_t e = 0; e < reps; ++e) {
+      const bool empty = fx.cs.counts[own + e] == 0;
+      for (int64_t i = 0; i < per_expert; ++i) {
+        const float v = got_rep[e * per_expert + i];
+        if (empty) poison_lost += !std::isnan(v);
+        else rep_bad += v != ref[(own + e) * per_expert + i];
+      }
+    }
+    EXPECT_EQ(own_bad, 0) << what << ": own experts != prior + one-buffer gradient";
+    EXPECT_EQ(rep_bad, 0) << what << ": replica gradients != one-buffer gradient";
+    EXPECT_EQ(poison_lost, 0) << what << ": an empty replica slot was written";
+  };
+  check_wgrad(one.gw2, split.gw2, split.rep_gw2, prior_w2, w2_n, "grad_w2");
+  check_wgrad(one.gw13, split.gw13, split.rep_gw13, prior_w13, w13_n, "grad_w13");
+}
+
 // A graph captured once replays for any routing: change counts/offsets on the device, replay.
 TEST(ExpertMlpGraph, ReplaysWithNewRoutingWithoutRecapture) {
   if (!have_sm90()) GTEST_SKIP() << "needs an SM90 GPU";
@@ -480,6 +576,15 @@ TEST(ExpertMlpValidation, RejectsBadArgumentsByName) {
   clamp.activation = Activation::swiglu_clamped;
   clamp.swiglu_limit = -1.0f;
   EXPECT_EQ(name_of([&] { sm90::expert_mlp_fprop_w13(rows, clamp, ok, nullptr); }), "swiglu_limit");
+  GroupedRows bad_split = rows;
+  bad_split.first_replica = 5;
+  EXPECT_EQ(name_of([&] { sm90::expert_mlp_fprop_w13(bad_split, shape, ok, nullptr); }), "first_replica");
+  GroupedRows split = rows;
+  split.first_replica = 2;
+  EXPECT_EQ(name_of([&] { sm90::expert_mlp_fprop_w13(split, shape, ok, nullptr); }), "replica_w13_E2FD");
+  EXPECT_EQ(name_of([&] { sm90::expert_mlp_fprop_w2(split, shape, {fake, fake, nullptr, fake}, nullptr); }), "replica_w2_EDF");
+  EXPECT_EQ(name_of([&] { sm90::expert_mlp_wgrad_w13(split, shape, fake, fake, {fake, DType::fp32, false}, nullptr); }),
+            "replica_grad_w");
 }
 
 }  // namespace

@@ -60,7 +60,7 @@ __device__ __forceinline__ int padded_rows(int rows) {
 __global__ void __launch_bounds__(kPlanThreads)
     balance_plan_kernel(const comm::PeerTable* tables, EpDims dims, WorkspaceOffsets ws, LaunchScratch scratch) {
   extern __shared__ int32_t smem[];
-  __shared__ int num_pieces, exact, overflow_rank;
+  __shared__ int num_pieces, exact, overflow_rank, moved, max_rows;
   const int slot = blockIdx.x;
   const comm::PeerTable& pt = tables[slot];
   if (block_rank_failed(pt)) return;
@@ -91,6 +91,8 @@ __global__ void __launch_bounds__(kPlanThreads)
     Planner planner(problem, state);
     exact = planner.run() ? 1 : 0;
     num_pieces = planner.num_pieces();
+    moved = 0;
+    max_rows = 0;
   }
   __syncthreads();
 
@@ -114,37 +116,33 @@ __global__ void __launch_bounds__(kPlanThreads)
     }
     rs.plan_pieces[place] = p;
     group_rows[p.rank * G + p.slot] = p.end - p.begin;
+    atomicAdd(&moved, p.end - p.begin);
   }
   __syncthreads();
 
-  // Every rank's group offsets (groups padded to kGroupAlignment rows).
+  // Every rank's group offsets (groups padded to kGroupAlignment rows) and routed rows.
   for (int d = threadIdx.x; d < R; d += blockDim.x) {
-    int running = 0;
+    int running = 0, rows = 0;
     int32_t* offsets = rs.plan_group_offsets_RG + d * (G + 1);
     for (int g = 0; g < G; ++g) {
       offsets[g] = running;
       running += padded_rows(group_rows[d * G + g]);
+      rows += group_rows[d * G + g];
     }
     offsets[G] = running;
     needed[d] = running;
+    atomicMax(&max_rows, rows);
   }
   __syncthreads();
   if (threadIdx.x == 0) {
     // Every rank sees the same plan, so an overflow (only possible when the plan is not exact,
     // B < E_local) stops all ranks together; the local groups are then left empty.
     overflow_rank = -1;
-    int moved = 0, max_rows = 0;
     for (int d = 0; d < R && overflow_rank < 0; ++d) {
       if (needed[d] > dims.capacity_rows) overflow_rank = d;
     }
     if (overflow_rank >= 0) {
       comm::report_error(pt, ErrorCode::capacity_overflow, Phase::route_assign, overflow_rank, needed[overflow_rank]);
-    }
-    for (int i = 0; i < P; ++i) moved += pieces[i].end - pieces[i].begin;
-    for (int d = 0; d < R; ++d) {
-      int rows = 0;
-      for (int g = 0; g < G; ++g) rows += group_rows[d * G + g];
-      max_rows = rows > max_rows ? rows : max_rows;
     }
     rs.plan_stats[kPlanExact] = exact;
     rs.plan_stats[kPlanMovedRows] = moved;

@@ -334,10 +334,12 @@ struct SwigluDgradEpilogue {
   }
 };
 
-// WGRAD store: out[e][m][n] for m < M, n < N, fp32 or bf16, overwrite or accumulate.
+// WGRAD store: out[e][m][n] for m < M, n < N, fp32 or bf16, overwrite or accumulate. Replica
+// experts (e >= first_replica) go to their own target at e - first_replica (always overwritten).
 struct WgradStoreEpilogue {
   static constexpr int kStagingBuffers = 1;
-  CUtensorMap out_map;  // out viewed as [E*M][N]; boxes of 64 rows x 128 bytes (overwrite only)
+  CUtensorMap out_map;      // out viewed as [E*M][N]; boxes of 64 rows x 128 bytes (overwrite only)
+  CUtensorMap replica_map;  // the replicas' target, same boxes
   // Nothing to prefetch before the mainloop.
   template <int kBlockN>
   __device__ __forceinline__ void begin_tile(const TileInfo&, int, int, uint8_t*) const {}
@@ -347,16 +349,23 @@ struct WgradStoreEpilogue {
   int32_t N;
   int32_t out_fp32;
   int32_t accumulate;
+  void* replica_out_EMN;
+  int32_t replica_fp32;
+  int32_t first_replica;  // num_experts when there are none
 
   template <int kBlockN>
   __device__ __forceinline__ void store(float (&d)[kBlockN / 2], const TileInfo& tile, int consumer,
                                         int thread, uint8_t* buf) const {
     const Fragment fr(thread);
+    const bool replica = tile.expert >= first_replica;
+    const CUtensorMap* map = replica ? &replica_map : &out_map;
+    void* const target = replica ? replica_out_EMN : out_EMN;
+    const bool accumulate = replica ? false : this->accumulate != 0;
     const int32_t m0 = tile.m_block * kTileM + 64 * consumer;
-    const int64_t first = int64_t(tile.expert) * M + m0;
+    const int64_t first = int64_t(tile.expert - (replica ? first_replica : 0)) * M + m0;
     const int32_t valid = M - m0;
-    if (out_fp32) {
-      float* out = static_cast<float*>(out_EMN);
+    if (replica ? replica_fp32 : out_fp32) {
+      float* out = static_cast<float*>(target);
 #pragma unroll 1
       for (int c = 0; c < kBlockN / 32; ++c) {  // 32 fp32 columns = 128 bytes per chunk; d[0..15]
         const int32_t n0 = tile.n_block * kBlockN + 32 * c;
@@ -379,12 +388,12 @@ struct WgradStoreEpilogue {
                               __float_as_uint(__uint_as_float(v.w) + __uint_as_float(o.w)));
           });
         } else {
-          emit_staged(buf, consumer, thread, valid >= 64, &out_map, n0, first, dst);
+          emit_staged(buf, consumer, thread, valid >= 64, map, n0, first, dst);
         }
         move_accumulators<0, 16, kBlockN / 2 - 16>(d);
       }
     } else {
-      __nv_bfloat16* out = static_cast<__nv_bfloat16*>(out_EMN);
+      __nv_bfloat16* out = static_cast<__nv_bfloat16*>(target);
 #pragma unroll 1
       for (int c = 0; c < kBlockN / 64; ++c) {  // d[0..31]
         const int32_t n0 = tile.n_block * kBlockN + 64 * c;
@@ -408,7 +417,7 @@ struct WgradStoreEpilogue {
             return make_uint4(res[0], res[1], res[2], res[3]);
           });
         } else {
-          emit_staged(buf, consumer, thread, valid >= 64, &out_map, n0, first, dst);
+          emit_staged(buf, consumer, thread, valid >= 64, map, n0, first, dst);
         }
         move_accumulators<0, 32, kBlockN / 2 - 32>(d);
       }

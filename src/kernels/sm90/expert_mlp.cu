@@ -46,9 +46,19 @@ void validate(const GroupedRows& rows, const ExpertMlpShape& shape) {
           "num_experts", "E*2F and E*D must fit in int32 (TMA coordinates)");
   if (shape.activation == Activation::swiglu_clamped)
     require(shape.swiglu_limit > 0.0f, "swiglu_limit", "must be positive");
+  require(rows.first_replica >= -1 && rows.first_replica <= rows.num_experts, "first_replica",
+          "must be -1 (no replicas) or in [0, num_experts]");
 }
 
+// Experts whose weights come from the main pointers, and replica experts after them.
+int64_t own_experts(const GroupedRows& rows) { return rows.first_replica < 0 ? rows.num_experts : rows.first_replica; }
+int64_t replica_experts(const GroupedRows& rows) { return rows.num_experts - own_experts(rows); }
+
 void require_ptr(const void* p, const char* name) { require(p != nullptr, name, "must not be null"); }
+// A replica-side pointer is needed only when there are replicas.
+void require_replica_ptr(const GroupedRows& rows, const void* p, const char* name) {
+  if (replica_experts(rows) > 0) require_ptr(p, name);
+}
 
 ActivationParams activation_params(const ExpertMlpShape& shape) {
   ActivationParams p;
@@ -72,20 +82,39 @@ GroupedGemmShape base_shape(const GroupedRows& rows) {
   s.row_offsets_E = rows.row_offsets_E;
   s.row_counts_E = rows.row_counts_E;
   s.num_experts = static_cast<int32_t>(rows.num_experts);
+  s.first_replica = static_cast<int32_t>(own_experts(rows));
   return s;
+}
+
+// TMA maps of a per-expert weight tensor: the own experts' and the replicas' (the same map when
+// one side is empty, so the kernel always gets a valid descriptor).
+struct WeightMaps {
+  CUtensorMap own, replicas;
+};
+WeightMaps weight_maps(const GroupedRows& rows, const void* w, const char* name, const void* replica_w,
+                       const char* replica_name, int64_t rows_per_expert, int64_t cols, int box_rows) {
+  const int64_t own = own_experts(rows), replicas = replica_experts(rows);
+  WeightMaps m;
+  if (own > 0) m.own = make_bf16_tensor_map(w, own * rows_per_expert, cols, box_rows, name);
+  if (replicas > 0) {
+    m.replicas = make_bf16_tensor_map(replica_w, replicas * rows_per_expert, cols, box_rows, replica_name);
+  }
+  if (own == 0) m.own = m.replicas;
+  if (replicas == 0) m.replicas = m.own;
+  return m;
 }
 
 int32_t ceil_div(int64_t a, int64_t b) { return static_cast<int32_t>((a + b - 1) / b); }
 
 template <RowsAre kRows, bool kBMnMajor, class Epilogue>
-void launch(const CUtensorMap& map_a, const CUtensorMap& map_b, const GroupedGemmShape& shape,
+void launch(const CUtensorMap& map_a, const WeightMaps& map_b, const GroupedGemmShape& shape,
             const Epilogue& epilogue, cudaStream_t stream) {
   constexpr int kStages = kStagesFor<Epilogue>;
   auto kernel = grouped_gemm_kernel<kBlockN, kStages, kRows, kBMnMajor, Epilogue>;
   constexpr uint32_t smem = GroupedGemmSmem<kBlockN, kStages, Epilogue::kStagingBuffers>::kTotalBytes;
   check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
              "cudaFuncSetAttribute(grouped_gemm_kernel)");
-  kernel<<<sm_count(), kThreadsPerCta, smem, stream>>>(map_a, map_b, shape, epilogue);
+  kernel<<<sm_count(), kThreadsPerCta, smem, stream>>>(map_a, map_b.own, map_b.replicas, shape, epilogue);
   check_cuda(cudaGetLastError(), "grouped_gemm_kernel launch");
 }
 
@@ -122,12 +151,13 @@ void expert_mlp_fprop_w13(const GroupedRows& rows, const ExpertMlpShape& shape,
   require_ptr(args.x_RD, "x_RD");
   require_ptr(args.w13_E2FD, "w13_E2FD");
   require_ptr(args.a_RF, "a_RF");
+  require_replica_ptr(rows, args.replica_w13_E2FD, "replica_w13_E2FD");
   if (rows.max_rows == 0) return;
-  const int64_t D = shape.hidden_dim, F = shape.intermediate_dim, E = rows.num_experts;
+  const int64_t D = shape.hidden_dim, F = shape.intermediate_dim;
   const bool blocked = shape.w13_layout == W13Layout::gate_up_blocked;
   const CUtensorMap map_a = rows_operand_map(args.x_RD, rows, D, "x_RD");
-  const CUtensorMap map_b =
-      make_bf16_tensor_map(args.w13_E2FD, E * 2 * F, D, blocked ? kBlockN / 2 : kBlockN, "w13_E2FD");
+  const WeightMaps map_b = weight_maps(rows, args.w13_E2FD, "w13_E2FD", args.replica_w13_E2FD, "replica_w13_E2FD",
+                                       2 * F, D, blocked ? kBlockN / 2 : kBlockN);
   GroupedGemmShape s = rows_gemm_shape(rows, D, 2 * F, F, kBlockN / 2);
   s.b_split_rows = blocked ? static_cast<int32_t>(F) : 0;
   const CUtensorMap a_map = make_store_tensor_map(args.a_RF, false, rows.max_rows, F, "a_RF");
@@ -151,10 +181,12 @@ void expert_mlp_fprop_w2(const GroupedRows& rows, const ExpertMlpShape& shape,
   require_ptr(args.a_RF, "a_RF");
   require_ptr(args.w2_EDF, "w2_EDF");
   require_ptr(args.y_RD, "y_RD");
+  require_replica_ptr(rows, args.replica_w2_EDF, "replica_w2_EDF");
   if (rows.max_rows == 0) return;
-  const int64_t D = shape.hidden_dim, F = shape.intermediate_dim, E = rows.num_experts;
+  const int64_t D = shape.hidden_dim, F = shape.intermediate_dim;
   const CUtensorMap map_a = rows_operand_map(args.a_RF, rows, F, "a_RF");
-  const CUtensorMap map_b = make_bf16_tensor_map(args.w2_EDF, E * D, F, kBlockN, "w2_EDF");
+  const WeightMaps map_b =
+      weight_maps(rows, args.w2_EDF, "w2_EDF", args.replica_w2_EDF, "replica_w2_EDF", D, F, kBlockN);
   const GroupedGemmShape s = rows_gemm_shape(rows, F, D, D, kBlockN);
   launch<RowsAre::M, false>(map_a, map_b, s, rows_store_epilogue(args.y_RD, "y_RD", args.scores_R, rows, D),
                             stream);
@@ -167,11 +199,12 @@ void expert_mlp_dgrad_w2(const GroupedRows& rows, const ExpertMlpShape& shape,
   require_ptr(args.w2_EDF, "w2_EDF");
   require_ptr(args.h13_R2F, "h13_R2F");
   require_ptr(args.grad_h13_R2F, "grad_h13_R2F");
+  require_replica_ptr(rows, args.replica_w2_EDF, "replica_w2_EDF");
   if (rows.max_rows == 0) return;
-  const int64_t D = shape.hidden_dim, F = shape.intermediate_dim, E = rows.num_experts;
+  const int64_t D = shape.hidden_dim, F = shape.intermediate_dim;
   const CUtensorMap map_a = rows_operand_map(args.grad_y_RD, rows, D, "grad_y_RD");
   // W2[e] is [D][F]: K = D rows, N = F contiguous -> MN-major B, 64 x 64 boxes.
-  const CUtensorMap map_b = make_bf16_tensor_map(args.w2_EDF, E * D, F, 64, "w2_EDF");
+  const WeightMaps map_b = weight_maps(rows, args.w2_EDF, "w2_EDF", args.replica_w2_EDF, "replica_w2_EDF", D, F, 64);
   const GroupedGemmShape s = rows_gemm_shape(rows, D, D, F, kBlockN);
   auto run = [&](auto epi) {
     epi.grad_h13_map = make_store_tensor_map(args.grad_h13_R2F, false, rows.max_rows, 2 * F, "grad_h13_R2F");
@@ -195,11 +228,13 @@ void expert_mlp_dgrad_w13(const GroupedRows& rows, const ExpertMlpShape& shape,
   require_ptr(args.grad_h13_R2F, "grad_h13_R2F");
   require_ptr(args.w13_E2FD, "w13_E2FD");
   require_ptr(args.grad_x_RD, "grad_x_RD");
+  require_replica_ptr(rows, args.replica_w13_E2FD, "replica_w13_E2FD");
   if (rows.max_rows == 0) return;
-  const int64_t D = shape.hidden_dim, F = shape.intermediate_dim, E = rows.num_experts;
+  const int64_t D = shape.hidden_dim, F = shape.intermediate_dim;
   const CUtensorMap map_a = rows_operand_map(args.grad_h13_R2F, rows, 2 * F, "grad_h13_R2F");
   // W13[e] is [2F][D]: K = 2F rows, N = D contiguous -> MN-major B.
-  const CUtensorMap map_b = make_bf16_tensor_map(args.w13_E2FD, E * 2 * F, D, 64, "w13_E2FD");
+  const WeightMaps map_b =
+      weight_maps(rows, args.w13_E2FD, "w13_E2FD", args.replica_w13_E2FD, "replica_w13_E2FD", 2 * F, D, 64);
   const GroupedGemmShape s = rows_gemm_shape(rows, 2 * F, 2 * F, D, kBlockN);
   launch<RowsAre::M, true>(map_a, map_b, s, rows_store_epilogue(args.grad_x_RD, "grad_x_RD", nullptr, rows, D),
                            stream);
@@ -214,9 +249,11 @@ void wgrad(const GroupedRows& rows, const void* a_RM, const char* a_name, int64_
   require_ptr(a_RM, a_name);
   require_ptr(b_RN, b_name);
   require_ptr(out.grad_w, "grad_w");
-  if (rows.max_rows == 0) {
-    if (!out.accumulate) {
-      const size_t bytes = rows.num_experts * M * N * (out.dtype == DType::fp32 ? 4 : 2);
+  const int64_t own = own_experts(rows), replicas = replica_experts(rows);
+  require_replica_ptr(rows, out.replica_grad_w, "replica_grad_w");
+  if (rows.max_rows == 0) {  // no rows anywhere: own experts get zeros (or keep theirs), replicas nothing
+    if (!out.accumulate && own > 0) {
+      const size_t bytes = own * M * N * (out.dtype == DType::fp32 ? 4 : 2);
       check_cuda(cudaMemsetAsync(out.grad_w, 0, bytes, stream), "cudaMemsetAsync(grad_w)");
     }
     return;
@@ -226,11 +263,20 @@ void wgrad(const GroupedRows& rows, const void* a_RM, const char* a_name, int64_
   GroupedGemmShape s = base_shape(rows);
   s.m_blocks = ceil_div(M, kTileM);
   s.n_blocks = ceil_div(N, kBlockN);
-  const bool fp32 = out.dtype == DType::fp32;
-  const WgradStoreEpilogue epi{make_store_tensor_map(out.grad_w, fp32, rows.num_experts * M, N, "grad_w"),
-                               out.grad_w, static_cast<int32_t>(M), static_cast<int32_t>(N), fp32 ? 1 : 0,
-                               out.accumulate ? 1 : 0};
-  launch<RowsAre::K, true>(map_a, map_b, s, epi, stream);
+  const bool fp32 = out.dtype == DType::fp32, replica_fp32 = out.replica_dtype == DType::fp32;
+  WgradStoreEpilogue epi;
+  epi.out_map = make_store_tensor_map(own > 0 ? out.grad_w : nullptr, fp32, own * M, N, "grad_w");
+  epi.replica_map = make_store_tensor_map(replicas > 0 ? out.replica_grad_w : nullptr, replica_fp32, replicas * M, N,
+                                          "replica_grad_w");
+  epi.out_EMN = out.grad_w;
+  epi.M = static_cast<int32_t>(M);
+  epi.N = static_cast<int32_t>(N);
+  epi.out_fp32 = fp32 ? 1 : 0;
+  epi.accumulate = out.accumulate ? 1 : 0;
+  epi.replica_out_EMN = out.replica_grad_w;
+  epi.replica_fp32 = replica_fp32 ? 1 : 0;
+  epi.first_replica = s.first_replica;
+  launch<RowsAre::K, true>(map_a, WeightMaps{map_b, map_b}, s, epi, stream);
 }
 
 }  // namespace

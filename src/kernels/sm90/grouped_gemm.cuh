@@ -8,7 +8,8 @@
 //
 // Operand layouts (all 128-byte swizzled, see ptx/smem_desc.cuh):
 //   rows as M (fprop/dgrad): A = grouped rows [R][K], K-major.  B = per-expert weights, K-major
-//     ([E*N][K], one box or gate/up halves) or MN-major ([E*K][N], 64-column chunks).
+//     ([E*N][K], one box or gate/up halves) or MN-major ([E*K][N], 64-column chunks); replica
+//     experts (EP exact balance, e >= first_replica) read a second weight map at e - first_replica.
 //   rows as K (wgrad): A = grouped rows [R][M], MN-major; B = grouped rows [R][N], MN-major.
 //     Rows of a K block past the expert's count are zeroed in shared memory before the wgmma
 //     (they hold padding or the next expert's rows), so they never contribute.
@@ -40,6 +41,11 @@ inline constexpr int kConsumerWarps = 8;
 #define POISE_WGMMA_GROUPS_IN_FLIGHT 1
 #endif
 inline constexpr int kWgmmaGroupsInFlight = POISE_WGMMA_GROUPS_IN_FLIGHT;
+// Timing experiments only (never in a shipped build): skip every epilogue, so a GEMM's time is its
+// mainloop alone; outputs are then not written.
+#ifndef POISE_SKIP_EPILOGUE_FOR_TIMING
+#define POISE_SKIP_EPILOGUE_FOR_TIMING 0
+#endif
 
 template <int kBlockN, int kStages, int kStagingBuffers>
 struct GroupedGemmSmem {
@@ -79,7 +85,9 @@ __device__ __forceinline__ void zero_k_tail(uint8_t* stage_a, uint8_t* stage_b, 
 template <int kBlockN, int kStages, RowsAre kRows, bool kBMnMajor, class Epilogue>
 __global__ void __launch_bounds__(kThreadsPerCta, 1)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
-                        const __grid_constant__ CUtensorMap map_b, const GroupedGemmShape shape,
+                        const __grid_constant__ CUtensorMap map_b,
+                        const __grid_constant__ CUtensorMap map_b_replicas,  // experts >= first_replica
+                        const GroupedGemmShape shape,
                         const __grid_constant__ Epilogue epilogue) {  // holds the output TMA maps
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using Smem = GroupedGemmSmem<kBlockN, kStages, Epilogue::kStagingBuffers>;
@@ -115,10 +123,14 @@ __global__ void __launch_bounds__(kThreadsPerCta, 1)
     if (threadIdx.x == 0) {
       ptx::tma_prefetch_descriptor(&map_a);
       ptx::tma_prefetch_descriptor(&map_b);
+      if (shape.first_replica < shape.num_experts) ptx::tma_prefetch_descriptor(&map_b_replicas);
       uint32_t it = 0;
       for (int32_t t = blockIdx.x; t < scheduler.total_tiles; t += gridDim.x) {
         const TileInfo tile = scheduler.tile(t);
         const int32_t k_blocks = scheduler.k_blocks(tile);
+        const bool replica = tile.expert >= shape.first_replica;
+        const CUtensorMap* weights = replica ? &map_b_replicas : &map_b;
+        const int32_t b_row0 = (tile.expert - (replica ? shape.first_replica : 0)) * shape.b_rows_per_expert;
         for (int32_t kb = 0; kb < k_blocks; ++kb, ++it) {
           const int s = it % kStages;
           ptx::mbarrier_wait(&empty_bar[s], ((it / kStages) & 1) ^ 1);
@@ -127,19 +139,18 @@ __global__ void __launch_bounds__(kThreadsPerCta, 1)
             const int32_t k0 = kb * kTileK;
             ptx::tma_load_2d(stage_a(s), &map_a, k0, tile.row_begin + tile.m_block * kTileM,
                              &full_bar[s]);
-            const int32_t b_row0 = tile.expert * shape.b_rows_per_expert;
             if constexpr (kBMnMajor) {
 #pragma unroll
               for (int j = 0; j < kBlockN / 64; ++j)
-                ptx::tma_load_2d(stage_b(s) + j * ptx::kMnChunkBytes, &map_b,
+                ptx::tma_load_2d(stage_b(s) + j * ptx::kMnChunkBytes, weights,
                                  tile.n_block * kBlockN + 64 * j, b_row0 + k0, &full_bar[s]);
             } else if (shape.b_split_rows > 0) {
               const int32_t n0 = b_row0 + tile.n_block * (kBlockN / 2);
-              ptx::tma_load_2d(stage_b(s), &map_b, k0, n0, &full_bar[s]);
-              ptx::tma_load_2d(stage_b(s) + (kBlockN / 2) * 128, &map_b, k0,
+              ptx::tma_load_2d(stage_b(s), weights, k0, n0, &full_bar[s]);
+              ptx::tma_load_2d(stage_b(s) + (kBlockN / 2) * 128, weights, k0,
                                n0 + shape.b_split_rows, &full_bar[s]);
             } else {
-              ptx::tma_load_2d(stage_b(s), &map_b, k0, b_row0 + tile.n_block * kBlockN,
+              ptx::tma_load_2d(stage_b(s), weights, k0, b_row0 + tile.n_block * kBlockN,
                                &full_bar[s]);
             }
           } else {
@@ -212,7 +223,8 @@ __global__ void __launch_bounds__(kThreadsPerCta, 1)
         ptx::fence_accumulators(acc);
         if (k_blocks > 0 && lane == 0) ptx::mbarrier_arrive(&empty_bar[prev_stage]);
       }
-      epilogue.template store<kBlockN>(acc, tile, consumer, consumer_thread % 128, staging);
+      if constexpr (!POISE_SKIP_EPILOGUE_FOR_TIMING)
+        epilogue.template store<kBlockN>(acc, tile, consumer, consumer_thread % 128, staging);
     }
     // TMA stores read shared memory asynchronously: finish them before the CTA exits.
     if (consumer_thread % 128 == 0) ptx::tma_store_wait_all();

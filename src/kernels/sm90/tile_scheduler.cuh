@@ -6,7 +6,8 @@
 //
 //  - Rows as M (fprop, dgrad): expert e has ceil(count_e / 128) M blocks x n_blocks tiles; the
 //    tile order is expert-major, M block fastest, so concurrent CTAs share one expert's weights.
-//  - Rows as K (wgrad): every expert has m_blocks x n_blocks tiles; the K loop covers its rows.
+//  - Rows as K (wgrad): every expert has m_blocks x n_blocks tiles (a replica without rows has
+//    none); the K loop covers its rows.
 #pragma once
 
 #include <cub/block/block_scan.cuh>
@@ -31,6 +32,10 @@ struct GroupedGemmShape {
   int32_t k_blocks = 0;          // rows-as-M: K / 64
   int32_t b_rows_per_expert = 0; // rows-as-M: rows of B's 2D view that belong to one expert
   int32_t b_split_rows = 0;      // fprop blocked SwiGLU: gate-to-up row distance in B (F); 0 = one box
+  // Experts [first_replica, num_experts) are replicas: rows-as-M GEMMs read their B block from the
+  // kernel's second map at index e - first_replica; rows-as-K GEMMs give a replica without rows
+  // no tiles (nobody reads its gradient). num_experts when there are none.
+  int32_t first_replica = 0;
 };
 
 struct TileInfo {
@@ -66,8 +71,9 @@ struct TileScheduler {
         const int32_t offset = shape.row_offsets_E[e];
         const int32_t count = shape.row_counts_E[e];
         s.rows[e] = make_int2(offset, count);
-        tiles[i] = kRows == RowsAre::M ? (count + kTileM - 1) / kTileM * shape.n_blocks
-                                       : shape.m_blocks * shape.n_blocks;
+        tiles[i] = kRows == RowsAre::M                      ? (count + kTileM - 1) / kTileM * shape.n_blocks
+                   : (count == 0 && e >= shape.first_replica) ? 0
+                                                              : shape.m_blocks * shape.n_blocks;
       }
     }
     int32_t total = 0;
@@ -83,33 +89,21 @@ struct TileScheduler {
   }
 
   __device__ TileInfo tile(int32_t t) const {
-    TileInfo info;
-    if constexpr (kRows == RowsAre::M) {
-      // Largest e with tile_prefix[e] <= t (experts without tiles have equal prefixes).
-      int lo = 0, hi = shape.num_experts - 1;
-      while (lo < hi) {
-        const int mid = (lo + hi + 1) >> 1;
-        if (storage->tile_prefix[mid] <= t) lo = mid; else hi = mid - 1;
-      }
-      const int2 rows = storage->rows[lo];
-      const int32_t m_blocks = (rows.y + kTileM - 1) / kTileM;
-      const int32_t local = t - storage->tile_prefix[lo];
-      info.expert = lo;
-      info.m_block = local % m_blocks;
-      info.n_block = local / m_blocks;
-      info.row_begin = rows.x;
-      info.row_count = rows.y;
-    } else {
-      const int32_t per_expert = shape.m_blocks * shape.n_blocks;
-      const int32_t e = t / per_expert;
-      const int32_t local = t - e * per_expert;
-      const int2 rows = storage->rows[e];
-      info.expert = e;
-      info.m_block = local % shape.m_blocks;
-      info.n_block = local / shape.m_blocks;
-      info.row_begin = rows.x;
-      info.row_count = rows.y;
+    // Largest e with tile_prefix[e] <= t (experts without tiles have equal prefixes).
+    int lo = 0, hi = shape.num_experts - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) >> 1;
+      if (storage->tile_prefix[mid] <= t) lo = mid; else hi = mid - 1;
     }
+    const int2 rows = storage->rows[lo];
+    const int32_t m_blocks = kRows == RowsAre::M ? (rows.y + kTileM - 1) / kTileM : shape.m_blocks;
+    const int32_t local = t - storage->tile_prefix[lo];
+    TileInfo info;
+    info.expert = lo;
+    info.m_block = local % m_blocks;
+    info.n_block = local / m_blocks;
+    info.row_begin = rows.x;
+    info.row_count = rows.y;
     return info;
   }
 

@@ -62,12 +62,16 @@ float* grad_w2_of(const EpLaunch& l, const LaunchIo& io, int slot, const GroupRa
                         : io.rank[slot].grad_w2_EDF;
 }
 
-sm90::GroupedRows sm90_rows(const EpLaunch& l, int slot, const GroupRange& range) {
+// The SM90 kernels cover a rank's own experts and its replica slots in one grouped GEMM each:
+// groups [0, E_local) use the call's weights and gradients, [E_local, E_local + B) the replica
+// weights and fp32 gradient slots in the workspace (unused slots get no tiles).
+sm90::GroupedRows sm90_rows(const EpLaunch& l, int slot) {
   sm90::GroupedRows rows;
-  rows.row_offsets_E = l.scratch.rank[slot].group_offsets + range.first;
-  rows.row_counts_E = l.scratch.rank[slot].group_counts + range.first;
-  rows.num_experts = range.count;
+  rows.row_offsets_E = l.scratch.rank[slot].group_offsets;
+  rows.row_counts_E = l.scratch.rank[slot].group_counts;
+  rows.num_experts = l.dims.groups;
   rows.max_rows = l.dims.capacity_rows;
+  rows.first_replica = l.dims.balanced && l.dims.replica_slots > 0 ? l.dims.E_local : -1;
   return rows;
 }
 
@@ -82,26 +86,21 @@ sm90::ExpertMlpShape sm90_shape(const EpLaunch& l) {
   return shape;
 }
 
-// The SM90 kernels run per rank: fn(slot, rank scratch, group range, its rows) for every launched
-// rank and each of its group ranges, rank by rank, own experts before replicas.
-template <class Fn>
-void for_each_rank_range(const EpLaunch& l, Fn&& fn) {
-  GroupRange ranges[2];
-  const int n = group_ranges(l, ranges);
-  for (int s = 0; s < l.launch_ranks; ++s) {
-    const RankScratch& rs = l.scratch.rank[s];
-    for (int i = 0; i < n; ++i) fn(s, rs, ranges[i], sm90_rows(l, s, ranges[i]));
-  }
-}
-
 void sm90_forward(const EpLaunch& l, const LaunchIo& io, cudaStream_t stream) {
   const sm90::ExpertMlpShape shape = sm90_shape(l);
-  for_each_rank_range(l, [&](int s, const RankScratch& rs, const GroupRange& range, const sm90::GroupedRows& rows) {
-    sm90::expert_mlp_fprop_w13(rows, shape,
-                               {workspace_rows(l, s, l.ws.recv_x), w13_of(l, io, s, range), rs.a_RF, rs.h13_R2F},
-                               stream);
-    sm90::expert_mlp_fprop_w2(rows, shape, {rs.a_RF, w2_of(l, io, s, range), nullptr, rs.rows_out_RD}, stream);
-  });
+  const GroupRange own = own_groups(l), replicas = replica_groups(l);
+  for (int s = 0; s < l.launch_ranks; ++s) {
+    const RankScratch& rs = l.scratch.rank[s];
+    const sm90::GroupedRows rows = sm90_rows(l, s);
+    sm90::FpropW13Args w13{workspace_rows(l, s, l.ws.recv_x), w13_of(l, io, s, own), rs.a_RF, rs.h13_R2F};
+    sm90::FpropW2Args w2{rs.a_RF, w2_of(l, io, s, own), nullptr, rs.rows_out_RD};
+    if (rows.first_replica >= 0) {
+      w13.replica_w13_E2FD = w13_of(l, io, s, replicas);
+      w2.replica_w2_EDF = w2_of(l, io, s, replicas);
+    }
+    sm90::expert_mlp_fprop_w13(rows, shape, w13, stream);
+    sm90::expert_mlp_fprop_w2(rows, shape, w2, stream);
+  }
 }
 
 // grad_y rows arrive already score-scaled (fanout_scale), so the SM90 kernels run with no scores:
@@ -109,20 +108,30 @@ void sm90_forward(const EpLaunch& l, const LaunchIo& io, cudaStream_t stream) {
 // gradients are always overwritten (the owners accumulate them).
 void sm90_backward(const EpLaunch& l, const LaunchIo& io, bool accumulate, cudaStream_t stream) {
   const sm90::ExpertMlpShape shape = sm90_shape(l);
-  for_each_rank_range(l, [&](int s, const RankScratch& rs, const GroupRange& range, const sm90::GroupedRows& rows) {
-    const bool acc = accumulate && !range.replicas;
+  const GroupRange own = own_groups(l), replicas = replica_groups(l);
+  for (int s = 0; s < l.launch_ranks; ++s) {
+    const RankScratch& rs = l.scratch.rank[s];
+    const sm90::GroupedRows rows = sm90_rows(l, s);
+    const bool has_replicas = rows.first_replica >= 0;
     sm90::DgradW2Args dgrad_w2;
     dgrad_w2.grad_y_RD = rs.grad_y_RD;
-    dgrad_w2.w2_EDF = w2_of(l, io, s, range);
+    dgrad_w2.w2_EDF = w2_of(l, io, s, own);
     dgrad_w2.h13_R2F = rs.h13_R2F;
     dgrad_w2.grad_h13_R2F = rs.grad_h13_R2F;
+    sm90::DgradW13Args dgrad_w13{rs.grad_h13_R2F, w13_of(l, io, s, own), rs.rows_out_RD};
+    sm90::WgradOutput wgrad_w2{grad_w2_of(l, io, s, own), DType::fp32, accumulate};
+    sm90::WgradOutput wgrad_w13{grad_w13_of(l, io, s, own), DType::fp32, accumulate};
+    if (has_replicas) {
+      dgrad_w2.replica_w2_EDF = w2_of(l, io, s, replicas);
+      dgrad_w13.replica_w13_E2FD = w13_of(l, io, s, replicas);
+      wgrad_w2.replica_grad_w = grad_w2_of(l, io, s, replicas);
+      wgrad_w13.replica_grad_w = grad_w13_of(l, io, s, replicas);
+    }
     sm90::expert_mlp_dgrad_w2(rows, shape, dgrad_w2, stream);
-    sm90::expert_mlp_dgrad_w13(rows, shape, {rs.grad_h13_R2F, w13_of(l, io, s, range), rs.rows_out_RD}, stream);
-    sm90::expert_mlp_wgrad_w2(rows, shape, rs.grad_y_RD, rs.a_RF, {grad_w2_of(l, io, s, range), DType::fp32, acc},
-                              stream);
-    sm90::expert_mlp_wgrad_w13(rows, shape, rs.grad_h13_R2F, workspace_rows(l, s, l.ws.recv_x),
-                               {grad_w13_of(l, io, s, range), DType::fp32, acc}, stream);
-  });
+    sm90::expert_mlp_dgrad_w13(rows, shape, dgrad_w13, stream);
+    sm90::expert_mlp_wgrad_w2(rows, shape, rs.grad_y_RD, rs.a_RF, wgrad_w2, stream);
+    sm90::expert_mlp_wgrad_w13(rows, shape, rs.grad_h13_R2F, workspace_rows(l, s, l.ws.recv_x), wgrad_w13, stream);
+  }
 }
 
 }  // namespace
