@@ -99,15 +99,18 @@ class Planner {
   POISE_HD int32_t free_slots(int32_t rank) const { return p_.replica_slots - s_.replicas_R[rank]; }
 
   // Place (in rank's sequence) of the expert holding row `position`: the last place whose start
-  // is <= position (empty experts come first in the sequence and are skipped).
+  // is <= position (empty experts come first in the sequence and are skipped), i.e. the number of
+  // start[1..L] entries <= position (start is non-decreasing). Counted, not binary-searched: the
+  // loads are independent, so the GPU's one planning thread pays one shared-memory latency
+  // instead of log2(L) dependent ones.
   POISE_HD int32_t index_at(int32_t rank, int32_t position) const {
     const int32_t* start = s_.start_RL + rank * (p_.num_local_experts + 1);
-    int32_t lo = 0, hi = p_.num_local_experts;  // number of start[1..L] entries <= position
-    while (lo < hi) {
-      const int32_t mid = (lo + hi) / 2;
-      if (start[mid + 1] <= position) lo = mid + 1; else hi = mid;
-    }
-    return lo;
+    int32_t count = 0;
+#if defined(__CUDA_ARCH__)
+#pragma unroll 8
+#endif
+    for (int32_t j = 1; j <= p_.num_local_experts; ++j) count += start[j] <= position ? 1 : 0;
+    return count;
   }
   // Experts (= replica slots) the last `rows` kept rows of `rank` belong to.
   POISE_HD int32_t span(int32_t rank, int32_t rows) const {

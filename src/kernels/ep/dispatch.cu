@@ -18,19 +18,21 @@ using comm::PeerTable;
 using comm::Phase;
 
 // Exact balance: this rank's experts that the plan replicates elsewhere go, weights W13 and W2,
-// into the replica slot of the rank hosting them, in chunks spread over the rank's warps (after
-// their token rows, before the dispatch barrier: the weight copies overlap the row traffic).
+// into the replica slot of the rank hosting them, in 32 KiB chunks spread over warps. Its own
+// kernel, before the dispatch kernel (whose barrier then also publishes the weights), so that
+// every warp of the grid serves each launched rank in turn: with virtual ranks the hot owner
+// pushes all replicas, and a per-rank split of the grid gave it 1/R of the GPU.
 constexpr size_t kWeightChunkBytes = 32 * 1024;
 
 __device__ void push_replica_weights(const PeerTable& pt, const EpDims& dims, const WorkspaceOffsets& ws,
-                                     const RankIo& rio, const RankScratch& rs, int blocks_per_rank) {
+                                     const RankIo& rio, const RankScratch& rs, size_t first_unit,
+                                     size_t unit_stride) {
   const int pieces = rs.plan_piece_first_E[dims.E];
   const size_t w13_bytes = size_t(2) * dims.F * dims.D * sizeof(bf16), w2_bytes = size_t(dims.D) * dims.F * sizeof(bf16);
   const size_t w13_chunks = (w13_bytes + kWeightChunkBytes - 1) / kWeightChunkBytes;
   const size_t chunks = w13_chunks + (w2_bytes + kWeightChunkBytes - 1) / kWeightChunkBytes;
   const int lane = threadIdx.x % 32;
-  const size_t warps_per_rank = size_t(blocks_per_rank) * kWarps;
-  for (size_t unit = first_warp_item(blocks_per_rank); unit < pieces * chunks; unit += warps_per_rank) {
+  for (size_t unit = first_unit; unit < pieces * chunks; unit += unit_stride) {
     const plan::shared::ReplicaPiece p = rs.plan_pieces[unit / chunks];
     if (p.expert / dims.E_local != pt.rank) continue;
     const size_t chunk = unit % chunks, local = p.expert % dims.E_local, replica = p.slot - dims.E_local;
@@ -41,6 +43,17 @@ __device__ void push_replica_weights(const PeerTable& pt, const EpDims& dims, co
     const char* src = reinterpret_cast<const char*>(w13 ? rio.w13_E2FD : rio.w2_EDF) + local * bytes + at;
     char* dst = comm::peer_ptr<char>(pt, p.rank, w13 ? ws.replica_w13 : ws.replica_w2) + replica * bytes + at;
     comm::warp_copy_16B(dst, src, len, lane);
+  }
+}
+
+__global__ void __launch_bounds__(kThreads)
+    replica_weight_push_kernel(const PeerTable* tables, EpDims dims, WorkspaceOffsets ws, LaunchIo io,
+                               LaunchScratch scratch, int launch_ranks) {
+  const size_t first = size_t(blockIdx.x) * kWarps + threadIdx.x / 32, stride = size_t(gridDim.x) * kWarps;
+  for (int slot = 0; slot < launch_ranks; ++slot) {
+    const PeerTable& pt = tables[slot];
+    if (comm::rank_failed(pt)) continue;  // no barrier here: the dispatch kernel reports it
+    push_replica_weights(pt, dims, ws, io.rank[slot], scratch.rank[slot], first, stride);
   }
 }
 
@@ -82,7 +95,6 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const PeerTable* tab
         comm::warp_copy_16B(dst, src_row, row_bytes, lane);
       }
     }
-    if (!kBackward && dims.balanced) push_replica_weights(pt, dims, ws, rio, scratch.rank[slot], blocks_per_rank);
   }
   comm::arrive_then_barrier(pt, blocks_per_rank, kBackward ? Phase::dispatch_backward : Phase::dispatch);
 }
@@ -141,6 +153,11 @@ int local_blocks_per_rank(const EpLaunch& l) {
 
 template <bool kBackward>
 void launch_dispatch(const EpLaunch& l, const LaunchIo& io, cudaStream_t stream) {
+  if (!kBackward && l.dims.balanced && l.dims.replica_slots > 0) {
+    replica_weight_push_kernel<<<4 * l.num_sms, kThreads, 0, stream>>>(l.tables, l.dims, l.ws, io, l.scratch,
+                                                                       l.launch_ranks);
+    comm::cuda_check_launch("replica_weight_push_kernel");
+  }
   const int work_blocks = (l.dims.T + kWarps - 1) / kWarps;
   const int blocks = persistent_blocks_per_rank(l, reinterpret_cast<const void*>(&dispatch_kernel<kBackward>),
                                                 kThreads, work_blocks);
