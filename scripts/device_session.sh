@@ -10,7 +10,8 @@
 #     balance    .carry/balance_bench -> $OUT/balance_h200.json
 #     ep         .carry/ep_bench -> $OUT/ep_h200.json
 #     mlp        bench/expert_mlp/bench_expert_mlp.py with .carry/libpoise_expert_mlp_bench.so
-#     gemm_only  the six GEMMs alone, .carry/libpoise_expert_mlp_bench*.so (one line per build)
+#     gemm_only  the six GEMMs alone, .carry/libpoise_expert_mlp_bench*.so (one line per build and
+#                SM90 schedule in $SCHEDULES, e.g. "pingpong cooperative"; default: the built-in choice)
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 NCCL_DIR=$(python3 -c "import nvidia.nccl as n; print(list(n.__path__)[0])" 2>/dev/null)
@@ -50,9 +51,12 @@ part_mlp() {
 }
 part_gemm_only() {
   for lib in .carry/libpoise_expert_mlp_bench*.so; do
-    local label; label=$(basename "$lib" .so)
-    PYTHONUNBUFFERED=1 timeout 120 python3 bench/expert_mlp/bench_expert_mlp.py --lib "$lib" --out /dev/null \
-      --skews 1 --gemm-only "$label" 2>&1 | tee -a "$OUT/gemm_only.log" | grep -v "^$"
+    for sched in ${SCHEDULES:-default}; do
+      local label; label="$(basename "$lib" .so) $sched"
+      [ "$sched" = default ] && sched=""
+      POISE_SM90_SCHEDULE=$sched PYTHONUNBUFFERED=1 timeout 120 python3 bench/expert_mlp/bench_expert_mlp.py --lib "$lib" \
+        --out /dev/null --skews 1 --gemm-only "$label" 2>&1 | tee -a "$OUT/gemm_only.log" | grep -v "^$"
+    done
   done
 }
 

@@ -3,10 +3,12 @@
 
 #include <cuda_runtime.h>
 
+#include <cstdlib>
 #include <string>
 
 #include "kernels/sm90/epilogues.cuh"
 #include "kernels/sm90/grouped_gemm.cuh"
+#include "kernels/sm90/grouped_gemm_pingpong.cuh"
 #include "kernels/sm90/tensor_map.hpp"
 #include "poise/errors.hpp"
 
@@ -14,6 +16,14 @@ namespace poise::sm90 {
 namespace {
 
 constexpr int kBlockN = 256;
+// Ping-pong (grouped_gemm_pingpong.cuh) overlaps each warpgroup's epilogue with the other's
+// mainloop; cooperative (grouped_gemm.cuh) reads B once per 128-row tile. The default per GEMM
+// (docs/kernels.md says why); POISE_SM90_SCHEDULE = cooperative | pingpong forces one for every
+// GEMM (tests of both, timing experiments).
+enum class Schedule { cooperative, pingpong };
+constexpr Schedule kScheduleFpropW13 = Schedule::pingpong, kScheduleFpropW2 = Schedule::pingpong,
+                   kScheduleDgradW2 = Schedule::pingpong, kScheduleDgradW13 = Schedule::pingpong,
+                   kScheduleWgrad = Schedule::pingpong;
 // 4 stages fill shared memory next to one staging buffer per consumer; the SwiGLU-backward
 // epilogue stages three outputs at once and runs with 3 stages.
 template <class Epilogue>
@@ -106,25 +116,62 @@ WeightMaps weight_maps(const GroupedRows& rows, const void* w, const char* name,
 
 int32_t ceil_div(int64_t a, int64_t b) { return static_cast<int32_t>((a + b - 1) / b); }
 
-template <RowsAre kRows, bool kBMnMajor, class Epilogue>
-void launch(const CUtensorMap& map_a, const WeightMaps& map_b, const GroupedGemmShape& shape,
-            const Epilogue& epilogue, cudaStream_t stream) {
-  constexpr int kStages = kStagesFor<Epilogue>;
-  auto kernel = grouped_gemm_kernel<kBlockN, kStages, kRows, kBMnMajor, Epilogue>;
-  constexpr uint32_t smem = GroupedGemmSmem<kBlockN, kStages, Epilogue::kStagingBuffers>::kTotalBytes;
+// The grouped GEMM's A operand: [rows][cols] bf16, row-major. Its TMA box depends on the
+// schedule (rows-as-M: a 128-row tile or a 64-row half tile; rows-as-K: 64 x 64 chunks).
+struct OperandA {
+  const void* ptr;
+  int64_t rows, cols;
+  const char* name;
+};
+
+Schedule schedule_or_override(Schedule preferred) {
+  static const Schedule* forced = [] {
+    static Schedule value;
+    const char* env = std::getenv("POISE_SM90_SCHEDULE");
+    if (env == nullptr || *env == '\0') return static_cast<const Schedule*>(nullptr);
+    const std::string v(env);
+    if (v != "cooperative" && v != "pingpong")
+      throw InvalidArgument("POISE_SM90_SCHEDULE", "must be cooperative or pingpong, got '" + v + "'");
+    value = v == "pingpong" ? Schedule::pingpong : Schedule::cooperative;
+    return static_cast<const Schedule*>(&value);
+  }();
+  return forced ? *forced : preferred;
+}
+
+template <class Kernel>
+void launch_kernel(Kernel kernel, uint32_t smem, const CUtensorMap& map_a, const WeightMaps& map_b,
+                   const GroupedGemmShape& shape, const auto& epilogue, cudaStream_t stream) {
   check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
              "cudaFuncSetAttribute(grouped_gemm_kernel)");
   kernel<<<sm_count(), kThreadsPerCta, smem, stream>>>(map_a, map_b.own, map_b.replicas, shape, epilogue);
   check_cuda(cudaGetLastError(), "grouped_gemm_kernel launch");
 }
 
+template <RowsAre kRows, bool kBMnMajor, class Epilogue>
+void launch(const OperandA& a, const WeightMaps& map_b, const GroupedGemmShape& shape, const Epilogue& epilogue,
+            Schedule preferred, cudaStream_t stream) {
+  if (schedule_or_override(preferred) == Schedule::pingpong) {
+    constexpr int kStages = 4;
+    const CUtensorMap map_a = make_bf16_tensor_map(a.ptr, a.rows, a.cols, kRows == RowsAre::M ? kHalfRows : 64, a.name);
+    launch_kernel(grouped_gemm_pingpong_kernel<kBlockN, kStages, kRows, kBMnMajor, Epilogue>,
+                  PingPongSmem<kBlockN, kStages, Epilogue::kStagingBuffers>::kTotalBytes, map_a, map_b, shape,
+                  epilogue, stream);
+  } else {
+    constexpr int kStages = kStagesFor<Epilogue>;
+    const CUtensorMap map_a = make_bf16_tensor_map(a.ptr, a.rows, a.cols, kRows == RowsAre::M ? kTileM : 64, a.name);
+    launch_kernel(grouped_gemm_kernel<kBlockN, kStages, kRows, kBMnMajor, Epilogue>,
+                  GroupedGemmSmem<kBlockN, kStages, Epilogue::kStagingBuffers>::kTotalBytes, map_a, map_b, shape,
+                  epilogue, stream);
+  }
+}
+
 __nv_bfloat16* bf16(void* p) { return static_cast<__nv_bfloat16*>(p); }
 const __nv_bfloat16* bf16(const void* p) { return static_cast<const __nv_bfloat16*>(p); }
 
-// Fprop and dgrad GEMMs run over the routed rows: A = [R][K] rows (read in kTileM-row boxes),
-// B = E weight blocks of b_rows_per_expert rows each, N output columns in n_tile-wide tiles.
-CUtensorMap rows_operand_map(const void* a_RK, const GroupedRows& rows, int64_t K, const char* name) {
-  return make_bf16_tensor_map(a_RK, rows.max_rows, K, kTileM, name);
+// Fprop and dgrad GEMMs run over the routed rows: A = [R][K] rows, B = E weight blocks of
+// b_rows_per_expert rows each, N output columns in n_tile-wide tiles.
+OperandA rows_operand(const void* a_RK, const GroupedRows& rows, int64_t K, const char* name) {
+  return OperandA{a_RK, rows.max_rows, K, name};
 }
 
 GroupedGemmShape rows_gemm_shape(const GroupedRows& rows, int64_t K, int64_t b_rows_per_expert, int64_t N,
@@ -155,7 +202,7 @@ void expert_mlp_fprop_w13(const GroupedRows& rows, const ExpertMlpShape& shape,
   if (rows.max_rows == 0) return;
   const int64_t D = shape.hidden_dim, F = shape.intermediate_dim;
   const bool blocked = shape.w13_layout == W13Layout::gate_up_blocked;
-  const CUtensorMap map_a = rows_operand_map(args.x_RD, rows, D, "x_RD");
+  const OperandA map_a = rows_operand(args.x_RD, rows, D, "x_RD");
   const WeightMaps map_b = weight_maps(rows, args.w13_E2FD, "w13_E2FD", args.replica_w13_E2FD, "replica_w13_E2FD",
                                        2 * F, D, blocked ? kBlockN / 2 : kBlockN);
   GroupedGemmShape s = rows_gemm_shape(rows, D, 2 * F, F, kBlockN / 2);
@@ -169,7 +216,7 @@ void expert_mlp_fprop_w13(const GroupedRows& rows, const ExpertMlpShape& shape,
     epi.h13_R2F = bf16(args.h13_R2F);
     epi.F = static_cast<int32_t>(F);
     epi.act = activation_params(shape);
-    launch<RowsAre::M, false>(map_a, map_b, s, epi, stream);
+    launch<RowsAre::M, false>(map_a, map_b, s, epi, kScheduleFpropW13, stream);
   };
   if (blocked) run(SwigluFpropEpilogue<false>{});
   else run(SwigluFpropEpilogue<true>{});
@@ -184,12 +231,12 @@ void expert_mlp_fprop_w2(const GroupedRows& rows, const ExpertMlpShape& shape,
   require_replica_ptr(rows, args.replica_w2_EDF, "replica_w2_EDF");
   if (rows.max_rows == 0) return;
   const int64_t D = shape.hidden_dim, F = shape.intermediate_dim;
-  const CUtensorMap map_a = rows_operand_map(args.a_RF, rows, F, "a_RF");
+  const OperandA map_a = rows_operand(args.a_RF, rows, F, "a_RF");
   const WeightMaps map_b =
       weight_maps(rows, args.w2_EDF, "w2_EDF", args.replica_w2_EDF, "replica_w2_EDF", D, F, kBlockN);
   const GroupedGemmShape s = rows_gemm_shape(rows, F, D, D, kBlockN);
   launch<RowsAre::M, false>(map_a, map_b, s, rows_store_epilogue(args.y_RD, "y_RD", args.scores_R, rows, D),
-                            stream);
+                            kScheduleFpropW2, stream);
 }
 
 void expert_mlp_dgrad_w2(const GroupedRows& rows, const ExpertMlpShape& shape,
@@ -202,7 +249,7 @@ void expert_mlp_dgrad_w2(const GroupedRows& rows, const ExpertMlpShape& shape,
   require_replica_ptr(rows, args.replica_w2_EDF, "replica_w2_EDF");
   if (rows.max_rows == 0) return;
   const int64_t D = shape.hidden_dim, F = shape.intermediate_dim;
-  const CUtensorMap map_a = rows_operand_map(args.grad_y_RD, rows, D, "grad_y_RD");
+  const OperandA map_a = rows_operand(args.grad_y_RD, rows, D, "grad_y_RD");
   // W2[e] is [D][F]: K = D rows, N = F contiguous -> MN-major B, 64 x 64 boxes.
   const WeightMaps map_b = weight_maps(rows, args.w2_EDF, "w2_EDF", args.replica_w2_EDF, "replica_w2_EDF", D, F, 64);
   const GroupedGemmShape s = rows_gemm_shape(rows, D, D, F, kBlockN);
@@ -216,7 +263,7 @@ void expert_mlp_dgrad_w2(const GroupedRows& rows, const ExpertMlpShape& shape,
     epi.grad_scores_R = args.grad_scores_R;
     epi.F = static_cast<int32_t>(F);
     epi.act = activation_params(shape);
-    launch<RowsAre::M, true>(map_a, map_b, s, epi, stream);
+    launch<RowsAre::M, true>(map_a, map_b, s, epi, kScheduleDgradW2, stream);
   };
   if (shape.w13_layout == W13Layout::gate_up_blocked) run(SwigluDgradEpilogue<false>{});
   else run(SwigluDgradEpilogue<true>{});
@@ -231,13 +278,13 @@ void expert_mlp_dgrad_w13(const GroupedRows& rows, const ExpertMlpShape& shape,
   require_replica_ptr(rows, args.replica_w13_E2FD, "replica_w13_E2FD");
   if (rows.max_rows == 0) return;
   const int64_t D = shape.hidden_dim, F = shape.intermediate_dim;
-  const CUtensorMap map_a = rows_operand_map(args.grad_h13_R2F, rows, 2 * F, "grad_h13_R2F");
+  const OperandA map_a = rows_operand(args.grad_h13_R2F, rows, 2 * F, "grad_h13_R2F");
   // W13[e] is [2F][D]: K = 2F rows, N = D contiguous -> MN-major B.
   const WeightMaps map_b =
       weight_maps(rows, args.w13_E2FD, "w13_E2FD", args.replica_w13_E2FD, "replica_w13_E2FD", 2 * F, D, 64);
   const GroupedGemmShape s = rows_gemm_shape(rows, 2 * F, 2 * F, D, kBlockN);
   launch<RowsAre::M, true>(map_a, map_b, s, rows_store_epilogue(args.grad_x_RD, "grad_x_RD", nullptr, rows, D),
-                           stream);
+                           kScheduleDgradW13, stream);
 }
 
 namespace {
@@ -258,7 +305,7 @@ void wgrad(const GroupedRows& rows, const void* a_RM, const char* a_name, int64_
     }
     return;
   }
-  const CUtensorMap map_a = make_bf16_tensor_map(a_RM, rows.max_rows, M, 64, a_name);
+  const OperandA map_a{a_RM, rows.max_rows, M, a_name};
   const CUtensorMap map_b = make_bf16_tensor_map(b_RN, rows.max_rows, N, 64, b_name);
   GroupedGemmShape s = base_shape(rows);
   s.m_blocks = ceil_div(M, kTileM);
@@ -276,7 +323,7 @@ void wgrad(const GroupedRows& rows, const void* a_RM, const char* a_name, int64_
   epi.replica_out_EMN = out.replica_grad_w;
   epi.replica_fp32 = replica_fp32 ? 1 : 0;
   epi.first_replica = s.first_replica;
-  launch<RowsAre::K, true>(map_a, WeightMaps{map_b, map_b}, s, epi, stream);
+  launch<RowsAre::K, true>(map_a, WeightMaps{map_b, map_b}, s, epi, kScheduleWgrad, stream);
 }
 
 }  // namespace

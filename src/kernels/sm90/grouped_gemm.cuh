@@ -61,25 +61,26 @@ struct GroupedGemmSmem {
   static constexpr uint32_t kTotalBytes = kSchedulerOffset + sizeof(SchedulerStorage) + 1024;
 };
 
-// Zeroes rows [valid_rows, 64) of every 64-row MN-major chunk of this stage (both operands).
+// Zeroes rows [valid_rows, 64) of every 64-row MN-major chunk of this stage: kAChunks of A, then
+// B's kBlockN / 64, by `kThreads` threads that then meet at named barrier `barrier_id`.
 // Whole 128-byte rows are zeroed, so the swizzle (which permutes 16 B units within a row) is moot.
-template <int kBlockN>
-__device__ __forceinline__ void zero_k_tail(uint8_t* stage_a, uint8_t* stage_b, int valid_rows,
-                                            int consumer_thread) {
-  constexpr int kChunks = kTileM / 64 + kBlockN / 64;
+template <int kAChunks, int kBlockN, int kThreads>
+__device__ __forceinline__ void zero_k_tail(uint8_t* stage_a, uint8_t* stage_b, int valid_rows, int thread,
+                                            uint32_t barrier_id) {
+  constexpr int kChunks = kAChunks + kBlockN / 64;
   const int tail_rows = kTileK - valid_rows;
   const int units = kChunks * tail_rows * 8;  // 16-byte units
-  for (int u = consumer_thread; u < units; u += 128 * 2) {
+  for (int u = thread; u < units; u += kThreads) {
     const int chunk = u / (tail_rows * 8);
     const int rem = u - chunk * tail_rows * 8;
     const int row = valid_rows + rem / 8;
     const int col16 = rem % 8;
-    uint8_t* base = chunk < kTileM / 64 ? stage_a + chunk * ptx::kMnChunkBytes
-                                        : stage_b + (chunk - kTileM / 64) * ptx::kMnChunkBytes;
+    uint8_t* base = chunk < kAChunks ? stage_a + chunk * ptx::kMnChunkBytes
+                                     : stage_b + (chunk - kAChunks) * ptx::kMnChunkBytes;
     *reinterpret_cast<uint4*>(base + row * 128 + col16 * 16) = make_uint4(0, 0, 0, 0);
   }
   ptx::fence_async_shared();
-  ptx::named_barrier_sync(1, 256);
+  ptx::named_barrier_sync(barrier_id, kThreads);
 }
 
 template <int kBlockN, int kStages, RowsAre kRows, bool kBMnMajor, class Epilogue>
@@ -187,7 +188,7 @@ __global__ void __launch_bounds__(kThreadsPerCta, 1)
         ptx::mbarrier_wait(&full_bar[s], (it / kStages) & 1);
         if constexpr (kRows == RowsAre::K) {
           const int valid = tile.row_count - kb * kTileK;
-          if (valid < kTileK) zero_k_tail<kBlockN>(stage_a(s), stage_b(s), valid, consumer_thread);
+          if (valid < kTileK) zero_k_tail<kTileM / 64, kBlockN, 256>(stage_a(s), stage_b(s), valid, consumer_thread, 1);
         }
         // A: this warpgroup's 64 rows; K-major rows are 128 B, MN-major chunks are 64 M wide.
         const uint64_t desc_a = kAMnMajor ? ptx::make_mn_major_desc(stage_a(s) + consumer * ptx::kMnChunkBytes)
