@@ -23,7 +23,7 @@ constexpr int kBlockN = 256;
 enum class Schedule { cooperative, pingpong };
 constexpr Schedule kScheduleFpropW13 = Schedule::pingpong, kScheduleFpropW2 = Schedule::pingpong,
                    kScheduleDgradW2 = Schedule::pingpong, kScheduleDgradW13 = Schedule::pingpong,
-                   kScheduleWgrad = Schedule::pingpong;
+                   kScheduleWgrad = Schedule::cooperative;
 // 4 stages fill shared memory next to one staging buffer per consumer; the SwiGLU-backward
 // epilogue stages three outputs at once and runs with 3 stages.
 template <class Epilogue>

@@ -5,6 +5,7 @@
 
 #include <cuda/ptx>
 #include <cstdint>
+#include <cstdio>
 
 namespace poise::sm90::ptx {
 
@@ -27,10 +28,27 @@ __device__ __forceinline__ void mbarrier_arrive(uint64_t* bar) {
   (void)cuda::ptx::mbarrier_arrive(bar);
 }
 
+// Debugging builds only (-DPOISE_MBARRIER_WATCHDOG=1): a wait that spins ~2^32 cycles prints the
+// barrier's shared-memory offset, the parity and the thread, then traps.
+#ifndef POISE_MBARRIER_WATCHDOG
+#define POISE_MBARRIER_WATCHDOG 0
+#endif
+
 // Spin until the phase with parity `parity` has completed.
 __device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
+#if POISE_MBARRIER_WATCHDOG
+  const long long start = clock64();
+  while (!cuda::ptx::mbarrier_try_wait_parity(bar, parity)) {
+    if (clock64() - start > (1ll << 32)) {
+      printf("mbarrier watchdog: block %d thread %d barrier at smem %u parity %u\n", blockIdx.x, threadIdx.x,
+             static_cast<unsigned>(__cvta_generic_to_shared(bar)), parity);
+      __trap();
+    }
+  }
+#else
   while (!cuda::ptx::mbarrier_try_wait_parity(bar, parity)) {
   }
+#endif
 }
 
 }  // namespace poise::sm90::ptx
