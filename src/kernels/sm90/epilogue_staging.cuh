@@ -46,8 +46,12 @@ __device__ __forceinline__ uint32_t stage_get_u32(const uint8_t* buf, int row, i
 
 // Before writing the warpgroup's staging buffers: the TMA stores issued from them (by thread 0)
 // have read them, and every thread is done with the previous contents.
+// (POISE_UNSAFE_SKIP_STAGING_WAIT: timing experiments only, outputs may be corrupted.)
+#ifndef POISE_UNSAFE_SKIP_STAGING_WAIT
+#define POISE_UNSAFE_SKIP_STAGING_WAIT 0
+#endif
 __device__ __forceinline__ void acquire_staging(int consumer, int thread) {
-  if (thread == 0) ptx::tma_store_wait_read();
+  if (!POISE_UNSAFE_SKIP_STAGING_WAIT && thread == 0) ptx::tma_store_wait_read();
   consumer_warpgroup_sync(consumer);
 }
 

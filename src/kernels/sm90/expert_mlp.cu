@@ -3,12 +3,10 @@
 
 #include <cuda_runtime.h>
 
-#include <cstdlib>
 #include <string>
 
 #include "kernels/sm90/epilogues.cuh"
 #include "kernels/sm90/grouped_gemm.cuh"
-#include "kernels/sm90/grouped_gemm_pingpong.cuh"
 #include "kernels/sm90/tensor_map.hpp"
 #include "poise/errors.hpp"
 
@@ -16,14 +14,6 @@ namespace poise::sm90 {
 namespace {
 
 constexpr int kBlockN = 256;
-// Ping-pong (grouped_gemm_pingpong.cuh) overlaps each warpgroup's epilogue with the other's
-// mainloop; cooperative (grouped_gemm.cuh) reads B once per 128-row tile. The default per GEMM
-// (docs/kernels.md says why); POISE_SM90_SCHEDULE = cooperative | pingpong forces one for every
-// GEMM (tests of both, timing experiments).
-enum class Schedule { cooperative, pingpong };
-constexpr Schedule kScheduleFpropW13 = Schedule::pingpong, kScheduleFpropW2 = Schedule::pingpong,
-                   kScheduleDgradW2 = Schedule::pingpong, kScheduleDgradW13 = Schedule::pingpong,
-                   kScheduleWgrad = Schedule::cooperative;
 // 4 stages fill shared memory next to one staging buffer per consumer; the SwiGLU-backward
 // epilogue stages three outputs at once and runs with 3 stages.
 template <class Epilogue>
@@ -116,27 +106,13 @@ WeightMaps weight_maps(const GroupedRows& rows, const void* w, const char* name,
 
 int32_t ceil_div(int64_t a, int64_t b) { return static_cast<int32_t>((a + b - 1) / b); }
 
-// The grouped GEMM's A operand: [rows][cols] bf16, row-major. Its TMA box depends on the
-// schedule (rows-as-M: a 128-row tile or a 64-row half tile; rows-as-K: 64 x 64 chunks).
+// The grouped GEMM's A operand: [rows][cols] bf16, row-major (rows-as-M: read in 128-row tile
+// boxes; rows-as-K: 64 x 64 chunks).
 struct OperandA {
   const void* ptr;
   int64_t rows, cols;
   const char* name;
 };
-
-Schedule schedule_or_override(Schedule preferred) {
-  static const Schedule* forced = [] {
-    static Schedule value;
-    const char* env = std::getenv("POISE_SM90_SCHEDULE");
-    if (env == nullptr || *env == '\0') return static_cast<const Schedule*>(nullptr);
-    const std::string v(env);
-    if (v != "cooperative" && v != "pingpong")
-      throw InvalidArgument("POISE_SM90_SCHEDULE", "must be cooperative or pingpong, got '" + v + "'");
-    value = v == "pingpong" ? Schedule::pingpong : Schedule::cooperative;
-    return static_cast<const Schedule*>(&value);
-  }();
-  return forced ? *forced : preferred;
-}
 
 template <class Kernel>
 void launch_kernel(Kernel kernel, uint32_t smem, const CUtensorMap& map_a, const WeightMaps& map_b,
@@ -149,20 +125,12 @@ void launch_kernel(Kernel kernel, uint32_t smem, const CUtensorMap& map_a, const
 
 template <RowsAre kRows, bool kBMnMajor, class Epilogue>
 void launch(const OperandA& a, const WeightMaps& map_b, const GroupedGemmShape& shape, const Epilogue& epilogue,
-            Schedule preferred, cudaStream_t stream) {
-  if (schedule_or_override(preferred) == Schedule::pingpong) {
-    constexpr int kStages = 4;
-    const CUtensorMap map_a = make_bf16_tensor_map(a.ptr, a.rows, a.cols, kRows == RowsAre::M ? kHalfRows : 64, a.name);
-    launch_kernel(grouped_gemm_pingpong_kernel<kBlockN, kStages, kRows, kBMnMajor, Epilogue>,
-                  PingPongSmem<kBlockN, kStages, Epilogue::kStagingBuffers>::kTotalBytes, map_a, map_b, shape,
-                  epilogue, stream);
-  } else {
-    constexpr int kStages = kStagesFor<Epilogue>;
-    const CUtensorMap map_a = make_bf16_tensor_map(a.ptr, a.rows, a.cols, kRows == RowsAre::M ? kTileM : 64, a.name);
-    launch_kernel(grouped_gemm_kernel<kBlockN, kStages, kRows, kBMnMajor, Epilogue>,
-                  GroupedGemmSmem<kBlockN, kStages, Epilogue::kStagingBuffers>::kTotalBytes, map_a, map_b, shape,
-                  epilogue, stream);
-  }
+            cudaStream_t stream) {
+  constexpr int kStages = kStagesFor<Epilogue>;
+  const CUtensorMap map_a = make_bf16_tensor_map(a.ptr, a.rows, a.cols, kRows == RowsAre::M ? kTileM : 64, a.name);
+  launch_kernel(grouped_gemm_kernel<kBlockN, kStages, kRows, kBMnMajor, Epilogue>,
+                GroupedGemmSmem<kBlockN, kStages, Epilogue::kStagingBuffers>::kTotalBytes, map_a, map_b, shape,
+                epilogue, stream);
 }
 
 __nv_bfloat16* bf16(void* p) { return static_cast<__nv_bfloat16*>(p); }
@@ -216,7 +184,7 @@ void expert_mlp_fprop_w13(const GroupedRows& rows, const ExpertMlpShape& shape,
     epi.h13_R2F = bf16(args.h13_R2F);
     epi.F = static_cast<int32_t>(F);
     epi.act = activation_params(shape);
-    launch<RowsAre::M, false>(map_a, map_b, s, epi, kScheduleFpropW13, stream);
+    launch<RowsAre::M, false>(map_a, map_b, s, epi, stream);
   };
   if (blocked) run(SwigluFpropEpilogue<false>{});
   else run(SwigluFpropEpilogue<true>{});
@@ -235,8 +203,7 @@ void expert_mlp_fprop_w2(const GroupedRows& rows, const ExpertMlpShape& shape,
   const WeightMaps map_b =
       weight_maps(rows, args.w2_EDF, "w2_EDF", args.replica_w2_EDF, "replica_w2_EDF", D, F, kBlockN);
   const GroupedGemmShape s = rows_gemm_shape(rows, F, D, D, kBlockN);
-  launch<RowsAre::M, false>(map_a, map_b, s, rows_store_epilogue(args.y_RD, "y_RD", args.scores_R, rows, D),
-                            kScheduleFpropW2, stream);
+  launch<RowsAre::M, false>(map_a, map_b, s, rows_store_epilogue(args.y_RD, "y_RD", args.scores_R, rows, D), stream);
 }
 
 void expert_mlp_dgrad_w2(const GroupedRows& rows, const ExpertMlpShape& shape,
@@ -263,7 +230,7 @@ void expert_mlp_dgrad_w2(const GroupedRows& rows, const ExpertMlpShape& shape,
     epi.grad_scores_R = args.grad_scores_R;
     epi.F = static_cast<int32_t>(F);
     epi.act = activation_params(shape);
-    launch<RowsAre::M, true>(map_a, map_b, s, epi, kScheduleDgradW2, stream);
+    launch<RowsAre::M, true>(map_a, map_b, s, epi, stream);
   };
   if (shape.w13_layout == W13Layout::gate_up_blocked) run(SwigluDgradEpilogue<false>{});
   else run(SwigluDgradEpilogue<true>{});
@@ -283,8 +250,7 @@ void expert_mlp_dgrad_w13(const GroupedRows& rows, const ExpertMlpShape& shape,
   const WeightMaps map_b =
       weight_maps(rows, args.w13_E2FD, "w13_E2FD", args.replica_w13_E2FD, "replica_w13_E2FD", 2 * F, D, 64);
   const GroupedGemmShape s = rows_gemm_shape(rows, 2 * F, 2 * F, D, kBlockN);
-  launch<RowsAre::M, true>(map_a, map_b, s, rows_store_epilogue(args.grad_x_RD, "grad_x_RD", nullptr, rows, D),
-                           kScheduleDgradW13, stream);
+  launch<RowsAre::M, true>(map_a, map_b, s, rows_store_epilogue(args.grad_x_RD, "grad_x_RD", nullptr, rows, D), stream);
 }
 
 namespace {
@@ -323,7 +289,7 @@ void wgrad(const GroupedRows& rows, const void* a_RM, const char* a_name, int64_
   epi.replica_out_EMN = out.replica_grad_w;
   epi.replica_fp32 = replica_fp32 ? 1 : 0;
   epi.first_replica = s.first_replica;
-  launch<RowsAre::K, true>(map_a, WeightMaps{map_b, map_b}, s, epi, kScheduleWgrad, stream);
+  launch<RowsAre::K, true>(map_a, WeightMaps{map_b, map_b}, s, epi, stream);
 }
 
 }  // namespace
