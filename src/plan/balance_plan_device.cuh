@@ -99,24 +99,29 @@ class Planner {
   POISE_HD int32_t free_slots(int32_t rank) const { return p_.replica_slots - s_.replicas_R[rank]; }
 
   // Place (in rank's sequence) of the expert holding row `position`: the last place whose start
-  // is <= position (empty experts come first in the sequence and are skipped), i.e. the number of
-  // start[1..L] entries <= position (start is non-decreasing). Counted, not binary-searched: the
-  // loads are independent, so the GPU's one planning thread pays one shared-memory latency
-  // instead of log2(L) dependent ones.
+  // is <= position (empty experts come first in the sequence and are skipped).
   POISE_HD int32_t index_at(int32_t rank, int32_t position) const {
     const int32_t* start = s_.start_RL + rank * (p_.num_local_experts + 1);
-    int32_t count = 0;
-#if defined(__CUDA_ARCH__)
-#pragma unroll 8
-#endif
-    for (int32_t j = 1; j <= p_.num_local_experts; ++j) count += start[j] <= position ? 1 : 0;
-    return count;
+    int32_t lo = 0, hi = p_.num_local_experts;  // number of start[1..L] entries <= position
+    while (lo < hi) {
+      const int32_t mid = (lo + hi) / 2;
+      if (start[mid + 1] <= position) lo = mid + 1; else hi = mid;
+    }
+    return lo;
+  }
+  // Same, given a place `from` at or above the answer: steps down, one load per expert passed
+  // (the planner cuts rows from the end of a sequence, so the answer is a few places below).
+  POISE_HD int32_t index_at_or_below(int32_t rank, int32_t position, int32_t from) const {
+    const int32_t* start = s_.start_RL + rank * (p_.num_local_experts + 1);
+    while (start[from] > position) --from;  // start[0] == 0 <= position ends it
+    return from;
   }
   // Experts (= replica slots) the last `rows` kept rows of `rank` belong to.
   POISE_HD int32_t span(int32_t rank, int32_t rows) const {
     if (rows == 0) return 0;
     const int32_t remaining = s_.remaining_R[rank];
-    return index_at(rank, remaining - 1) - index_at(rank, remaining - rows) + 1;
+    const int32_t last = index_at(rank, remaining - 1);
+    return last - index_at_or_below(rank, remaining - rows, last) + 1;
   }
 
   // Moves the last `rows` kept rows of `donor` to `taker`, one replica slot per expert.
@@ -124,9 +129,10 @@ class Planner {
     const int32_t L = p_.num_local_experts;
     const int32_t* start = s_.start_RL + donor * (L + 1);
     s_.received_R[taker] += rows;
+    int32_t i = rows > 0 ? index_at(donor, s_.remaining_R[donor] - 1) : 0;
     while (rows > 0) {
       int32_t& remaining = s_.remaining_R[donor];
-      const int32_t i = index_at(donor, remaining - 1);
+      i = index_at_or_below(donor, remaining - 1, i);
       const int32_t end = remaining - start[i];
       const int32_t take = rows < end ? rows : end;
       s_.pieces[num_pieces_++] = {s_.sequence_E[donor * L + i], taker, L + s_.replicas_R[taker], end - take, end};
