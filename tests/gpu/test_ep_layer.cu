@@ -63,8 +63,6 @@ TEST_P(EpLayer, ForwardBackwardMatchFloat64Model) {
   ASSERT_NO_FATAL_FAILURE(run_pass(w, stream));
   check_layout(w, model);
 
-  const int EL = c.E / c.R;
-  const size_t w13n = size_t(EL) * 2 * c.F * c.D, w2n = size_t(EL) * c.D * c.F;
   std::vector<std::vector<uint16_t>> first_out(c.R);
   for (int r = 0; r < c.R; ++r) {
     SCOPED_TRACE("rank " + std::to_string(r));
@@ -75,28 +73,7 @@ TEST_P(EpLayer, ForwardBackwardMatchFloat64Model) {
                "grad_x_TD");
     EXPECT_LT(relative_error(w.scores_as_double(*d.grad_scores), model[r].grad_scores_TK), kTolerance)
         << "grad_scores_TK";
-    auto gw13 = d.grad_w13->download<float>(w13n);
-    auto gw2 = d.grad_w2->download<float>(w2n);
-    std::vector<double> want13 = model[r].grad_w13_E2FD, want2 = model[r].grad_w2_EDF;
-    if (c.accumulate) {
-      for (size_t i = 0; i < w13n; ++i) want13[i] += w.prior_w13()[r][i];
-      for (size_t i = 0; i < w2n; ++i) want2[i] += w.prior_w2()[r][i];
-    }
-    EXPECT_LT(relative_error(gw13, want13), kTolerance) << "grad_w13";
-    EXPECT_LT(relative_error(gw2, want2), kTolerance) << "grad_w2";
-    const size_t per13 = w13n / EL, per2 = w2n / EL;
-    for (int j = 0; j < EL; ++j) {
-      if (model[r].rows_per_local_expert[j] == 0 && !c.accumulate) {
-        // An expert nobody chose: its gradient is exactly zero, not stale, not NaN.
-        bool all_zero = true;
-        for (size_t i = j * per13; i < (j + 1) * per13; ++i) all_zero &= gw13[i] == 0.0f;
-        for (size_t i = j * per2; i < (j + 1) * per2; ++i) all_zero &= gw2[i] == 0.0f;
-        EXPECT_TRUE(all_zero) << "expert " << j << " received no rows but has nonzero gradients";
-      } else {
-        EXPECT_LT(relative_error(gw13, want13, j * per13, (j + 1) * per13), kRowTolerance) << "grad_w13 expert " << j;
-        EXPECT_LT(relative_error(gw2, want2, j * per2, (j + 1) * per2), kRowTolerance) << "grad_w2 expert " << j;
-      }
-    }
+    check_weight_grads(w, model, r);
   }
 
   // Deterministic: the same inputs give the same bits.
@@ -135,7 +112,13 @@ INSTANTIATE_TEST_SUITE_P(
         LayerCase{4, 64, 192, 192, 16, 4, Routing::skip_last, 2.0, Activation::swiglu, DType::fp32, false, 7.0, kSm90},
         LayerCase{2, 64, 128, 128, 8, 2, Routing::random, 2.0, Activation::swiglu_clamped, DType::bf16, false, 0.75,
                   kSm90},
-        LayerCase{8, 48, 128, 128, 16, 2, Routing::random, 2.0, Activation::swiglu, DType::fp32, true, 7.0, kSm90}),
+        LayerCase{8, 48, 128, 128, 16, 2, Routing::random, 2.0, Activation::swiglu, DType::fp32, true, 7.0, kSm90},
+        LayerCase{4, 64, 192, 128, 16, 4, Routing::random, 2.0, Activation::swiglu_clamped, DType::fp32, false, 0.75,
+                  kSm90, W13Layout::gate_up_interleaved},
+        LayerCase{4, 64, 128, 192, 16, 4, Routing::hot_expert, 3.0, Activation::swiglu, DType::fp32, false, 7.0, kSm90,
+                  W13Layout::gate_up_blocked, DType::bf16},
+        LayerCase{2, 64, 128, 128, 8, 2, Routing::random, 2.0, Activation::swiglu, DType::bf16, true, 7.0, kSm90,
+                  W13Layout::gate_up_interleaved, DType::bf16}),
     [](const ::testing::TestParamInfo<LayerCase>& info) { return case_name(info.param); });
 
 // Captured once, replayed for a different routing: the call has no host sync and static shapes.

@@ -20,6 +20,8 @@ struct LayerCase {
   bool accumulate = false;
   double swiglu_limit = 7.0;
   ExpertKernels kernels = ExpertKernels::standin;
+  W13Layout layout = W13Layout::gate_up_blocked;  // the device weights' row order (the model is blocked)
+  DType wgrad = DType::fp32;                      // Config::wgrad_dtype
 };
 
 inline std::string case_name(const LayerCase& c) {
@@ -27,7 +29,8 @@ inline std::string case_name(const LayerCase& c) {
          std::to_string(c.F) + "_E" + std::to_string(c.E) + "_K" + std::to_string(c.K) + "_" + to_string(c.routing) +
          (c.activation == Activation::swiglu_clamped ? "_clamped" : "") +
          (c.scores == DType::bf16 ? "_bf16scores" : "") + (c.accumulate ? "_accumulate" : "") +
-         "_" + to_string(c.kernels);
+         (c.layout == W13Layout::gate_up_interleaved ? "_interleaved" : "") +
+         (c.wgrad == DType::bf16 ? "_bf16wgrad" : "") + "_" + to_string(c.kernels);
 }
 
 inline Config make_config(const LayerCase& c) {
@@ -41,7 +44,35 @@ inline Config make_config(const LayerCase& c) {
   cfg.swiglu_limit = c.swiglu_limit;
   cfg.balance = Balance::capacity;
   cfg.receive_capacity_factor = c.capacity_factor;
+  cfg.wgrad_dtype = c.wgrad;
   return cfg;
+}
+
+// W13 rows of every expert from the model's blocked order (gate rows [0, F), up rows [F, 2F)) to
+// `layout` (interleaved: gate f at 2f, up f at 2f + 1), and back.
+template <typename T>
+std::vector<T> w13_to_layout(const std::vector<T>& blocked, int F, int D, W13Layout layout) {
+  if (layout == W13Layout::gate_up_blocked) return blocked;
+  std::vector<T> out(blocked.size());
+  const size_t per_expert = size_t(2) * F * D;
+  for (size_t e = 0; e < blocked.size() / per_expert; ++e)
+    for (int f = 0; f < F; ++f)
+      for (int half = 0; half < 2; ++half)
+        std::copy_n(blocked.begin() + e * per_expert + (size_t(half) * F + f) * D, D,
+                    out.begin() + e * per_expert + (size_t(2) * f + half) * D);
+  return out;
+}
+template <typename T>
+std::vector<T> w13_to_blocked(const std::vector<T>& laid_out, int F, int D, W13Layout layout) {
+  if (layout == W13Layout::gate_up_blocked) return laid_out;
+  std::vector<T> out(laid_out.size());
+  const size_t per_expert = size_t(2) * F * D;
+  for (size_t e = 0; e < laid_out.size() / per_expert; ++e)
+    for (int f = 0; f < F; ++f)
+      for (int half = 0; half < 2; ++half)
+        std::copy_n(laid_out.begin() + e * per_expert + (size_t(2) * f + half) * D, D,
+                    out.begin() + e * per_expert + (size_t(half) * F + f) * D);
+  return out;
 }
 
 struct DeviceArray {
@@ -109,10 +140,10 @@ class EpWorld {
       d.grad_out = std::make_unique<DeviceArray>(TD * 2);
       d.grad_x = std::make_unique<DeviceArray>(TD * 2);
       d.grad_scores = std::make_unique<DeviceArray>(TK * 4);
-      d.grad_w13 = std::make_unique<DeviceArray>(w13n * 4);
-      d.grad_w2 = std::make_unique<DeviceArray>(w2n * 4);
+      d.grad_w13 = std::make_unique<DeviceArray>(w13n * grad_bytes());
+      d.grad_w2 = std::make_unique<DeviceArray>(w2n * grad_bytes());
       d.x->upload(h.x_TD);
-      d.w13->upload(h.w13_E2FD);
+      d.w13->upload(w13_to_layout(h.w13_E2FD, c.F, c.D, c.layout));
       d.w2->upload(h.w2_EDF);
       d.grad_out->upload(h.grad_out_TD);
     }
@@ -148,12 +179,13 @@ class EpWorld {
         std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
         prior_w13_.resize(c_.R);
         prior_w2_.resize(c_.R);
-        prior_w13_[r].resize(d.grad_w13->bytes / 4);
-        prior_w2_[r].resize(d.grad_w2->bytes / 4);
-        for (auto& v : prior_w13_[r]) v = dist(rng_);
-        for (auto& v : prior_w2_[r]) v = dist(rng_);
-        d.grad_w13->upload(prior_w13_[r]);
-        d.grad_w2->upload(prior_w2_[r]);
+        prior_w13_[r].resize(d.grad_w13->bytes / grad_bytes());
+        prior_w2_[r].resize(d.grad_w2->bytes / grad_bytes());
+        // bf16 gradients: priors drawn as bf16 values, so the model adds exactly what the GPU holds
+        for (auto& v : prior_w13_[r]) v = c_.wgrad == DType::bf16 ? from_bf16(to_bf16(dist(rng_))) : dist(rng_);
+        for (auto& v : prior_w2_[r]) v = c_.wgrad == DType::bf16 ? from_bf16(to_bf16(dist(rng_))) : dist(rng_);
+        upload_grad(*d.grad_w13, w13_to_layout(prior_w13_[r], c_.F, c_.D, c_.layout));
+        upload_grad(*d.grad_w2, prior_w2_[r]);
       } else {
         d.grad_w13->fill_bytes(0xff);
         d.grad_w2->fill_bytes(0xff);
@@ -170,6 +202,7 @@ class EpWorld {
       args[r].scores_TK = d.scores->ptr;
       args[r].scores_dtype = c_.scores;
       args[r].w13 = d.w13->ptr;
+      args[r].w13_layout = c_.layout;
       args[r].w2 = d.w2->ptr;
       args[r].out_TD = d.out->ptr;
     }
@@ -208,6 +241,12 @@ class EpWorld {
     return v;
   }
 
+  // Rank r's weight gradients as values, W13 rows in the model's (blocked) order.
+  std::vector<float> grad_w13(int r) const {
+    return w13_to_blocked(download_grad(*dev_[r].grad_w13), c_.F, c_.D, c_.layout);
+  }
+  std::vector<float> grad_w2(int r) const { return download_grad(*dev_[r].grad_w2); }
+
   const LayerCase& c() const { return c_; }
   const ModelShape& shape() const { return shape_; }
   const std::vector<RankData>& host() const { return host_; }
@@ -218,6 +257,22 @@ class EpWorld {
   const std::vector<std::vector<float>>& prior_w2() const { return prior_w2_; }
 
  private:
+  size_t grad_bytes() const { return c_.wgrad == DType::bf16 ? 2 : 4; }
+  void upload_grad(DeviceArray& a, const std::vector<float>& values) const {
+    if (c_.wgrad == DType::fp32) return a.upload(values);
+    std::vector<uint16_t> bits(values.size());
+    for (size_t i = 0; i < values.size(); ++i) bits[i] = to_bf16(values[i]);
+    a.upload(bits);
+  }
+  std::vector<float> download_grad(const DeviceArray& a) const {
+    const size_t n = a.bytes / grad_bytes();
+    if (c_.wgrad == DType::fp32) return a.download<float>(n);
+    const auto bits = a.download<uint16_t>(n);
+    std::vector<float> v(n);
+    for (size_t i = 0; i < n; ++i) v[i] = from_bf16(bits[i]);
+    return v;
+  }
+
   LayerCase c_;
   std::mt19937_64 rng_;
   ModelShape shape_;
@@ -236,6 +291,34 @@ inline void run_pass(EpWorld& w, cudaStream_t stream) {
   ASSERT_NO_THROW(w.pipeline().check(stream));
   w.backward(stream);
   ASSERT_NO_THROW(w.pipeline().check(stream));
+}
+
+// Rank r's weight gradients against the model (plus the priors when accumulating): within
+// kTolerance as a whole and kRowTolerance per expert; an expert nobody chose has exactly zero
+// gradients (overwrite mode), not stale values, not NaN.
+inline void check_weight_grads(const EpWorld& w, const std::vector<ModelOut>& model, int r) {
+  const LayerCase& c = w.c();
+  const int EL = c.E / c.R;
+  const auto gw13 = w.grad_w13(r), gw2 = w.grad_w2(r);
+  std::vector<double> want13 = model[r].grad_w13_E2FD, want2 = model[r].grad_w2_EDF;
+  if (c.accumulate) {
+    for (size_t i = 0; i < want13.size(); ++i) want13[i] += w.prior_w13()[r][i];
+    for (size_t i = 0; i < want2.size(); ++i) want2[i] += w.prior_w2()[r][i];
+  }
+  EXPECT_LT(relative_error(gw13, want13), kTolerance) << "grad_w13";
+  EXPECT_LT(relative_error(gw2, want2), kTolerance) << "grad_w2";
+  const size_t per13 = want13.size() / EL, per2 = want2.size() / EL;
+  for (int j = 0; j < EL; ++j) {
+    if (model[r].rows_per_local_expert[j] == 0 && !c.accumulate) {
+      bool all_zero = true;
+      for (size_t i = j * per13; i < (j + 1) * per13; ++i) all_zero &= gw13[i] == 0.0f;
+      for (size_t i = j * per2; i < (j + 1) * per2; ++i) all_zero &= gw2[i] == 0.0f;
+      EXPECT_TRUE(all_zero) << "expert " << j << " received no rows but has nonzero gradients";
+    } else {
+      EXPECT_LT(relative_error(gw13, want13, j * per13, (j + 1) * per13), kRowTolerance) << "grad_w13 expert " << j;
+      EXPECT_LT(relative_error(gw2, want2, j * per2, (j + 1) * per2), kRowTolerance) << "grad_w2 expert " << j;
+    }
+  }
 }
 
 using poise::testing::fresh_seed;

@@ -123,10 +123,11 @@ def test_layers_sharing_a_context_and_no_grad_in_between():
             assert relative_error(inputs[name].grad, want) < TOLERANCE, name
 
 
-def reference_virtual(config, per_rank, grad_out):
+def reference_virtual(config, per_rank, grad_out, w13_layout="gate_up_blocked"):
     """Every rank's out_TD and grads from the CPU reference engine (R virtual ranks, float32 math)."""
     engine = reference.Engine(config, len(per_rank))
-    outs = engine.forward(**{n: [inputs[n].detach().cpu() for inputs in per_rank] for n in NAMES})
+    outs = engine.forward(**{n: [inputs[n].detach().cpu() for inputs in per_rank] for n in NAMES},
+                          w13_layout=w13_layout)
     grads = engine.backward([g.cpu() for g in grad_out])
     return outs, [{"x_TD": g.grad_x_TD, "scores_TK": g.grad_scores_TK, "w13": g.grad_w13, "w2": g.grad_w2}
                   for g in grads]
@@ -140,15 +141,19 @@ def poison_allocator(device, like):
     del blocks
 
 
-VIRTUAL_CASES = [(2, "exact", "uniform"), (2, "exact", "one_expert"), (4, "exact", "uniform"),
-                 (4, "exact", "one_expert"), (8, "exact", "uniform"), (8, "exact", "one_expert"),
-                 (4, "capacity", "uniform"), (8, "capacity", "first_rank")]
+BLOCKED, INTERLEAVED = "gate_up_blocked", "gate_up_interleaved"
+VIRTUAL_CASES = [(2, "exact", "uniform", "fp32", BLOCKED), (2, "exact", "one_expert", "fp32", BLOCKED),
+                 (4, "exact", "uniform", "fp32", BLOCKED), (4, "exact", "one_expert", "fp32", BLOCKED),
+                 (8, "exact", "uniform", "fp32", BLOCKED), (8, "exact", "one_expert", "fp32", BLOCKED),
+                 (4, "capacity", "uniform", "fp32", BLOCKED), (8, "capacity", "first_rank", "fp32", BLOCKED),
+                 # bf16 weight gradients (replica gradients still reduced in fp32) and interleaved W13
+                 (4, "exact", "one_expert", "bf16", INTERLEAVED), (2, "capacity", "uniform", "bf16", BLOCKED)]
 
 
-@pytest.mark.parametrize("ep_size, balance, routing", VIRTUAL_CASES)
-def test_virtual_ranks_match_the_cpu_reference(ep_size, balance, routing):
+@pytest.mark.parametrize("ep_size, balance, routing, wgrad, w13_layout", VIRTUAL_CASES)
+def test_virtual_ranks_match_the_cpu_reference(ep_size, balance, routing, wgrad, w13_layout):
     """R ranks on this GPU through poise.routed_experts_virtual, forward + autograd backward."""
-    config = dataclasses.replace(CONFIG, balance=balance)
+    config = dataclasses.replace(CONFIG, balance=balance, wgrad_dtype=wgrad)
     if routing == "first_rank":  # every pick on rank 0's experts: needs K <= E_local, so fewer picks
         config = dataclasses.replace(config, top_k=1, receive_capacity_factor=float(ep_size))
     device = torch.device("cuda", torch.cuda.current_device())
@@ -159,14 +164,16 @@ def test_virtual_ranks_match_the_cpu_reference(ep_size, balance, routing):
     with poise.create_context(config=config, device=device, ep_size=ep_size, virtual_ranks=True) as context:
         assert context.virtual_ranks and context.device == str(device)
         poison_allocator(device, [inputs["x_TD"] for inputs in per_rank])
-        outs = poise.routed_experts_virtual(*[[inputs[n] for inputs in per_rank] for n in NAMES], context)
+        outs = poise.routed_experts_virtual(*[[inputs[n] for inputs in per_rank] for n in NAMES], context,
+                                            w13_layout=w13_layout)
+        grad_dtype = torch.bfloat16 if wgrad == "bf16" else torch.float32
         poison_allocator(device, [t.detach().to(dtype) for inputs in per_rank for t, dtype in (
             (inputs["x_TD"], torch.bfloat16), (inputs["scores_TK"], torch.float32),
-            (inputs["w13"], torch.float32), (inputs["w2"], torch.float32))])
+            (inputs["w13"], grad_dtype), (inputs["w2"], grad_dtype))])
         torch.autograd.backward(outs, grad_out)
         context.check()  # device-side faults (bad id, overflow, a rank that never arrived) surface here
         assert context._backend.recomputed_forwards == 0
-    want_outs, want_grads = reference_virtual(config, per_rank, grad_out)
+    want_outs, want_grads = reference_virtual(config, per_rank, grad_out, w13_layout)
     for r in range(ep_size):
         assert relative_error(outs[r], want_outs[r]) < TOLERANCE, r
         for name in ("x_TD", "scores_TK", "w13", "w2"):

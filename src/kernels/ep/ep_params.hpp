@@ -39,7 +39,9 @@ struct EpDims {
   int32_t replica_slots = 0; // B: replica slots per rank (exact balance)
   int32_t row_limit = 0;     // U = T*K + tolerance rows: the most rows the planner puts on a rank
   int32_t num_chunks = 0;    // ceil(T / kTokensPerChunk)
-  int32_t scores_bf16 = 0;   // scores_TK dtype: 1 bf16, 0 fp32
+  int32_t scores_bf16 = 0;   // scores_TK dtype: 1 bf16, 0 fp32 (per call)
+  int32_t w13_interleaved = 0;  // W13 rows: 1 gate/up interleaved, 0 blocked (per call)
+  int32_t wgrad_bf16 = 0;    // the call's weight gradients: 1 bf16, 0 fp32 (Config::wgrad_dtype)
   int32_t swiglu_clamped = 0;
   float swiglu_alpha = 1.702f;
   float swiglu_limit = 7.0f;
@@ -96,8 +98,8 @@ struct RankIo {
   const bf16* grad_out_TD = nullptr;
   bf16* grad_x_TD = nullptr;
   void* grad_scores_TK = nullptr;
-  float* grad_w13_E2FD = nullptr;
-  float* grad_w2_EDF = nullptr;
+  void* grad_w13_E2FD = nullptr;  // fp32 or bf16 (EpDims::wgrad_bf16)
+  void* grad_w2_EDF = nullptr;
 };
 
 // What the planner kernel records about its plan (read by tests and the benchmark).

@@ -53,13 +53,13 @@ const bf16* w13_of(const EpLaunch& l, const LaunchIo& io, int slot, const GroupR
 const bf16* w2_of(const EpLaunch& l, const LaunchIo& io, int slot, const GroupRange& range) {
   return range.replicas ? workspace_rows(l, slot, l.ws.replica_w2) : io.rank[slot].w2_EDF;
 }
-float* grad_w13_of(const EpLaunch& l, const LaunchIo& io, int slot, const GroupRange& range) {
-  return range.replicas ? reinterpret_cast<float*>(l.scratch.rank[slot].workspace + l.ws.replica_grad_w13)
-                        : io.rank[slot].grad_w13_E2FD;
+// Replica slots' gradients are always fp32; own experts' are Config::wgrad_dtype (the stand-in
+// kernels, which only write fp32, run only with fp32: StagedPipeline checks).
+void* grad_w13_of(const EpLaunch& l, const LaunchIo& io, int slot, const GroupRange& range) {
+  return range.replicas ? l.scratch.rank[slot].workspace + l.ws.replica_grad_w13 : io.rank[slot].grad_w13_E2FD;
 }
-float* grad_w2_of(const EpLaunch& l, const LaunchIo& io, int slot, const GroupRange& range) {
-  return range.replicas ? reinterpret_cast<float*>(l.scratch.rank[slot].workspace + l.ws.replica_grad_w2)
-                        : io.rank[slot].grad_w2_EDF;
+void* grad_w2_of(const EpLaunch& l, const LaunchIo& io, int slot, const GroupRange& range) {
+  return range.replicas ? l.scratch.rank[slot].workspace + l.ws.replica_grad_w2 : io.rank[slot].grad_w2_EDF;
 }
 
 // The SM90 kernels cover a rank's own experts and its replica slots in one grouped GEMM each:
@@ -82,7 +82,7 @@ sm90::ExpertMlpShape sm90_shape(const EpLaunch& l) {
   shape.activation = l.dims.swiglu_clamped ? Activation::swiglu_clamped : Activation::swiglu;
   shape.swiglu_alpha = l.dims.swiglu_alpha;
   shape.swiglu_limit = l.dims.swiglu_limit;
-  shape.w13_layout = W13Layout::gate_up_blocked;
+  shape.w13_layout = l.dims.w13_interleaved ? W13Layout::gate_up_interleaved : W13Layout::gate_up_blocked;
   return shape;
 }
 
@@ -119,8 +119,9 @@ void sm90_backward(const EpLaunch& l, const LaunchIo& io, bool accumulate, cudaS
     dgrad_w2.h13_R2F = rs.h13_R2F;
     dgrad_w2.grad_h13_R2F = rs.grad_h13_R2F;
     sm90::DgradW13Args dgrad_w13{rs.grad_h13_R2F, w13_of(l, io, s, own), rs.rows_out_RD};
-    sm90::WgradOutput wgrad_w2{grad_w2_of(l, io, s, own), DType::fp32, accumulate};
-    sm90::WgradOutput wgrad_w13{grad_w13_of(l, io, s, own), DType::fp32, accumulate};
+    const DType own_dtype = l.dims.wgrad_bf16 ? DType::bf16 : DType::fp32;
+    sm90::WgradOutput wgrad_w2{grad_w2_of(l, io, s, own), own_dtype, accumulate};
+    sm90::WgradOutput wgrad_w13{grad_w13_of(l, io, s, own), own_dtype, accumulate};
     if (has_replicas) {
       dgrad_w2.replica_w2_EDF = w2_of(l, io, s, replicas);
       dgrad_w13.replica_w13_E2FD = w13_of(l, io, s, replicas);
@@ -193,10 +194,10 @@ void expert_backward(const EpLaunch& l, const LaunchIo& io, bool accumulate_wgra
       }
       w2_wgrad.rank[s].a = rs.grad_y_RD;
       w2_wgrad.rank[s].b = rs.a_RF;
-      w2_wgrad.rank[s].c = grad_w2_of(l, io, s, range);
+      w2_wgrad.rank[s].c = static_cast<float*>(grad_w2_of(l, io, s, range));
       w13_wgrad.rank[s].a = rs.grad_h13_R2F;
       w13_wgrad.rank[s].b = workspace_rows(l, s, l.ws.recv_x);
-      w13_wgrad.rank[s].c = grad_w13_of(l, io, s, range);
+      w13_wgrad.rank[s].c = static_cast<float*>(grad_w13_of(l, io, s, range));
     }
     launch_row_grouped_gemm(RowGemmKind::w2_dgrad_swiglu, w2_dgrad, stream);
     launch_row_grouped_gemm(RowGemmKind::w13_dgrad, w13_dgrad, stream);

@@ -64,8 +64,9 @@ void validate_config(const Config& c, int64_t ep_size, const PipelineOptions& o)
   require(c.num_experts <= kMaxExperts, "num_experts",
           "the EP pipeline supports num_experts <= " + std::to_string(kMaxExperts));
   require(ep_size <= comm::kMaxPeers, "ep_size", "at most " + std::to_string(comm::kMaxPeers) + " ranks");
-  if (!c.inference && c.wgrad_dtype != DType::fp32) {
-    throw NotAvailable("wgrad_dtype=bf16: the EP stand-in kernels write fp32 weight gradients only");
+  if (!c.inference && c.wgrad_dtype != DType::fp32 && o.expert_kernels != ExpertKernels::sm90) {
+    throw NotAvailable("wgrad_dtype=bf16: the EP stand-in kernels write fp32 weight gradients only (the SM90 "
+                       "expert kernels write both)");
   }
   const double rows = std::max(c.receive_capacity_factor, 1.0 + o.balance_tolerance) * c.num_local_input_tokens * c.top_k;
   require(c.num_local_input_tokens * c.top_k * ep_size < (int64_t{1} << 31) && rows < double(1 << 30),
@@ -93,6 +94,7 @@ EpDims make_dims(const Config& c, int64_t ep_size, const PipelineOptions& o) {
   d.capacity_rows = static_cast<int32_t>(StagedPipeline::capacity_rows(c, ep_size, o));
   d.num_chunks = (d.T + kTokensPerChunk - 1) / kTokensPerChunk;
   d.swiglu_clamped = c.activation == Activation::swiglu_clamped;
+  d.wgrad_bf16 = c.wgrad_dtype == DType::bf16 ? 1 : 0;
   d.swiglu_alpha = static_cast<float>(c.swiglu_alpha);
   d.swiglu_limit = static_cast<float>(c.swiglu_limit);
   return d;
@@ -106,18 +108,20 @@ void require_pointer(const void* p, int slot, const char* field, size_t alignmen
           "must be " + std::to_string(alignment) + "-byte aligned");
 }
 
-void validate_forward_args(const ForwardArgs& a, int slot, DType expected_scores) {
+void validate_forward_args(const ForwardArgs& a, int slot, const ForwardArgs& first, ExpertKernels kernels) {
   require_pointer(a.x_TD, slot, "x_TD", 16);
   require_pointer(a.ids_TK, slot, "ids_TK", 4);
   require_pointer(a.scores_TK, slot, "scores_TK", a.scores_dtype == DType::fp32 ? 4 : 2);
   require_pointer(a.w13, slot, "w13", 16);
   require_pointer(a.w2, slot, "w2", 16);
   require_pointer(a.out_TD, slot, "out_TD", 16);
-  require(a.scores_dtype == expected_scores, arg_name(slot, "scores_dtype"),
+  require(a.scores_dtype == first.scores_dtype, arg_name(slot, "scores_dtype"),
           "must be the same on every rank of one call");
-  if (a.w13_layout != W13Layout::gate_up_blocked) {
+  require(a.w13_layout == first.w13_layout, arg_name(slot, "w13_layout"), "must be the same on every rank of one call");
+  if (a.w13_layout != W13Layout::gate_up_blocked && kernels != ExpertKernels::sm90) {
     throw NotAvailable(arg_name(slot, "w13_layout") +
-                       ": gate_up_interleaved is not implemented by the EP stand-in kernels");
+                       ": gate_up_interleaved is not implemented by the EP stand-in kernels (the SM90 expert "
+                       "kernels take both layouts)");
   }
 }
 
@@ -254,7 +258,7 @@ LaunchIo StagedPipeline::forward_io(std::span<const ForwardArgs> args) const {
   LaunchIo io;
   for (int s = 0; s < launch_.launch_ranks; ++s) {
     const ForwardArgs& a = args[s];
-    validate_forward_args(a, s, args[0].scores_dtype);
+    validate_forward_args(a, s, args[0], expert_kernels_);
     RankIo& r = io.rank[s];
     r.x_TD = static_cast<const bf16*>(a.x_TD);
     r.ids_TK = a.ids_TK;
@@ -270,6 +274,7 @@ void StagedPipeline::forward(std::span<const ForwardArgs> args, cudaStream_t str
   const LaunchIo io = forward_io(args);
   EpLaunch l = launch_;
   l.dims.scores_bf16 = args[0].scores_dtype == DType::bf16;
+  l.dims.w13_interleaved = args[0].w13_layout == W13Layout::gate_up_interleaved;
   stage(Stage::route, stream);
   launch_route(l, io, stream);
   stage(Stage::dispatch, stream);
@@ -303,11 +308,12 @@ void StagedPipeline::backward(std::span<const BackwardArgs> args, cudaStream_t s
     r.grad_out_TD = static_cast<const bf16*>(a.grad_out_TD);
     r.grad_x_TD = static_cast<bf16*>(a.grad_x_TD);
     r.grad_scores_TK = a.grad_scores_TK;
-    r.grad_w13_E2FD = static_cast<float*>(a.grad_w13);
-    r.grad_w2_EDF = static_cast<float*>(a.grad_w2);
+    r.grad_w13_E2FD = a.grad_w13;
+    r.grad_w2_EDF = a.grad_w2;
   }
   EpLaunch l = launch_;
   l.dims.scores_bf16 = args[0].forward.scores_dtype == DType::bf16;
+  l.dims.w13_interleaved = args[0].forward.w13_layout == W13Layout::gate_up_interleaved;
   stage(Stage::grad_scores, stream);
   launch_grad_scores(l, io, stream);  // reads y from the combine buffer before grad_x rows replace it
   stage(Stage::dispatch, stream);
