@@ -48,6 +48,7 @@ struct ForwardArgs {
 
 struct BackwardArgs {
   ForwardArgs forward;                 // the same inputs as the forward call being differentiated
+                                       // (forward.out_TD is not used by backward and may be null)
   const void* grad_out_TD = nullptr;   // bf16 [T, D]
   void* grad_x_TD = nullptr;           // bf16 [T, D]
   void* grad_scores_TK = nullptr;      // scores_dtype [T, K]

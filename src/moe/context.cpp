@@ -114,17 +114,22 @@ void require_pointer(const void* p, const char* name) {
   if (p == nullptr) throw InvalidArgument(name, "must be a device pointer, got null");
 }
 
-void validate_forward(const ForwardArgs& a) {
+// The inputs a forward and its backward share (backward never writes the forward's out_TD).
+void validate_inputs(const ForwardArgs& a) {
   require_pointer(a.x_TD, "x_TD");
   require_pointer(a.ids_TK, "ids_TK");
   require_pointer(a.scores_TK, "scores_TK");
   require_pointer(a.w13, "w13");
   require_pointer(a.w2, "w2");
+}
+
+void validate_forward(const ForwardArgs& a) {
+  validate_inputs(a);
   require_pointer(a.out_TD, "out_TD");
 }
 
 void validate_backward(const BackwardArgs& b) {
-  validate_forward(b.forward);
+  validate_inputs(b.forward);
   require_pointer(b.grad_out_TD, "grad_out_TD");
   require_pointer(b.grad_x_TD, "grad_x_TD");
   require_pointer(b.grad_scores_TK, "grad_scores_TK");

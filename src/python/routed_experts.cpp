@@ -51,9 +51,6 @@ void backward(Context& context, uintptr_t x_TD, uintptr_t ids_TK, uintptr_t scor
               uintptr_t stream) {
   BackwardArgs args;
   args.forward = forward_args(x_TD, ids_TK, scores_TK, scores_dtype, w13, w13_layout, w2);
-  // The pipeline validates the forward's out_TD although backward never writes it, and the torch
-  // op does not keep out_TD; grad_x_TD is a buffer of the same shape and dtype ([T, D] bf16).
-  args.forward.out_TD = pointer<void>(grad_x_TD);
   args.grad_out_TD = pointer<const void>(grad_out_TD);
   args.grad_x_TD = pointer<void>(grad_x_TD);
   args.grad_scores_TK = pointer<void>(grad_scores_TK);
@@ -119,7 +116,6 @@ void backward_ranks(Context& context, const Addresses& x_TD, const Addresses& id
   std::vector<BackwardArgs> args(ranks);
   for (size_t r = 0; r < ranks; ++r) {
     args[r].forward = forward[r];
-    args[r].forward.out_TD = pointer<void>(grad_x_TD[r]);  // validated, never written (see backward())
     args[r].grad_out_TD = pointer<const void>(grad_out_TD[r]);
     args[r].grad_x_TD = pointer<void>(grad_x_TD[r]);
     args[r].grad_scores_TK = pointer<void>(grad_scores_TK[r]);

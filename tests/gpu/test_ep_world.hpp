@@ -215,6 +215,7 @@ class EpWorld {
     for (int r = 0; r < c_.R; ++r) {
       const RankDevice& d = dev_[r];
       args[r].forward = fwd[r];
+      args[r].forward.out_TD = nullptr;  // backward must not need the forward's output
       args[r].grad_out_TD = d.grad_out->ptr;
       args[r].grad_x_TD = d.grad_x->ptr;
       args[r].grad_scores_TK = d.grad_scores->ptr;

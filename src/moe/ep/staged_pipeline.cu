@@ -108,13 +108,15 @@ void require_pointer(const void* p, int slot, const char* field, size_t alignmen
           "must be " + std::to_string(alignment) + "-byte aligned");
 }
 
-void validate_forward_args(const ForwardArgs& a, int slot, const ForwardArgs& first, ExpertKernels kernels) {
+// `backward`: the forward's inputs of a backward call (its out_TD is never used and may be null).
+void validate_forward_args(const ForwardArgs& a, int slot, const ForwardArgs& first, ExpertKernels kernels,
+                           bool backward) {
   require_pointer(a.x_TD, slot, "x_TD", 16);
   require_pointer(a.ids_TK, slot, "ids_TK", 4);
   require_pointer(a.scores_TK, slot, "scores_TK", a.scores_dtype == DType::fp32 ? 4 : 2);
   require_pointer(a.w13, slot, "w13", 16);
   require_pointer(a.w2, slot, "w2", 16);
-  require_pointer(a.out_TD, slot, "out_TD", 16);
+  if (!backward) require_pointer(a.out_TD, slot, "out_TD", 16);
   require(a.scores_dtype == first.scores_dtype, arg_name(slot, "scores_dtype"),
           "must be the same on every rank of one call");
   require(a.w13_layout == first.w13_layout, arg_name(slot, "w13_layout"), "must be the same on every rank of one call");
@@ -251,14 +253,14 @@ StagedPipeline::~StagedPipeline() {
   for (void* p : allocations_) cudaFree(p);
 }
 
-LaunchIo StagedPipeline::forward_io(std::span<const ForwardArgs> args) const {
+LaunchIo StagedPipeline::forward_io(std::span<const ForwardArgs> args, bool backward) const {
   require(static_cast<int>(args.size()) == launch_.launch_ranks, "args",
           "needs one entry per launch slot (" + std::to_string(launch_.launch_ranks) + "), got " +
               std::to_string(args.size()));
   LaunchIo io;
   for (int s = 0; s < launch_.launch_ranks; ++s) {
     const ForwardArgs& a = args[s];
-    validate_forward_args(a, s, args[0], expert_kernels_);
+    validate_forward_args(a, s, args[0], expert_kernels_, backward);
     RankIo& r = io.rank[s];
     r.x_TD = static_cast<const bf16*>(a.x_TD);
     r.ids_TK = a.ids_TK;
@@ -271,7 +273,7 @@ LaunchIo StagedPipeline::forward_io(std::span<const ForwardArgs> args) const {
 }
 
 void StagedPipeline::forward(std::span<const ForwardArgs> args, cudaStream_t stream) {
-  const LaunchIo io = forward_io(args);
+  const LaunchIo io = forward_io(args, /*backward=*/false);
   EpLaunch l = launch_;
   l.dims.scores_bf16 = args[0].scores_dtype == DType::bf16;
   l.dims.w13_interleaved = args[0].w13_layout == W13Layout::gate_up_interleaved;
@@ -294,7 +296,7 @@ void StagedPipeline::backward(std::span<const BackwardArgs> args, cudaStream_t s
   if (config_.inference) throw InvalidArgument("inference", "the pipeline was created for inference: no backward");
   std::vector<ForwardArgs> fwd;
   for (const BackwardArgs& a : args) fwd.push_back(a.forward);
-  LaunchIo io = forward_io(fwd);
+  LaunchIo io = forward_io(fwd, /*backward=*/true);
   for (int s = 0; s < launch_.launch_ranks; ++s) {
     const BackwardArgs& a = args[s];
     require_pointer(a.grad_out_TD, s, "grad_out_TD", 16);

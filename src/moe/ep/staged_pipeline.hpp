@@ -130,7 +130,7 @@ class StagedPipeline {
   void stage(Stage s, cudaStream_t stream) {
     if (hook_) hook_(s, stream);
   }
-  LaunchIo forward_io(std::span<const ForwardArgs> args) const;
+  LaunchIo forward_io(std::span<const ForwardArgs> args, bool backward) const;
 
   Config config_;
   ExpertKernels expert_kernels_;
