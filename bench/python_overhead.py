@@ -19,6 +19,7 @@ Needs an SM90 GPU and the poise module built (pip install .). Runs in well under
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import statistics
 import subprocess
@@ -149,6 +150,9 @@ def measure(name: str, fields: dict, device: torch.device) -> dict:
 
 
 def commit() -> str:
+    """POISE_COMMIT when set (device runs carry the commit in; their checkout's git may be stale)."""
+    if os.environ.get("POISE_COMMIT"):
+        return os.environ["POISE_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               cwd=pathlib.Path(__file__).parent).stdout.strip() or "unknown"

@@ -17,6 +17,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 NCCL_DIR=$(python3 -c "import nvidia.nccl as n; print(list(n.__path__)[0])" 2>/dev/null)
 export LD_LIBRARY_PATH="${NCCL_DIR:+$NCCL_DIR/lib:}${LD_LIBRARY_PATH:-}"
 commit=$(cat .carry/COMMIT 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)
+export POISE_COMMIT="$commit"
 
 part_tests() {
   local log="$OUT/gpu_suite.log"
