@@ -16,8 +16,9 @@ class ExecutionOptions:
         ``None`` for w13 and w2 (docs/pytorch.md, "Weight-gradient accumulation").
     deterministic_combine: the weighted top-k sum of every token is added in a fixed order, so
         two runs give identical bits. The CPU reference is always deterministic.
-    clip_statistics: also return how many SwiGLU inputs the clamped activation clipped
-        (not reported by the CPU reference yet: raises poise.NotAvailable).
+    clip_statistics: routed_experts also returns, per local expert, how many gate inputs the
+        clamped SwiGLU clipped (above swiglu_limit) and how many up inputs (outside
+        [-limit, limit]): int64 [E_local, 2], over the expert's rows on every rank.
     """
 
     accumulate_wgrad: bool = False

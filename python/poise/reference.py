@@ -149,6 +149,19 @@ class Engine:
             raise InvalidArgument("routing_stats", "no forward has run on this Engine")
         return self._last[0].routing_stats
 
+    @property
+    def clip_counts(self) -> list[torch.Tensor]:
+        """Per rank, int64 [E_local, 2] of the last forward: gate inputs above swiglu_limit and up
+        inputs outside [-limit, limit] over every row of each local expert (counted on h13 as saved,
+        bf16; zeros for plain SwiGLU)."""
+        if self._last is None:
+            raise InvalidArgument("clip_counts", "no forward has run on this Engine")
+        return [_clip_counts_tensor(c) for c in self._last[0].clip_counts]
+
+
+def _clip_counts_tensor(counts: Sequence[int]) -> torch.Tensor:
+    return torch.tensor(list(counts), dtype=torch.int64).reshape(-1, 2)
+
 
 def _to_arrays(x_TD, ids_TK, scores_TK, w13, w2) -> list[list[np.ndarray]]:
     return [[_float32_numpy(t) for t in x_TD], [_int32_numpy(t) for t in ids_TK],
@@ -386,14 +399,16 @@ class ContextEngine(LatestForward):
             gathered.append([p.numpy() for p in parts])
         return gathered
 
-    def forward(self, x_TD, ids_TK, scores_TK, w13, w2, w13_layout: str) -> torch.Tensor:
+    def forward(self, x_TD, ids_TK, scores_TK, w13, w2, w13_layout: str, clip_counts: bool = False):
+        """out_TD, or (out_TD, clip_counts_E2) with ``clip_counts``."""
         inputs = (x_TD, ids_TK, scores_TK, w13, w2)
         engine = self._engine(SCORES_DTYPES[scores_TK.dtype], w13_layout)
         arrays = self._gather([_float32_numpy(x_TD), _int32_numpy(ids_TK), _float32_numpy(scores_TK),
                                _float32_numpy(w13), _float32_numpy(w2)])
         out_TD = self._run_forward((engine, call_identity(inputs)), lambda: engine.forward(*arrays))[self._rank]
         self.forward_calls += 1
-        return torch.from_numpy(out_TD).to(torch.bfloat16)
+        out = torch.from_numpy(out_TD).to(torch.bfloat16)
+        return (out, _clip_counts_tensor(engine.clip_counts[self._rank])) if clip_counts else out
 
     def backward(self, grad_out_TD, x_TD, ids_TK, scores_TK, w13, w2, w13_layout: str,
                  accumulate: Optional[tuple[torch.Tensor, torch.Tensor]]):
@@ -441,10 +456,11 @@ class VirtualRanksEngine(LatestForward):
     def _key(ranks: Sequence[tuple], w13_layout: str) -> tuple:
         return (w13_layout, call_identity([t for inputs in ranks for t in inputs]))
 
-    def forward_ranks(self, ranks: Sequence[tuple], w13_layout: str) -> list[torch.Tensor]:
+    def forward_ranks(self, ranks: Sequence[tuple], w13_layout: str, clip_counts: bool = False):
+        """Per rank out_TD, or (out_TD list, clip_counts_E2 list) with ``clip_counts``."""
         out_TD = self._run_forward(self._key(ranks, w13_layout), lambda: self._forward(ranks, w13_layout))
         self.forward_calls += 1
-        return out_TD
+        return (out_TD, self._engine.clip_counts) if clip_counts else out_TD
 
     def backward_ranks(self, grad_out_TD: Sequence[torch.Tensor], ranks: Sequence[tuple], w13_layout: str,
                        accumulate: Optional[Sequence[tuple]]) -> tuple[list, list, list, list]:

@@ -8,6 +8,9 @@ Ops (namespace "poise"; importing this module registers them):
   routed_experts_backward(grad_out_TD, x_TD, ids_TK, scores_TK, w13, w2, context_handle,
                           w13_layout, deterministic_combine) -> (grad_x_TD, grad_scores_TK, grad_w13, grad_w2)
   routed_experts_backward_accumulate(..., grad_w13_acc!, grad_w2_acc!) -> (grad_x_TD, grad_scores_TK)
+  routed_experts_forward_clip_counts(same as forward) -> (out_TD, clip_counts_E2)
+      the forward that also counts the clamped SwiGLU's clipped inputs (int64 [E_local, 2]:
+      gate > limit, |up| > limit, over every row of each local expert; zeros for plain SwiGLU)
 
 The context travels as its integer handle; the context itself keeps what backward needs (the GPU
 in an activation slot, the CPU reference in its engine), so forward returns out_TD only. A CUDA
@@ -17,7 +20,7 @@ a CPU context runs the reference engine. See docs/pytorch.md.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 from torch import Tensor
@@ -49,11 +52,14 @@ class CudaEngine(LatestForward):
     def __init__(self, context: Context):
         self._cpp = context._cpp  # not the Context: it owns this engine
         self._virtual_ranks = context.virtual_ranks
+        self._ep_size = context.ep_size
         super().__init__()
 
     # One rank (poise.routed_experts).
-    def forward(self, x_TD, ids_TK, scores_TK, w13, w2, w13_layout: str) -> Tensor:
-        return self.forward_ranks([(x_TD, ids_TK, scores_TK, w13, w2)], w13_layout)[0]
+    def forward(self, x_TD, ids_TK, scores_TK, w13, w2, w13_layout: str, clip_counts: bool = False):
+        """out_TD, or (out_TD, clip_counts_E2) with ``clip_counts``."""
+        outs = self.forward_ranks([(x_TD, ids_TK, scores_TK, w13, w2)], w13_layout, clip_counts)
+        return (outs[0][0], outs[1][0]) if clip_counts else outs[0]
 
     def backward(self, grad_out_TD, x_TD, ids_TK, scores_TK, w13, w2, w13_layout: str, accumulate):
         grads = self.backward_ranks([grad_out_TD], [(x_TD, ids_TK, scores_TK, w13, w2)], w13_layout,
@@ -61,11 +67,14 @@ class CudaEngine(LatestForward):
         return tuple(per_rank[0] for per_rank in grads)
 
     # Every launch rank.
-    def forward_ranks(self, ranks: list[tuple], w13_layout: str) -> list[Tensor]:
+    def forward_ranks(self, ranks: list[tuple], w13_layout: str, clip_counts: bool = False):
+        """Per rank out_TD, or (out_TD list, clip_counts_E2 list) with ``clip_counts``."""
         out_TD = [torch.empty_like(inputs[0]) for inputs in ranks]
-        self._run_forward(_identity(ranks), lambda: self._launch_forward(ranks, w13_layout, out_TD))
+        counts = ([torch.empty(self._cpp.config.num_local_experts(self._ep_size), 2, dtype=torch.int64,
+                               device=inputs[0].device) for inputs in ranks] if clip_counts else None)
+        self._run_forward(_identity(ranks), lambda: self._launch_forward(ranks, w13_layout, out_TD, counts))
         self.forward_calls += 1
-        return out_TD
+        return (out_TD, counts) if clip_counts else out_TD
 
     def backward_ranks(self, grad_out_TD: list[Tensor], ranks: list[tuple], w13_layout: str,
                        accumulate: Optional[list[tuple[Tensor, Tensor]]]):
@@ -102,7 +111,8 @@ class CudaEngine(LatestForward):
         self.backward_calls += 1
         return grad_x_TD, grad_scores_TK, grad_w13, grad_w2
 
-    def _launch_forward(self, ranks: list[tuple], w13_layout: str, out_TD: list[Tensor]) -> None:
+    def _launch_forward(self, ranks: list[tuple], w13_layout: str, out_TD: list[Tensor],
+                        clip_counts: Optional[list[Tensor]] = None) -> None:
         device = ranks[0][0].device
         stream = torch.cuda.current_stream(device).cuda_stream
         scores_dtype = SCORES_DTYPES[ranks[0][2].dtype]
@@ -111,12 +121,14 @@ class CudaEngine(LatestForward):
                 _poise.routed_experts_forward_ranks(
                     self._cpp, _addresses(r[0] for r in ranks), _addresses(r[1] for r in ranks),
                     _addresses(r[2] for r in ranks), scores_dtype, _addresses(r[3] for r in ranks), w13_layout,
-                    _addresses(r[4] for r in ranks), _addresses(out_TD), stream)
+                    _addresses(r[4] for r in ranks), _addresses(out_TD), stream,
+                    _addresses(clip_counts) if clip_counts else [])
             else:
                 (x, ids, scores, w13, w2), = ranks
                 _poise.routed_experts_forward(
                     self._cpp, x.data_ptr(), ids.data_ptr(), scores.data_ptr(), scores_dtype, w13.data_ptr(),
-                    w13_layout, w2.data_ptr(), out_TD[0].data_ptr(), stream)
+                    w13_layout, w2.data_ptr(), out_TD[0].data_ptr(), stream,
+                    clip_counts[0].data_ptr() if clip_counts else 0)
 
 
 def _addresses(tensors) -> list[int]:
@@ -169,6 +181,27 @@ def routed_experts_forward(
 def _(x_TD, ids_TK, scores_TK, w13, w2, context_handle, w13_layout, accumulate_wgrad, deterministic_combine):
     _check_call(_open_context(context_handle), x_TD, ids_TK, scores_TK, w13, w2, w13_layout)
     return torch.empty_like(x_TD)
+
+
+@torch.library.custom_op("poise::routed_experts_forward_clip_counts", mutates_args=())
+def routed_experts_forward_clip_counts(
+    x_TD: Tensor, ids_TK: Tensor, scores_TK: Tensor, w13: Tensor, w2: Tensor,
+    context_handle: int, w13_layout: str, accumulate_wgrad: bool, deterministic_combine: bool,
+) -> tuple[Tensor, Tensor]:
+    context = _open_context(context_handle)
+    _check_call(context, x_TD, ids_TK, scores_TK, w13, w2, w13_layout)
+    return _engine(context).forward(x_TD, ids_TK, scores_TK, w13, w2, w13_layout, clip_counts=True)
+
+
+@routed_experts_forward_clip_counts.register_fake
+def _(x_TD, ids_TK, scores_TK, w13, w2, context_handle, w13_layout, accumulate_wgrad, deterministic_combine):
+    context = _open_context(context_handle)
+    _check_call(context, x_TD, ids_TK, scores_TK, w13, w2, w13_layout)
+    return torch.empty_like(x_TD), x_TD.new_empty(clip_counts_shape(context), dtype=torch.int64)
+
+
+def clip_counts_shape(context: Context) -> tuple[int, int]:
+    return (context._cpp.config.num_local_experts(context.ep_size), 2)
 
 
 @torch.library.custom_op("poise::routed_experts_backward", mutates_args=())
@@ -256,6 +289,10 @@ def _backward(ctx, grad_out_TD):
 
 
 torch.library.register_autograd("poise::routed_experts_forward", _backward, setup_context=_setup_context)
+# The counts are integers: no gradient flows back through them.
+torch.library.register_autograd("poise::routed_experts_forward_clip_counts",
+                                lambda ctx, grad_out_TD, _grad_counts: _backward(ctx, grad_out_TD),
+                                setup_context=_setup_context)
 
 
 def accumulation_buffer(weight: Tensor, name: str, config: Any) -> Tensor:
@@ -289,8 +326,6 @@ def _check_before_the_op(x_TD, ids_TK, scores_TK, w13, w2, context, options) -> 
     if not isinstance(options, ExecutionOptions):
         raise InvalidArgument("options", f"must be a poise.ExecutionOptions or None, got {type(options).__name__}")
     options.validate()
-    if options.clip_statistics:
-        raise NotAvailable("clip_statistics: SwiGLU clip statistics are not reported by this build yet")
     tensors = {"x_TD": x_TD, "scores_TK": scores_TK, "w13": w13, "w2": w2}
     for name, value in (("ids_TK", ids_TK), *tensors.items()):
         if not isinstance(value, Tensor):  # the op's schema would reject it with a less helpful message
@@ -317,7 +352,7 @@ def routed_experts(
     options: Optional[ExecutionOptions] = None,
     *,
     w13_layout: str = "gate_up_blocked",
-) -> Tensor:
+) -> Union[Tensor, tuple[Tensor, Tensor]]:
     """The routed experts of one MoE layer on this rank: out_TD[t] = sum_k scores_TK[t,k] * expert(x_TD[t]).
 
     x_TD bf16 [T, D]; ids_TK int32 [T, K] global expert ids (distinct per token); scores_TK bf16 or
@@ -325,6 +360,10 @@ def routed_experts(
     rows per expert, or interleaved with w13_layout='gate_up_interleaved'); w2 bf16 [E_local, D, F]
     / [E_local*D, F]. Returns out_TD bf16 [T, D]. Differentiable in x_TD, scores_TK, w13 and w2.
     Collective over the context's EP group. Raises poise.InvalidArgument naming the argument.
+    With ``options.clip_statistics`` returns (out_TD, clip_counts): int64 [E_local, 2] on out's
+    device, for each local expert the gate inputs above ``swiglu_limit`` and the up inputs outside
+    [-limit, limit] over all its rows on every rank (counted on h13 as saved, bf16; zeros for
+    plain SwiGLU).
     """
     options = ExecutionOptions() if options is None else options
     if torch.compiler.is_compiling():
@@ -336,6 +375,7 @@ def routed_experts(
                                "parameters at backward time, which a compiled backward does not see; run it eagerly")
     else:
         _check_before_the_op(x_TD, ids_TK, scores_TK, w13, w2, context, options)
-    return torch.ops.poise.routed_experts_forward(
-        x_TD, ids_TK, scores_TK, w13, w2, context.handle, w13_layout, options.accumulate_wgrad,
-        options.deterministic_combine)
+    op = (torch.ops.poise.routed_experts_forward_clip_counts if options.clip_statistics
+          else torch.ops.poise.routed_experts_forward)
+    return op(x_TD, ids_TK, scores_TK, w13, w2, context.handle, w13_layout, options.accumulate_wgrad,
+              options.deterministic_combine)

@@ -18,7 +18,7 @@ Each list holds one tensor per rank, in rank order. See docs/pytorch.md.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -27,7 +27,7 @@ from .context import Context
 from .errors import InvalidArgument, NotAvailable
 from .options import ExecutionOptions
 from .torch_checks import check_grad_out, check_inputs, check_w13_layout, wgrad_dtype
-from .torch_ops import _engine, _open_context
+from .torch_ops import _engine, _open_context, clip_counts_shape
 
 INPUT_NAMES = ("x_TD", "ids_TK", "scores_TK", "w13", "w2")
 
@@ -87,6 +87,25 @@ def _(x_TD, ids_TK, scores_TK, w13, w2, context_handle, w13_layout, deterministi
     return [torch.empty_like(x) for x in x_TD]
 
 
+@torch.library.custom_op("poise::routed_experts_virtual_forward_clip_counts", mutates_args=())
+def routed_experts_virtual_forward_clip_counts(
+    x_TD: list[Tensor], ids_TK: list[Tensor], scores_TK: list[Tensor], w13: list[Tensor], w2: list[Tensor],
+    context_handle: int, w13_layout: str, deterministic_combine: bool,
+) -> tuple[list[Tensor], list[Tensor]]:
+    """routed_experts_virtual_forward that also returns every rank's SwiGLU clip counts."""
+    context = _open_context(context_handle)
+    per_rank = _check_lists(context, (x_TD, ids_TK, scores_TK, w13, w2), w13_layout)
+    return _engine(context).forward_ranks(per_rank, w13_layout, clip_counts=True)
+
+
+@routed_experts_virtual_forward_clip_counts.register_fake
+def _(x_TD, ids_TK, scores_TK, w13, w2, context_handle, w13_layout, deterministic_combine):
+    context = _open_context(context_handle)
+    _check_lists(context, (x_TD, ids_TK, scores_TK, w13, w2), w13_layout)
+    return ([torch.empty_like(x) for x in x_TD],
+            [x.new_empty(clip_counts_shape(context), dtype=torch.int64) for x in x_TD])
+
+
 @torch.library.custom_op("poise::routed_experts_virtual_backward", mutates_args=())
 def routed_experts_virtual_backward(
     grad_out_TD: list[Tensor], x_TD: list[Tensor], ids_TK: list[Tensor], scores_TK: list[Tensor],
@@ -131,6 +150,9 @@ def _backward(ctx, grad_out_TD):
 
 
 torch.library.register_autograd("poise::routed_experts_virtual_forward", _backward, setup_context=_setup_context)
+torch.library.register_autograd("poise::routed_experts_virtual_forward_clip_counts",
+                                lambda ctx, grad_out_TD, _grad_counts: _backward(ctx, grad_out_TD),
+                                setup_context=_setup_context)
 
 
 # ---- the user API --------------------------------------------------------------------------------
@@ -146,12 +168,13 @@ def routed_experts_virtual(
     options: Optional[ExecutionOptions] = None,
     *,
     w13_layout: str = "gate_up_blocked",
-) -> list[Tensor]:
+) -> Union[list[Tensor], tuple[list[Tensor], list[Tensor]]]:
     """poise.routed_experts for every rank of a virtual-ranks context: each argument is a list of
     one tensor per rank (rank order, shapes and dtypes of poise.routed_experts); returns each rank's
     out_TD. Differentiable in every rank's x_TD, scores_TK, w13 and w2 (one backward call runs all
     ranks, as the ranks' backwards are collective). Raises poise.InvalidArgument naming the argument
-    (with 'rank r: ' for a per-rank tensor)."""
+    (with 'rank r: ' for a per-rank tensor). With ``options.clip_statistics`` returns (outs,
+    clip_counts): one int64 [E_local, 2] per rank, as poise.routed_experts documents."""
     options = ExecutionOptions() if options is None else options
     if not isinstance(options, ExecutionOptions):
         raise InvalidArgument("options", f"must be a poise.ExecutionOptions or None, got {type(options).__name__}")
@@ -159,8 +182,6 @@ def routed_experts_virtual(
     if options.accumulate_wgrad:
         raise NotAvailable("accumulate_wgrad with virtual ranks: not wired to Python in this build "
                            "(use poise.routed_experts on a one-rank context, or poise.reference.Engine's accumulate_into)")
-    if options.clip_statistics:
-        raise NotAvailable("clip_statistics: SwiGLU clip statistics are not reported by this build yet")
     if not isinstance(context, Context):
         raise InvalidArgument("context", f"must be a poise.Context, got {type(context).__name__}")
     context._require_open()
@@ -172,5 +193,6 @@ def routed_experts_virtual(
         if wants_grad and context._cpp.config.inference:
             raise InvalidArgument("context", "was created with inference=true: run under torch.no_grad() or "
                                              "create a training context")
-    return torch.ops.poise.routed_experts_virtual_forward(
-        *lists, context.handle, w13_layout, options.deterministic_combine)
+    op = (torch.ops.poise.routed_experts_virtual_forward_clip_counts if options.clip_statistics
+          else torch.ops.poise.routed_experts_virtual_forward)
+    return op(*lists, context.handle, w13_layout, options.deterministic_combine)

@@ -210,6 +210,8 @@ void bind_reference(nb::module_& m) {
       .def_prop_ro("scores_dtype", [](const Engine& e) { return std::string(poise::to_string(e.options().scores_dtype)); })
       .def_prop_ro("w13_layout", [](const Engine& e) { return std::string(python::to_string(e.options().w13_layout)); })
       .def_prop_ro("routing_stats", &Engine::routing_stats)
+      .def_prop_ro("clip_counts", &Engine::clip_counts,
+                   "Per rank, [E_local][2] SwiGLU clip counts of the last forward (gate > limit, |up| > limit).")
       .def("forward", &forward, "x_TD"_a, "ids_TK"_a, "scores_TK"_a, "w13"_a, "w2"_a,
            "Per-rank lists in, per-rank out_TD [T, D] float32 (bf16 values) out. Keeps what backward needs.")
       .def("backward", &backward, "x_TD"_a, "ids_TK"_a, "scores_TK"_a, "w13"_a, "w2"_a, "grad_out_TD"_a,

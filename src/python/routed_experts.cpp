@@ -38,9 +38,11 @@ ForwardArgs forward_args(uintptr_t x_TD, uintptr_t ids_TK, uintptr_t scores_TK, 
 }
 
 void forward(Context& context, uintptr_t x_TD, uintptr_t ids_TK, uintptr_t scores_TK, const std::string& scores_dtype,
-             uintptr_t w13, const std::string& w13_layout, uintptr_t w2, uintptr_t out_TD, uintptr_t stream) {
+             uintptr_t w13, const std::string& w13_layout, uintptr_t w2, uintptr_t out_TD, uintptr_t stream,
+             uintptr_t clip_counts_E2) {
   ForwardArgs args = forward_args(x_TD, ids_TK, scores_TK, scores_dtype, w13, w13_layout, w2);
   args.out_TD = pointer<void>(out_TD);
+  args.clip_counts_E2 = pointer<int64_t>(clip_counts_E2);
   nb::gil_scoped_release release;
   routed_experts_forward(context, args, pointer<CUstream_st>(stream));
 }
@@ -93,10 +95,14 @@ std::vector<ForwardArgs> forward_args_per_rank(const Addresses& x_TD, const Addr
 
 void forward_ranks(Context& context, const Addresses& x_TD, const Addresses& ids_TK, const Addresses& scores_TK,
                    const std::string& scores_dtype, const Addresses& w13, const std::string& w13_layout,
-                   const Addresses& w2, const Addresses& out_TD, uintptr_t stream) {
+                   const Addresses& w2, const Addresses& out_TD, uintptr_t stream, const Addresses& clip_counts_E2) {
   std::vector<ForwardArgs> args = forward_args_per_rank(x_TD, ids_TK, scores_TK, scores_dtype, w13, w13_layout, w2);
   require_same_length(out_TD, "out_TD", args.size());
-  for (size_t r = 0; r < args.size(); ++r) args[r].out_TD = pointer<void>(out_TD[r]);
+  if (!clip_counts_E2.empty()) require_same_length(clip_counts_E2, "clip_counts_E2", args.size());
+  for (size_t r = 0; r < args.size(); ++r) {
+    args[r].out_TD = pointer<void>(out_TD[r]);
+    if (!clip_counts_E2.empty()) args[r].clip_counts_E2 = pointer<int64_t>(clip_counts_E2[r]);
+  }
   nb::gil_scoped_release release;
   routed_experts_forward(context, args, pointer<CUstream_st>(stream));
 }
@@ -146,16 +152,18 @@ const char* to_string(W13Layout layout) {
 
 void bind_routed_experts(nb::module_& m) {
   m.def("routed_experts_forward", &forward, "context"_a, "x_TD"_a, "ids_TK"_a, "scores_TK"_a, "scores_dtype"_a,
-        "w13"_a, "w13_layout"_a, "w2"_a, "out_TD"_a, "stream"_a,
-        "poise::routed_experts_forward on device addresses (integers) and a cudaStream_t (integer).");
+        "w13"_a, "w13_layout"_a, "w2"_a, "out_TD"_a, "stream"_a, "clip_counts_E2"_a = 0,
+        "poise::routed_experts_forward on device addresses (integers) and a cudaStream_t (integer); "
+        "clip_counts_E2: int64 [E_local, 2] for the SwiGLU clip counts, or 0.");
   m.def("routed_experts_backward", &backward, "context"_a, "x_TD"_a, "ids_TK"_a, "scores_TK"_a, "scores_dtype"_a,
         "w13"_a, "w13_layout"_a, "w2"_a, "grad_out_TD"_a, "grad_x_TD"_a, "grad_scores_TK"_a, "grad_w13"_a,
         "grad_w2"_a, "accumulate_wgrad"_a, "stream"_a,
         "poise::routed_experts_backward on device addresses (integers) and a cudaStream_t (integer).");
   m.def("routed_experts_forward_ranks", &forward_ranks, "context"_a, "x_TD"_a, "ids_TK"_a, "scores_TK"_a,
         "scores_dtype"_a, "w13"_a, "w13_layout"_a, "w2"_a, "out_TD"_a, "stream"_a,
+        "clip_counts_E2"_a = Addresses{},
         "poise::routed_experts_forward over the launch ranks of a virtual-ranks context: one address per rank "
-        "in each list.");
+        "in each list (clip_counts_E2: empty, or one int64 [E_local, 2] per rank).");
   m.def("routed_experts_backward_ranks", &backward_ranks, "context"_a, "x_TD"_a, "ids_TK"_a, "scores_TK"_a,
         "scores_dtype"_a, "w13"_a, "w13_layout"_a, "w2"_a, "grad_out_TD"_a, "grad_x_TD"_a, "grad_scores_TK"_a,
         "grad_w13"_a, "grad_w2"_a, "accumulate_wgrad"_a, "stream"_a,

@@ -40,6 +40,13 @@ Engine::Engine(const Config& config, int64_t ep_size, Options options) : state_(
 Engine::~Engine() = default;
 
 const RoutingStats& Engine::routing_stats() const { return state_->stats; }
+
+std::vector<std::vector<int64_t>> Engine::clip_counts() const {
+  if (!state_->has_forward) throw InvalidArgument("clip_counts", "needs a forward first");
+  std::vector<std::vector<int64_t>> counts;
+  for (const RankState& st : state_->ranks) counts.push_back(st.clip_counts_E2);
+  return counts;
+}
 const Config& Engine::config() const { return state_->config; }
 int64_t Engine::ep_size() const { return state_->ep_size; }
 const Options& Engine::options() const { return state_->options; }

@@ -54,6 +54,9 @@ struct RankState {
 
   // This rank as an owner of tokens: y of every (t, k), for grad_scores.
   std::vector<float> y_TKD;  // [T*K, D] bf16
+
+  // This rank as an owner of experts: SwiGLU clips over every row of each local expert.
+  std::vector<int64_t> clip_counts_E2;  // [E_local][2] gate > limit, |up| > limit (clamped; else 0)
 };
 
 struct EngineState {

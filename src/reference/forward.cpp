@@ -142,6 +142,27 @@ void forward_rank(EngineState& s, int rank, InProcessTransport& transport, const
                    y_GD.data() + group.first_row * D);
   }
 
+  // Clip statistics: each rank counts the rows it computed per expert (replicas included) on h13
+  // as saved (bf16), the counts are all-gathered and every owner keeps its experts' sums.
+  std::vector<int64_t> clips_E2(2 * s.E(), 0);
+  if (s.act.kind == Activation::swiglu_clamped) {
+    for (const ExpertGroup& group : st.grouped.groups_per_rank[rank]) {
+      for (int64_t r = group.first_row; r < group.first_row + group.rows; ++r) {
+        const float* h13 = st.h13_G2F.data() + r * 2 * F;
+        for (int64_t f = 0; f < F; ++f) {
+          clips_E2[2 * group.expert] += h13[s.shape.gate_row(f)] > s.act.limit;
+          clips_E2[2 * group.expert + 1] += std::abs(h13[s.shape.up_row(f)]) > s.act.limit;
+        }
+      }
+    }
+  }
+  const std::vector<std::vector<int64_t>> clips_RE2 = transport.all_gather(rank, clips_E2);
+  const int64_t first_expert = rank * s.local_experts();
+  st.clip_counts_E2.assign(2 * s.local_experts(), 0);
+  for (const std::vector<int64_t>& from : clips_RE2) {
+    for (int64_t i = 0; i < 2 * s.local_experts(); ++i) st.clip_counts_E2[i] += from[2 * first_expert + i];
+  }
+
   // Return each source's y rows, in the order it sent its entries.
   std::vector<RowsMessage> to_rank(s.ep_size);
   for (int64_t src = 0; src < s.ep_size; ++src) {

@@ -221,3 +221,59 @@ TEST(ReferenceApi, AFailingRankEndsTheCallWithItsError) {
 
 }  // namespace
 }  // namespace poise::reference::testing
+
+namespace poise::reference::testing {
+namespace {
+
+// Clip statistics: per local expert, gate inputs above the limit and up inputs outside
+// [-limit, limit], counted on bf16 h13 over every row of the expert. Recounted here token by token
+// with the engine's own dot order (so exactly equal), for both balance modes and both layouts.
+TEST(ReferenceApi, ClipCountsCountEveryRowOfEachExpert) {
+  for (Balance balance : {Balance::exact, Balance::capacity}) {
+    for (W13Layout layout : {W13Layout::gate_up_blocked, W13Layout::gate_up_interleaved}) {
+      Config config = small_config(/*T=*/24, /*D=*/64, /*F=*/64, /*E=*/8, /*K=*/2, balance);
+      config.activation = Activation::swiglu_clamped;
+      config.swiglu_limit = 0.6;
+      const int64_t R = 4, EL = 2, D = 64, F = 64;
+      Options options;
+      options.w13_layout = layout;
+      RandomInputsSpec spec;
+      spec.skew = 3.0;  // replicas in exact mode
+      const auto inputs = random_inputs(config, R, spec, options);
+      Engine engine(config, R, options);
+      engine.forward(inputs);
+      const auto got = engine.clip_counts();
+      ASSERT_EQ(got.size(), size_t(R));
+      std::vector<std::vector<int64_t>> want(R, std::vector<int64_t>(2 * EL, 0));
+      for (int64_t src = 0; src < R; ++src) {
+        for (size_t i = 0; i < inputs[src].ids_TK.size(); ++i) {
+          const int64_t e = inputs[src].ids_TK[i], owner = e / EL, j = e % EL, t = i / 2;
+          const float* x = inputs[src].x_TD.data() + t * D;
+          for (int64_t f = 0; f < F; ++f) {
+            const int64_t g = layout == W13Layout::gate_up_blocked ? f : 2 * f;
+            const int64_t u = layout == W13Layout::gate_up_blocked ? F + f : 2 * f + 1;
+            auto h = [&](int64_t row) {
+              const float* w = inputs[owner].w13.data() + (j * 2 * F + row) * D;
+              float sum = 0.0f;
+              for (int64_t d = 0; d < D; ++d) sum += x[d] * w[d];
+              return round_to_bf16(sum);
+            };
+            want[owner][2 * j] += h(g) > 0.6f;
+            want[owner][2 * j + 1] += std::abs(h(u)) > 0.6f;
+          }
+        }
+      }
+      EXPECT_EQ(got, want) << "balance " << to_string(balance) << " layout " << (layout == W13Layout::gate_up_blocked ? "blocked" : "interleaved");
+      int64_t total = 0;
+      for (const auto& r : got) for (int64_t c : r) total += c;
+      EXPECT_GT(total, 0) << "the limit should clip something";
+    }
+  }
+  Config plain = small_config(16, 64, 64, 8, 2);
+  Engine engine(plain, 2, {});
+  engine.forward(random_inputs(plain, 2, {}, {}));
+  for (const auto& r : engine.clip_counts()) EXPECT_EQ(r, std::vector<int64_t>(8, 0)) << "plain SwiGLU clips nothing";
+}
+
+}  // namespace
+}  // namespace poise::reference::testing

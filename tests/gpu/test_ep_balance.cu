@@ -150,6 +150,7 @@ void check_against_model(EpWorld& w, const std::vector<ModelOut>& model) {
                "grad_x_TD");
     EXPECT_LT(relative_error(w.scores_as_double(*d.grad_scores), model[r].grad_scores_TK), kTolerance);
     check_weight_grads(w, model, r);
+    check_clip_counts(w, model, r);
   }
 }
 

@@ -74,6 +74,7 @@ TEST_P(EpLayer, ForwardBackwardMatchFloat64Model) {
     EXPECT_LT(relative_error(w.scores_as_double(*d.grad_scores), model[r].grad_scores_TK), kTolerance)
         << "grad_scores_TK";
     check_weight_grads(w, model, r);
+    check_clip_counts(w, model, r);
   }
 
   // Deterministic: the same inputs give the same bits.

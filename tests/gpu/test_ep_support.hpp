@@ -136,6 +136,7 @@ struct RankData {  // host copies, bf16 as raw bits
 struct ModelOut {  // per rank
   std::vector<double> out_TD, grad_x_TD, grad_scores_TK, grad_w13_E2FD, grad_w2_EDF;
   std::vector<int64_t> rows_per_local_expert;
+  std::vector<int64_t> clip_counts_E2;  // clamped SwiGLU: [E_local][2] gate > limit, |up| > limit on bf16(h13)
 };
 
 // The layer in float64 from the bf16 inputs. Intermediates the GPU stores in bf16 (h13, a, y) are
@@ -151,6 +152,7 @@ inline std::vector<ModelOut> run_model(const ModelShape& s, const std::vector<Ra
     out[r].grad_w13_E2FD.assign(static_cast<size_t>(EL) * F2 * s.D, 0.0);
     out[r].grad_w2_EDF.assign(static_cast<size_t>(EL) * s.D * s.F, 0.0);
     out[r].rows_per_local_expert.assign(EL, 0);
+    out[r].clip_counts_E2.assign(2 * static_cast<size_t>(EL), 0);
   }
   std::vector<double> x(s.D), h(F2), a(s.F), y(s.D), go(s.D), gy(s.D), ga(s.F), gh(F2);
   for (int src = 0; src < s.R; ++src) {
@@ -172,6 +174,12 @@ inline std::vector<ModelOut> run_model(const ModelShape& s, const std::vector<Ra
           h[n] = acc;
         }
         for (int f = 0; f < s.F; ++f) a[f] = round_bf16(swiglu(h[f], h[s.F + f], s));
+        if (s.activation == Activation::swiglu_clamped) {
+          for (int f = 0; f < s.F; ++f) {
+            mo.clip_counts_E2[2 * j] += round_bf16(h[f]) > s.limit;
+            mo.clip_counts_E2[2 * j + 1] += std::abs(round_bf16(h[s.F + f])) > s.limit;
+          }
+        }
         for (int c = 0; c < s.D; ++c) {
           double acc = 0;
           for (int f = 0; f < s.F; ++f) acc += a[f] * from_bf16(w2[static_cast<size_t>(c) * s.F + f]);

@@ -104,6 +104,7 @@ struct DeviceArray {
 
 struct RankDevice {
   std::unique_ptr<DeviceArray> x, ids, scores, w13, w2, out, grad_out, grad_x, grad_scores, grad_w13, grad_w2;
+  std::unique_ptr<DeviceArray> clip_counts;  // int64 [E_local][2], requested by every forward
 };
 
 using PipelineFactory = std::function<std::unique_ptr<StagedPipeline>(const Config&)>;
@@ -142,6 +143,7 @@ class EpWorld {
       d.grad_scores = std::make_unique<DeviceArray>(TK * 4);
       d.grad_w13 = std::make_unique<DeviceArray>(w13n * grad_bytes());
       d.grad_w2 = std::make_unique<DeviceArray>(w2n * grad_bytes());
+      d.clip_counts = std::make_unique<DeviceArray>(size_t(EL) * 2 * sizeof(int64_t));
       d.x->upload(h.x_TD);
       d.w13->upload(w13_to_layout(h.w13_E2FD, c.F, c.D, c.layout));
       d.w2->upload(h.w2_EDF);
@@ -173,6 +175,7 @@ class EpWorld {
     for (int r = 0; r < c_.R; ++r) {
       RankDevice& d = dev_[r];
       d.out->fill_bytes(0xff);  // 0xffff: a bf16 NaN
+      d.clip_counts->fill_bytes(0xff);  // -1: a count the forward never wrote
       d.grad_x->fill_bytes(0xff);
       d.grad_scores->fill_bytes(0xff);  // NaN as fp32 and as bf16
       if (c_.accumulate) {
@@ -205,6 +208,7 @@ class EpWorld {
       args[r].w13_layout = c_.layout;
       args[r].w2 = d.w2->ptr;
       args[r].out_TD = d.out->ptr;
+      args[r].clip_counts_E2 = static_cast<int64_t*>(d.clip_counts->ptr);
     }
     return args;
   }
@@ -253,6 +257,7 @@ class EpWorld {
   const std::vector<RankData>& host() const { return host_; }
   std::vector<RankData>& host() { return host_; }
   std::vector<RankDevice>& dev() { return dev_; }
+  const std::vector<RankDevice>& dev() const { return dev_; }
   StagedPipeline& pipeline() { return *pipeline_; }
   const std::vector<std::vector<float>>& prior_w13() const { return prior_w13_; }
   const std::vector<std::vector<float>>& prior_w2() const { return prior_w2_; }
@@ -292,6 +297,19 @@ inline void run_pass(EpWorld& w, cudaStream_t stream) {
   ASSERT_NO_THROW(w.pipeline().check(stream));
   w.backward(stream);
   ASSERT_NO_THROW(w.pipeline().check(stream));
+}
+
+// Rank r's clip counts against the model: exact for plain SwiGLU (zeros), else within 1% + 2
+// (the GPU rounds h13 to bf16 from fp32 sums in another order: values at the limit may fall
+// either side).
+inline void check_clip_counts(const EpWorld& w, const std::vector<ModelOut>& model, int r) {
+  const int EL = w.c().E / w.c().R;
+  const auto got = w.dev()[r].clip_counts->download<int64_t>(size_t(EL) * 2);
+  for (int i = 0; i < 2 * EL; ++i) {
+    const int64_t want = model[r].clip_counts_E2[i];
+    if (w.c().activation == Activation::swiglu) EXPECT_EQ(got[i], 0) << "clip count " << i;
+    else EXPECT_LE(std::llabs(got[i] - want), want / 100 + 2) << "clip count expert " << i / 2 << " column " << i % 2;
+  }
 }
 
 // Rank r's weight gradients against the model (plus the priors when accumulating): within

@@ -270,3 +270,30 @@ def test_train_moe_under_torchrun_one_process(repo_root):
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=repo_root)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "step 2: loss" in result.stdout
+
+
+@pytest.mark.parametrize("ep_size, w13_layout", [(1, BLOCKED), (4, INTERLEAVED)])
+def test_clip_statistics_match_the_cpu_reference(ep_size, w13_layout):
+    """Clamped SwiGLU clip counts per local expert, replicas summed into their owners (exact balance,
+    hot expert): the GPU counts on its bf16 h13, the reference on its own; rows at the limit may fall
+    either side, so equal within 1% + 2."""
+    config = dataclasses.replace(CONFIG, activation="swiglu_clamped", swiglu_limit=0.75)
+    device = torch.device("cuda", torch.cuda.current_device())
+    generated = reference.random_inputs(config, ep_size, seed=40 + ep_size, routing="one_expert")
+    per_rank = [{n: generated[n][r].to(device) for n in NAMES} for r in range(ep_size)]
+    clips = poise.ExecutionOptions(clip_statistics=True)
+    with poise.create_context(config=config, device=device, ep_size=ep_size, virtual_ranks=ep_size > 1) as context:
+        if ep_size == 1:
+            out, counts = poise.routed_experts(*[per_rank[0][n] for n in NAMES], context, clips)
+            counts = [counts]
+        else:
+            _, counts = poise.routed_experts_virtual(*[[inputs[n] for inputs in per_rank] for n in NAMES], context,
+                                                     clips, w13_layout=w13_layout)
+        context.check()
+    engine = reference.Engine(config, ep_size)
+    engine.forward(*[generated[n] for n in NAMES], w13_layout=w13_layout)
+    for r in range(ep_size):
+        got, want = counts[r].cpu(), engine.clip_counts[r]
+        assert got.dtype == torch.int64 and got.shape == want.shape
+        assert want.sum() > 0
+        assert bool(((got - want).abs() <= want // 100 + 2).all()), (r, got, want)

@@ -111,9 +111,6 @@ def test_a_context_handle_that_is_gone(inputs):
     assert raised.value.name == "context"
 
 
-def test_clip_statistics_is_not_faked(inputs, context):
-    with pytest.raises(poise.NotAvailable, match="clip_statistics"):
-        call(inputs, context, options=poise.ExecutionOptions(clip_statistics=True))
 
 
 def test_backward_op_checks_grad_out(inputs, context):

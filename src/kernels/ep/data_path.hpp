@@ -46,6 +46,12 @@ void launch_combine_reduce(const EpLaunch& l, const LaunchIo& io, bool backward,
 // Owner, backward, before combine_push overwrites y: grad_scores[t,k] = <grad_out[t], y[t,k]> (fp32).
 void launch_grad_scores(const EpLaunch& l, const LaunchIo& io, cudaStream_t stream);
 
+// Forward, clamped SwiGLU, when the call asks for clip counts (src/kernels/ep/clip_counts.cu): each
+// rank counts its h13 rows per group into its window (before the combine-push barrier), then every
+// owner adds its own group and its experts' replica pieces into RankIo::clip_counts_E2 (after it).
+void launch_clip_count_groups(const EpLaunch& l, cudaStream_t stream);
+void launch_clip_count_reduce(const EpLaunch& l, const LaunchIo& io, cudaStream_t stream);
+
 // Blocks per rank for launches that end in a barrier: all of them resident at once.
 int persistent_blocks_per_rank(const EpLaunch& l, const void* kernel, int threads, int work_blocks);
 

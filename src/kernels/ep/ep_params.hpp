@@ -56,6 +56,7 @@ struct WorkspaceOffsets {
   size_t recv_x = 0;       // bf16  [capacity][D]: dispatched x rows, expert-grouped (saved for backward)
   size_t recv_grad = 0;    // bf16  [capacity][D]: dispatched grad_out rows (backward)
   size_t combine = 0;      // bf16  [T*K][D]: expert outputs back at their owner (y, then grad_x rows)
+  size_t clip_counts_G2 = 0;  // u64 [groups][2]: SwiGLU clips counted per expert group (forward, on request)
   // Exact balance only (0 otherwise): replica experts' weights, pushed by their owners during
   // dispatch, and their weight gradients, read by the owners after the backward combine barrier.
   size_t replica_w13 = 0;       // bf16 [B][2F][D]
@@ -98,6 +99,7 @@ struct RankIo {
   const bf16* grad_out_TD = nullptr;
   bf16* grad_x_TD = nullptr;
   void* grad_scores_TK = nullptr;
+  int64_t* clip_counts_E2 = nullptr;  // forward, nullable: [E_local][2] gate / up inputs the clamp clipped
   void* grad_w13_E2FD = nullptr;  // fp32 or bf16 (EpDims::wgrad_bf16)
   void* grad_w2_EDF = nullptr;
 };

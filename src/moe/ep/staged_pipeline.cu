@@ -36,6 +36,7 @@ WorkspaceOffsets plan_workspace(const EpDims& d, bool training) {
   w.recv_x = region(cap * row);
   w.recv_grad = training ? region(cap * row) : 0;
   w.combine = region(static_cast<size_t>(d.T) * d.K * row);
+  w.clip_counts_G2 = region(sizeof(uint64_t) * 2 * d.groups);
   if (d.balanced) {
     const size_t B = d.replica_slots, w13 = size_t(2) * d.F * d.D, w2 = size_t(d.D) * d.F;
     w.replica_w13 = region(B * w13 * sizeof(bf16));
@@ -120,6 +121,9 @@ void validate_forward_args(const ForwardArgs& a, int slot, const ForwardArgs& fi
   require(a.scores_dtype == first.scores_dtype, arg_name(slot, "scores_dtype"),
           "must be the same on every rank of one call");
   require(a.w13_layout == first.w13_layout, arg_name(slot, "w13_layout"), "must be the same on every rank of one call");
+  require((a.clip_counts_E2 == nullptr) == (first.clip_counts_E2 == nullptr), arg_name(slot, "clip_counts_E2"),
+          "must be set on every rank of one call or on none");
+  if (a.clip_counts_E2) require_pointer(a.clip_counts_E2, slot, "clip_counts_E2", 8);
   if (a.w13_layout != W13Layout::gate_up_blocked && kernels != ExpertKernels::sm90) {
     throw NotAvailable(arg_name(slot, "w13_layout") +
                        ": gate_up_interleaved is not implemented by the EP stand-in kernels (the SM90 expert "
@@ -268,6 +272,7 @@ LaunchIo StagedPipeline::forward_io(std::span<const ForwardArgs> args, bool back
     r.w13_E2FD = static_cast<const bf16*>(a.w13);
     r.w2_EDF = static_cast<const bf16*>(a.w2);
     r.out_TD = static_cast<bf16*>(a.out_TD);
+    r.clip_counts_E2 = backward ? nullptr : a.clip_counts_E2;
   }
   return io;
 }
@@ -285,9 +290,12 @@ void StagedPipeline::forward(std::span<const ForwardArgs> args, cudaStream_t str
   launch_fanout_rows(l, stream);
   stage(Stage::experts, stream);
   expert_forward(l, io, expert_kernels_, stream);
+  const bool clip_counts = io.rank[0].clip_counts_E2 != nullptr;
+  if (clip_counts) launch_clip_count_groups(l, stream);
   stage(Stage::combine_push, stream);
   launch_combine_push(l, /*backward=*/false, stream);
   stage(Stage::combine_reduce, stream);
+  if (clip_counts) launch_clip_count_reduce(l, io, stream);
   launch_combine_reduce(l, io, /*backward=*/false, stream);
   stage(Stage::end, stream);
 }
