@@ -10,6 +10,8 @@
 #     balance    .carry/balance_bench -> $OUT/balance_h200.json
 #     ep         .carry/ep_bench -> $OUT/ep_h200.json
 #     mlp        bench/expert_mlp/bench_expert_mlp.py with .carry/libpoise_expert_mlp_bench.so
+#     multigpu   torchrun, one process per GPU: bench/multigpu/multigpu_bench.py -> $OUT/multigpu_h200.json
+#                ($MULTIGPU_ARGS, e.g. --quick; needs python first)
 #     gemm_only  the six GEMMs alone, .carry/libpoise_expert_mlp_bench*.so (one line per build and
 #                SM90 schedule in $SCHEDULES, e.g. "pingpong cooperative"; default: the built-in choice)
 set -uo pipefail
@@ -59,6 +61,13 @@ part_gemm_only() {
         --out /dev/null --skews 1 --gemm-only "$label" 2>&1 | tee -a "$OUT/gemm_only.log" | grep -v "^$"
     done
   done
+}
+part_multigpu() {
+  local n; n=$(nvidia-smi -L | wc -l)
+  PYTHONUNBUFFERED=1 timeout "${MULTIGPU_TIMEOUT:-400}" python3 -m torch.distributed.run --standalone \
+    --nproc_per_node="$n" bench/multigpu/multigpu_bench.py "$OUT/multigpu_h200.json" ${MULTIGPU_ARGS:-} \
+    > "$OUT/multigpu.log" 2>&1
+  echo "multigpu ($n GPUs) rc=$?"; grep -v "^\[W\|^W1" "$OUT/multigpu.log" | tail -40
 }
 
 parts=("$@")

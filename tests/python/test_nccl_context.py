@@ -95,21 +95,36 @@ def test_group_context_without_a_gpu_raises_device_error_and_closes():
 # ---- GPU: one process under torchrun ---------------------------------------------------------------
 
 
-@pytest.mark.gpu
-def test_one_rank_nccl_context_matches_the_cpu_reference():
+def _run_workers(nproc: int) -> None:
     assert _nccl_module_built(), (
         "poise._poise_nccl was not built: build with NCCL >= 2.28 (nccl.h, nccl_device.h, libnccl.so), e.g. "
         "pip install . -C cmake.define.POISE_NCCL_INCLUDE=<nvidia/nccl>/include "
         "-C cmake.define.POISE_NCCL_LIBRARY=<nvidia/nccl>/lib/libnccl.so.2"
     )
     seed = time.time_ns() % (2**31)  # fresh inputs every run; printed on failure
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", __file__]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", __file__]
     env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "POISE_TEST_SEED": str(seed)}
     result = subprocess.run(command, capture_output=True, text=True, timeout=400, env=env)
     assert result.returncode == 0, f"seed {seed}\n{result.stdout}\n{result.stderr}"
-    for balance in ("capacity", "exact"):
-        for routing in ("uniform", "one_expert"):
-            assert f"rank 0 of 1: {balance} {routing} ok" in result.stdout, result.stdout
+    for rank in range(nproc):
+        for balance in ("capacity", "exact"):
+            for routing in ("uniform", "one_expert"):
+                assert f"rank {rank} of {nproc}: {balance} {routing} ok" in result.stdout, result.stdout
+
+
+@pytest.mark.gpu
+def test_one_rank_nccl_context_matches_the_cpu_reference():
+    _run_workers(1)
+
+
+@pytest.mark.gpu
+def test_nccl_context_on_every_gpu_matches_the_cpu_reference():
+    """One process per GPU of this machine (2 to 8), NVLink (LSA) between real ranks."""
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 or more GPUs (the multi-GPU device kinds)")
+    _run_workers(torch.cuda.device_count())
 
 
 def _relative_error(got, want) -> float:
