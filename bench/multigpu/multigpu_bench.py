@@ -34,6 +34,7 @@ import poise
 from poise import reference
 
 TOLERANCE = 2e-2
+WGRAD_DTYPE = os.environ.get("POISE_BENCH_WGRAD", "bf16")
 
 
 def log(*args):
@@ -199,8 +200,11 @@ def layer_timings(device, world, rank, shape, peak_means, iterations) -> list[di
         record["baseline_fwdbwd_ms"] = time_ms(fwdbwd(lambda: baseline_layer(x, ids, scores, w13, w2, world, None)),
                                                iterations)
         for balance in ("exact", "capacity"):
+            # bf16 weight gradients, as the baseline's (fp32 ones cost 22 GB of writes at E_local=128,
+            # plus autograd's cast to the bf16 parameters' dtype)
             config = poise.Config(num_local_input_tokens=T, hidden_dim=D, intermediate_dim=F, top_k=K, num_experts=E,
-                                  balance=balance, receive_capacity_factor=max(1.0, measured) * 1.02)
+                                  balance=balance, receive_capacity_factor=max(1.0, measured) * 1.02,
+                                  wgrad_dtype=WGRAD_DTYPE)
             with poise.create_context(config=config, group=dist.group.WORLD, device=device) as context:
                 call = lambda: poise.routed_experts(x, ids, scores, w13, w2, context)  # noqa: E731
                 with torch.no_grad():
@@ -255,7 +259,7 @@ def main() -> int:
     device = torch.device("cuda", local)
     log(f"{world} x {torch.cuda.get_device_name(device)}, torch {torch.__version__}, NCCL {torch.cuda.nccl.version()}")
     report = {"world": world, "device": torch.cuda.get_device_name(device), "torch": torch.__version__,
-              "commit": os.environ.get("POISE_COMMIT", "unknown"), "quick": quick}
+              "commit": os.environ.get("POISE_COMMIT", "unknown"), "quick": quick, "wgrad_dtype": WGRAD_DTYPE}
     started = time.time()
     report["correctness"] = check_correctness(device, world, rank)
     shape = (512, 1024, 512, 8 * world, 4) if quick else (4096, 7168, 2048, 256, 8)
