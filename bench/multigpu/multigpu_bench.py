@@ -1,6 +1,7 @@
 """Expert parallelism on real GPUs, one process per GPU (issue 7): correctness, then timings.
 
     torchrun --standalone --nproc_per_node=N bench/multigpu/multigpu_bench.py OUT.json [--quick]
+             [--peak-means=1,1.5,N]
 
 Every process owns one GPU and one NCCL Poise context (poise.create_context(group=...)); NVLink
 multicast stays off (the caller exports NCCL_NVLS_ENABLE=0). Rank 0 writes OUT.json.
@@ -10,8 +11,8 @@ multicast stays off (the caller exports NCCL_NVLS_ENABLE=0). Rank 0 writes OUT.j
    ranks (inputs drawn identically on every process from one seed).
 2. rows over NCCL: all_to_all_single of T*K rows of D bf16 (equal splits), the transport baseline.
 3. the layer at the DeepSeek-V3 per-rank shape (T=4096, D=7168, F=2048, E=256, K=8; E_local =
-   256/N): Poise forward and forward+backward at rows-per-rank peak/mean 1 and R (every pick on rank
-   0's experts), exact balance and balancing off (capacity), next to the torch baseline on the same
+   256/N): Poise forward and forward+backward at rows-per-rank peak/mean 1, 1.5 and N (every pick
+   on rank 0's experts), exact balance (tolerance 0 and 0.5) and balancing off (capacity), next to the torch baseline on the same
    inputs: all_to_all_single dispatch + torch._grouped_mm + SwiGLU + torch._grouped_mm +
    all_to_all_single combine (autograd through torch.distributed.nn.functional.all_to_all_single).
    Poise with F=64 stands in for its data path alone (route, dispatch, combine; experts ~free).
@@ -199,17 +200,18 @@ def layer_timings(device, world, rank, shape, peak_means, iterations) -> list[di
         record["baseline_fwd_ms"] = time_ms(lambda: baseline_layer(x, ids, scores, w13, w2, world, None), iterations)
         record["baseline_fwdbwd_ms"] = time_ms(fwdbwd(lambda: baseline_layer(x, ids, scores, w13, w2, world, None)),
                                                iterations)
-        for balance in ("exact", "capacity"):
+        for name, balance, tolerance in (("exact", "exact", 0.0), ("exact_tol0.5", "exact", 0.5),
+                                         ("capacity", "capacity", 0.0)):
             # bf16 weight gradients, as the baseline's (fp32 ones cost 22 GB of writes at E_local=128,
             # plus autograd's cast to the bf16 parameters' dtype)
             config = poise.Config(num_local_input_tokens=T, hidden_dim=D, intermediate_dim=F, top_k=K, num_experts=E,
                                   balance=balance, receive_capacity_factor=max(1.0, measured) * 1.02,
-                                  wgrad_dtype=WGRAD_DTYPE)
+                                  balance_tolerance=tolerance, wgrad_dtype=WGRAD_DTYPE)
             with poise.create_context(config=config, group=dist.group.WORLD, device=device) as context:
                 call = lambda: poise.routed_experts(x, ids, scores, w13, w2, context)  # noqa: E731
                 with torch.no_grad():
-                    record[f"poise_{balance}_fwd_ms"] = time_ms(call, iterations)
-                record[f"poise_{balance}_fwdbwd_ms"] = time_ms(fwdbwd(call), iterations)
+                    record[f"poise_{name}_fwd_ms"] = time_ms(call, iterations)
+                record[f"poise_{name}_fwdbwd_ms"] = time_ms(fwdbwd(call), iterations)
                 context.check()
             torch.cuda.empty_cache()
         flops = 6.0 * T * K * D * F  # per rank, forward
@@ -269,7 +271,11 @@ def main() -> int:
     log("all_to_all_single", json.dumps(report["all_to_all_single"]))
     report["poise_data_path_F64"] = data_path_proxy(device, world, shape, iterations)
     log("poise data path (F=64)", json.dumps(report["poise_data_path_F64"]))
-    report["layer"] = layer_timings(device, world, rank, shape, [1.0, float(world)], iterations)
+    peak_means = [1.0, 1.5, float(world)]
+    for arg in sys.argv:
+        if arg.startswith("--peak-means="):
+            peak_means = [float(v) for v in arg.split("=", 1)[1].split(",")]
+    report["layer"] = layer_timings(device, world, rank, shape, peak_means, iterations)
     report["seconds"] = time.time() - started
     if rank == 0:
         with open(out_path, "w") as f:
