@@ -44,6 +44,10 @@ struct ForwardArgs {
   W13Layout w13_layout = W13Layout::gate_up_blocked;
   const void* w2 = nullptr;            // bf16 [E_local, D, F]
   void* out_TD = nullptr;              // bf16 [T, D]
+  // Nullable: int64 [E_local, 2], overwritten with the number of gate inputs above swiglu_limit
+  // and of up inputs outside [-limit, limit] over all rows of each local expert (clamped SwiGLU;
+  // zeros for plain SwiGLU), counted on h13 as saved (bf16). Set on every rank or on none.
+  int64_t* clip_counts_E2 = nullptr;
 };
 
 struct BackwardArgs {

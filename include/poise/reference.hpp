@@ -127,6 +127,10 @@ class Engine {
                 std::vector<RankGradients>& grads_per_rank, bool accumulate_wgrad = false);
 
   const RoutingStats& routing_stats() const;  // of the last forward
+  // Of the last forward, per rank: int64 [E_local][2], the gate inputs above swiglu_limit and the up
+  // inputs outside [-limit, limit] over every row of each local expert, counted on h13 as saved
+  // (bf16); zeros for plain SwiGLU. (ForwardArgs::clip_counts_E2 on the GPU.)
+  std::vector<std::vector<int64_t>> clip_counts() const;
   const Config& config() const;
   int64_t ep_size() const;
   const Options& options() const;
