@@ -1,0 +1,52 @@
+"""Runs one Poise expert-MLP GEMM a few times on the benchmark's inputs, for a profiler (ncu) to look at.
+
+    python3 bench/expert_mlp/profile_gemm.py LIB SHAPE GEMM [REPEATS]
+    ncu --clock-control none --kernel-name regex:grouped_gemm --launch-skip 8 --launch-count 1 \\
+        --section SpeedOfLight --section WarpStateStats python3 bench/expert_mlp/profile_gemm.py ...
+
+SHAPE: a key of bench_expert_mlp.SHAPES; GEMM: fprop_w13, fprop_w2, dgrad_w2, dgrad_w13, wgrad_w2,
+wgrad_w13. One forward and backward first fill every operand with real values (6 GEMM launches),
+then the chosen GEMM runs REPEATS times (default 3).
+"""
+
+import importlib.util
+import pathlib
+import sys
+
+import torch
+
+
+def main() -> int:
+    lib_path, shape, gemm = sys.argv[1], sys.argv[2], sys.argv[3]
+    repeats = int(sys.argv[4]) if len(sys.argv) > 4 else 3
+    spec = importlib.util.spec_from_file_location("bench_expert_mlp",
+                                                  pathlib.Path(__file__).with_name("bench_expert_mlp.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    P = bench.Poise(bench.load_lib(lib_path))
+    T, D, F, E, K = bench.SHAPES[shape]
+    ids, _, x, scores, w13, w2, grad_out = bench.make_inputs(T, D, F, E, K, 1.0)
+    blk = bench.PoiseBlock(P, T, D, F, E, K)
+    out = torch.empty(T, D, device="cuda", dtype=torch.bfloat16)
+    gx, gs = torch.empty_like(out), torch.empty(T, K, device="cuda")
+    g13, g2 = torch.empty_like(w13), torch.empty_like(w2)
+    blk.forward(x, ids, scores, w13, w2, out)
+    blk.backward(grad_out, w13, w2, gx, g13, g2, gs)
+    L = blk.lay
+    calls = {
+        "fprop_w13": lambda: P.fprop_w13(blk.x_rows, w13, blk.a, blk.h13),
+        "fprop_w2": lambda: P.fprop_w2(blk.a, w2, L["scores_R"], blk.y_rows),
+        "dgrad_w2": lambda: P.dgrad_w2(blk.gy_rows, w2, blk.h13, L["scores_R"], blk.gh13, blk.a, blk.grad_scores_R),
+        "dgrad_w13": lambda: P.dgrad_w13(blk.gh13, w13, blk.gx_rows),
+        "wgrad_w2": lambda: P.wgrad_w2(blk.gy_rows, blk.a, g2, 0, 0),
+        "wgrad_w13": lambda: P.wgrad_w13(blk.gh13, blk.x_rows, g13, 0, 0),
+    }
+    for _ in range(repeats):
+        calls[gemm]()
+    torch.cuda.synchronize()
+    print(f"{gemm} at {shape}: {repeats} runs after 6 warm-up GEMMs", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
