@@ -1,8 +1,7 @@
 // Staged epilogue stores: a consumer warpgroup writes its 64-row fragment, one 128-byte column
-// chunk at a time (64 bf16 or 32 fp32 columns), into a shared-memory buffer, each warp its own 16
-// rows, then each warp either
-//  - hands its 16 x 128-byte box to the TMA engine (when all its rows may be written), or
-//  - copies its valid rows out with 16-byte stores (the last, partial slab of an expert).
+// chunk at a time (64 bf16 or 32 fp32 columns), into a shared-memory buffer, then either
+//  - hands the whole 64 x 128-byte box to the TMA engine (when all 64 rows may be written), or
+//  - copies the valid rows out with 16-byte stores (the last, partial slab of an expert).
 // (Storing straight from the wgmma fragment writes 4 bytes x 8 rows per instruction: half-filled
 // sectors, measured at ~1.4 TB/s chip-wide in v1; copying rows out by hand still kept the
 // warpgroup busy storing: v6.)
@@ -22,13 +21,11 @@
 namespace poise::sm90 {
 
 inline constexpr int kStagingBytes = 64 * 128;
-// Rows of the slab one warp owns: the wgmma accumulator layout gives warp w of a warpgroup rows
-// [16w, 16w + 16). Staging is therefore warp-private: a warp writes, fences and sends its own
-// 16 x 128-byte box (its own TMA store, its own bulk-group waits) with __syncwarp only. (With
-// warpgroup barriers around every 64-column chunk, ncu showed CTA-barrier stalls as the largest
-// stall reason of the epilogue-heavy GEMMs: 36% of issue-slot stalls.)
-inline constexpr int kWarpRows = 16;
-inline constexpr int kWarpStagingBytes = kWarpRows * 128;
+
+// Barrier among the 128 threads of one consumer warpgroup (ids 2, 3; 1 is the consumers' shared one).
+__device__ __forceinline__ void consumer_warpgroup_sync(int consumer) {
+  ptx::named_barrier_sync(2 + consumer, 128);
+}
 
 __device__ __forceinline__ int staging_offset(int row, int byte_col) {
   return row * 128 + ((((byte_col >> 4) ^ row) & 7) << 4) + (byte_col & 15);
@@ -47,78 +44,76 @@ __device__ __forceinline__ uint32_t stage_get_u32(const uint8_t* buf, int row, i
   return *reinterpret_cast<const uint32_t*>(buf + staging_offset(row, byte_col));
 }
 
-// Before a warp writes its rows of a staging buffer: the TMA stores its lane 0 issued from them
-// have read them, and every lane is done with the previous contents. `thread`: 0..127 in the
-// warpgroup.
-__device__ __forceinline__ void acquire_staging(int thread) {
-  if (thread % 32 == 0) ptx::tma_store_wait_read();
-  __syncwarp();
+// Before writing the warpgroup's staging buffers: the TMA stores issued from them (by thread 0)
+// have read them, and every thread is done with the previous contents.
+// (POISE_UNSAFE_SKIP_STAGING_WAIT: timing experiments only, outputs may be corrupted.)
+#ifndef POISE_UNSAFE_SKIP_STAGING_WAIT
+#define POISE_UNSAFE_SKIP_STAGING_WAIT 0
+#endif
+__device__ __forceinline__ void acquire_staging(int consumer, int thread) {
+  if (!POISE_UNSAFE_SKIP_STAGING_WAIT && thread == 0) ptx::tma_store_wait_read();
+  consumer_warpgroup_sync(consumer);
 }
 
-// The 16-byte units (slab row r, column unit c) a lane handles for its warp's 16 rows: 4 of 128.
-template <class Fn>
-__device__ __forceinline__ void for_warp_units(int thread, Fn&& fn) {
-  const int lane = thread % 32, first_row = (thread / 32) * kWarpRows;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int u = lane + 32 * i;
-    fn(first_row + (u >> 3), u & 7);
-  }
-}
-
-// Copies the warp's staged rows out: row_dst(r) gives the global address of slab row r's 128
-// bytes, or nullptr to skip the row.
+// Copies the 64 staged rows out: row_dst(r) gives the global address of row r's 128 bytes, or
+// nullptr to skip the row. 16-byte units, 8 threads per row, 4 rows per warp instruction.
 template <class RowDst>
 __device__ __forceinline__ void staged_copy_out(const uint8_t* buf, int thread, RowDst&& row_dst) {
-  for_warp_units(thread, [&](int r, int c) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int u = thread + 128 * i;
+    const int r = u >> 3, c = u & 7;
     uint8_t* dst = row_dst(r);
     if (dst) *reinterpret_cast<uint4*>(dst + c * 16) = *reinterpret_cast<const uint4*>(buf + staging_offset(r, c * 16));
-  });
+  }
 }
 
 // Same, combining with what is already there: combine(uint4 staged, uint4 old) -> uint4.
 template <class RowDst, class Combine>
 __device__ __forceinline__ void staged_combine_out(const uint8_t* buf, int thread, RowDst&& row_dst,
                                                    Combine&& combine) {
-  __syncwarp();  // every lane's staging writes are in
-  for_warp_units(thread, [&](int r, int c) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int u = thread + 128 * i;
+    const int r = u >> 3, c = u & 7;
     uint8_t* dst = row_dst(r);
     if (dst) {
       uint4* p = reinterpret_cast<uint4*>(dst + c * 16);
       *p = combine(*reinterpret_cast<const uint4*>(buf + staging_offset(r, c * 16)), *p);
     }
-  });
+  }
 }
 
-// Emits the warp's rows of a fully written buffer: by one TMA store of its 16 x 128-byte box at
-// (col, row + 16w) of `map` (boxes of 16 rows) when all 16 rows may be written (valid_rows counts
-// the slab's rows that may be), else by copying its valid rows out. Ends the warp's use of the
+// Emits a fully written buffer: by TMA store of the 64 x 128-byte box at (col, row) of `map` when
+// `whole` (all 64 rows may be written), else by copying rows out. Ends the warpgroup's use of the
 // buffer for writing; the next writer calls acquire_staging first.
 template <class RowDst>
-__device__ __forceinline__ void emit_staged(const uint8_t* buf, int thread, int32_t valid_rows, const CUtensorMap* map,
-                                            int32_t col, int64_t row, RowDst&& row_dst) {
-  const int warp = thread / 32;
-  if (valid_rows - warp * kWarpRows >= kWarpRows) {
-    ptx::fence_async_shared();  // this lane's staging writes -> visible to the TMA engine
-    __syncwarp();
-    if (thread % 32 == 0) {
-      ptx::tma_store_2d(map, buf + warp * kWarpStagingBytes, col, static_cast<int32_t>(row + warp * kWarpRows));
+__device__ __forceinline__ void emit_staged(const uint8_t* buf, int consumer, int thread, bool whole,
+                                            const CUtensorMap* map, int32_t col, int64_t row, RowDst&& row_dst) {
+  if (whole) {
+    ptx::fence_async_shared();  // this thread's staging writes -> visible to the TMA engine
+    consumer_warpgroup_sync(consumer);
+    if (thread == 0) {
+      ptx::tma_store_2d(map, buf, col, static_cast<int32_t>(row));
       ptx::tma_store_commit();
     }
   } else {
-    __syncwarp();
+    consumer_warpgroup_sync(consumer);
     staged_copy_out(buf, thread, row_dst);
   }
 }
 
-// The reverse of a copy-out: fetches the warp's rows (row_src(r), or nullptr to skip) into the
-// buffer with cp.async; the caller commits, waits (cp_async_wait_all) and __syncwarp()s.
+// The reverse of a copy-out: fetches 64 rows of 128 bytes (row_src(r), or nullptr to skip) into
+// the buffer with cp.async; the caller commits, waits and syncs before reading.
 template <class RowSrc>
 __device__ __forceinline__ void staged_fetch_async(uint8_t* buf, int thread, RowSrc&& row_src) {
-  for_warp_units(thread, [&](int r, int c) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int u = thread + 128 * i;
+    const int r = u >> 3, c = u & 7;
     const uint8_t* src = row_src(r);
     if (src) ptx::cp_async_16(buf + staging_offset(r, c * 16), src + c * 16);
-  });
+  }
 }
 
 }  // namespace poise::sm90

@@ -50,6 +50,8 @@ struct GroupedRowAddress {
     first_row = tile.row_begin + m0;
     valid = tile.row_count - m0;
   }
+  // All 64 slab rows belong to the expert: the slab may be stored as one TMA box.
+  __device__ bool whole() const { return valid >= 64; }
   template <class T>
   __device__ uint8_t* at(T* base, int64_t row_elems, int64_t col, int r) const {
     return r < valid ? reinterpret_cast<uint8_t*>(base + (first_row + r) * row_elems + col) : nullptr;
@@ -65,7 +67,7 @@ template <bool kInterleaved>
 struct SwigluFpropEpilogue {
   static constexpr int kStagingBuffers = 1;
   static constexpr bool interleaved = kInterleaved;
-  CUtensorMap a_map;    // a_RF, 16-row x 128-byte boxes (tensor_map.hpp)
+  CUtensorMap a_map;    // a_RF, 64 x 64 boxes (tensor_map.hpp)
   CUtensorMap h13_map;  // h13_R2F, when set
   __nv_bfloat16* a_RF;
   __nv_bfloat16* h13_R2F;  // nullable: backward recomputes the forward instead
@@ -81,14 +83,14 @@ struct SwigluFpropEpilogue {
   template <int kFirst, int kN>
   __device__ __forceinline__ void store_h13_piece(const float (&d)[kN], const Fragment& fr, const GroupedRowAddress& rows,
                                                   int64_t col, int consumer, int thread, uint8_t* buf) const {
-    acquire_staging(thread);
+    acquire_staging(consumer, thread);
 #pragma unroll
     for (int jj = 0; jj < 8; ++jj)
 #pragma unroll
       for (int h = 0; h < 2; ++h)
         stage_put_u32(buf, fr.row + 8 * h, (8 * jj + 2 * fr.quad) * 2,
                       pack_bf16x2(d[kFirst + 4 * jj + 2 * h], d[kFirst + 4 * jj + 2 * h + 1]));
-    emit_staged(buf, thread, rows.valid, &h13_map, static_cast<int32_t>(col), rows.first_row,
+    emit_staged(buf, consumer, thread, rows.whole(), &h13_map, static_cast<int32_t>(col), rows.first_row,
                 [&](int r) { return rows.at(h13_R2F, 2 * int64_t(F), col, r); });
   }
 
@@ -103,7 +105,7 @@ struct SwigluFpropEpilogue {
     for (int c = 0; c < kBlockN / 128; ++c) {  // 64 activation columns per chunk
       const int32_t fc = f0 + 64 * c;
       if (fc >= F) break;
-      acquire_staging(thread);
+      acquire_staging(consumer, thread);
       if constexpr (!interleaved) {  // gate d[0..31], up d[kUp..kUp+31]
 #pragma unroll
         for (int jj = 0; jj < 8; ++jj)
@@ -122,7 +124,7 @@ struct SwigluFpropEpilogue {
             stage_put_u16(buf, fr.row + 8 * h, (4 * jl + fr.quad) * 2, *reinterpret_cast<const uint16_t*>(&b));
           }
       }
-      emit_staged(buf, thread, rows.valid, &a_map, fc, rows.first_row,
+      emit_staged(buf, consumer, thread, rows.whole(), &a_map, fc, rows.first_row,
                   [&](int r) { return rows.at(a_RF, F, fc, r); });
       if constexpr (!interleaved) {
         if (h13_R2F) {
@@ -153,7 +155,7 @@ struct SwigluFpropEpilogue {
 // scaled per row by an fp32 routing score.
 struct RowsStoreEpilogue {
   static constexpr int kStagingBuffers = 1;
-  CUtensorMap out_map;  // out_RN, 16-row x 128-byte boxes
+  CUtensorMap out_map;  // out_RN, 64 x 64 boxes
   // Nothing to prefetch before the mainloop.
   template <int kBlockN>
   __device__ __forceinline__ void begin_tile(const TileInfo&, int, int, uint8_t*) const {}
@@ -177,7 +179,7 @@ struct RowsStoreEpilogue {
     for (int c = 0; c < kBlockN / 64; ++c) {
       const int32_t n0 = tile.n_block * kBlockN + 64 * c;
       if (n0 >= N) break;
-      acquire_staging(thread);
+      acquire_staging(consumer, thread);
 #pragma unroll
       for (int jj = 0; jj < 8; ++jj) {
         const int j = 8 * c + jj;
@@ -186,7 +188,7 @@ struct RowsStoreEpilogue {
           stage_put_u32(buf, fr.row + 8 * h, (8 * jj + 2 * fr.quad) * 2,
                         pack_bf16x2(d[4 * j + 2 * h] * scale[h], d[4 * j + 2 * h + 1] * scale[h]));
       }
-      emit_staged(buf, thread, rows.valid, &out_map, n0, rows.first_row,
+      emit_staged(buf, consumer, thread, rows.whole(), &out_map, n0, rows.first_row,
                   [&](int r) { return rows.at(out_RN, N, n0, r); });
     }
   }
@@ -203,7 +205,7 @@ template <bool kInterleaved>
 struct SwigluDgradEpilogue {
   static constexpr int kStagingBuffers = 3;
   static constexpr bool interleaved = kInterleaved;
-  CUtensorMap grad_h13_map;  // grad_h13_R2F, 16-row x 128-byte boxes
+  CUtensorMap grad_h13_map;  // grad_h13_R2F, 64 x 64 boxes
   CUtensorMap a_map;         // a_RF, when set
   const __nv_bfloat16* h13_R2F;  // saved pre-activation, W13's row order
   __nv_bfloat16* grad_h13_R2F;   // out
@@ -233,7 +235,7 @@ struct SwigluDgradEpilogue {
   template <int kBlockN>
   __device__ __forceinline__ void begin_tile(const TileInfo& tile, int consumer, int thread, uint8_t* buf) const {
     const int32_t fc = tile.n_block * kBlockN;
-    acquire_staging(thread);  // the previous tile's stores are done with the buffers
+    acquire_staging(consumer, thread);  // the previous tile's stores are done with the buffers
     if (fc < F) fetch_h13(buf, GroupedRowAddress(tile, consumer), fc, thread);
   }
 
@@ -266,11 +268,11 @@ struct SwigluDgradEpilogue {
       const int32_t fc = tile.n_block * kBlockN + 64 * c;
       if (fc >= F) break;
       if (c > 0) {
-        acquire_staging(thread);  // the previous chunk's stores are done
+        acquire_staging(consumer, thread);  // the previous chunk's stores are done
         fetch_h13(buf, rows, fc, thread);
       }
       ptx::cp_async_wait_all();
-      __syncwarp();  // every lane's h13 copies have landed (each warp fetched its own rows)
+      consumer_warpgroup_sync(consumer);
 #pragma unroll
       for (int jj = 0; jj < 8; ++jj) {
         const int j = jj;
@@ -310,12 +312,13 @@ struct SwigluDgradEpilogue {
         }
       }
       const int64_t col1 = first_col(fc), col2 = second_col(fc);
-      emit_staged(buf_first, thread, rows.valid, &grad_h13_map, static_cast<int32_t>(col1), rows.first_row,
+      const bool whole = rows.whole();
+      emit_staged(buf_first, consumer, thread, whole, &grad_h13_map, static_cast<int32_t>(col1), rows.first_row,
                   [&](int r) { return rows.at(grad_h13_R2F, F2, col1, r); });
-      emit_staged(buf_second, thread, rows.valid, &grad_h13_map, static_cast<int32_t>(col2), rows.first_row,
+      emit_staged(buf_second, consumer, thread, whole, &grad_h13_map, static_cast<int32_t>(col2), rows.first_row,
                   [&](int r) { return rows.at(grad_h13_R2F, F2, col2, r); });
       if (a_RF)
-        emit_staged(buf_a, thread, rows.valid, &a_map, fc, rows.first_row,
+        emit_staged(buf_a, consumer, thread, whole, &a_map, fc, rows.first_row,
                     [&](int r) { return rows.at(a_RF, F, fc, r); });
       move_accumulators<0, 32, kBlockN / 2 - 32>(d);
     }
@@ -335,7 +338,7 @@ struct SwigluDgradEpilogue {
 // experts (e >= first_replica) go to their own target at e - first_replica (always overwritten).
 struct WgradStoreEpilogue {
   static constexpr int kStagingBuffers = 1;
-  CUtensorMap out_map;      // out viewed as [E*M][N]; boxes of 16 rows x 128 bytes (overwrite only)
+  CUtensorMap out_map;      // out viewed as [E*M][N]; boxes of 64 rows x 128 bytes (overwrite only)
   CUtensorMap replica_map;  // the replicas' target, same boxes
   // Nothing to prefetch before the mainloop.
   template <int kBlockN>
@@ -367,7 +370,7 @@ struct WgradStoreEpilogue {
       for (int c = 0; c < kBlockN / 32; ++c) {  // 32 fp32 columns = 128 bytes per chunk; d[0..15]
         const int32_t n0 = tile.n_block * kBlockN + 32 * c;
         if (n0 >= N) break;
-        acquire_staging(thread);
+        acquire_staging(consumer, thread);
 #pragma unroll
         for (int jj = 0; jj < 4; ++jj) {
           const int j = jj;
@@ -377,6 +380,7 @@ struct WgradStoreEpilogue {
         }
         auto dst = [&](int r) { return r < valid ? reinterpret_cast<uint8_t*>(out + (first + r) * N + n0) : nullptr; };
         if (accumulate) {
+          consumer_warpgroup_sync(consumer);
           staged_combine_out(buf, thread, dst, [](uint4 v, uint4 o) {
             return make_uint4(__float_as_uint(__uint_as_float(v.x) + __uint_as_float(o.x)),
                               __float_as_uint(__uint_as_float(v.y) + __uint_as_float(o.y)),
@@ -384,7 +388,7 @@ struct WgradStoreEpilogue {
                               __float_as_uint(__uint_as_float(v.w) + __uint_as_float(o.w)));
           });
         } else {
-          emit_staged(buf, thread, valid, map, n0, first, dst);
+          emit_staged(buf, consumer, thread, valid >= 64, map, n0, first, dst);
         }
         move_accumulators<0, 16, kBlockN / 2 - 16>(d);
       }
@@ -394,7 +398,7 @@ struct WgradStoreEpilogue {
       for (int c = 0; c < kBlockN / 64; ++c) {  // d[0..31]
         const int32_t n0 = tile.n_block * kBlockN + 64 * c;
         if (n0 >= N) break;
-        acquire_staging(thread);
+        acquire_staging(consumer, thread);
 #pragma unroll
         for (int jj = 0; jj < 8; ++jj) {
           const int j = jj;
@@ -404,6 +408,7 @@ struct WgradStoreEpilogue {
         }
         auto dst = [&](int r) { return r < valid ? reinterpret_cast<uint8_t*>(out + (first + r) * N + n0) : nullptr; };
         if (accumulate) {
+          consumer_warpgroup_sync(consumer);
           staged_combine_out(buf, thread, dst, [](uint4 v, uint4 o) {
             uint32_t in[4] = {v.x, v.y, v.z, v.w}, old[4] = {o.x, o.y, o.z, o.w}, res[4];
 #pragma unroll
@@ -412,7 +417,7 @@ struct WgradStoreEpilogue {
             return make_uint4(res[0], res[1], res[2], res[3]);
           });
         } else {
-          emit_staged(buf, thread, valid, map, n0, first, dst);
+          emit_staged(buf, consumer, thread, valid >= 64, map, n0, first, dst);
         }
         move_accumulators<0, 32, kBlockN / 2 - 32>(d);
       }

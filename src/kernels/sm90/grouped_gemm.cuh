@@ -227,9 +227,8 @@ __global__ void __launch_bounds__(kThreadsPerCta, 1)
       if constexpr (!POISE_SKIP_EPILOGUE_FOR_TIMING)
         epilogue.template store<kBlockN>(acc, tile, consumer, consumer_thread % 128, staging);
     }
-    // TMA stores read shared memory asynchronously: finish them before the CTA exits (every
-    // warp's lane 0 issued its own).
-    if (lane == 0) ptx::tma_store_wait_all();
+    // TMA stores read shared memory asynchronously: finish them before the CTA exits.
+    if (consumer_thread % 128 == 0) ptx::tma_store_wait_all();
   }
 #endif
 }

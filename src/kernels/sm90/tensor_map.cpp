@@ -66,9 +66,8 @@ CUtensorMap make_bf16_tensor_map(const void* base, int64_t rows, int64_t cols, i
 CUtensorMap make_store_tensor_map(const void* base, bool fp32, int64_t rows, int64_t cols,
                                   const char* argument_name) {
   if (base == nullptr) return CUtensorMap{};
-  // One warp's 16 staged rows per box (epilogue_staging.cuh).
-  return fp32 ? encode(base, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, rows, cols, 32, 16, argument_name)
-              : encode(base, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, rows, cols, 64, 16, argument_name);
+  return fp32 ? encode(base, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, rows, cols, 32, 64, argument_name)
+              : encode(base, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, rows, cols, 64, 64, argument_name);
 }
 
 }  // namespace poise::sm90

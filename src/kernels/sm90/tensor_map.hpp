@@ -13,8 +13,7 @@ namespace poise::sm90 {
 CUtensorMap make_bf16_tensor_map(const void* base, int64_t rows, int64_t cols, int box_rows,
                                  const char* argument_name);
 
-// Epilogue store maps: 16-row boxes (one warp's staged rows) of 128 bytes (64 bf16 or 32 fp32
-// columns), same swizzle.
+// Epilogue store maps: 64-row boxes of 128 bytes (64 bf16 or 32 fp32 columns), same swizzle.
 // A null `base` gives an all-zero map that must not be used (optional outputs).
 CUtensorMap make_store_tensor_map(const void* base, bool fp32, int64_t rows, int64_t cols,
                                   const char* argument_name);
