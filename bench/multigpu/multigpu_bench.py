@@ -213,6 +213,11 @@ def layer_timings(device, world, rank, shape, peak_means, iterations) -> list[di
                     record[f"poise_{name}_fwd_ms"] = time_ms(call, iterations)
                 record[f"poise_{name}_fwdbwd_ms"] = time_ms(fwdbwd(call), iterations)
                 context.check()
+                # Where one forward+backward goes, stage by stage (this rank; one extra call).
+                context.enable_stage_timing()
+                fwdbwd(call)()
+                record[f"poise_{name}_stages_ms_rank{rank}"] = context.stage_times()
+                context.enable_stage_timing(False)
             torch.cuda.empty_cache()
         flops = 6.0 * T * K * D * F  # per rank, forward
         record["poise_exact_fwd_tflops_per_gpu"] = flops / record["poise_exact_fwd_ms"] / 1e9
@@ -239,6 +244,9 @@ def data_path_proxy(device, world, shape, iterations) -> dict:
     with poise.create_context(config=config, group=dist.group.WORLD, device=device) as context:
         with torch.no_grad():
             ms = time_ms(lambda: poise.routed_experts(x, ids, scores, w13, w2, context), iterations)
+            context.enable_stage_timing()
+            poise.routed_experts(x, ids, scores, w13, w2, context)
+            stages = context.stage_times()["forward"]
     # Rows that cross: a token row goes once to each other rank holding one of its experts (dispatch);
     # combine returns one row per (t, k) whose expert is on another rank.
     dest = ids.long() // E_local
@@ -246,7 +254,7 @@ def data_path_proxy(device, world, shape, iterations) -> dict:
     crossing = sum(int(((dest == d).any(dim=1)).sum()) for d in range(world) if d != me)
     returned = int((dest != me).sum())
     row = D * 2
-    return {"F": F, "fwd_ms": ms, "dispatch_bytes_to_others_rank0": crossing * row,
+    return {"F": F, "fwd_ms": ms, "stages_ms": stages, "dispatch_bytes_to_others_rank0": crossing * row,
             "combine_bytes_to_others_rank0": returned * row,
             "GBps_to_others_rank0": (crossing + returned) * row / ms / 1e6}
 

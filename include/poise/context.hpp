@@ -15,6 +15,8 @@
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <string>
+#include <vector>
 
 #include "poise/config.hpp"
 #include "poise/memory_plan.hpp"
@@ -61,6 +63,16 @@ struct BackwardArgs {
   bool accumulate_wgrad = false;       // add into grad_w13/grad_w2 instead of overwriting
 };
 
+// Where a GPU call's time went, stage by stage (route, dispatch, fanout, experts, combine_push, ...),
+// in call order: Context::stage_times after Context::enable_stage_timing.
+struct StageTime {
+  std::string stage;
+  double ms = 0.0;
+};
+struct StageTimes {
+  std::vector<StageTime> forward, backward;  // of the last forward / backward call
+};
+
 struct ContextOptions {
   uint64_t wait_timeout_ns = 10'000'000'000ull;  // bound on every wait for a peer; then DeviceError
 };
@@ -96,6 +108,12 @@ class Context {
 
   void reset();
   void close();
+
+  // Diagnostics: with stage timing on, every GPU call records a CUDA event at each stage boundary
+  // (a few microseconds per stage; off by default). stage_times waits for `stream` and returns the
+  // last forward's and backward's stages (milliseconds, call order, all launch ranks together).
+  void enable_stage_timing(bool on);
+  StageTimes stage_times(Stream stream);
 
   Context(const Context&) = delete;
   Context& operator=(const Context&) = delete;

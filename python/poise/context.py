@@ -134,6 +134,26 @@ class Context:
             )
         self._activation_slot = (slot, num_layers)
 
+    def enable_stage_timing(self, on: bool = True) -> None:
+        """Diagnostics (GPU contexts): record a CUDA event at every stage boundary of each call
+        (a few microseconds per stage); read them with stage_times()."""
+        self._require_open()
+        if self._device == "cpu":
+            raise InvalidArgument("context", "stage timing is for GPU contexts (the CPU reference has no stages)")
+        self._cpp.enable_stage_timing(bool(on))
+
+    def stage_times(self) -> dict[str, dict[str, float]]:
+        """{'forward': {stage: ms}, 'backward': {stage: ms}} of the last calls, in call order (all launch
+        ranks together); waits for the current CUDA stream. See enable_stage_timing()."""
+        self._require_open()
+        if self._device == "cpu":
+            raise InvalidArgument("context", "stage timing is for GPU contexts (the CPU reference has no stages)")
+        import torch
+
+        device = torch.device(self._device) if ":" in self._device else None
+        forward, backward = self._cpp.stage_times(torch.cuda.current_stream(device).cuda_stream)
+        return {"forward": dict(forward), "backward": dict(backward)}
+
     def check(self) -> None:
         """Waits for the current CUDA stream, then raises poise.DeviceError for a device-side fault of
         the calls since the last check (an expert id out of range, a capacity overflow, a peer that

@@ -11,6 +11,45 @@
 
 namespace poise {
 
+// Events at the stage boundaries of the last forward and the last backward (enable_stage_timing).
+struct StageClock {
+  bool on = false;
+  std::vector<std::pair<ep::Stage, cudaEvent_t>> marks[2];  // [0] forward, [1] backward
+  int recording = 0;
+  ep::StagedPipeline* installed = nullptr;  // the pipeline whose hook records into this clock
+
+  void clear(int which) {
+    for (auto& mark : marks[which]) cudaEventDestroy(mark.second);
+    marks[which].clear();
+  }
+  ~StageClock() { clear(0), clear(1); }
+  // Before a call (the pipeline may have been created by it): hook it up once, start a record.
+  void begin(ep::StagedPipeline& pipeline, int which) {
+    if (!on) return;
+    if (installed != &pipeline) install(pipeline);
+    clear(recording = which);
+  }
+  void install(ep::StagedPipeline& pipeline) {
+    installed = on ? &pipeline : nullptr;
+    if (!on) return pipeline.set_stage_hook(nullptr);
+    pipeline.set_stage_hook([this](ep::Stage stage, cudaStream_t stream) {
+      cudaEvent_t event;
+      if (cudaEventCreate(&event) != cudaSuccess) return;  // a diagnostic: never fail the call
+      cudaEventRecord(event, stream);
+      marks[recording].push_back({stage, event});
+    });
+  }
+  std::vector<StageTime> read(int which) const {
+    std::vector<StageTime> times;
+    for (size_t i = 0; i + 1 < marks[which].size(); ++i) {
+      float ms = 0.0f;
+      cudaEventElapsedTime(&ms, marks[which][i].second, marks[which][i + 1].second);
+      times.push_back({ep::to_string(marks[which][i].first), ms});
+    }
+    return times;
+  }
+};
+
 struct Context::State {
   MemoryPlan plan;
   ContextOptions options;
@@ -19,6 +58,7 @@ struct Context::State {
   bool closed = false;
   std::unique_ptr<ep::StagedPipeline> pipeline;  // GPU resources; created on first use for create()
   std::shared_ptr<void> release_after_pipeline;  // e.g. an owned communicator (ContextAccess)
+  StageClock stage_clock;
 };
 
 std::unique_ptr<Context> Context::create(const Config& config, int64_t ep_size, int64_t rank,
@@ -97,6 +137,19 @@ void Context::reset() {
   if (state_->pipeline) state_->pipeline->reset();
 }
 
+void Context::enable_stage_timing(bool on) {
+  require_open(*this);
+  state_->stage_clock.on = on;
+  if (state_->pipeline) state_->stage_clock.install(*state_->pipeline);
+}
+
+StageTimes Context::stage_times(Stream stream) {
+  require_open(*this);
+  if (!state_->pipeline) return {};  // no GPU call yet
+  if (cudaStreamSynchronize(stream) != cudaSuccess) throw DeviceError("stage_times: cudaStreamSynchronize failed");
+  return {state_->stage_clock.read(0), state_->stage_clock.read(1)};
+}
+
 void Context::check(Stream stream) {
   require_open(*this);
   if (state_->pipeline) state_->pipeline->check(stream);
@@ -169,7 +222,9 @@ void routed_experts_forward(Context& context, std::span<const ForwardArgs> args_
   if (!context.config().inference && context.config().num_activation_slots == 0) {
     throw InvalidArgument("num_activation_slots", "must be >= 1 for a training forward (backward needs a slot)");
   }
-  pipeline_of(context, context.state_->pipeline).forward(args_per_rank, stream);
+  ep::StagedPipeline& pipeline = pipeline_of(context, context.state_->pipeline);
+  context.state_->stage_clock.begin(pipeline, 0);
+  pipeline.forward(args_per_rank, stream);
 }
 
 void routed_experts_backward(Context& context, std::span<const BackwardArgs> args_per_rank, Stream stream) {
@@ -179,7 +234,9 @@ void routed_experts_backward(Context& context, std::span<const BackwardArgs> arg
     throw InvalidArgument("context", "was created with inference=true; backward needs a training context");
   }
   for (const BackwardArgs& b : args_per_rank) validate_backward(b);
-  pipeline_of(context, context.state_->pipeline).backward(args_per_rank, stream);
+  ep::StagedPipeline& pipeline = pipeline_of(context, context.state_->pipeline);
+  context.state_->stage_clock.begin(pipeline, 1);
+  pipeline.backward(args_per_rank, stream);
 }
 
 }  // namespace poise

@@ -1,6 +1,11 @@
 // poise::Context lifecycle. create/reset/close may be collective across the EP group (virtual ranks
 // are threads of one process), so they run without the GIL: other ranks' threads must get to run.
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/string.h>
 #include <nanobind/stl/unique_ptr.h>
+#include <nanobind/stl/vector.h>
+
+#include <cstdint>
 
 #include "poise/context.hpp"
 #include "python/bindings.hpp"
@@ -28,6 +33,23 @@ void bind_context(nb::module_& m) {
       .def_prop_ro("ep_size", &Context::ep_size)
       .def_prop_ro("rank", &Context::rank)
       .def_prop_ro("closed", &Context::closed)
+      .def("enable_stage_timing", &Context::enable_stage_timing, "on"_a)
+      .def(
+          "stage_times",
+          [](Context& context, uintptr_t stream) {
+            StageTimes times;
+            {
+              nb::gil_scoped_release release;
+              times = context.stage_times(reinterpret_cast<Stream>(stream));
+            }
+            auto pairs = [](const std::vector<StageTime>& v) {
+              std::vector<std::pair<std::string, double>> out;
+              for (const StageTime& t : v) out.emplace_back(t.stage, t.ms);
+              return out;
+            };
+            return std::make_pair(pairs(times.forward), pairs(times.backward));
+          },
+          "stream"_a, "(forward, backward): [(stage, ms)] of the last calls, after enable_stage_timing(True).")
       .def("reset", &Context::reset, release_gil())
       .def("close", &Context::close, release_gil());
 }

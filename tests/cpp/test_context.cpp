@@ -64,6 +64,15 @@ TEST(Context, ForwardNamesTheMissingArgument) {
   EXPECT_EQ(rejected_name([&] { routed_experts_forward(*ctx, a, nullptr); }), "out_TD");
 }
 
+TEST(Context, StageTimesAreEmptyBeforeAnyGpuCall) {
+  auto ctx = Context::create(small_config(), 1, 0);
+  ctx->enable_stage_timing(true);
+  const StageTimes times = ctx->stage_times(nullptr);
+  EXPECT_TRUE(times.forward.empty() && times.backward.empty());
+  ctx->close();
+  EXPECT_THROW(ctx->stage_times(nullptr), InvalidArgument);
+}
+
 TEST(Context, BackwardNamesTheMissingArgument) {
   auto ctx = Context::create(small_config(), 1, 0);
   BackwardArgs b;

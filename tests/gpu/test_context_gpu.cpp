@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "gpu_test_support.hpp"
@@ -67,9 +68,23 @@ TEST_P(ContextGpu, MatchesCpuReferenceForwardAndBackward) {
   layer.poison_outputs();
   cudaStream_t stream;
   ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
+  context->enable_stage_timing(true);  // the pipeline may not exist yet (R == 1: first call makes it)
   routed_experts_forward(*context, layer.forward_args(), stream);
   routed_experts_backward(*context, layer.backward_args(), stream);
   context->check(stream);
+  // Stage timing: every stage of both calls, in order, each a non-negative duration.
+  const StageTimes times = context->stage_times(stream);
+  auto names = [](const std::vector<StageTime>& v) {
+    std::vector<std::string> out;
+    for (const StageTime& t : v) out.push_back(t.stage);
+    return out;
+  };
+  EXPECT_EQ(names(times.forward), (std::vector<std::string>{"route", "dispatch", "fanout", "experts", "combine_push",
+                                                             "combine_reduce"}));
+  EXPECT_EQ(names(times.backward), (std::vector<std::string>{"grad_scores", "dispatch", "fanout", "experts",
+                                                              "combine_push", "combine_reduce"}));
+  for (const auto* v : {&times.forward, &times.backward})
+    for (const StageTime& t : *v) EXPECT_GE(t.ms, 0.0) << t.stage;
   ASSERT_EQ(cudaStreamDestroy(stream), cudaSuccess);
 
   const auto out = layer.out_TD(), grad_x = layer.grad_x_TD(), grad_scores = layer.grad_scores_TK();

@@ -94,3 +94,14 @@ def test_every_rank_of_a_group_from_its_own_thread():
     for thread in closers:
         thread.join(timeout=60)
     assert all(c.closed for c in contexts)
+
+
+def test_stage_timing_is_for_gpu_contexts():
+    import poise
+
+    config = poise.Config(num_local_input_tokens=16, hidden_dim=128, intermediate_dim=64, top_k=2, num_experts=4)
+    with poise.create_context(config=config, device="cpu") as context:
+        with pytest.raises(poise.InvalidArgument, match="stage timing"):
+            context.enable_stage_timing()
+        with pytest.raises(poise.InvalidArgument, match="stage timing"):
+            context.stage_times()

@@ -297,3 +297,21 @@ def test_clip_statistics_match_the_cpu_reference(ep_size, w13_layout):
         assert got.dtype == torch.int64 and got.shape == want.shape
         assert want.sum() > 0
         assert bool(((got - want).abs() <= want // 100 + 2).all()), (r, got, want)
+
+
+def test_stage_timing_reports_every_stage_of_both_calls():
+    device = torch.device("cuda", torch.cuda.current_device())
+    inputs = inputs_on(device, seed=9)[0]
+    for name in ("x_TD", "scores_TK", "w13", "w2"):
+        inputs[name].requires_grad_()
+    with poise.create_context(config=CONFIG, device=device) as context:
+        context.enable_stage_timing()
+        out = poise.routed_experts(*[inputs[n] for n in NAMES], context)
+        out.float().sum().backward()
+        times = context.stage_times()
+    assert list(times["forward"]) == ["route", "dispatch", "fanout", "experts", "combine_push", "combine_reduce"]
+    # Exact balance (CONFIG's default) adds the replica-gradient reduce after the combine push.
+    assert list(times["backward"]) == ["grad_scores", "dispatch", "fanout", "experts", "combine_push",
+                                       "replica_grads", "combine_reduce"]
+    assert all(ms >= 0 for stages in times.values() for ms in stages.values())
+    assert "experts" in times["backward"] and times["forward"]["experts"] > 0
