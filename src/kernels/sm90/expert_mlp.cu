@@ -106,40 +106,25 @@ WeightMaps weight_maps(const GroupedRows& rows, const void* w, const char* name,
 
 int32_t ceil_div(int64_t a, int64_t b) { return static_cast<int32_t>((a + b - 1) / b); }
 
-// The grouped GEMM's A operand: [rows][cols] bf16, row-major (rows-as-M: read in 128-row tile
-// boxes; rows-as-K: 64 x 64 chunks).
-struct OperandA {
-  const void* ptr;
-  int64_t rows, cols;
-  const char* name;
-};
-
-template <class Kernel>
-void launch_kernel(Kernel kernel, uint32_t smem, const CUtensorMap& map_a, const WeightMaps& map_b,
-                   const GroupedGemmShape& shape, const auto& epilogue, cudaStream_t stream) {
+template <RowsAre kRows, bool kBMnMajor, class Epilogue>
+void launch(const CUtensorMap& map_a, const WeightMaps& map_b, const GroupedGemmShape& shape,
+            const Epilogue& epilogue, cudaStream_t stream) {
+  constexpr int kStages = kStagesFor<Epilogue>;
+  auto kernel = grouped_gemm_kernel<kBlockN, kStages, kRows, kBMnMajor, Epilogue>;
+  constexpr uint32_t smem = GroupedGemmSmem<kBlockN, kStages, Epilogue::kStagingBuffers>::kTotalBytes;
   check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
              "cudaFuncSetAttribute(grouped_gemm_kernel)");
   kernel<<<sm_count(), kThreadsPerCta, smem, stream>>>(map_a, map_b.own, map_b.replicas, shape, epilogue);
   check_cuda(cudaGetLastError(), "grouped_gemm_kernel launch");
 }
 
-template <RowsAre kRows, bool kBMnMajor, class Epilogue>
-void launch(const OperandA& a, const WeightMaps& map_b, const GroupedGemmShape& shape, const Epilogue& epilogue,
-            cudaStream_t stream) {
-  constexpr int kStages = kStagesFor<Epilogue>;
-  const CUtensorMap map_a = make_bf16_tensor_map(a.ptr, a.rows, a.cols, kRows == RowsAre::M ? kTileM : 64, a.name);
-  launch_kernel(grouped_gemm_kernel<kBlockN, kStages, kRows, kBMnMajor, Epilogue>,
-                GroupedGemmSmem<kBlockN, kStages, Epilogue::kStagingBuffers>::kTotalBytes, map_a, map_b, shape,
-                epilogue, stream);
-}
-
 __nv_bfloat16* bf16(void* p) { return static_cast<__nv_bfloat16*>(p); }
 const __nv_bfloat16* bf16(const void* p) { return static_cast<const __nv_bfloat16*>(p); }
 
-// Fprop and dgrad GEMMs run over the routed rows: A = [R][K] rows, B = E weight blocks of
-// b_rows_per_expert rows each, N output columns in n_tile-wide tiles.
-OperandA rows_operand(const void* a_RK, const GroupedRows& rows, int64_t K, const char* name) {
-  return OperandA{a_RK, rows.max_rows, K, name};
+// Fprop and dgrad GEMMs run over the routed rows: A = [R][K] rows (read in kTileM-row boxes),
+// B = E weight blocks of b_rows_per_expert rows each, N output columns in n_tile-wide tiles.
+CUtensorMap rows_operand_map(const void* a_RK, const GroupedRows& rows, int64_t K, const char* name) {
+  return make_bf16_tensor_map(a_RK, rows.max_rows, K, kTileM, name);
 }
 
 GroupedGemmShape rows_gemm_shape(const GroupedRows& rows, int64_t K, int64_t b_rows_per_expert, int64_t N,
@@ -170,7 +155,7 @@ void expert_mlp_fprop_w13(const GroupedRows& rows, const ExpertMlpShape& shape,
   if (rows.max_rows == 0) return;
   const int64_t D = shape.hidden_dim, F = shape.intermediate_dim;
   const bool blocked = shape.w13_layout == W13Layout::gate_up_blocked;
-  const OperandA map_a = rows_operand(args.x_RD, rows, D, "x_RD");
+  const CUtensorMap map_a = rows_operand_map(args.x_RD, rows, D, "x_RD");
   const WeightMaps map_b = weight_maps(rows, args.w13_E2FD, "w13_E2FD", args.replica_w13_E2FD, "replica_w13_E2FD",
                                        2 * F, D, blocked ? kBlockN / 2 : kBlockN);
   GroupedGemmShape s = rows_gemm_shape(rows, D, 2 * F, F, kBlockN / 2);
@@ -199,7 +184,7 @@ void expert_mlp_fprop_w2(const GroupedRows& rows, const ExpertMlpShape& shape,
   require_replica_ptr(rows, args.replica_w2_EDF, "replica_w2_EDF");
   if (rows.max_rows == 0) return;
   const int64_t D = shape.hidden_dim, F = shape.intermediate_dim;
-  const OperandA map_a = rows_operand(args.a_RF, rows, F, "a_RF");
+  const CUtensorMap map_a = rows_operand_map(args.a_RF, rows, F, "a_RF");
   const WeightMaps map_b =
       weight_maps(rows, args.w2_EDF, "w2_EDF", args.replica_w2_EDF, "replica_w2_EDF", D, F, kBlockN);
   const GroupedGemmShape s = rows_gemm_shape(rows, F, D, D, kBlockN);
@@ -216,7 +201,7 @@ void expert_mlp_dgrad_w2(const GroupedRows& rows, const ExpertMlpShape& shape,
   require_replica_ptr(rows, args.replica_w2_EDF, "replica_w2_EDF");
   if (rows.max_rows == 0) return;
   const int64_t D = shape.hidden_dim, F = shape.intermediate_dim;
-  const OperandA map_a = rows_operand(args.grad_y_RD, rows, D, "grad_y_RD");
+  const CUtensorMap map_a = rows_operand_map(args.grad_y_RD, rows, D, "grad_y_RD");
   // W2[e] is [D][F]: K = D rows, N = F contiguous -> MN-major B, 64 x 64 boxes.
   const WeightMaps map_b = weight_maps(rows, args.w2_EDF, "w2_EDF", args.replica_w2_EDF, "replica_w2_EDF", D, F, 64);
   const GroupedGemmShape s = rows_gemm_shape(rows, D, D, F, kBlockN);
@@ -245,7 +230,7 @@ void expert_mlp_dgrad_w13(const GroupedRows& rows, const ExpertMlpShape& shape,
   require_replica_ptr(rows, args.replica_w13_E2FD, "replica_w13_E2FD");
   if (rows.max_rows == 0) return;
   const int64_t D = shape.hidden_dim, F = shape.intermediate_dim;
-  const OperandA map_a = rows_operand(args.grad_h13_R2F, rows, 2 * F, "grad_h13_R2F");
+  const CUtensorMap map_a = rows_operand_map(args.grad_h13_R2F, rows, 2 * F, "grad_h13_R2F");
   // W13[e] is [2F][D]: K = 2F rows, N = D contiguous -> MN-major B.
   const WeightMaps map_b =
       weight_maps(rows, args.w13_E2FD, "w13_E2FD", args.replica_w13_E2FD, "replica_w13_E2FD", 2 * F, D, 64);
@@ -271,7 +256,7 @@ void wgrad(const GroupedRows& rows, const void* a_RM, const char* a_name, int64_
     }
     return;
   }
-  const OperandA map_a{a_RM, rows.max_rows, M, a_name};
+  const CUtensorMap map_a = make_bf16_tensor_map(a_RM, rows.max_rows, M, 64, a_name);
   const CUtensorMap map_b = make_bf16_tensor_map(b_RN, rows.max_rows, N, 64, b_name);
   GroupedGemmShape s = base_shape(rows);
   s.m_blocks = ceil_div(M, kTileM);
