@@ -48,31 +48,29 @@ inline Config make_config(const LayerCase& c) {
   return cfg;
 }
 
-// W13 rows of every expert from the model's blocked order (gate rows [0, F), up rows [F, 2F)) to
-// `layout` (interleaved: gate f at 2f, up f at 2f + 1), and back.
+// W13 rows of every expert between the model's blocked order (gate rows [0, F), up rows [F, 2F))
+// and `layout` (interleaved: gate f at 2f, up f at 2f + 1): to the layout, or back (to_blocked).
 template <typename T>
-std::vector<T> w13_to_layout(const std::vector<T>& blocked, int F, int D, W13Layout layout) {
-  if (layout == W13Layout::gate_up_blocked) return blocked;
-  std::vector<T> out(blocked.size());
+std::vector<T> permute_w13(const std::vector<T>& in, int F, int D, W13Layout layout, bool to_blocked) {
+  if (layout == W13Layout::gate_up_blocked) return in;
+  std::vector<T> out(in.size());
   const size_t per_expert = size_t(2) * F * D;
-  for (size_t e = 0; e < blocked.size() / per_expert; ++e)
+  for (size_t e = 0; e < in.size() / per_expert; ++e)
     for (int f = 0; f < F; ++f)
-      for (int half = 0; half < 2; ++half)
-        std::copy_n(blocked.begin() + e * per_expert + (size_t(half) * F + f) * D, D,
-                    out.begin() + e * per_expert + (size_t(2) * f + half) * D);
+      for (int half = 0; half < 2; ++half) {
+        const size_t blocked_row = size_t(half) * F + f, interleaved_row = size_t(2) * f + half;
+        std::copy_n(in.begin() + e * per_expert + (to_blocked ? interleaved_row : blocked_row) * D, D,
+                    out.begin() + e * per_expert + (to_blocked ? blocked_row : interleaved_row) * D);
+      }
   return out;
 }
 template <typename T>
+std::vector<T> w13_to_layout(const std::vector<T>& blocked, int F, int D, W13Layout layout) {
+  return permute_w13(blocked, F, D, layout, /*to_blocked=*/false);
+}
+template <typename T>
 std::vector<T> w13_to_blocked(const std::vector<T>& laid_out, int F, int D, W13Layout layout) {
-  if (layout == W13Layout::gate_up_blocked) return laid_out;
-  std::vector<T> out(laid_out.size());
-  const size_t per_expert = size_t(2) * F * D;
-  for (size_t e = 0; e < laid_out.size() / per_expert; ++e)
-    for (int f = 0; f < F; ++f)
-      for (int half = 0; half < 2; ++half)
-        std::copy_n(laid_out.begin() + e * per_expert + (size_t(2) * f + half) * D, D,
-                    out.begin() + e * per_expert + (size_t(half) * F + f) * D);
-  return out;
+  return permute_w13(laid_out, F, D, layout, /*to_blocked=*/true);
 }
 
 struct DeviceArray {
