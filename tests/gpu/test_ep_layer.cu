@@ -261,6 +261,21 @@ TEST(EpLayerErrors, HostRejectsBadArgumentsBeforeLaunch) {
   } catch (const InvalidArgument& e) {
     EXPECT_EQ(e.name(), "args[0].out_TD");
   }
+  // Per-call choices every rank must share: clip counts on all ranks or none, one W13 layout.
+  auto rejected_name = [&](const std::vector<ForwardArgs>& bad) -> std::string {
+    try {
+      w.pipeline().forward(bad, nullptr);
+    } catch (const InvalidArgument& e) {
+      return e.name();
+    }
+    return "(accepted)";
+  };
+  args = w.forward_args();
+  args[1].clip_counts_E2 = nullptr;
+  EXPECT_EQ(rejected_name(args), "args[1].clip_counts_E2");
+  args = w.forward_args();
+  args[1].w13_layout = W13Layout::gate_up_interleaved;
+  EXPECT_EQ(rejected_name(args), "args[1].w13_layout");
   Config exact = make_config(c);
   exact.balance = Balance::exact;
   PipelineOptions too_many_slots;  // exact balance is supported (test_ep_balance.cu); its options are checked
