@@ -5,7 +5,8 @@
 // and 8 (the hot rank is rank 0; its experts share its rows evenly; other ranks uniform), times
 // the layer forward+backward with exact balance (tolerance 0 and 0.1) next to balancing off
 // (capacity mode with receive_capacity_factor = peak/mean, skipped when it does not fit in HBM),
-// the planner kernel alone, and the replica traffic the plan implies. One pipeline alive at a time.
+// the planner kernel alone, and the replica traffic the plan implies. One pipeline alive at a time;
+// within a pipeline the skews take turns pass by pass (median of `iterations` passes each).
 //
 // Memory: all virtual ranks share one copy of the layer weights (read-only) so that B replica
 // slots of weights and fp32 gradients per rank fit: 8 ranks x B x (88 MB bf16 + 176 MB fp32).
@@ -59,7 +60,8 @@ std::vector<std::vector<int32_t>> make_routing(double peak_mean, std::mt19937_64
 
 struct Buffers {  // per-rank call buffers; weights shared by every rank
   void *w13 = nullptr, *w2 = nullptr;
-  std::vector<void*> x, ids, scores, out, grad_out, grad_x, grad_scores, grad_w13, grad_w2;
+  std::vector<void*> x, scores, out, grad_out, grad_x, grad_scores, grad_w13, grad_w2;
+  std::vector<std::vector<void*>> ids;  // [skew][rank]: every routing stays on the device
 };
 
 size_t used_bytes() {
@@ -72,77 +74,101 @@ struct RunResult {
   bool ran = false;
   std::string why;
   double fwd_ms = 0, fwd_bwd_ms = 0, planner_us = 0;
+  double fwd_bwd_min_ms = 0, fwd_bwd_max_ms = 0;
   PlanSnapshot plan;
   size_t used = 0;
   std::map<std::string, double> fwd_stages_ms, bwd_stages_ms;  // one extra pass with stage events
 };
 
-RunResult run(StagedPipeline& p, const Buffers& b, const std::vector<std::vector<int32_t>>& ids, int iterations,
-              cudaStream_t stream) {
-  std::vector<ForwardArgs> fwd(R);
-  std::vector<BackwardArgs> bwd(R);
+struct Call {  // one routing's argument sets, one per virtual rank
+  std::vector<ForwardArgs> fwd = std::vector<ForwardArgs>(R);
+  std::vector<BackwardArgs> bwd = std::vector<BackwardArgs>(R);
+};
+
+Call make_call(const Buffers& b, size_t skew) {
+  Call c;
   for (int r = 0; r < R; ++r) {
-    CHECK(cudaMemcpy(b.ids[r], ids[r].data(), ids[r].size() * 4, cudaMemcpyHostToDevice));
-    fwd[r] = ForwardArgs{b.x[r], static_cast<int32_t*>(b.ids[r]), b.scores[r], DType::fp32, b.w13,
-                         W13Layout::gate_up_blocked, b.w2, b.out[r]};
-    bwd[r].forward = fwd[r];
-    bwd[r].grad_out_TD = b.grad_out[r];
-    bwd[r].grad_x_TD = b.grad_x[r];
-    bwd[r].grad_scores_TK = b.grad_scores[r];
-    bwd[r].grad_w13 = b.grad_w13[r];
-    bwd[r].grad_w2 = b.grad_w2[r];
+    c.fwd[r] = ForwardArgs{b.x[r], static_cast<int32_t*>(b.ids[skew][r]), b.scores[r], DType::fp32, b.w13,
+                           W13Layout::gate_up_blocked, b.w2, b.out[r]};
+    c.bwd[r].forward = c.fwd[r];
+    c.bwd[r].grad_out_TD = b.grad_out[r];
+    c.bwd[r].grad_x_TD = b.grad_x[r];
+    c.bwd[r].grad_scores_TK = b.grad_scores[r];
+    c.bwd[r].grad_w13 = b.grad_w13[r];
+    c.bwd[r].grad_w2 = b.grad_w2[r];
   }
+  return c;
+}
+
+// Times forward and forward+backward of every skew on one pipeline, the skews interleaved: pass i
+// runs each skew once, in turn, so clock and power drift over the run (this card's sustained
+// tensor load varies ~5-10%) falls on every skew alike instead of on the ones measured last.
+std::vector<RunResult> run_interleaved(StagedPipeline& p, const Buffers& b, const std::vector<size_t>& skews,
+                                       int iterations, cudaStream_t stream) {
+  std::vector<RunResult> res(skews.size());
+  std::vector<Call> calls;
+  for (size_t i : skews) calls.push_back(make_call(b, i));
   cudaEvent_t e0, e1, e2;
   CHECK(cudaEventCreate(&e0));
   CHECK(cudaEventCreate(&e1));
   CHECK(cudaEventCreate(&e2));
-  std::vector<double> f, fb;
-  RunResult res;
-  for (int i = 0; i <= iterations; ++i) {  // first pass: warm-up
-    CHECK(cudaEventRecord(e0, stream));
-    p.forward(fwd, stream);
-    CHECK(cudaEventRecord(e1, stream));
-    p.backward(bwd, stream);
-    CHECK(cudaEventRecord(e2, stream));
-    try {
-      p.check(stream);
-    } catch (const std::exception& ex) {
-      res.why = ex.what();
-      p.reset();
-      return res;
+  std::vector<std::vector<double>> f(skews.size()), fb(skews.size());
+  std::vector<bool> failed(skews.size(), false);
+  for (int pass = 0; pass <= iterations; ++pass) {  // pass 0: warm-up
+    for (size_t i = 0; i < skews.size(); ++i) {
+      if (failed[i]) continue;
+      CHECK(cudaEventRecord(e0, stream));
+      p.forward(calls[i].fwd, stream);
+      CHECK(cudaEventRecord(e1, stream));
+      p.backward(calls[i].bwd, stream);
+      CHECK(cudaEventRecord(e2, stream));
+      try {
+        p.check(stream);
+      } catch (const std::exception& ex) {
+        res[i].why = ex.what();
+        failed[i] = true;
+        p.reset();
+        continue;
+      }
+      float a = 0, c = 0;
+      CHECK(cudaEventElapsedTime(&a, e0, e1));
+      CHECK(cudaEventElapsedTime(&c, e0, e2));
+      if (pass > 0) f[i].push_back(a), fb[i].push_back(c);
     }
-    float a = 0, c = 0;
-    CHECK(cudaEventElapsedTime(&a, e0, e1));
-    CHECK(cudaEventElapsedTime(&c, e0, e2));
-    if (i > 0) f.push_back(a), fb.push_back(c);
   }
-  res.ran = true;
-  res.fwd_ms = median(f);
-  res.fwd_bwd_ms = median(fb);
-  res.used = used_bytes();
-  {  // where the time goes: one more pass with an event at every stage boundary
-    StageClock clock;
-    p.set_stage_hook([&](Stage s, cudaStream_t st) { clock.hook(s, st); });
-    p.forward(fwd, stream);
-    p.check(stream);
-    res.fwd_stages_ms = clock.read();
-    p.backward(bwd, stream);
-    p.check(stream);
-    res.bwd_stages_ms = clock.read();
-    p.set_stage_hook(nullptr);
-  }
-  if (p.dims().balanced) {
-    res.plan = p.plan_snapshot(0);
-    // The planner kernel alone, on the counts of the last forward (re-planning is idempotent).
-    constexpr int kReps = 200;
-    launch_balance_plan(p.launch_params(), stream);
-    CHECK(cudaEventRecord(e0, stream));
-    for (int i = 0; i < kReps; ++i) launch_balance_plan(p.launch_params(), stream);
-    CHECK(cudaEventRecord(e1, stream));
-    CHECK(cudaStreamSynchronize(stream));
-    float ms = 0;
-    CHECK(cudaEventElapsedTime(&ms, e0, e1));
-    res.planner_us = 1e3 * ms / kReps;
+  for (size_t i = 0; i < skews.size(); ++i) {
+    if (failed[i]) continue;
+    RunResult& r = res[i];
+    r.ran = true;
+    r.fwd_ms = median(f[i]);
+    r.fwd_bwd_ms = median(fb[i]);
+    r.fwd_bwd_min_ms = *std::min_element(fb[i].begin(), fb[i].end());
+    r.fwd_bwd_max_ms = *std::max_element(fb[i].begin(), fb[i].end());
+    r.used = used_bytes();
+    {  // where the time goes: one more pass with an event at every stage boundary
+      StageClock clock;
+      p.set_stage_hook([&](Stage s, cudaStream_t st) { clock.hook(s, st); });
+      p.forward(calls[i].fwd, stream);
+      p.check(stream);
+      r.fwd_stages_ms = clock.read();
+      p.backward(calls[i].bwd, stream);
+      p.check(stream);
+      r.bwd_stages_ms = clock.read();
+      p.set_stage_hook(nullptr);
+    }
+    if (p.dims().balanced) {
+      r.plan = p.plan_snapshot(0);
+      // The planner kernel alone, on the counts of the last forward (re-planning is idempotent).
+      constexpr int kReps = 200;
+      launch_balance_plan(p.launch_params(), stream);
+      CHECK(cudaEventRecord(e0, stream));
+      for (int k = 0; k < kReps; ++k) launch_balance_plan(p.launch_params(), stream);
+      CHECK(cudaEventRecord(e1, stream));
+      CHECK(cudaStreamSynchronize(stream));
+      float ms = 0;
+      CHECK(cudaEventElapsedTime(&ms, e0, e1));
+      r.planner_us = 1e3 * ms / kReps;
+    }
   }
   cudaEventDestroy(e0);
   cudaEventDestroy(e1);
@@ -172,7 +198,6 @@ int main(int argc, char** argv) {
     b.grad_out.push_back(device_alloc(TD * 2));
     random_fill(b.x[r], TD, 10 + r, 1.0f);
     random_fill(b.grad_out[r], TD, 20 + r, 1.0f);
-    b.ids.push_back(device_alloc(TK * 4));
     b.scores.push_back(device_alloc(TK * 4));
     CHECK(cudaMemcpy(b.scores[r], scores.data(), TK * 4, cudaMemcpyHostToDevice));
     b.out.push_back(device_alloc(TD * 2));
@@ -184,8 +209,16 @@ int main(int argc, char** argv) {
   cudaStream_t stream;
   CHECK(cudaStreamCreate(&stream));
   std::mt19937_64 rng(42);
-  std::vector<std::vector<std::vector<int32_t>>> routings;
-  for (double s : skews) routings.push_back(make_routing(s, rng));
+  std::vector<size_t> all_skews;
+  for (size_t i = 0; i < skews.size(); ++i) {
+    const std::vector<std::vector<int32_t>> ids = make_routing(skews[i], rng);
+    b.ids.emplace_back();
+    for (int r = 0; r < R; ++r) {
+      b.ids[i].push_back(device_alloc(TK * 4));
+      CHECK(cudaMemcpy(b.ids[i][r], ids[r].data(), TK * 4, cudaMemcpyHostToDevice));
+    }
+    all_skews.push_back(i);
+  }
 
   // results[mode][skew]: mode 0 exact, 1 exact with tolerance 0.1, 2 capacity (balancing off)
   std::vector<std::vector<RunResult>> results(3, std::vector<RunResult>(skews.size()));
@@ -198,8 +231,8 @@ int main(int argc, char** argv) {
     const Config c = layer_config(T, D, F, E, K, Balance::exact, 1.0);
     workspace[mode] = StagedPipeline::workspace_bytes(c, R, o);
     auto p = StagedPipeline::create_virtual(c, R, o);
+    results[mode] = run_interleaved(*p, b, all_skews, iterations, stream);
     for (size_t i = 0; i < skews.size(); ++i) {
-      results[mode][i] = run(*p, b, routings[i], iterations, stream);
       std::printf("exact tol %.1f  peak/mean %.1f: %s fwd %.3f ms fwd+bwd %.3f ms planner %.2f us moved %lld rows "
                   "pieces %zu used %.2f GB\n",
                   o.balance_tolerance, skews[i], results[mode][i].ran ? "" : results[mode][i].why.c_str(),
@@ -224,7 +257,7 @@ int main(int argc, char** argv) {
       continue;
     }
     auto p = StagedPipeline::create_virtual(c, R, o);
-    results[2][i] = run(*p, b, routings[i], iterations, stream);
+    results[2][i] = run_interleaved(*p, b, {i}, iterations, stream)[0];
     std::printf("off  peak/mean %.1f: %s fwd %.3f ms fwd+bwd %.3f ms\n", skews[i],
                 results[2][i].ran ? "" : results[2][i].why.c_str(), results[2][i].fwd_ms, results[2][i].fwd_bwd_ms);
   }
@@ -248,6 +281,7 @@ int main(int argc, char** argv) {
         continue;
       }
       js << "{\"ran\": true, \"forward_ms\": " << r.fwd_ms << ", \"forward_backward_ms\": " << r.fwd_bwd_ms
+         << ", \"forward_backward_min_ms\": " << r.fwd_bwd_min_ms << ", \"forward_backward_max_ms\": " << r.fwd_bwd_max_ms
          << ", \"device_bytes_in_use\": " << r.used;
       if (mode < 2) {
         const size_t pieces = r.plan.pieces.size();

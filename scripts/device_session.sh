@@ -43,7 +43,7 @@ part_overhead() {
   echo "overhead rc=$?"; tail -12 "$OUT/python_overhead.log"
 }
 part_balance() {
-  timeout 240 .carry/balance_bench "$OUT/balance_h200.json" 16 5 > "$OUT/balance.log" 2>&1; echo "balance rc=$?"
+  timeout 240 .carry/balance_bench "$OUT/balance_h200.json" 16 7 > "$OUT/balance.log" 2>&1; echo "balance rc=$?"
   grep -E "^(exact|off)" "$OUT/balance.log"
 }
 part_ep() { timeout 120 .carry/ep_bench "$OUT/ep_h200.json" > "$OUT/ep.log" 2>&1; echo "ep rc=$?"; tail -5 "$OUT/ep.log"; }
