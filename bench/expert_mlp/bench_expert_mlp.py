@@ -35,6 +35,8 @@ def load_lib(path):
     lib.pb_last_error.restype = ctypes.c_char_p
     lib.pb_set_problem.argtypes = [c_void_p, c_void_p, c_int64, c_int64, c_int64, c_int64, c_int, c_int, c_float, c_float]
     lib.pb_set_problem.restype = None
+    lib.pb_score_partials.argtypes = [c_int64]
+    lib.pb_score_partials.restype = c_int64
     sigs = {
         "pb_fprop_w13": [c_void_p] * 5,
         "pb_fprop_w2": [c_void_p] * 5,
@@ -45,7 +47,7 @@ def load_lib(path):
         "pb_routing_layout": [c_void_p, c_void_p, c_int64, c_int64, c_void_p, c_void_p, c_void_p, c_void_p, c_void_p],
         "pb_scatter_rows": [c_void_p, c_int64, c_int64, c_int64, c_void_p, c_void_p, c_void_p],
         "pb_combine_rows": [c_void_p, c_int64, c_int64, c_int64, c_void_p, c_void_p, c_void_p],
-        "pb_gather_scalars": [c_void_p, c_int64, c_void_p, c_void_p, c_void_p],
+        "pb_gather_scalars": [c_void_p, c_int64, c_void_p, c_int64, c_void_p, c_void_p],
     }
     for name, args in sigs.items():
         fn = getattr(lib, name)
@@ -154,7 +156,9 @@ class PoiseBlock:
         self.gy_rows = torch.empty(R, D, device=dev, dtype=bf)
         self.gh13 = torch.empty(R, 2 * F, device=dev, dtype=bf)
         self.gx_rows = torch.empty(R, D, device=dev, dtype=bf)
-        self.grad_scores_R = torch.empty(R, device=dev, dtype=torch.float32)
+        # The routing score's gradient per row, in DGRAD W2's per-tile pieces (summed in order).
+        self.score_parts = P.lib.pb_score_partials(F)
+        self.grad_score_partials = torch.empty(R, self.score_parts, device=dev, dtype=torch.float32)
 
     def layout(self, ids, scores):
         """Routing layout on the device in one kernel (stand-in for Poise's route stage)."""
@@ -188,13 +192,12 @@ class PoiseBlock:
     def backward(self, grad_out, w13, w2, grad_x, grad_w13, grad_w2, grad_scores_TK):
         P, L = self.P, self.lay
         P.scatter_rows(L["row_of_tk"], self.T * self.K, self.K, self.D, grad_out, self.gy_rows)
-        self.grad_scores_R.zero_()
-        P.dgrad_w2(self.gy_rows, w2, self.h13, L["scores_R"], self.gh13, self.a, self.grad_scores_R)
+        P.dgrad_w2(self.gy_rows, w2, self.h13, L["scores_R"], self.gh13, self.a, self.grad_score_partials)
         P.wgrad_w2(self.gy_rows, self.a, grad_w2, 0, 0)
         P.dgrad_w13(self.gh13, w13, self.gx_rows)
         P.wgrad_w13(self.gh13, self.x_rows, grad_w13, 0, 0)
         P.combine_rows(L["row_of_tk"], self.T, self.K, self.D, self.gx_rows, grad_x)
-        P.gather_scalars(L["row_of_tk"], self.T * self.K, self.grad_scores_R, grad_scores_TK)
+        P.gather_scalars(L["row_of_tk"], self.T * self.K, self.grad_score_partials, self.score_parts, grad_scores_TK)
 
     def saved_bytes(self):
         # What backward needs from forward: grouped x rows, h13 (bf16), the routing layout, scores.
@@ -320,7 +323,7 @@ def run_case(P, name, skew_target, dense, commit, gemm_detail):
         g = {}
         g["fprop_w13"] = time_ms(lambda: P.fprop_w13(blk.x_rows, w13, blk.a, blk.h13))
         g["fprop_w2"] = time_ms(lambda: P.fprop_w2(blk.a, w2, L["scores_R"], blk.y_rows))
-        g["dgrad_w2"] = time_ms(lambda: P.dgrad_w2(blk.gy_rows, w2, blk.h13, L["scores_R"], blk.gh13, blk.a, blk.grad_scores_R))
+        g["dgrad_w2"] = time_ms(lambda: P.dgrad_w2(blk.gy_rows, w2, blk.h13, L["scores_R"], blk.gh13, blk.a, blk.grad_score_partials))
         g["dgrad_w13"] = time_ms(lambda: P.dgrad_w13(blk.gh13, w13, blk.gx_rows))
         g["wgrad_w2"] = time_ms(lambda: P.wgrad_w2(blk.gy_rows, blk.a, grad_w2, 0, 0))
         g["wgrad_w13"] = time_ms(lambda: P.wgrad_w13(blk.gh13, blk.x_rows, grad_w13, 0, 0))
@@ -361,7 +364,7 @@ def gemm_only(P, name, skew_target, label):
     g = {
         "fprop_w13": time_ms(lambda: P.fprop_w13(blk.x_rows, w13, blk.a, blk.h13)),
         "fprop_w2": time_ms(lambda: P.fprop_w2(blk.a, w2, L["scores_R"], blk.y_rows)),
-        "dgrad_w2": time_ms(lambda: P.dgrad_w2(blk.gy_rows, w2, blk.h13, L["scores_R"], blk.gh13, blk.a, blk.grad_scores_R)),
+        "dgrad_w2": time_ms(lambda: P.dgrad_w2(blk.gy_rows, w2, blk.h13, L["scores_R"], blk.gh13, blk.a, blk.grad_score_partials)),
         "dgrad_w13": time_ms(lambda: P.dgrad_w13(blk.gh13, w13, blk.gx_rows)),
         "wgrad_w2": time_ms(lambda: P.wgrad_w2(blk.gy_rows, blk.a, g2, 0, 0)),
         "wgrad_w13": time_ms(lambda: P.wgrad_w13(blk.gh13, blk.x_rows, g13, 0, 0)),

@@ -94,9 +94,14 @@ __global__ void combine_rows_kernel(const int32_t* row_of_tk, int64_t K, int64_t
   }
 }
 
-__global__ void gather_scalars_kernel(const int32_t* index, int64_t n, const float* src, float* dst) {
+// dst[i] = sum_p src[index[i]][p], p in order: the routing score's gradient of (token, k) from
+// DGRAD W2's per-tile pieces of its row.
+__global__ void gather_scalars_kernel(const int32_t* index, int64_t n, const float* src_RP, int64_t P, float* dst) {
   const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
-  if (i < n) dst[i] = src[index[i]];
+  if (i >= n) return;
+  float sum = 0.0f;
+  for (int64_t p = 0; p < P; ++p) sum += src_RP[index[i] * P + p];
+  dst[i] = sum;
 }
 
 int launch_check() {
@@ -133,9 +138,9 @@ int pb_fprop_w2(const void* a, const void* w2, const float* scores, void* y, voi
   return guarded([&] { poise::sm90::expert_mlp_fprop_w2(g_rows, g_shape, {a, w2, scores, y}, as_stream(stream)); });
 }
 int pb_dgrad_w2(const void* grad_y, const void* w2, const void* h13, const float* scores, void* grad_h13,
-                void* a, float* grad_scores, void* stream) {
+                void* a, float* grad_score_partials, void* stream) {
   return guarded([&] {
-    poise::sm90::expert_mlp_dgrad_w2(g_rows, g_shape, {grad_y, w2, h13, scores, grad_h13, a, grad_scores},
+    poise::sm90::expert_mlp_dgrad_w2(g_rows, g_shape, {grad_y, w2, h13, scores, grad_h13, a, grad_score_partials},
                                      as_stream(stream));
   });
 }
@@ -179,8 +184,14 @@ int pb_combine_rows(const int32_t* row_of_tk, int64_t T, int64_t K, int64_t D, c
                                                         static_cast<uint4*>(out_TD));
   return launch_check();
 }
-int pb_gather_scalars(const int32_t* index, int64_t n, const float* src, float* dst, void* stream) {
-  gather_scalars_kernel<<<(n + 255) / 256, 256, 0, as_stream(stream)>>>(index, n, src, dst);
+int64_t pb_score_partials(int64_t intermediate_dim) {
+  poise::sm90::ExpertMlpShape shape;
+  shape.intermediate_dim = intermediate_dim;
+  return poise::sm90::dgrad_w2_score_partials(shape);
+}
+
+int pb_gather_scalars(const int32_t* index, int64_t n, const float* src_RP, int64_t P, float* dst, void* stream) {
+  gather_scalars_kernel<<<(n + 255) / 256, 256, 0, as_stream(stream)>>>(index, n, src_RP, P, dst);
   return launch_check();
 }
 

@@ -36,7 +36,7 @@ def main() -> int:
     calls = {
         "fprop_w13": lambda: P.fprop_w13(blk.x_rows, w13, blk.a, blk.h13),
         "fprop_w2": lambda: P.fprop_w2(blk.a, w2, L["scores_R"], blk.y_rows),
-        "dgrad_w2": lambda: P.dgrad_w2(blk.gy_rows, w2, blk.h13, L["scores_R"], blk.gh13, blk.a, blk.grad_scores_R),
+        "dgrad_w2": lambda: P.dgrad_w2(blk.gy_rows, w2, blk.h13, L["scores_R"], blk.gh13, blk.a, blk.grad_score_partials),
         "dgrad_w13": lambda: P.dgrad_w13(blk.gh13, w13, blk.gx_rows),
         "wgrad_w2": lambda: P.wgrad_w2(blk.gy_rows, blk.a, g2, 0, 0),
         "wgrad_w13": lambda: P.wgrad_w13(blk.gh13, blk.x_rows, g13, 0, 0),

@@ -66,8 +66,11 @@ void expert_mlp_fprop_w2(const GroupedRows& rows, const ExpertMlpShape& shape,
                          const FpropW2Args& args, cudaStream_t stream);
 
 // grad_a = score * (grad_y . W2[e]);  grad_h13 = swiglu_backward(h13, grad_a).
-// Also writes score * act(h13) into a_RF (the W2 wgrad operand) and, when grad_scores_R is set,
-// adds sum_f (grad_y . W2)[r, f] * a[r, f] into grad_scores_R[r] (zero it first).
+// Also writes score * act(h13) into a_RF (the W2 wgrad operand) and, when grad_score_partials_RP
+// is set, the routing score's gradient in P = dgrad_w2_score_partials(shape) pieces per row:
+// partials[r][p] = sum over activation columns f of piece p of (grad_y . W2)[r, f] * a[r, f]
+// (= <grad_y[r], y[r] / score[r]>). Summing a row's P pieces in order p gives the same bits on
+// every run (no atomics); rows past an expert's count are not written.
 struct DgradW2Args {
   const void* grad_y_RD = nullptr;
   const void* w2_EDF = nullptr;
@@ -75,11 +78,13 @@ struct DgradW2Args {
   const float* scores_R = nullptr;  // nullable
   void* grad_h13_R2F = nullptr;
   void* a_RF = nullptr;             // nullable
-  float* grad_scores_R = nullptr;   // nullable
+  float* grad_score_partials_RP = nullptr;  // nullable, fp32 [R][P]
   const void* replica_w2_EDF = nullptr;  // with GroupedRows::first_replica
 };
 void expert_mlp_dgrad_w2(const GroupedRows& rows, const ExpertMlpShape& shape,
                          const DgradW2Args& args, cudaStream_t stream);
+// P of DgradW2Args::grad_score_partials_RP: one piece per tile of activation columns.
+int64_t dgrad_w2_score_partials(const ExpertMlpShape& shape);
 
 // grad_x = grad_h13 . W13[e].
 struct DgradW13Args {

@@ -72,6 +72,15 @@ std::vector<uint16_t> random_rows(Rng& rng, const RowLayout& l, int64_t cols, fl
 }
 
 // Index of gate / up of activation column f inside a [2F] row, per W13 layout.
+// The routing score's gradient per row from DGRAD W2's per-tile pieces, summed in piece order
+// (as every consumer must, for the same bits on every run).
+std::vector<float> sum_score_partials(const std::vector<float>& partials_RP, int64_t P) {
+  std::vector<float> out(partials_RP.size() / P, 0.0f);
+  for (size_t r = 0; r < out.size(); ++r)
+    for (int64_t p = 0; p < P; ++p) out[r] += partials_RP[r * P + p];
+  return out;
+}
+
 int64_t gate_col(int64_t f, int64_t F, W13Layout lay) { return lay == W13Layout::gate_up_blocked ? f : 2 * f; }
 int64_t up_col(int64_t f, int64_t F, W13Layout lay) { return lay == W13Layout::gate_up_blocked ? F + f : 2 * f + 1; }
 
@@ -200,7 +209,8 @@ TEST_P(ExpertMlpKernels, DgradW2SwigluBackwardMatchesFloat64) {
   const auto scores = rng.uniform(R, 0.1f, 1.0f);
   DeviceBuffer<uint16_t> dgy(gy), dh(h13), dw(w2), dgh(std::vector<uint16_t>(R * 2 * F, kBf16Poison)),
       da(std::vector<uint16_t>(R * F, kBf16Poison));
-  DeviceBuffer<float> ds(scores), dgs(std::vector<float>(R, 0.0f));
+  const int64_t P = sm90::dgrad_w2_score_partials(fx.shape);
+  DeviceBuffer<float> ds(scores), dgs(std::vector<float>(R * P, 0.0f));  // zeros: padding rows must stay 0
   sm90::DgradW2Args args{dgy.ptr, dw.ptr, dh.ptr, ds.ptr, dgh.ptr, da.ptr, dgs.ptr};
   sm90::expert_mlp_dgrad_w2(fx.rows, fx.shape, args, nullptr);
   cuda_ok(cudaDeviceSynchronize(), "dgrad_w2");
@@ -223,7 +233,7 @@ TEST_P(ExpertMlpKernels, DgradW2SwigluBackwardMatchesFloat64) {
   }
   expect_close(compare_rows_bf16(dgh.download(), gh_ref, fx.l, 2 * F), kBf16Tolerance, "grad_h13_R2F");
   expect_close(compare_rows_bf16(da.download(), a_ref, fx.l, F), kBf16Tolerance, "a_RF (score * a)");
-  const auto gs = dgs.download();
+  const auto gs = sum_score_partials(dgs.download(), P);
   ErrorAccumulator acc;
   int64_t padding_written = 0;
   for (int64_t r = 0; r < R; ++r) {
@@ -349,7 +359,8 @@ TEST(ExpertMlpChain, ForwardBackwardMatchesFloat64) {
   const auto w2 = rng.bf16_normal(E * D * F, 1.0f / std::sqrt(float(F)));
   const auto scores = rng.uniform(R, 0.1f, 1.0f);
   DeviceBuffer<uint16_t> dx(x), dgy(gy), dw13(w13), dw2(w2);
-  DeviceBuffer<float> ds(scores), dgs(std::vector<float>(R, 0.0f));
+  const int64_t P = sm90::dgrad_w2_score_partials(fx.shape);
+  DeviceBuffer<float> ds(scores), dgs(std::vector<float>(R * P, fp32_poison()));
   DeviceBuffer<uint16_t> da(std::vector<uint16_t>(R * F, kBf16Poison)), dh(std::vector<uint16_t>(R * 2 * F, kBf16Poison)),
       dy(std::vector<uint16_t>(R * D, kBf16Poison)), dgh(std::vector<uint16_t>(R * 2 * F, kBf16Poison)),
       dgx(std::vector<uint16_t>(R * D, kBf16Poison));
@@ -392,7 +403,7 @@ TEST(ExpertMlpChain, ForwardBackwardMatchesFloat64) {
   expect_close(compare_rows_bf16(dgx.download(), gx, fx.l, D), kChainTolerance, "grad_x_RD");
   expect_close(compare_all(dgw2.download(), gw2), kChainTolerance, "grad_w2");
   expect_close(compare_all(dgw13.download(), gw13), kChainTolerance, "grad_w13");
-  const auto gs_out = dgs.download();
+  const auto gs_out = sum_score_partials(dgs.download(), P);
   ErrorAccumulator acc;
   for (int64_t r = 0; r < R; ++r)
     if (fx.l.is_row_valid(r)) acc.add(gs_out[r], gs[r]);
@@ -425,11 +436,11 @@ TEST(ExpertMlpReplicas, SplitWeightsEqualOneBufferBitwise) {
   struct Outputs {  // every output of the six kernels, poisoned
     DeviceBuffer<uint16_t> a, h13, y, gh, a2, gx;
     DeviceBuffer<float> gs, gw2, gw13, rep_gw2, rep_gw13;
-    Outputs(int64_t R, int64_t D, int64_t F, int64_t E_own, int64_t E_rep)
+    Outputs(int64_t R, int64_t D, int64_t F, int64_t E_own, int64_t E_rep, int64_t P)
         : a(std::vector<uint16_t>(R * F, kBf16Poison)), h13(std::vector<uint16_t>(R * 2 * F, kBf16Poison)),
           y(std::vector<uint16_t>(R * D, kBf16Poison)), gh(std::vector<uint16_t>(R * 2 * F, kBf16Poison)),
           a2(std::vector<uint16_t>(R * F, kBf16Poison)), gx(std::vector<uint16_t>(R * D, kBf16Poison)),
-          gs(std::vector<float>(R, 0.0f)), gw2(std::vector<float>(E_own * D * F, fp32_poison())),
+          gs(std::vector<float>(R * P, 0.0f)), gw2(std::vector<float>(E_own * D * F, fp32_poison())),
           gw13(std::vector<float>(E_own * 2 * F * D, fp32_poison())),
           rep_gw2(std::vector<float>(std::max<int64_t>(E_rep, 1) * D * F, fp32_poison())),
           rep_gw13(std::vector<float>(std::max<int64_t>(E_rep, 1) * 2 * F * D, fp32_poison())) {}
@@ -454,7 +465,8 @@ TEST(ExpertMlpReplicas, SplitWeightsEqualOneBufferBitwise) {
     sm90::expert_mlp_wgrad_w13(rows, fx.shape, o.gh.ptr, dx.ptr, o13, nullptr);
     cuda_ok(cudaDeviceSynchronize(), "replica run");
   };
-  Outputs one(R, D, F, E, 0), split(R, D, F, own, reps);
+  const int64_t P = sm90::dgrad_w2_score_partials(fx.shape);
+  Outputs one(R, D, F, E, 0, P), split(R, D, F, own, reps, P);
   run(fx.rows, one, dw13.ptr, nullptr, dw2.ptr, nullptr, false);
   GroupedRows rows = fx.rows;
   rows.first_replica = own;
@@ -466,11 +478,8 @@ TEST(ExpertMlpReplicas, SplitWeightsEqualOneBufferBitwise) {
                             {&one.y, &split.y, "y_RD"}, {&one.gh, &split.gh, "grad_h13_R2F"},
                             {&one.a2, &split.a2, "a_RF (dgrad)"}, {&one.gx, &split.gx, "grad_x_RD"}})
     EXPECT_TRUE(a->download() == b->download()) << what << " differs between one buffer and split weights";
-  // grad_scores sums tiles by atomics (order varies): compare with a tolerance.
-  ErrorAccumulator gs_acc;
-  const auto gs_one = one.gs.download(), gs_split = split.gs.download();
-  for (int64_t r = 0; r < R; ++r) gs_acc.add(gs_split[r], gs_one[r]);
-  expect_close(gs_acc.finish(), 1e-5, "grad_scores_R");
+  EXPECT_TRUE(one.gs.download() == split.gs.download())
+      << "grad_score_partials_RP differs between one buffer and split weights";
 
   auto check_wgrad = [&](const DeviceBuffer<float>& ref_all, const DeviceBuffer<float>& own_out,
                          const DeviceBuffer<float>& rep_out, const std::vector<float>& prior, int64_t per_expert,

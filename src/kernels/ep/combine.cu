@@ -34,6 +34,12 @@ __global__ void __launch_bounds__(kThreads) combine_push_kernel(const PeerTable*
       const size_t entry = origin % TK;
       char* dst = comm::peer_ptr<char>(pt, owner, ws.combine) + entry * row_bytes;
       comm::warp_copy_16B(dst, rows + static_cast<size_t>(r) * row_bytes, row_bytes, lane);
+      if (kBackward && dims.scores_from_experts && lane == 0) {
+        const float* parts = rs.grad_score_partials_RP + static_cast<size_t>(r) * dims.score_partials;
+        float sum = 0.0f;
+        for (int p = 0; p < dims.score_partials; ++p) sum += parts[p];  // in order: deterministic
+        comm::peer_ptr<float>(pt, owner, ws.grad_scores_TK)[entry] = sum;
+      }
     });
   }
   comm::arrive_then_barrier(pt, blocks_per_rank, kBackward ? Phase::combine_backward : Phase::combine);
@@ -52,8 +58,14 @@ __global__ void __launch_bounds__(kThreads) combine_reduce_kernel(const PeerTabl
   uint4* out = reinterpret_cast<uint4*>(kWeighted ? rio.out_TD : rio.grad_x_TD);
   const int vecs = dims.D / 8;
   const size_t total = static_cast<size_t>(dims.T) * vecs;
-  for (size_t i = static_cast<size_t>(blockIdx.x % blocks_per_rank) * kThreads + threadIdx.x; i < total;
-       i += static_cast<size_t>(blocks_per_rank) * kThreads) {
+  const size_t first = static_cast<size_t>(blockIdx.x % blocks_per_rank) * kThreads + threadIdx.x;
+  const size_t stride = static_cast<size_t>(blocks_per_rank) * kThreads;
+  if (!kWeighted && dims.scores_from_experts) {  // backward: the score gradients the experts pushed
+    const float* pushed = comm::peer_ptr<float>(pt, pt.rank, ws.grad_scores_TK);
+    for (size_t i = first; i < static_cast<size_t>(dims.T) * dims.K; i += stride)
+      store_score(rio.grad_scores_TK, i, dims.scores_bf16, pushed[i]);
+  }
+  for (size_t i = first; i < total; i += stride) {
     const size_t t = i / vecs, v = i % vecs;
     float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     for (int k = 0; k < dims.K; ++k) {

@@ -98,14 +98,14 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const PeerTable* tab
 
 // Rows of non-primary entries: copy the primary row (already here, after the barrier).
 __global__ void __launch_bounds__(kThreads)
-    fanout_rows_kernel(const PeerTable* tables, EpDims dims, WorkspaceOffsets ws, LaunchScratch scratch,
-                       int blocks_per_rank) {
+    fanout_rows_kernel(const PeerTable* tables, EpDims dims, WorkspaceOffsets ws, size_t rows_region,
+                       LaunchScratch scratch, int blocks_per_rank) {
   const int slot = rank_slot(blocks_per_rank);
   const PeerTable& pt = tables[slot];
   if (comm::rank_failed(pt)) return;
   const RankScratch& rs = scratch.rank[slot];
   const int32_t* row_primary = comm::peer_ptr<int32_t>(pt, pt.rank, ws.row_primary);
-  char* rows = comm::peer_ptr<char>(pt, pt.rank, ws.recv_x);
+  char* rows = comm::peer_ptr<char>(pt, pt.rank, rows_region);
   const size_t row_bytes = static_cast<size_t>(dims.D) * sizeof(bf16);
   const int lane = threadIdx.x % 32;
   for_each_row_in_use(rs, dims.groups, blocks_per_rank, [&](int r) {
@@ -168,9 +168,10 @@ void launch_dispatch_backward(const EpLaunch& l, const LaunchIo& io, cudaStream_
   launch_dispatch<true>(l, io, stream);
 }
 
-void launch_fanout_rows(const EpLaunch& l, cudaStream_t stream) {
+void launch_fanout_rows(const EpLaunch& l, bool backward, cudaStream_t stream) {
   const int blocks = local_blocks_per_rank(l);
-  fanout_rows_kernel<<<l.launch_ranks * blocks, kThreads, 0, stream>>>(l.tables, l.dims, l.ws, l.scratch, blocks);
+  fanout_rows_kernel<<<l.launch_ranks * blocks, kThreads, 0, stream>>>(
+      l.tables, l.dims, l.ws, backward ? l.ws.recv_grad : l.ws.recv_x, l.scratch, blocks);
   comm::cuda_check_launch("fanout_rows_kernel");
 }
 

@@ -42,6 +42,12 @@ struct EpDims {
   int32_t scores_bf16 = 0;   // scores_TK dtype: 1 bf16, 0 fp32 (per call)
   int32_t w13_interleaved = 0;  // W13 rows: 1 gate/up interleaved, 0 blocked (per call)
   int32_t wgrad_bf16 = 0;    // the call's weight gradients: 1 bf16, 0 fp32 (Config::wgrad_dtype)
+  // Backward, SM90 experts: grad_out rows go to the experts unscaled; DGRAD W2 applies the scores
+  // and computes the scores' gradients per row in score_partials pieces, which combine-push sends
+  // to the owners (grad_scores_TK window region). 0: the stand-in experts (fanout scales grad_out
+  // rows, the owner computes <grad_out, y> from the forward's combine buffer).
+  int32_t scores_from_experts = 0;
+  int32_t score_partials = 0;  // P: pieces per row of the scores' gradients (scores_from_experts)
   int32_t swiglu_clamped = 0;
   float swiglu_alpha = 1.702f;
   float swiglu_limit = 7.0f;
@@ -56,6 +62,7 @@ struct WorkspaceOffsets {
   size_t recv_x = 0;       // bf16  [capacity][D]: dispatched x rows, expert-grouped (saved for backward)
   size_t recv_grad = 0;    // bf16  [capacity][D]: dispatched grad_out rows (backward)
   size_t combine = 0;      // bf16  [T*K][D]: expert outputs back at their owner (y, then grad_x rows)
+  size_t grad_scores_TK = 0;  // fp32 [T*K]: each (t, k)'s score gradient, from its row's rank (backward)
   size_t clip_counts_G2 = 0;  // u64 [groups][2]: SwiGLU clips counted per expert group (forward, on request)
   // Exact balance only (0 otherwise): replica experts' weights, pushed by their owners during
   // dispatch, and their weight gradients, read by the owners after the backward combine barrier.
@@ -84,7 +91,8 @@ struct RankScratch {
   bf16* h13_R2F = nullptr;              // [capacity][2F] gate | up pre-activations (saved)
   bf16* a_RF = nullptr;                 // [capacity][F] SwiGLU output (saved)
   bf16* rows_out_RD = nullptr;          // [capacity][D] y rows (forward), grad_x rows (backward)
-  bf16* grad_y_RD = nullptr;            // [capacity][D] score * grad_out per row (backward)
+  bf16* grad_y_RD = nullptr;            // [capacity][D] score * grad_out per row (backward, stand-in experts)
+  float* grad_score_partials_RP = nullptr;  // [capacity][score_partials] (backward, SM90 experts)
   bf16* grad_h13_R2F = nullptr;         // [capacity][2F] (backward)
 };
 

@@ -196,7 +196,8 @@ struct RowsStoreEpilogue {
 
 // DGRAD W2 + SwiGLU backward. Accumulators hold grad_y . W2 for activation columns f.
 // With scores s (the forward scaled y by s): grad_a = s * acc, the wgrad operand is s * a, and
-// grad_score[row] += sum_f acc * a (a quad's lanes reduce, then one atomic per row and quad).
+// the score's gradient piece of (row, tile) = sum_f acc * a over the tile's columns (a quad's lanes
+// reduce, then one plain store per row and tile: summed in order later, deterministic).
 // Per 64-column chunk, h13's two 128-byte pieces (gate / up, or the two halves of the interleaved
 // pairs) arrive in staging buffers by cp.async (chunk 0 during the mainloop, via begin_tile),
 // the gradients overwrite them in place, s * a goes to the third buffer, and all three are
@@ -211,7 +212,8 @@ struct SwigluDgradEpilogue {
   __nv_bfloat16* grad_h13_R2F;   // out
   __nv_bfloat16* a_RF;           // out, nullable: s * act(h13), the W2 wgrad operand
   const float* scores_R;         // nullable
-  float* grad_scores_R;          // nullable, accumulated atomically (caller zeroes it)
+  float* grad_score_partials_RP;  // nullable: [rows][score_partials], piece n_block of each row
+  int32_t score_partials;
   int32_t F;
   ActivationParams act;
 
@@ -322,13 +324,14 @@ struct SwigluDgradEpilogue {
                     [&](int r) { return rows.at(a_RF, F, fc, r); });
       move_accumulators<0, 32, kBlockN / 2 - 32>(d);
     }
-    if (grad_scores_R) {
+    if (grad_score_partials_RP) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         float v = score_grad[h];
         v += __shfl_xor_sync(0xffffffffu, v, 1);
         v += __shfl_xor_sync(0xffffffffu, v, 2);
-        if (row_ok[h] && fr.quad == 0) atomicAdd(grad_scores_R + rows.first_row + fr.row + 8 * h, v);
+        if (row_ok[h] && fr.quad == 0)
+          grad_score_partials_RP[(rows.first_row + fr.row + 8 * h) * score_partials + tile.n_block] = v;
       }
     }
   }

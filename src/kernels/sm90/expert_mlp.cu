@@ -212,13 +212,18 @@ void expert_mlp_dgrad_w2(const GroupedRows& rows, const ExpertMlpShape& shape,
     epi.grad_h13_R2F = bf16(args.grad_h13_R2F);
     epi.a_RF = bf16(args.a_RF);
     epi.scores_R = args.scores_R;
-    epi.grad_scores_R = args.grad_scores_R;
+    epi.grad_score_partials_RP = args.grad_score_partials_RP;
+    epi.score_partials = static_cast<int32_t>(dgrad_w2_score_partials(shape));
     epi.F = static_cast<int32_t>(F);
     epi.act = activation_params(shape);
     launch<RowsAre::M, true>(map_a, map_b, s, epi, stream);
   };
   if (shape.w13_layout == W13Layout::gate_up_blocked) run(SwigluDgradEpilogue<false>{});
   else run(SwigluDgradEpilogue<true>{});
+}
+
+int64_t dgrad_w2_score_partials(const ExpertMlpShape& shape) {
+  return ceil_div(shape.intermediate_dim, kBlockN);
 }
 
 void expert_mlp_dgrad_w13(const GroupedRows& rows, const ExpertMlpShape& shape,

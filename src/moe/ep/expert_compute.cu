@@ -103,9 +103,10 @@ void sm90_forward(const EpLaunch& l, const LaunchIo& io, cudaStream_t stream) {
   }
 }
 
-// grad_y rows arrive already score-scaled (fanout_scale), so the SM90 kernels run with no scores:
-// grad_a = grad_y . W2, and the forward's a stays the W2 wgrad operand. Replica slots' weight
-// gradients are always overwritten (the owners accumulate them).
+// grad_y rows are the dispatched grad_out rows, unscaled, in the receive buffer: DGRAD W2 applies
+// each row's score (grad_a = score * grad_y . W2), writes score * a for the W2 weight gradient, and
+// the score's gradient pieces that combine-push sends home. Replica slots' weight gradients are
+// always overwritten (the owners accumulate them).
 void sm90_backward(const EpLaunch& l, const LaunchIo& io, bool accumulate, cudaStream_t stream) {
   const sm90::ExpertMlpShape shape = sm90_shape(l);
   const GroupRange own = own_groups(l), replicas = replica_groups(l);
@@ -113,11 +114,15 @@ void sm90_backward(const EpLaunch& l, const LaunchIo& io, bool accumulate, cudaS
     const RankScratch& rs = l.scratch.rank[s];
     const sm90::GroupedRows rows = sm90_rows(l, s);
     const bool has_replicas = rows.first_replica >= 0;
+    const bf16* grad_y_RD = workspace_rows(l, s, l.ws.recv_grad);
     sm90::DgradW2Args dgrad_w2;
-    dgrad_w2.grad_y_RD = rs.grad_y_RD;
+    dgrad_w2.grad_y_RD = grad_y_RD;
     dgrad_w2.w2_EDF = w2_of(l, io, s, own);
     dgrad_w2.h13_R2F = rs.h13_R2F;
+    dgrad_w2.scores_R = reinterpret_cast<const float*>(rs.workspace + l.ws.row_score);
     dgrad_w2.grad_h13_R2F = rs.grad_h13_R2F;
+    dgrad_w2.a_RF = rs.a_RF;
+    dgrad_w2.grad_score_partials_RP = rs.grad_score_partials_RP;
     sm90::DgradW13Args dgrad_w13{rs.grad_h13_R2F, w13_of(l, io, s, own), rs.rows_out_RD};
     const DType own_dtype = l.dims.wgrad_bf16 ? DType::bf16 : DType::fp32;
     sm90::WgradOutput wgrad_w2{grad_w2_of(l, io, s, own), own_dtype, accumulate};
@@ -130,7 +135,7 @@ void sm90_backward(const EpLaunch& l, const LaunchIo& io, bool accumulate, cudaS
     }
     sm90::expert_mlp_dgrad_w2(rows, shape, dgrad_w2, stream);
     sm90::expert_mlp_dgrad_w13(rows, shape, dgrad_w13, stream);
-    sm90::expert_mlp_wgrad_w2(rows, shape, rs.grad_y_RD, rs.a_RF, wgrad_w2, stream);
+    sm90::expert_mlp_wgrad_w2(rows, shape, grad_y_RD, rs.a_RF, wgrad_w2, stream);
     sm90::expert_mlp_wgrad_w13(rows, shape, rs.grad_h13_R2F, workspace_rows(l, s, l.ws.recv_x), wgrad_w13, stream);
   }
 }

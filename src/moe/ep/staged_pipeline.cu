@@ -7,6 +7,7 @@
 #include "comm/cuda_check.hpp"
 #include "comm/virtual_transport.hpp"
 #include "kernels/ep/data_path.hpp"
+#include "kernels/expert_mlp.hpp"
 #include "moe/ep/expert_compute.hpp"
 #include "poise/errors.hpp"
 
@@ -36,6 +37,7 @@ WorkspaceOffsets plan_workspace(const EpDims& d, bool training) {
   w.recv_x = region(cap * row);
   w.recv_grad = training ? region(cap * row) : 0;
   w.combine = region(static_cast<size_t>(d.T) * d.K * row);
+  w.grad_scores_TK = training ? region(sizeof(float) * d.T * d.K) : 0;
   w.clip_counts_G2 = region(sizeof(uint64_t) * 2 * d.groups);
   if (d.balanced) {
     const size_t B = d.replica_slots, w13 = size_t(2) * d.F * d.D, w2 = size_t(d.D) * d.F;
@@ -80,6 +82,8 @@ int64_t row_limit(const Config& c, const PipelineOptions& o) {
 }
 
 EpDims make_dims(const Config& c, int64_t ep_size, const PipelineOptions& o) {
+  sm90::ExpertMlpShape shape;
+  shape.intermediate_dim = c.intermediate_dim;
   EpDims d;
   d.T = static_cast<int32_t>(c.num_local_input_tokens);
   d.D = static_cast<int32_t>(c.hidden_dim);
@@ -98,6 +102,8 @@ EpDims make_dims(const Config& c, int64_t ep_size, const PipelineOptions& o) {
   d.wgrad_bf16 = c.wgrad_dtype == DType::bf16 ? 1 : 0;
   d.swiglu_alpha = static_cast<float>(c.swiglu_alpha);
   d.swiglu_limit = static_cast<float>(c.swiglu_limit);
+  d.scores_from_experts = o.expert_kernels == ExpertKernels::sm90 ? 1 : 0;
+  d.score_partials = d.scores_from_experts ? static_cast<int32_t>(sm90::dgrad_w2_score_partials(shape)) : 0;
   return d;
 }
 
@@ -241,7 +247,11 @@ StagedPipeline::StagedPipeline(const Config& config, std::unique_ptr<comm::Trans
       rs.a_RF = static_cast<bf16*>(alloc(sizeof(bf16) * cap * d.F));
       rs.rows_out_RD = static_cast<bf16*>(alloc(sizeof(bf16) * cap * d.D));
       if (training) {
-        rs.grad_y_RD = static_cast<bf16*>(alloc(sizeof(bf16) * cap * d.D));
+        if (d.scores_from_experts) {
+          rs.grad_score_partials_RP = static_cast<float*>(alloc(sizeof(float) * cap * d.score_partials));
+        } else {
+          rs.grad_y_RD = static_cast<bf16*>(alloc(sizeof(bf16) * cap * d.D));
+        }
         rs.grad_h13_R2F = static_cast<bf16*>(alloc(sizeof(bf16) * cap * 2 * d.F));
       }
     }
@@ -287,7 +297,7 @@ void StagedPipeline::forward(std::span<const ForwardArgs> args, cudaStream_t str
   stage(Stage::dispatch, stream);
   launch_dispatch_forward(l, io, stream);
   stage(Stage::fanout, stream);
-  launch_fanout_rows(l, stream);
+  launch_fanout_rows(l, /*backward=*/false, stream);
   stage(Stage::experts, stream);
   expert_forward(l, io, expert_kernels_, stream);
   const bool clip_counts = io.rank[0].clip_counts_E2 != nullptr;
@@ -324,12 +334,17 @@ void StagedPipeline::backward(std::span<const BackwardArgs> args, cudaStream_t s
   EpLaunch l = launch_;
   l.dims.scores_bf16 = args[0].forward.scores_dtype == DType::bf16;
   l.dims.w13_interleaved = args[0].forward.w13_layout == W13Layout::gate_up_interleaved;
-  stage(Stage::grad_scores, stream);
-  launch_grad_scores(l, io, stream);  // reads y from the combine buffer before grad_x rows replace it
+  if (!l.dims.scores_from_experts) {
+    stage(Stage::grad_scores, stream);
+    launch_grad_scores(l, io, stream);  // reads y from the combine buffer before grad_x rows replace it
+  }
   stage(Stage::dispatch, stream);
   launch_dispatch_backward(l, io, stream);
   stage(Stage::fanout, stream);
-  launch_fanout_scale_grad(l, stream);
+  // SM90 experts read grad_out rows in place (the scores are applied in DGRAD W2); the stand-in
+  // experts want score-scaled copies.
+  if (l.dims.scores_from_experts) launch_fanout_rows(l, /*backward=*/true, stream);
+  else launch_fanout_scale_grad(l, stream);
   stage(Stage::experts, stream);
   expert_backward(l, io, args[0].accumulate_wgrad, expert_kernels_, stream);
   stage(Stage::combine_push, stream);
