@@ -13,7 +13,7 @@
 #     multigpu   torchrun, one process per GPU: bench/multigpu/multigpu_bench.py -> $OUT/multigpu_h200.json
 #                ($MULTIGPU_ARGS, e.g. --quick; needs python first)
 #     gemm_only  the six GEMMs alone, .carry/libpoise_expert_mlp_bench*.so (one line per build and
-#                SM90 schedule in $SCHEDULES, e.g. "pingpong cooperative"; default: the built-in choice)
+#                CTA cluster size in $CLUSTERS, e.g. "1 2"; default: the built-in choice)
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 NCCL_DIR=$(python3 -c "import nvidia.nccl as n; print(list(n.__path__)[0])" 2>/dev/null)
@@ -28,6 +28,9 @@ part_tests() {
     timeout 150 "$t" >> "$log" 2>&1; local rc=$?
     echo "$t rc=$rc $(grep -E '^\[  (PASSED|FAILED) ' "$log" | tail -1)"
   done
+  echo "== .carry/test_expert_mlp with POISE_SM90_CLUSTER=1" >> "$log"
+  POISE_SM90_CLUSTER=1 timeout 150 .carry/test_expert_mlp >> "$log" 2>&1
+  echo "test_expert_mlp (1-CTA clusters) rc=$? $(grep -E '^\[  (PASSED|FAILED) ' "$log" | tail -1)"
   grep -E '^\[  FAILED  \]' "$log" | head -20
   echo "HGMMA instructions in test_expert_mlp: $(cuobjdump --dump-sass .carry/test_expert_mlp | grep -c HGMMA)" | tee -a "$log"
 }
@@ -54,10 +57,10 @@ part_mlp() {
 }
 part_gemm_only() {
   for lib in .carry/libpoise_expert_mlp_bench*.so; do
-    for sched in ${SCHEDULES:-default}; do
-      local label; label="$(basename "$lib" .so) $sched"
-      [ "$sched" = default ] && sched=""
-      POISE_SM90_SCHEDULE=$sched PYTHONUNBUFFERED=1 timeout 120 python3 bench/expert_mlp/bench_expert_mlp.py --lib "$lib" \
+    for cluster in ${CLUSTERS:-default}; do
+      local label; label="$(basename "$lib" .so) cluster=$cluster"
+      [ "$cluster" = default ] && cluster=""
+      POISE_SM90_CLUSTER=$cluster PYTHONUNBUFFERED=1 timeout 120 python3 bench/expert_mlp/bench_expert_mlp.py --lib "$lib" \
         --out /dev/null --skews 1 --gemm-only "$label" 2>&1 | tee -a "$OUT/gemm_only.log" | grep -v "^$"
     done
   done

@@ -3,6 +3,8 @@
 
 #include <cuda_runtime.h>
 
+#include <cstdlib>
+#include <cstring>
 #include <string>
 
 #include "kernels/sm90/epilogues.cuh"
@@ -106,16 +108,51 @@ WeightMaps weight_maps(const GroupedRows& rows, const void* w, const char* name,
 
 int32_t ceil_div(int64_t a, int64_t b) { return static_cast<int32_t>((a + b - 1) / b); }
 
-template <RowsAre kRows, bool kBMnMajor, class Epilogue>
-void launch(const CUtensorMap& map_a, const WeightMaps& map_b, const GroupedGemmShape& shape,
-            const Epilogue& epilogue, cudaStream_t stream) {
+// CTAs per cluster: 2 (B multicast to tile pairs) unless POISE_SM90_CLUSTER=1 (A/B measurements).
+int cluster_size() {
+  static const int size = [] {
+    const char* v = std::getenv("POISE_SM90_CLUSTER");
+    return v && std::strcmp(v, "1") == 0 ? 1 : 2;
+  }();
+  return size;
+}
+
+template <int kCluster, RowsAre kRows, bool kBMnMajor, class Epilogue>
+void launch_clustered(const CUtensorMap& map_a, const WeightMaps& map_b, const GroupedGemmShape& shape,
+                      const Epilogue& epilogue, cudaStream_t stream) {
   constexpr int kStages = kStagesFor<Epilogue>;
-  auto kernel = grouped_gemm_kernel<kBlockN, kStages, kRows, kBMnMajor, Epilogue>;
+  auto kernel = grouped_gemm_kernel<kBlockN, kStages, kRows, kBMnMajor, Epilogue, kCluster>;
   constexpr uint32_t smem = GroupedGemmSmem<kBlockN, kStages, Epilogue::kStagingBuffers>::kTotalBytes;
   check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
              "cudaFuncSetAttribute(grouped_gemm_kernel)");
-  kernel<<<sm_count(), kThreadsPerCta, smem, stream>>>(map_a, map_b.own, map_b.replicas, shape, epilogue);
-  check_cuda(cudaGetLastError(), "grouped_gemm_kernel launch");
+  cudaLaunchConfig_t config{};
+  config.blockDim = dim3(kThreadsPerCta);
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeClusterDimension;
+  attribute.val.clusterDim.x = kCluster;
+  attribute.val.clusterDim.y = 1;
+  attribute.val.clusterDim.z = 1;
+  config.attrs = &attribute;
+  config.numAttrs = 1;
+  // Persistent: as many clusters as fit at once (one CTA per SM; pairs must share a GPC).
+  int clusters = sm_count() / kCluster;
+  if constexpr (kCluster > 1) {
+    config.gridDim = dim3(clusters * kCluster);
+    check_cuda(cudaOccupancyMaxActiveClusters(&clusters, kernel, &config), "cudaOccupancyMaxActiveClusters");
+    if (clusters < 1) throw DeviceError("grouped_gemm_kernel: no 2-CTA cluster fits on this device");
+  }
+  config.gridDim = dim3(clusters * kCluster);
+  check_cuda(cudaLaunchKernelEx(&config, kernel, map_a, map_b.own, map_b.replicas, shape, epilogue),
+             "grouped_gemm_kernel launch");
+}
+
+template <RowsAre kRows, bool kBMnMajor, class Epilogue>
+void launch(const CUtensorMap& map_a, const WeightMaps& map_b, const GroupedGemmShape& shape,
+            const Epilogue& epilogue, cudaStream_t stream) {
+  if (cluster_size() == 2) launch_clustered<2, kRows, kBMnMajor>(map_a, map_b, shape, epilogue, stream);
+  else launch_clustered<1, kRows, kBMnMajor>(map_a, map_b, shape, epilogue, stream);
 }
 
 __nv_bfloat16* bf16(void* p) { return static_cast<__nv_bfloat16*>(p); }
@@ -157,7 +194,7 @@ void expert_mlp_fprop_w13(const GroupedRows& rows, const ExpertMlpShape& shape,
   const bool blocked = shape.w13_layout == W13Layout::gate_up_blocked;
   const CUtensorMap map_a = rows_operand_map(args.x_RD, rows, D, "x_RD");
   const WeightMaps map_b = weight_maps(rows, args.w13_E2FD, "w13_E2FD", args.replica_w13_E2FD, "replica_w13_E2FD",
-                                       2 * F, D, blocked ? kBlockN / 2 : kBlockN);
+                                       2 * F, D, kBlockN / 2);
   GroupedGemmShape s = rows_gemm_shape(rows, D, 2 * F, F, kBlockN / 2);
   s.b_split_rows = blocked ? static_cast<int32_t>(F) : 0;
   const CUtensorMap a_map = make_store_tensor_map(args.a_RF, false, rows.max_rows, F, "a_RF");
@@ -186,7 +223,7 @@ void expert_mlp_fprop_w2(const GroupedRows& rows, const ExpertMlpShape& shape,
   const int64_t D = shape.hidden_dim, F = shape.intermediate_dim;
   const CUtensorMap map_a = rows_operand_map(args.a_RF, rows, F, "a_RF");
   const WeightMaps map_b =
-      weight_maps(rows, args.w2_EDF, "w2_EDF", args.replica_w2_EDF, "replica_w2_EDF", D, F, kBlockN);
+      weight_maps(rows, args.w2_EDF, "w2_EDF", args.replica_w2_EDF, "replica_w2_EDF", D, F, kBlockN / 2);
   const GroupedGemmShape s = rows_gemm_shape(rows, F, D, D, kBlockN);
   launch<RowsAre::M, false>(map_a, map_b, s, rows_store_epilogue(args.y_RD, "y_RD", args.scores_R, rows, D), stream);
 }

@@ -22,6 +22,7 @@
 #include <cuda.h>
 #include <cstdint>
 
+#include "kernels/sm90/ptx/cluster.cuh"
 #include "kernels/sm90/ptx/mbarrier.cuh"
 #include "kernels/sm90/ptx/smem_desc.cuh"
 #include "kernels/sm90/ptx/tma.cuh"
@@ -83,7 +84,11 @@ __device__ __forceinline__ void zero_k_tail(uint8_t* stage_a, uint8_t* stage_b, 
   ptx::named_barrier_sync(barrier_id, kThreads);
 }
 
-template <int kBlockN, int kStages, RowsAre kRows, bool kBMnMajor, class Epilogue>
+// kCluster = 2: the kernel runs in clusters of two CTAs computing M blocks 2g and 2g + 1 of one
+// expert and N block (tile_scheduler.cuh); each CTA loads its own A and half of B's boxes, the
+// halves multicast into both CTAs. A stage is then free only when the consumers of both CTAs
+// released it, so every consumer warp arrives on the "empty" barrier of both CTAs.
+template <int kBlockN, int kStages, RowsAre kRows, bool kBMnMajor, class Epilogue, int kCluster = 1>
 __global__ void __launch_bounds__(kThreadsPerCta, 1)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
                         const __grid_constant__ CUtensorMap map_b,
@@ -112,11 +117,24 @@ __global__ void __launch_bounds__(kThreadsPerCta, 1)
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
       ptx::mbarrier_init(&full_bar[s], 1);
-      ptx::mbarrier_init(&empty_bar[s], kConsumerWarps);
+      ptx::mbarrier_init(&empty_bar[s], kConsumerWarps * kCluster);
     }
     ptx::fence_barrier_init();
   }
-  const auto scheduler = TileScheduler<kRows>::build(sched_storage, shape);  // syncs the CTA
+  const auto scheduler = TileScheduler<kRows, kCluster>::build(sched_storage, shape);  // syncs the CTA
+  // Clusters: the peer's barriers are initialised before anyone multicasts or arrives remotely.
+  const int32_t cluster_rank = kCluster > 1 ? static_cast<int32_t>(ptx::cluster_cta_rank()) : 0;
+  if constexpr (kCluster > 1) ptx::cluster_sync();
+  const int32_t first_tile = blockIdx.x / kCluster, tile_stride = gridDim.x / kCluster;
+  // B's boxes per stage: MN-major operands in 64-column chunks, K-major weights in two halves
+  // (gate / up for the blocked W13 layout); this CTA loads boxes [b_first, b_end).
+  constexpr int kBBoxes = kBMnMajor ? kBlockN / 64 : 2;
+  constexpr int kBBoxesPerCta = kBBoxes / kCluster;
+  const int b_first = cluster_rank * kBBoxesPerCta, b_end = b_first + kBBoxesPerCta;
+  auto load_b_box = [&](uint8_t* dst, const CUtensorMap* map, int32_t inner, int32_t outer, uint64_t* bar) {
+    if constexpr (kCluster > 1) ptx::tma_load_2d_multicast(dst, map, inner, outer, bar, (1u << kCluster) - 1);
+    else ptx::tma_load_2d(dst, map, inner, outer, bar);
+  };
 
   if (warpgroup == 0) {
     // ---------------- TMA producer ----------------
@@ -126,8 +144,8 @@ __global__ void __launch_bounds__(kThreadsPerCta, 1)
       ptx::tma_prefetch_descriptor(&map_b);
       if (shape.first_replica < shape.num_experts) ptx::tma_prefetch_descriptor(&map_b_replicas);
       uint32_t it = 0;
-      for (int32_t t = blockIdx.x; t < scheduler.total_tiles; t += gridDim.x) {
-        const TileInfo tile = scheduler.tile(t);
+      for (int32_t t = first_tile; t < scheduler.total_tiles; t += tile_stride) {
+        const TileInfo tile = scheduler.tile(t, cluster_rank);
         const int32_t k_blocks = scheduler.k_blocks(tile);
         const bool replica = tile.expert >= shape.first_replica;
         const CUtensorMap* weights = replica ? &map_b_replicas : &map_b;
@@ -141,18 +159,16 @@ __global__ void __launch_bounds__(kThreadsPerCta, 1)
             ptx::tma_load_2d(stage_a(s), &map_a, k0, tile.row_begin + tile.m_block * kTileM,
                              &full_bar[s]);
             if constexpr (kBMnMajor) {
-#pragma unroll
-              for (int j = 0; j < kBlockN / 64; ++j)
-                ptx::tma_load_2d(stage_b(s) + j * ptx::kMnChunkBytes, weights,
-                                 tile.n_block * kBlockN + 64 * j, b_row0 + k0, &full_bar[s]);
-            } else if (shape.b_split_rows > 0) {
-              const int32_t n0 = b_row0 + tile.n_block * (kBlockN / 2);
-              ptx::tma_load_2d(stage_b(s), weights, k0, n0, &full_bar[s]);
-              ptx::tma_load_2d(stage_b(s) + (kBlockN / 2) * 128, weights, k0,
-                               n0 + shape.b_split_rows, &full_bar[s]);
+              for (int j = b_first; j < b_end; ++j)
+                load_b_box(stage_b(s) + j * ptx::kMnChunkBytes, weights, tile.n_block * kBlockN + 64 * j,
+                           b_row0 + k0, &full_bar[s]);
             } else {
-              ptx::tma_load_2d(stage_b(s), weights, k0, b_row0 + tile.n_block * kBlockN,
-                               &full_bar[s]);
+              // Two boxes of kBlockN / 2 weight rows: gate and up rows F apart (blocked W13), or
+              // the two halves of the tile's kBlockN rows.
+              const int32_t n0 = b_row0 + tile.n_block * (shape.b_split_rows > 0 ? kBlockN / 2 : kBlockN);
+              const int32_t second = shape.b_split_rows > 0 ? shape.b_split_rows : kBlockN / 2;
+              for (int j = b_first; j < b_end; ++j)
+                load_b_box(stage_b(s) + j * (kBlockN / 2) * 128, weights, k0, n0 + j * second, &full_bar[s]);
             }
           } else {
             const int32_t r0 = tile.row_begin + kb * kTileK;
@@ -160,10 +176,9 @@ __global__ void __launch_bounds__(kThreadsPerCta, 1)
             for (int j = 0; j < kTileM / 64; ++j)
               ptx::tma_load_2d(stage_a(s) + j * ptx::kMnChunkBytes, &map_a,
                                tile.m_block * kTileM + 64 * j, r0, &full_bar[s]);
-#pragma unroll
-            for (int j = 0; j < kBlockN / 64; ++j)
-              ptx::tma_load_2d(stage_b(s) + j * ptx::kMnChunkBytes, &map_b,
-                               tile.n_block * kBlockN + 64 * j, r0, &full_bar[s]);
+            for (int j = b_first; j < b_end; ++j)
+              load_b_box(stage_b(s) + j * ptx::kMnChunkBytes, &map_b, tile.n_block * kBlockN + 64 * j, r0,
+                         &full_bar[s]);
           }
         }
       }
@@ -174,11 +189,31 @@ __global__ void __launch_bounds__(kThreadsPerCta, 1)
     const int consumer = warpgroup - 1;  // rows [64 * consumer, 64 * consumer + 64) of the tile
     const int consumer_thread = threadIdx.x - 128;
     float acc[kBlockN / 2];
+    // Releases a stage: one arrival per consumer warp on the empty barrier of every CTA that
+    // loaded part of it (with clusters, the peer multicast half of B into it).
+    auto release = [&](int s) {
+      if (lane != 0) return;
+      if constexpr (kCluster > 1) {
+#pragma unroll
+        for (int c = 0; c < kCluster; ++c) ptx::mbarrier_arrive_cluster(&empty_bar[s], c);
+      } else {
+        ptx::mbarrier_arrive(&empty_bar[s]);
+      }
+    };
     uint32_t it = 0;
-    for (int32_t t = blockIdx.x; t < scheduler.total_tiles; t += gridDim.x) {
-      const TileInfo tile = scheduler.tile(t);
+    for (int32_t t = first_tile; t < scheduler.total_tiles; t += tile_stride) {
+      const TileInfo tile = scheduler.tile(t, cluster_rank);
       const int32_t k_blocks = scheduler.k_blocks(tile);
       uint8_t* staging = smem + Smem::kStagingOffset + consumer * Smem::kStagingPerConsumer;
+      if (kCluster > 1 && !tile.valid) {
+        // A filler tile: the peer's B half still passes through this CTA's stages.
+        for (int32_t kb = 0; kb < k_blocks; ++kb, ++it) {
+          const int s = it % kStages;
+          ptx::mbarrier_wait(&full_bar[s], (it / kStages) & 1);
+          release(s);
+        }
+        continue;
+      }
       epilogue.template begin_tile<kBlockN>(tile, consumer, consumer_thread % 128, staging);
 #pragma unroll
       for (int i = 0; i < kBlockN / 2; ++i) acc[i] = 0.0f;
@@ -210,19 +245,19 @@ __global__ void __launch_bounds__(kThreadsPerCta, 1)
           // tensor cores busy meanwhile): one more stage can be in flight on the TMA side.
           ptx::wgmma_wait_group<0>();
           ptx::fence_accumulators(acc);
-          if (lane == 0) ptx::mbarrier_arrive(&empty_bar[s]);
+          release(s);
         } else {
           // Keep one group in flight: the previous stage is free once its group retired.
           ptx::wgmma_wait_group<1>();
           ptx::fence_accumulators(acc);
-          if (kb > 0 && lane == 0) ptx::mbarrier_arrive(&empty_bar[prev_stage]);
+          if (kb > 0) release(prev_stage);
           prev_stage = s;
         }
       }
       if constexpr (kInFlight == 1) {
         ptx::wgmma_wait_group<0>();
         ptx::fence_accumulators(acc);
-        if (k_blocks > 0 && lane == 0) ptx::mbarrier_arrive(&empty_bar[prev_stage]);
+        if (k_blocks > 0) release(prev_stage);
       }
       if constexpr (!POISE_SKIP_EPILOGUE_FOR_TIMING)
         epilogue.template store<kBlockN>(acc, tile, consumer, consumer_thread % 128, staging);
@@ -230,6 +265,8 @@ __global__ void __launch_bounds__(kThreadsPerCta, 1)
     // TMA stores read shared memory asynchronously: finish them before the CTA exits.
     if (consumer_thread % 128 == 0) ptx::tma_store_wait_all();
   }
+  // Clusters: no CTA leaves while its peer may still multicast into it or arrive on its barriers.
+  if constexpr (kCluster > 1) ptx::cluster_sync();
 #endif
 }
 

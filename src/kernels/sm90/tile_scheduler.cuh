@@ -8,6 +8,10 @@
 //    tile order is expert-major, M block fastest, so concurrent CTAs share one expert's weights.
 //  - Rows as K (wgrad): every expert has m_blocks x n_blocks tiles (a replica without rows has
 //    none); the K loop covers its rows.
+//  - Clusters of kCluster CTAs (2: TMA multicast of B) walk tile groups instead: kCluster M blocks
+//    of one expert and N block, CTA rank r taking M block kCluster * group + r. A CTA whose M block
+//    lies past the expert's (odd M block count) still loads its share of B for its peer, and
+//    computes nothing (TileInfo::valid).
 #pragma once
 
 #include <cub/block/block_scan.cuh>
@@ -44,6 +48,7 @@ struct TileInfo {
   int32_t n_block;
   int32_t row_begin;  // first row of the expert in the grouped buffers
   int32_t row_count;  // rows of the expert
+  bool valid;         // false: a cluster peer's filler tile (load B for the peer, compute nothing)
 };
 
 struct SchedulerStorage {
@@ -51,7 +56,7 @@ struct SchedulerStorage {
   int2 rows[kMaxExperts];                // (offset, count) per expert
 };
 
-template <RowsAre kRows>
+template <RowsAre kRows, int kCluster = 1>
 struct TileScheduler {
   const SchedulerStorage* storage;
   GroupedGemmShape shape;
@@ -71,9 +76,10 @@ struct TileScheduler {
         const int32_t offset = shape.row_offsets_E[e];
         const int32_t count = shape.row_counts_E[e];
         s.rows[e] = make_int2(offset, count);
-        tiles[i] = kRows == RowsAre::M                      ? (count + kTileM - 1) / kTileM * shape.n_blocks
-                   : (count == 0 && e >= shape.first_replica) ? 0
-                                                              : shape.m_blocks * shape.n_blocks;
+        const int32_t m_blocks = kRows == RowsAre::M ? (count + kTileM - 1) / kTileM : shape.m_blocks;
+        tiles[i] = kRows == RowsAre::K && count == 0 && e >= shape.first_replica
+                       ? 0
+                       : (m_blocks + kCluster - 1) / kCluster * shape.n_blocks;
       }
     }
     int32_t total = 0;
@@ -88,7 +94,8 @@ struct TileScheduler {
     return TileScheduler{&s, shape, total};
   }
 
-  __device__ TileInfo tile(int32_t t) const {
+  // Tile (group) t as CTA `cluster_rank` of its cluster computes it.
+  __device__ TileInfo tile(int32_t t, int32_t cluster_rank = 0) const {
     // Largest e with tile_prefix[e] <= t (experts without tiles have equal prefixes).
     int lo = 0, hi = shape.num_experts - 1;
     while (lo < hi) {
@@ -97,13 +104,15 @@ struct TileScheduler {
     }
     const int2 rows = storage->rows[lo];
     const int32_t m_blocks = kRows == RowsAre::M ? (rows.y + kTileM - 1) / kTileM : shape.m_blocks;
+    const int32_t groups = (m_blocks + kCluster - 1) / kCluster;
     const int32_t local = t - storage->tile_prefix[lo];
     TileInfo info;
     info.expert = lo;
-    info.m_block = local % m_blocks;
-    info.n_block = local / m_blocks;
+    info.m_block = (local % groups) * kCluster + cluster_rank;
+    info.n_block = local / groups;
     info.row_begin = rows.x;
     info.row_count = rows.y;
+    info.valid = info.m_block < m_blocks;
     return info;
   }
 

@@ -1,0 +1,42 @@
+// Thread-block-cluster primitives for 2-CTA TMA multicast: the two CTAs of a cluster compute
+// vertically adjacent tiles that share their B operand, each loads half of B and multicasts it
+// into both CTAs' shared memory, so B crosses L2 -> SM once per pair instead of once per CTA.
+#pragma once
+
+#include <cuda.h>
+#include <cuda/ptx>
+#include <cstdint>
+
+namespace poise::sm90::ptx {
+
+__device__ __forceinline__ uint32_t cluster_cta_rank() {
+  uint32_t rank;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
+  return rank;
+}
+
+// Every thread of every CTA of the cluster; not .aligned, so divergent threads may call it.
+// Release/acquire: barrier initialisation before it is visible to the peer after it.
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release;\n\tbarrier.cluster.wait.acquire;" ::: "memory");
+}
+
+// Arrive on the mbarrier at the same shared-memory offset as `bar` in CTA `cta` of the cluster
+// (this CTA included).
+__device__ __forceinline__ void mbarrier_arrive_cluster(uint64_t* bar, uint32_t cta) {
+  const uint32_t local = static_cast<uint32_t>(__cvta_generic_to_shared(bar));
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(cta));
+  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(remote) : "memory");
+}
+
+// One 2D box into `smem_dst` of every CTA in `cta_mask`, each completing bytes on its own mbarrier
+// at `full_bar`'s offset.
+__device__ __forceinline__ void tma_load_2d_multicast(void* smem_dst, const CUtensorMap* map, int32_t inner,
+                                                      int32_t outer, uint64_t* full_bar, uint16_t cta_mask) {
+  const int32_t coords[2] = {inner, outer};
+  cuda::ptx::cp_async_bulk_tensor(cuda::ptx::space_cluster, cuda::ptx::space_global, smem_dst, map, coords,
+                                  full_bar, cta_mask);
+}
+
+}  // namespace poise::sm90::ptx
