@@ -3,6 +3,7 @@
 
 #include <cuda_runtime.h>
 
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -108,13 +109,14 @@ WeightMaps weight_maps(const GroupedRows& rows, const void* w, const char* name,
 
 int32_t ceil_div(int64_t a, int64_t b) { return static_cast<int32_t>((a + b - 1) / b); }
 
-// CTAs per cluster: 2 (B multicast to tile pairs) unless POISE_SM90_CLUSTER=1 (A/B measurements).
-int cluster_size() {
-  static const int size = [] {
+// CTAs per cluster: 2 (tile pairs sharing an operand by multicast) where the epilogue's kernel
+// gains from it (Epilogue::kPairedTiles), 1 everywhere with POISE_SM90_CLUSTER=1 (A/B measurements).
+bool paired_tiles_allowed() {
+  static const bool allowed = [] {
     const char* v = std::getenv("POISE_SM90_CLUSTER");
-    return v && std::strcmp(v, "1") == 0 ? 1 : 2;
+    return !(v && std::strcmp(v, "1") == 0);
   }();
-  return size;
+  return allowed;
 }
 
 template <int kCluster, RowsAre kRows, bool kBMnMajor, class Epilogue>
@@ -144,6 +146,11 @@ void launch_clustered(const CUtensorMap& map_a, const WeightMaps& map_b, const G
     if (clusters < 1) throw DeviceError("grouped_gemm_kernel: no 2-CTA cluster fits on this device");
   }
   config.gridDim = dim3(clusters * kCluster);
+  if (std::getenv("POISE_SM90_DEBUG")) {
+    static bool printed = false;
+    if (!printed) std::fprintf(stderr, "grouped_gemm_kernel: %d clusters of %d CTAs\n", clusters, kCluster);
+    printed = true;
+  }
   check_cuda(cudaLaunchKernelEx(&config, kernel, map_a, map_b.own, map_b.replicas, shape, epilogue),
              "grouped_gemm_kernel launch");
 }
@@ -151,17 +158,18 @@ void launch_clustered(const CUtensorMap& map_a, const WeightMaps& map_b, const G
 template <RowsAre kRows, bool kBMnMajor, class Epilogue>
 void launch(const CUtensorMap& map_a, const WeightMaps& map_b, const GroupedGemmShape& shape,
             const Epilogue& epilogue, cudaStream_t stream) {
-  if (cluster_size() == 2) launch_clustered<2, kRows, kBMnMajor>(map_a, map_b, shape, epilogue, stream);
+  if (Epilogue::kPairedTiles && paired_tiles_allowed())
+    launch_clustered<2, kRows, kBMnMajor>(map_a, map_b, shape, epilogue, stream);
   else launch_clustered<1, kRows, kBMnMajor>(map_a, map_b, shape, epilogue, stream);
 }
 
 __nv_bfloat16* bf16(void* p) { return static_cast<__nv_bfloat16*>(p); }
 const __nv_bfloat16* bf16(const void* p) { return static_cast<const __nv_bfloat16*>(p); }
 
-// Fprop and dgrad GEMMs run over the routed rows: A = [R][K] rows (read in kTileM-row boxes),
+// Fprop and dgrad GEMMs run over the routed rows: A = [R][K] rows (read in 64-row boxes),
 // B = E weight blocks of b_rows_per_expert rows each, N output columns in n_tile-wide tiles.
 CUtensorMap rows_operand_map(const void* a_RK, const GroupedRows& rows, int64_t K, const char* name) {
-  return make_bf16_tensor_map(a_RK, rows.max_rows, K, kTileM, name);
+  return make_bf16_tensor_map(a_RK, rows.max_rows, K, kTileM / 2, name);  // a tile's A is two 64-row boxes
 }
 
 GroupedGemmShape rows_gemm_shape(const GroupedRows& rows, int64_t K, int64_t b_rows_per_expert, int64_t N,

@@ -84,9 +84,10 @@ __device__ __forceinline__ void zero_k_tail(uint8_t* stage_a, uint8_t* stage_b, 
   ptx::named_barrier_sync(barrier_id, kThreads);
 }
 
-// kCluster = 2: the kernel runs in clusters of two CTAs computing M blocks 2g and 2g + 1 of one
-// expert and N block (tile_scheduler.cuh); each CTA loads its own A and half of B's boxes, the
-// halves multicast into both CTAs. A stage is then free only when the consumers of both CTAs
+// kCluster = 2: the kernel runs in clusters of two CTAs computing a tile pair of one expert that
+// shares an operand (tile_scheduler.cuh): M blocks 2i, 2i + 1 share B, N blocks 2j, 2j + 1 of an
+// odd last M block share A. Each CTA loads half of the shared operand's boxes, multicast into both
+// CTAs, and its other operand whole. A stage is then free only when the consumers of both CTAs
 // released it, so every consumer warp arrives on the "empty" barrier of both CTAs.
 template <int kBlockN, int kStages, RowsAre kRows, bool kBMnMajor, class Epilogue, int kCluster = 1>
 __global__ void __launch_bounds__(kThreadsPerCta, 1)
@@ -126,14 +127,22 @@ __global__ void __launch_bounds__(kThreadsPerCta, 1)
   const int32_t cluster_rank = kCluster > 1 ? static_cast<int32_t>(ptx::cluster_cta_rank()) : 0;
   if constexpr (kCluster > 1) ptx::cluster_sync();
   const int32_t first_tile = blockIdx.x / kCluster, tile_stride = gridDim.x / kCluster;
-  // B's boxes per stage: MN-major operands in 64-column chunks, K-major weights in two halves
-  // (gate / up for the blocked W13 layout); this CTA loads boxes [b_first, b_end).
+  // A stage is loaded as boxes: A as two 64-row (K-major) or 64-column (MN-major) halves, B as
+  // 64-column chunks (MN-major) or two halves of kBlockN / 2 weight rows (K-major: gate / up for
+  // the blocked W13 layout). The operand a cluster shares (TileInfo::shares_b) is split between
+  // its CTAs, each multicasting its boxes into both; the other operand each CTA loads whole.
+  constexpr int kABoxes = 2;
   constexpr int kBBoxes = kBMnMajor ? kBlockN / 64 : 2;
-  constexpr int kBBoxesPerCta = kBBoxes / kCluster;
-  const int b_first = cluster_rank * kBBoxesPerCta, b_end = b_first + kBBoxesPerCta;
-  auto load_b_box = [&](uint8_t* dst, const CUtensorMap* map, int32_t inner, int32_t outer, uint64_t* bar) {
-    if constexpr (kCluster > 1) ptx::tma_load_2d_multicast(dst, map, inner, outer, bar, (1u << kCluster) - 1);
+  constexpr uint16_t kClusterMask = (1u << kCluster) - 1;
+  auto load_box = [&](bool shared, uint8_t* dst, const CUtensorMap* map, int32_t inner, int32_t outer,
+                      uint64_t* bar) {
+    if (kCluster > 1 && shared) ptx::tma_load_2d_multicast(dst, map, inner, outer, bar, kClusterMask);
     else ptx::tma_load_2d(dst, map, inner, outer, bar);
+  };
+  // Boxes [first, end) of `boxes` this CTA loads.
+  auto box_range = [&](bool shared, int boxes, int& first, int& end) {
+    first = shared ? cluster_rank * (boxes / kCluster) : 0;
+    end = shared ? first + boxes / kCluster : boxes;
   };
 
   if (warpgroup == 0) {
@@ -154,31 +163,34 @@ __global__ void __launch_bounds__(kThreadsPerCta, 1)
           const int s = it % kStages;
           ptx::mbarrier_wait(&empty_bar[s], ((it / kStages) & 1) ^ 1);
           ptx::mbarrier_arrive_expect_tx(&full_bar[s], Smem::kStageBytes);
+          const bool share_b = kCluster > 1 && tile.shares_b, share_a = kCluster > 1 && !tile.shares_b;
+          int a_first, a_end, b_first, b_end;
+          box_range(share_a, kABoxes, a_first, a_end);
+          box_range(share_b, kBBoxes, b_first, b_end);
           if constexpr (kRows == RowsAre::M) {
             const int32_t k0 = kb * kTileK;
-            ptx::tma_load_2d(stage_a(s), &map_a, k0, tile.row_begin + tile.m_block * kTileM,
-                             &full_bar[s]);
+            for (int j = a_first; j < a_end; ++j)
+              load_box(share_a, stage_a(s) + j * 64 * 128, &map_a, k0,
+                       tile.row_begin + tile.m_block * kTileM + 64 * j, &full_bar[s]);
             if constexpr (kBMnMajor) {
               for (int j = b_first; j < b_end; ++j)
-                load_b_box(stage_b(s) + j * ptx::kMnChunkBytes, weights, tile.n_block * kBlockN + 64 * j,
-                           b_row0 + k0, &full_bar[s]);
+                load_box(share_b, stage_b(s) + j * ptx::kMnChunkBytes, weights, tile.n_block * kBlockN + 64 * j,
+                         b_row0 + k0, &full_bar[s]);
             } else {
-              // Two boxes of kBlockN / 2 weight rows: gate and up rows F apart (blocked W13), or
-              // the two halves of the tile's kBlockN rows.
+              // Gate and up rows F apart (blocked W13), or the two halves of the tile's kBlockN rows.
               const int32_t n0 = b_row0 + tile.n_block * (shape.b_split_rows > 0 ? kBlockN / 2 : kBlockN);
               const int32_t second = shape.b_split_rows > 0 ? shape.b_split_rows : kBlockN / 2;
               for (int j = b_first; j < b_end; ++j)
-                load_b_box(stage_b(s) + j * (kBlockN / 2) * 128, weights, k0, n0 + j * second, &full_bar[s]);
+                load_box(share_b, stage_b(s) + j * (kBlockN / 2) * 128, weights, k0, n0 + j * second, &full_bar[s]);
             }
           } else {
             const int32_t r0 = tile.row_begin + kb * kTileK;
-#pragma unroll
-            for (int j = 0; j < kTileM / 64; ++j)
-              ptx::tma_load_2d(stage_a(s) + j * ptx::kMnChunkBytes, &map_a,
-                               tile.m_block * kTileM + 64 * j, r0, &full_bar[s]);
+            for (int j = a_first; j < a_end; ++j)
+              load_box(share_a, stage_a(s) + j * ptx::kMnChunkBytes, &map_a, tile.m_block * kTileM + 64 * j, r0,
+                       &full_bar[s]);
             for (int j = b_first; j < b_end; ++j)
-              load_b_box(stage_b(s) + j * ptx::kMnChunkBytes, &map_b, tile.n_block * kBlockN + 64 * j, r0,
-                         &full_bar[s]);
+              load_box(share_b, stage_b(s) + j * ptx::kMnChunkBytes, &map_b, tile.n_block * kBlockN + 64 * j, r0,
+                       &full_bar[s]);
           }
         }
       }

@@ -8,10 +8,10 @@
 //    tile order is expert-major, M block fastest, so concurrent CTAs share one expert's weights.
 //  - Rows as K (wgrad): every expert has m_blocks x n_blocks tiles (a replica without rows has
 //    none); the K loop covers its rows.
-//  - Clusters of kCluster CTAs (2: TMA multicast of B) walk tile groups instead: kCluster M blocks
-//    of one expert and N block, CTA rank r taking M block kCluster * group + r. A CTA whose M block
-//    lies past the expert's (odd M block count) still loads its share of B for its peer, and
-//    computes nothing (TileInfo::valid).
+//  - Clusters of 2 CTAs (TMA multicast) walk tile pairs of one expert instead: M blocks 2i, 2i + 1
+//    of one N block (they share B), and for an odd M block count the last M block's N blocks
+//    2j, 2j + 1 (they share A). With an odd N block count too, the last pair's second CTA has no
+//    tile: it loads its share of A for its peer and computes nothing (TileInfo::valid).
 #pragma once
 
 #include <cub/block/block_scan.cuh>
@@ -48,7 +48,8 @@ struct TileInfo {
   int32_t n_block;
   int32_t row_begin;  // first row of the expert in the grouped buffers
   int32_t row_count;  // rows of the expert
-  bool valid;         // false: a cluster peer's filler tile (load B for the peer, compute nothing)
+  bool valid;         // false: a cluster peer's filler tile (load for the peer, compute nothing)
+  bool shares_b;      // clusters: the pair shares B (M blocks 2i, 2i+1), else A (N blocks 2j, 2j+1)
 };
 
 struct SchedulerStorage {
@@ -58,6 +59,13 @@ struct SchedulerStorage {
 
 template <RowsAre kRows, int kCluster = 1>
 struct TileScheduler {
+  static_assert(kCluster == 1 || kCluster == 2, "tile pairs only");
+  // Tiles (kCluster 1) or tile pairs (kCluster 2) of an expert with m_blocks x n_blocks tiles.
+  __device__ static int32_t groups_of(int32_t m_blocks, int32_t n_blocks) {
+    if constexpr (kCluster == 1) return m_blocks * n_blocks;
+    return m_blocks / 2 * n_blocks + m_blocks % 2 * ((n_blocks + 1) / 2);
+  }
+
   const SchedulerStorage* storage;
   GroupedGemmShape shape;
   int32_t total_tiles;
@@ -77,9 +85,8 @@ struct TileScheduler {
         const int32_t count = shape.row_counts_E[e];
         s.rows[e] = make_int2(offset, count);
         const int32_t m_blocks = kRows == RowsAre::M ? (count + kTileM - 1) / kTileM : shape.m_blocks;
-        tiles[i] = kRows == RowsAre::K && count == 0 && e >= shape.first_replica
-                       ? 0
-                       : (m_blocks + kCluster - 1) / kCluster * shape.n_blocks;
+        tiles[i] = kRows == RowsAre::K && count == 0 && e >= shape.first_replica ? 0
+                                                                                : groups_of(m_blocks, shape.n_blocks);
       }
     }
     int32_t total = 0;
@@ -104,15 +111,28 @@ struct TileScheduler {
     }
     const int2 rows = storage->rows[lo];
     const int32_t m_blocks = kRows == RowsAre::M ? (rows.y + kTileM - 1) / kTileM : shape.m_blocks;
-    const int32_t groups = (m_blocks + kCluster - 1) / kCluster;
     const int32_t local = t - storage->tile_prefix[lo];
     TileInfo info;
     info.expert = lo;
-    info.m_block = (local % groups) * kCluster + cluster_rank;
-    info.n_block = local / groups;
     info.row_begin = rows.x;
     info.row_count = rows.y;
-    info.valid = info.m_block < m_blocks;
+    info.valid = true;
+    info.shares_b = kCluster > 1;
+    if constexpr (kCluster == 1) {
+      info.m_block = local % m_blocks;
+      info.n_block = local / m_blocks;
+    } else {
+      const int32_t m_pairs = m_blocks / 2;
+      if (local < m_pairs * shape.n_blocks) {  // M blocks 2i, 2i + 1 of one N block
+        info.m_block = 2 * (local % m_pairs) + cluster_rank;
+        info.n_block = local / m_pairs;
+      } else {  // the odd last M block: N blocks 2j, 2j + 1
+        info.shares_b = false;
+        info.m_block = m_blocks - 1;
+        info.n_block = 2 * (local - m_pairs * shape.n_blocks) + cluster_rank;
+        info.valid = info.n_block < shape.n_blocks;
+      }
+    }
     return info;
   }
 
