@@ -158,9 +158,10 @@ void launch_clustered(const CUtensorMap& map_a, const WeightMaps& map_b, const G
 template <RowsAre kRows, bool kBMnMajor, class Epilogue>
 void launch(const CUtensorMap& map_a, const WeightMaps& map_b, const GroupedGemmShape& shape,
             const Epilogue& epilogue, cudaStream_t stream) {
-  if (Epilogue::kPairedTiles && paired_tiles_allowed())
-    launch_clustered<2, kRows, kBMnMajor>(map_a, map_b, shape, epilogue, stream);
-  else launch_clustered<1, kRows, kBMnMajor>(map_a, map_b, shape, epilogue, stream);
+  if constexpr (Epilogue::kPairedTiles) {
+    if (paired_tiles_allowed()) return launch_clustered<2, kRows, kBMnMajor>(map_a, map_b, shape, epilogue, stream);
+  }
+  launch_clustered<1, kRows, kBMnMajor>(map_a, map_b, shape, epilogue, stream);
 }
 
 __nv_bfloat16* bf16(void* p) { return static_cast<__nv_bfloat16*>(p); }
