@@ -73,6 +73,14 @@ struct StageTimes {
   std::vector<StageTime> forward, backward;  // of the last forward / backward call
 };
 
+// Where a forward left what its backward needs (returned by routed_experts_forward). A backward
+// given a record that a later forward overwrote (or none kept: index -1) recomputes the part of
+// its forward it needs (routing, dispatch, the W13 GEMM) first.
+struct ActivationRecord {
+  int64_t index = -1;
+  uint64_t generation = 0;
+};
+
 struct ContextOptions {
   uint64_t wait_timeout_ns = 10'000'000'000ull;  // bound on every wait for a peer; then DeviceError
 };
@@ -109,6 +117,17 @@ class Context {
   void reset();
   void close();
 
+  // Activation slots (training; sized by the plan: activation_records_per_slot layers kept whole
+  // per slot). The next num_moe_layers_in_slot forwards that keep state for backward take layer
+  // positions 0, 1, ... of slot `slot`; positions the slot has room for keep their forward's state
+  // until that slot is selected again, the others (and forwards past num_moe_layers_in_slot) run
+  // from the working buffers and their backward recomputes. Without a selection, forwards run from
+  // the working buffers, kept until the next forward. Collective: every rank selects the same
+  // slots in the same order.
+  void select_activation_slot(int64_t slot, int64_t num_moe_layers_in_slot);
+  // Diagnostics: backwards so far that had to rebuild their forward (its record was overwritten).
+  int64_t recomputed_forwards() const;
+
   // Diagnostics: with stage timing on, every GPU call records a CUDA event at each stage boundary
   // (a few microseconds per stage; off by default). stage_times waits for `stream` and returns the
   // last forward's and backward's stages (milliseconds, call order, all launch ranks together).
@@ -123,20 +142,26 @@ class Context {
   struct State;
   std::unique_ptr<State> state_;
   friend struct ContextAccess;  // src/moe/context_internal.hpp: contexts whose pipeline is built elsewhere
-  friend void routed_experts_forward(Context&, std::span<const ForwardArgs>, Stream);
-  friend void routed_experts_backward(Context&, std::span<const BackwardArgs>, Stream);
+  friend ActivationRecord routed_experts_forward(Context&, std::span<const ForwardArgs>, Stream, bool);
+  friend void routed_experts_backward(Context&, std::span<const BackwardArgs>, Stream, const ActivationRecord*);
 };
 
 // Validate arguments on the host (InvalidArgument naming the argument), then enqueue on stream.
-// One argument set per launch rank (context.launch_ranks()). Backward differentiates the latest
-// forward on the same context and must come before the next forward.
-void routed_experts_forward(Context& context, std::span<const ForwardArgs> args_per_rank, Stream stream);
-void routed_experts_backward(Context& context, std::span<const BackwardArgs> args_per_rank, Stream stream);
-inline void routed_experts_forward(Context& context, const ForwardArgs& args, Stream stream) {
-  routed_experts_forward(context, std::span<const ForwardArgs>(&args, 1), stream);
+// One argument set per launch rank (context.launch_ranks()).
+// Forward: keep_for_backward = false (evaluation) takes no slot position. Returns where its state is.
+// Backward: `record` (null: the latest forward's) names the forward it differentiates; args.forward
+// must be that forward's inputs (they rebuild its state when the record was overwritten).
+ActivationRecord routed_experts_forward(Context& context, std::span<const ForwardArgs> args_per_rank, Stream stream,
+                                        bool keep_for_backward = true);
+void routed_experts_backward(Context& context, std::span<const BackwardArgs> args_per_rank, Stream stream,
+                             const ActivationRecord* record = nullptr);
+inline ActivationRecord routed_experts_forward(Context& context, const ForwardArgs& args, Stream stream,
+                                               bool keep_for_backward = true) {
+  return routed_experts_forward(context, std::span<const ForwardArgs>(&args, 1), stream, keep_for_backward);
 }
-inline void routed_experts_backward(Context& context, const BackwardArgs& args, Stream stream) {
-  routed_experts_backward(context, std::span<const BackwardArgs>(&args, 1), stream);
+inline void routed_experts_backward(Context& context, const BackwardArgs& args, Stream stream,
+                                    const ActivationRecord* record = nullptr) {
+  routed_experts_backward(context, std::span<const BackwardArgs>(&args, 1), stream, record);
 }
 
 }  // namespace poise

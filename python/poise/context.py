@@ -58,10 +58,7 @@ class Context:
             )
         self._group = group
         self._backend: Any = None  # the engine the torch ops run on, created on first use
-        cpp_config = self._cpp.config
-        self._activation_slot: Optional[tuple[int, int]] = (
-            (0, 1) if not cpp_config.inference and cpp_config.num_activation_slots > 0 else None
-        )
+        self._activation_slot: Optional[tuple[int, int]] = None  # the latest selection
         self.handle = next(_handles)
         _live_contexts[self.handle] = self
 
@@ -104,17 +101,21 @@ class Context:
 
     @property
     def activation_slot(self) -> Optional[tuple[int, int]]:
-        """(slot, num_moe_layers_in_slot) the next forward saves into; None for an inference context."""
+        """(slot, num_moe_layers_in_slot) of the latest select_activation_slot; None before any (forwards
+        then run from the working buffers) and always for an inference context."""
         return self._activation_slot
 
     def select_activation_slot(self, slot: int, num_moe_layers_in_slot: int = 1) -> None:
-        """Validates and records an activation-slot selection: ``slot``, shared by that many layers.
+        """The next ``num_moe_layers_in_slot`` forwards (that will have a backward) keep their state
+        in activation slot ``slot``: layer positions 0, 1, ... of it.
 
-        Bookkeeping only in this build: nothing reads the selection. The GPU pipeline keeps what
-        backward needs (layout, x rows, h13, SwiGLU output of every received row) for its latest
-        forward only, in buffers of its own; a backward of an older forward relaunches that forward
-        (decided on the host). Per-slot capacity and a device-side recompute predicate are missing
-        (docs/pytorch.md, "Activation slots: what this build does").
+        A slot keeps ``plan.activation_records_per_slot`` layers whole (routing layout, received x
+        rows, h13), until the slot is selected again; the layers past its room, and forwards past
+        ``num_moe_layers_in_slot``, run from the working buffers, and their backward rebuilds what it
+        needs (routing, dispatch, the W13 GEMM; no W2 GEMM, no combine). Without a selection every
+        forward runs from the working buffers, kept until the next forward. Collective: every rank
+        selects the same slots in the same order. Typical use: one slot per pipeline micro-batch in
+        flight, selected before the micro-batch's forward. See docs/pytorch.md.
         """
         self._require_open()
         config = self._cpp.config
@@ -132,6 +133,7 @@ class Context:
                 "num_moe_layers_in_slot",
                 f"must be in [1, max_moe_layers_per_activation_slot={limit}], got {num_layers}",
             )
+        self._cpp.select_activation_slot(slot, num_layers)
         self._activation_slot = (slot, num_layers)
 
     def enable_stage_timing(self, on: bool = True) -> None:

@@ -42,7 +42,11 @@ class MemoryPlan:
     activation_slot_max_useful_bytes: int
     """Per slot: full save when every row is on the device."""
     activation_slot_bytes: int
-    """Per slot, as configured."""
+    """Per slot, as configured: activation_records_per_slot whole records."""
+    activation_record_bytes: int
+    """One layer's forward kept whole: routing layout, x rows and h13 of every received row."""
+    activation_records_per_slot: int
+    """Layers a slot keeps; its other layers recompute their forward in backward."""
     activation_slots_total_bytes: int
     """num_activation_slots * activation_slot_bytes."""
     device_scratch_bytes: int

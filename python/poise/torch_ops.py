@@ -28,7 +28,6 @@ from torch import Tensor
 from . import _poise
 from .context import Context, context_from_handle
 from .errors import InvalidArgument, NotAvailable
-from .latest_forward import LatestForward
 from .options import ExecutionOptions
 from .reference import ContextEngine, VirtualRanksEngine, call_identity, check_accumulation_buffer
 from .torch_checks import SCORES_DTYPES, check_grad_out, check_inputs, check_w13_layout, wgrad_dtype
@@ -37,23 +36,37 @@ from .torch_checks import SCORES_DTYPES, check_grad_out, check_inputs, check_w13
 # ---- engines behind a context --------------------------------------------------------------------
 
 
-class CudaEngine(LatestForward):
+class CudaEngine:
     """A CUDA context's calls: device pointers and the current stream into the C++ entry points.
 
     ``forward_ranks`` / ``backward_ranks`` take one (x_TD, ids_TK, scores_TK, w13, w2) tuple per
     launch rank: one for a one-rank context, ep_size for a virtual-ranks context.
 
-    The GPU backward differentiates the context's latest forward. A backward whose forward was not
-    the latest (layers sharing a context, a no_grad forward in between) first relaunches its
-    forward into a scratch output; the decision is taken on the host from the tensors' identity, so
-    a captured CUDA graph replays the same sequence.
+    Each forward returns the C++ activation record (index, generation) that holds what its backward
+    needs (a layer of the selected activation slot, or the working buffers); the engine remembers it
+    by the inputs' identity and hands it to the backward, which runs from it, or first rebuilds the
+    forward's routing, dispatch and W13 GEMM when a later forward overwrote it (decided on the host
+    from generations, so a captured CUDA graph replays the same sequence).
     """
+
+    # Records remembered (oldest dropped first): a dropped one costs its backward a recompute.
+    _MAX_RECORDS = 256
 
     def __init__(self, context: Context):
         self._cpp = context._cpp  # not the Context: it owns this engine
         self._virtual_ranks = context.virtual_ranks
         self._ep_size = context.ep_size
-        super().__init__()
+        self._records: dict[tuple, tuple[int, int]] = {}
+        self.forward_calls = 0
+        self.backward_calls = 0
+
+    @property
+    def recomputed_forwards(self) -> int:
+        """Backwards that rebuilt their forward (counted by the C++ context)."""
+        return self._cpp.recomputed_forwards
+
+    def reset(self) -> None:
+        self._records.clear()
 
     # One rank (poise.routed_experts).
     def forward(self, x_TD, ids_TK, scores_TK, w13, w2, w13_layout: str, clip_counts: bool = False):
@@ -72,7 +85,16 @@ class CudaEngine(LatestForward):
         out_TD = [torch.empty_like(inputs[0]) for inputs in ranks]
         counts = ([torch.empty(self._cpp.config.num_local_experts(self._ep_size), 2, dtype=torch.int64,
                                device=inputs[0].device) for inputs in ranks] if clip_counts else None)
-        self._run_forward(_identity(ranks), lambda: self._launch_forward(ranks, w13_layout, out_TD, counts))
+        # Nothing requires grad: no backward follows, take no slot position. (Grad mode cannot tell:
+        # the op runs inside an autograd.Function forward, where it is always off.)
+        keep = any(t.requires_grad for inputs in ranks for t in inputs)
+        key = _identity(ranks)
+        self._records.pop(key, None)
+        record = self._launch_forward(ranks, w13_layout, out_TD, counts, keep)
+        if keep:
+            self._records[key] = record
+            while len(self._records) > self._MAX_RECORDS:
+                self._records.pop(next(iter(self._records)))
         self.forward_calls += 1
         return (out_TD, counts) if clip_counts else out_TD
 
@@ -80,8 +102,8 @@ class CudaEngine(LatestForward):
                        accumulate: Optional[list[tuple[Tensor, Tensor]]]):
         """Returns per-rank lists (grad_x_TD, grad_scores_TK, grad_w13, grad_w2); with ``accumulate``
         (a (grad_w13, grad_w2) pair of buffers per rank) adds into them and returns them."""
-        self._ensure_forward(_identity(ranks), lambda: self._launch_forward(
-            ranks, w13_layout, [torch.empty_like(inputs[0]) for inputs in ranks]))
+        # Not remembered (a no_grad forward, or dropped): (-1, 0) makes the C++ side rebuild it.
+        record = self._records.pop(_identity(ranks), (-1, 0))
         grad_x_TD = [torch.empty_like(inputs[0]) for inputs in ranks]
         grad_scores_TK = [torch.empty_like(inputs[2]) for inputs in ranks]
         if accumulate is None:
@@ -100,35 +122,34 @@ class CudaEngine(LatestForward):
                     _addresses(r[2] for r in ranks), scores_dtype, _addresses(r[3] for r in ranks), w13_layout,
                     _addresses(r[4] for r in ranks), _addresses(grad_out_TD), _addresses(grad_x_TD),
                     _addresses(grad_scores_TK), _addresses(grad_w13), _addresses(grad_w2), accumulate is not None,
-                    stream)
+                    stream, record)
             else:  # the scalar entry point: no lists on the one-rank hot path
                 (x, ids, scores, w13, w2), = ranks
                 _poise.routed_experts_backward(
                     self._cpp, x.data_ptr(), ids.data_ptr(), scores.data_ptr(), scores_dtype, w13.data_ptr(),
                     w13_layout, w2.data_ptr(), grad_out_TD[0].data_ptr(), grad_x_TD[0].data_ptr(),
                     grad_scores_TK[0].data_ptr(), grad_w13[0].data_ptr(), grad_w2[0].data_ptr(),
-                    accumulate is not None, stream)
+                    accumulate is not None, stream, record)
         self.backward_calls += 1
         return grad_x_TD, grad_scores_TK, grad_w13, grad_w2
 
     def _launch_forward(self, ranks: list[tuple], w13_layout: str, out_TD: list[Tensor],
-                        clip_counts: Optional[list[Tensor]] = None) -> None:
+                        clip_counts: Optional[list[Tensor]], keep_for_backward: bool) -> tuple[int, int]:
         device = ranks[0][0].device
         stream = torch.cuda.current_stream(device).cuda_stream
         scores_dtype = SCORES_DTYPES[ranks[0][2].dtype]
         with torch.cuda.device(device):  # the pipeline allocates on the current device
             if self._virtual_ranks:
-                _poise.routed_experts_forward_ranks(
+                return _poise.routed_experts_forward_ranks(
                     self._cpp, _addresses(r[0] for r in ranks), _addresses(r[1] for r in ranks),
                     _addresses(r[2] for r in ranks), scores_dtype, _addresses(r[3] for r in ranks), w13_layout,
                     _addresses(r[4] for r in ranks), _addresses(out_TD), stream,
-                    _addresses(clip_counts) if clip_counts else [])
-            else:
-                (x, ids, scores, w13, w2), = ranks
-                _poise.routed_experts_forward(
-                    self._cpp, x.data_ptr(), ids.data_ptr(), scores.data_ptr(), scores_dtype, w13.data_ptr(),
-                    w13_layout, w2.data_ptr(), out_TD[0].data_ptr(), stream,
-                    clip_counts[0].data_ptr() if clip_counts else 0)
+                    _addresses(clip_counts) if clip_counts else [], keep_for_backward)
+            (x, ids, scores, w13, w2), = ranks
+            return _poise.routed_experts_forward(
+                self._cpp, x.data_ptr(), ids.data_ptr(), scores.data_ptr(), scores_dtype, w13.data_ptr(),
+                w13_layout, w2.data_ptr(), out_TD[0].data_ptr(), stream,
+                clip_counts[0].data_ptr() if clip_counts else 0, keep_for_backward)
 
 
 def _addresses(tensors) -> list[int]:

@@ -3,6 +3,7 @@
 #include "poise/context.hpp"
 
 #include <string>
+#include <vector>
 
 #include "kernels/device_info.hpp"
 #include "moe/context_internal.hpp"
@@ -59,6 +60,14 @@ struct Context::State {
   std::unique_ptr<ep::StagedPipeline> pipeline;  // GPU resources; created on first use for create()
   std::shared_ptr<void> release_after_pipeline;  // e.g. an owned communicator (ContextAccess)
   StageClock stage_clock;
+  // Activation slots: pipeline record 0 is the working record, 1 + slot * per_slot + position a
+  // slot's kept layer. A record's generation counts the forwards (and recomputes) written into it.
+  int64_t selected_slot = -1, slot_layers = 0, next_position = 0;
+  std::vector<uint64_t> generation;
+  ActivationRecord latest;
+  uint64_t next_generation() { return ++generation_counter; }
+  uint64_t generation_counter = 0;
+  int64_t recomputed_forwards = 0;
 };
 
 std::unique_ptr<Context> Context::create(const Config& config, int64_t ep_size, int64_t rank,
@@ -71,12 +80,18 @@ std::unique_ptr<Context> Context::create(const Config& config, int64_t ep_size, 
   return std::unique_ptr<Context>(new Context(config, ep_size, rank, options));
 }
 
-// The pipeline runs what the memory plan sized: its replica slots, the SM90 expert kernels.
+// The pipeline runs what the memory plan sized: its replica slots, the layers its activation slots
+// keep, the SM90 expert kernels.
 static ep::PipelineOptions pipeline_options(const Context& context) {
+  const MemoryPlan& plan = context.plan();
   return {.timeout_ns = context.options().wait_timeout_ns,
           .expert_kernels = ep::ExpertKernels::sm90,
           .balance_tolerance = context.config().balance_tolerance,
-          .replica_slots = context.plan().num_replica_slots};
+          .replica_slots = plan.num_replica_slots,
+          .activation_records = context.config().inference
+                                    ? 0
+                                    : static_cast<int>(context.config().num_activation_slots *
+                                                       plan.activation_records_per_slot)};
 }
 
 std::unique_ptr<Context> Context::create_virtual_ranks(const Config& config, int64_t ep_size,
@@ -135,6 +150,29 @@ void require_open(const Context& context) {
 void Context::reset() {
   require_open(*this);
   if (state_->pipeline) state_->pipeline->reset();
+  state_->generation.assign(state_->generation.size(), 0);  // nothing kept survives a failed call
+  state_->latest = {};
+}
+
+int64_t Context::recomputed_forwards() const { return state_->recomputed_forwards; }
+
+void Context::select_activation_slot(int64_t slot, int64_t num_moe_layers_in_slot) {
+  require_open(*this);
+  const Config& c = config();
+  if (c.inference) throw InvalidArgument("context", "was created with inference=true: it has no activation slots");
+  if (slot < 0 || slot >= c.num_activation_slots) {
+    throw InvalidArgument("slot", "must be in [0, num_activation_slots=" + std::to_string(c.num_activation_slots) +
+                                      "), got " + std::to_string(slot));
+  }
+  if (num_moe_layers_in_slot < 1 || num_moe_layers_in_slot > c.max_moe_layers_per_activation_slot) {
+    throw InvalidArgument("num_moe_layers_in_slot",
+                          "must be in [1, max_moe_layers_per_activation_slot=" +
+                              std::to_string(c.max_moe_layers_per_activation_slot) + "], got " +
+                              std::to_string(num_moe_layers_in_slot));
+  }
+  state_->selected_slot = slot;
+  state_->slot_layers = num_moe_layers_in_slot;
+  state_->next_position = 0;
 }
 
 void Context::enable_stage_timing(bool on) {
@@ -215,28 +253,63 @@ static ep::StagedPipeline& pipeline_of(Context& context, std::unique_ptr<ep::Sta
   return *pipeline;
 }
 
-void routed_experts_forward(Context& context, std::span<const ForwardArgs> args_per_rank, Stream stream) {
+ActivationRecord routed_experts_forward(Context& context, std::span<const ForwardArgs> args_per_rank, Stream stream,
+                                        bool keep_for_backward) {
   require_open(context);
   require_one_set_per_launch_rank(context, args_per_rank);
   for (const ForwardArgs& a : args_per_rank) validate_forward(a);
   if (!context.config().inference && context.config().num_activation_slots == 0) {
     throw InvalidArgument("num_activation_slots", "must be >= 1 for a training forward (backward needs a slot)");
   }
-  ep::StagedPipeline& pipeline = pipeline_of(context, context.state_->pipeline);
-  context.state_->stage_clock.begin(pipeline, 0);
-  pipeline.forward(args_per_rank, stream);
+  Context::State& st = *context.state_;
+  // The record this forward writes: a kept layer of the selected slot, else the working record.
+  int64_t record = 0;
+  // Forwards past the selected layer count (say, recomputed by activation checkpointing inside
+  // backward) run from the working record like layers the slot has no room for.
+  const bool takes_position = keep_for_backward && !context.config().inference && st.selected_slot >= 0 &&
+                              st.next_position < st.slot_layers;
+  if (takes_position) {
+    const int64_t per_slot = context.plan().activation_records_per_slot;
+    if (st.next_position < per_slot) record = 1 + st.selected_slot * per_slot + st.next_position;
+  }
+  ep::StagedPipeline& pipeline = pipeline_of(context, st.pipeline);
+  if (st.generation.size() != size_t(pipeline.records())) st.generation.assign(pipeline.records(), 0);
+  st.stage_clock.begin(pipeline, 0);
+  st.generation[record] = 0;  // being overwritten: valid again only once the launch was enqueued
+  pipeline.forward(args_per_rank, stream, static_cast<int>(record));
+  if (takes_position) ++st.next_position;
+  st.generation[record] = st.next_generation();
+  st.latest = {record, st.generation[record]};
+  return st.latest;
 }
 
-void routed_experts_backward(Context& context, std::span<const BackwardArgs> args_per_rank, Stream stream) {
+void routed_experts_backward(Context& context, std::span<const BackwardArgs> args_per_rank, Stream stream,
+                             const ActivationRecord* record) {
   require_open(context);
   require_one_set_per_launch_rank(context, args_per_rank);
   if (context.config().inference) {
     throw InvalidArgument("context", "was created with inference=true; backward needs a training context");
   }
   for (const BackwardArgs& b : args_per_rank) validate_backward(b);
-  ep::StagedPipeline& pipeline = pipeline_of(context, context.state_->pipeline);
-  context.state_->stage_clock.begin(pipeline, 1);
-  pipeline.backward(args_per_rank, stream);
+  Context::State& st = *context.state_;
+  ep::StagedPipeline& pipeline = pipeline_of(context, st.pipeline);
+  if (st.generation.size() != size_t(pipeline.records())) st.generation.assign(pipeline.records(), 0);
+  const ActivationRecord want = record ? *record : st.latest;
+  if (want.index < -1 || want.index >= pipeline.records()) {
+    throw InvalidArgument("record", "index must be in [-1, " + std::to_string(pipeline.records()) + "), got " +
+                                        std::to_string(want.index));
+  }
+  // Kept and not overwritten since: run from it. Otherwise rebuild it in the working record.
+  const bool kept = want.index >= 0 && want.generation != 0 && st.generation[want.index] == want.generation;
+  const int64_t index = kept ? want.index : 0;
+  st.stage_clock.begin(pipeline, 1);
+  if (!kept) st.generation[0] = 0;
+  pipeline.backward(args_per_rank, stream, static_cast<int>(index), /*recompute=*/!kept);
+  if (!kept) {
+    ++st.recomputed_forwards;
+    st.generation[0] = st.next_generation();
+    if (st.latest.index == 0) st.latest = {};  // the working record now holds this backward's forward
+  }
 }
 
 }  // namespace poise

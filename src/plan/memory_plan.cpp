@@ -15,7 +15,7 @@ constexpr int64_t kBf16Bytes = 2;
 constexpr int64_t kFp32Bytes = 4;
 constexpr int64_t kRegionAlignment = 256;              // every region starts on a 256 B boundary
 constexpr int64_t kWindowGranularity = 2 << 20;        // VMM / NCCL window granularity (2 MiB)
-constexpr int64_t kRowMetadataBytes = 8;               // per received row: source token (int32) + score (fp32)
+constexpr int64_t kRowMetadataBytes = 12;  // per received row: source (t, k), primary row (int32), score (fp32)
 constexpr int64_t kSignalBytesPerPeer = 256;           // readiness counters and barrier words per peer
 
 int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
@@ -64,10 +64,15 @@ MemoryPlan plan_memory(const Config& c, int64_t ep_size) {
       round_up(ceil_times(c.host_overflow_scratch_factor, p.balanced_rows), kExpertRowAlignment));
   p.total_rows = p.device_rows + host_rows;
 
-  // Communication window: received rows (+ metadata), the combine buffer of this rank's T*K outputs, signals.
+  // Communication window: received rows (+ metadata) of the working call, in training the received
+  // grad_out rows and this rank's score gradients, the combine buffer of this rank's T*K outputs,
+  // the all-gathered counts, clip counters, signals. (Activation slots' x rows live in the window
+  // too, remote ranks write them: counted under the slots.)
+  const int64_t training_window =
+      c.inference ? 0 : receive_rows * D * kBf16Bytes + routed_rows * kFp32Bytes;
   p.communication_bytes =
-      round_up(receive_rows * (D * kBf16Bytes + kRowMetadataBytes) + routed_rows * D * kBf16Bytes +
-                   ep_size * kSignalBytesPerPeer,
+      round_up(receive_rows * (D * kBf16Bytes + kRowMetadataBytes) + training_window + routed_rows * D * kBf16Bytes +
+                   ep_size * c.num_experts * kFp32Bytes + expert_slots * 2 * 8 + ep_size * kSignalBytesPerPeer,
                kWindowGranularity);
 
   // Replica experts: weights always; an fp32 gradient each in training, reduced back to the owner.
@@ -75,17 +80,25 @@ MemoryPlan plan_memory(const Config& c, int64_t ep_size) {
   p.replica_weight_bytes = round_up(
       p.num_replica_slots * expert_params * (kBf16Bytes + (c.inference ? 0 : kFp32Bytes)), kRegionAlignment);
 
-  // Activation slot, per layer: the routing layout always; per row x (D) and h13 (2F) in bf16.
-  // `a` is recomputed from h13 in the backward epilogue, so it is never saved.
+  // Activation slot, per layer: the routing layout (destination row and rank of each (t, k), each
+  // received row's source, primary row and score, group offsets; with exact balance the plan) and,
+  // per received row, x (D) and h13 (2F) in bf16. `a` is recomputed from h13 in the backward
+  // epilogue, y is not needed (the score gradients come from the experts), so neither is saved.
   const int64_t layers = c.max_moe_layers_per_activation_slot;
+  const int64_t plan_bytes =
+      p.num_replica_slots > 0 ? (2 * c.num_experts + 1 + ep_size * (expert_slots + 1) + 4) * kFp32Bytes +
+                                    ep_size * p.num_replica_slots * 5 * kFp32Bytes
+                              : 0;
   const int64_t layout_bytes =
-      round_up(routed_rows * 2 * kFp32Bytes + receive_rows * 2 * kFp32Bytes + 2 * (c.num_experts + 1) * kFp32Bytes,
+      round_up(routed_rows * 2 * kFp32Bytes + receive_rows * 3 * kFp32Bytes + 2 * (expert_slots + 1) * kFp32Bytes +
+                   plan_bytes,
                kRegionAlignment);
   const int64_t saved_row_bytes = (D + 2 * F) * kBf16Bytes;
   if (!c.inference) {
+    p.activation_record_bytes = layout_bytes + receive_rows * saved_row_bytes;
     p.activation_slot_min_bytes = layers * layout_bytes;
     p.activation_slot_full_save_bytes = layers * (layout_bytes + p.balanced_rows * saved_row_bytes);
-    p.activation_slot_max_useful_bytes = layers * (layout_bytes + receive_rows * saved_row_bytes);
+    p.activation_slot_max_useful_bytes = layers * p.activation_record_bytes;
     if (c.activation_slot_bytes) {
       if (*c.activation_slot_bytes < p.activation_slot_min_bytes) {
         throw InvalidArgument("activation_slot_bytes",
@@ -94,12 +107,16 @@ MemoryPlan plan_memory(const Config& c, int64_t ep_size) {
                                   std::to_string(*c.activation_slot_bytes));
       }
       p.activation_slot_bytes = std::min(*c.activation_slot_bytes, p.activation_slot_max_useful_bytes);
-    } else {
-      const double factor = c.activation_slot_capacity_factor.value_or(1.0);
-      const int64_t rows_saved = std::min(receive_rows, ceil_times(factor, p.balanced_rows));
+    } else if (c.activation_slot_capacity_factor) {
+      const int64_t rows_saved = std::min(receive_rows, ceil_times(*c.activation_slot_capacity_factor, p.balanced_rows));
       p.activation_slot_bytes = layers * (layout_bytes + rows_saved * saved_row_bytes);
+    } else {
+      p.activation_slot_bytes = p.activation_slot_max_useful_bytes;  // every layer's forward kept whole
     }
-    p.activation_slot_bytes = round_up(p.activation_slot_bytes, kRegionAlignment);
+    // A slot keeps whole layers (every received row), so what it holds does not depend on the
+    // routing: the layers past its room recompute their forward in backward.
+    p.activation_records_per_slot = std::min(layers, p.activation_slot_bytes / p.activation_record_bytes);
+    p.activation_slot_bytes = p.activation_records_per_slot * p.activation_record_bytes;
     p.activation_slots_total_bytes = c.num_activation_slots * p.activation_slot_bytes;
   }
 
@@ -132,7 +149,9 @@ std::string MemoryPlan::explain() const {
   os << "  rows: balanced " << balanced_rows << " (T*K=" << c.num_local_input_tokens * c.top_k
      << " + expert padding to " << kExpertRowAlignment << "), device " << device_rows << ", total " << total_rows
      << "\n";
-  row("communication window", communication_bytes, "received rows x (2D+8) + T*K x 2D combine + signals, 2 MiB granules");
+  row("communication window", communication_bytes,
+      c.inference ? "received rows x (2D+12) + T*K x 2D combine + counts + signals, 2 MiB granules"
+                  : "received rows x (4D+12) + T*K x (2D+4) combine + counts + signals, 2 MiB granules");
   row("replica experts", replica_weight_bytes,
       c.inference ? "B x 3FD bf16 weights" : "B x 3FD x (bf16 weights + fp32 grads)");
   if (!c.inference) {
@@ -142,7 +161,10 @@ std::string MemoryPlan::explain() const {
                   human_bytes(activation_slot_min_bytes).c_str(), human_bytes(activation_slot_full_save_bytes).c_str(),
                   human_bytes(activation_slot_max_useful_bytes).c_str());
     row("activation slot (each)", activation_slot_bytes, line);
-    row("activation slots (all)", activation_slots_total_bytes, "x rows + h13 per row (recompute beyond a slot: not yet)");
+    std::snprintf(line, sizeof line,
+                  "%lld layer(s) kept whole per slot (%s each: layout + x rows + h13); the rest recompute",
+                  static_cast<long long>(activation_records_per_slot), human_bytes(activation_record_bytes).c_str());
+    row("activation slots (all)", activation_slots_total_bytes, line);
   }
   row("device scratch", device_scratch_bytes, c.inference ? "device rows x (3F+D) x 2" : "device rows x (5F+D) x 2");
   row("host overflow scratch", host_overflow_scratch_bytes, "host-backed (VMM) rows beyond the device rows");

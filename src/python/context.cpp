@@ -50,6 +50,11 @@ void bind_context(nb::module_& m) {
             return std::make_pair(pairs(times.forward), pairs(times.backward));
           },
           "stream"_a, "(forward, backward): [(stage, ms)] of the last calls, after enable_stage_timing(True).")
+      .def("select_activation_slot", &Context::select_activation_slot, "slot"_a, "num_moe_layers_in_slot"_a,
+           "The next num_moe_layers_in_slot forwards keep their state in activation slot `slot` (as many as "
+           "plan.activation_records_per_slot; the others recompute in backward).")
+      .def_prop_ro("recomputed_forwards", &Context::recomputed_forwards,
+                   "Backwards so far that rebuilt their forward (its activation record was overwritten).")
       .def("reset", &Context::reset, release_gil())
       .def("close", &Context::close, release_gil());
 }

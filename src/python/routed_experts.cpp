@@ -2,11 +2,15 @@
 // torch passes data_ptr() and torch.cuda.current_stream().cuda_stream, so no DLPack conversion (and
 // none of its stream synchronization) sits on the hot path. Pointers arrive as integers; the C++
 // side validates them (InvalidArgument) and enqueues the staged GPU pipeline on the stream.
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
 #include <cstdint>
+#include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "poise/context.hpp"
@@ -24,6 +28,14 @@ T* pointer(uintptr_t address) {
   return reinterpret_cast<T*>(address);
 }
 
+// ActivationRecord as a Python (index, generation) pair; None for a backward: the latest forward's.
+using Record = std::pair<int64_t, uint64_t>;
+Record to_python(const ActivationRecord& r) { return {r.index, r.generation}; }
+std::optional<ActivationRecord> from_python(const std::optional<Record>& r) {
+  if (!r) return std::nullopt;
+  return ActivationRecord{r->first, r->second};
+}
+
 ForwardArgs forward_args(uintptr_t x_TD, uintptr_t ids_TK, uintptr_t scores_TK, const std::string& scores_dtype,
                          uintptr_t w13, const std::string& w13_layout, uintptr_t w2) {
   ForwardArgs args;
@@ -37,20 +49,20 @@ ForwardArgs forward_args(uintptr_t x_TD, uintptr_t ids_TK, uintptr_t scores_TK, 
   return args;
 }
 
-void forward(Context& context, uintptr_t x_TD, uintptr_t ids_TK, uintptr_t scores_TK, const std::string& scores_dtype,
-             uintptr_t w13, const std::string& w13_layout, uintptr_t w2, uintptr_t out_TD, uintptr_t stream,
-             uintptr_t clip_counts_E2) {
+Record forward(Context& context, uintptr_t x_TD, uintptr_t ids_TK, uintptr_t scores_TK, const std::string& scores_dtype,
+               uintptr_t w13, const std::string& w13_layout, uintptr_t w2, uintptr_t out_TD, uintptr_t stream,
+               uintptr_t clip_counts_E2, bool keep_for_backward) {
   ForwardArgs args = forward_args(x_TD, ids_TK, scores_TK, scores_dtype, w13, w13_layout, w2);
   args.out_TD = pointer<void>(out_TD);
   args.clip_counts_E2 = pointer<int64_t>(clip_counts_E2);
   nb::gil_scoped_release release;
-  routed_experts_forward(context, args, pointer<CUstream_st>(stream));
+  return to_python(routed_experts_forward(context, args, pointer<CUstream_st>(stream), keep_for_backward));
 }
 
 void backward(Context& context, uintptr_t x_TD, uintptr_t ids_TK, uintptr_t scores_TK, const std::string& scores_dtype,
               uintptr_t w13, const std::string& w13_layout, uintptr_t w2, uintptr_t grad_out_TD, uintptr_t grad_x_TD,
               uintptr_t grad_scores_TK, uintptr_t grad_w13, uintptr_t grad_w2, bool accumulate_wgrad,
-              uintptr_t stream) {
+              uintptr_t stream, const std::optional<Record>& record) {
   BackwardArgs args;
   args.forward = forward_args(x_TD, ids_TK, scores_TK, scores_dtype, w13, w13_layout, w2);
   args.grad_out_TD = pointer<const void>(grad_out_TD);
@@ -59,8 +71,9 @@ void backward(Context& context, uintptr_t x_TD, uintptr_t ids_TK, uintptr_t scor
   args.grad_w13 = pointer<void>(grad_w13);
   args.grad_w2 = pointer<void>(grad_w2);
   args.accumulate_wgrad = accumulate_wgrad;
+  const std::optional<ActivationRecord> r = from_python(record);
   nb::gil_scoped_release release;
-  routed_experts_backward(context, args, pointer<CUstream_st>(stream));
+  routed_experts_backward(context, args, pointer<CUstream_st>(stream), r ? &*r : nullptr);
 }
 
 // ---- virtual ranks: one address per rank in each list (Context::create_virtual_ranks) ----------
@@ -93,9 +106,10 @@ std::vector<ForwardArgs> forward_args_per_rank(const Addresses& x_TD, const Addr
   return args;
 }
 
-void forward_ranks(Context& context, const Addresses& x_TD, const Addresses& ids_TK, const Addresses& scores_TK,
-                   const std::string& scores_dtype, const Addresses& w13, const std::string& w13_layout,
-                   const Addresses& w2, const Addresses& out_TD, uintptr_t stream, const Addresses& clip_counts_E2) {
+Record forward_ranks(Context& context, const Addresses& x_TD, const Addresses& ids_TK, const Addresses& scores_TK,
+                     const std::string& scores_dtype, const Addresses& w13, const std::string& w13_layout,
+                     const Addresses& w2, const Addresses& out_TD, uintptr_t stream, const Addresses& clip_counts_E2,
+                     bool keep_for_backward) {
   std::vector<ForwardArgs> args = forward_args_per_rank(x_TD, ids_TK, scores_TK, scores_dtype, w13, w13_layout, w2);
   require_same_length(out_TD, "out_TD", args.size());
   if (!clip_counts_E2.empty()) require_same_length(clip_counts_E2, "clip_counts_E2", args.size());
@@ -104,14 +118,14 @@ void forward_ranks(Context& context, const Addresses& x_TD, const Addresses& ids
     if (!clip_counts_E2.empty()) args[r].clip_counts_E2 = pointer<int64_t>(clip_counts_E2[r]);
   }
   nb::gil_scoped_release release;
-  routed_experts_forward(context, args, pointer<CUstream_st>(stream));
+  return to_python(routed_experts_forward(context, args, pointer<CUstream_st>(stream), keep_for_backward));
 }
 
 void backward_ranks(Context& context, const Addresses& x_TD, const Addresses& ids_TK, const Addresses& scores_TK,
                     const std::string& scores_dtype, const Addresses& w13, const std::string& w13_layout,
                     const Addresses& w2, const Addresses& grad_out_TD, const Addresses& grad_x_TD,
                     const Addresses& grad_scores_TK, const Addresses& grad_w13, const Addresses& grad_w2,
-                    bool accumulate_wgrad, uintptr_t stream) {
+                    bool accumulate_wgrad, uintptr_t stream, const std::optional<Record>& record) {
   std::vector<ForwardArgs> forward = forward_args_per_rank(x_TD, ids_TK, scores_TK, scores_dtype, w13, w13_layout, w2);
   const size_t ranks = forward.size();
   require_same_length(grad_out_TD, "grad_out_TD", ranks);
@@ -129,8 +143,9 @@ void backward_ranks(Context& context, const Addresses& x_TD, const Addresses& id
     args[r].grad_w2 = pointer<void>(grad_w2[r]);
     args[r].accumulate_wgrad = accumulate_wgrad;
   }
+  const std::optional<ActivationRecord> rec = from_python(record);
   nb::gil_scoped_release release;
-  routed_experts_backward(context, args, pointer<CUstream_st>(stream));
+  routed_experts_backward(context, args, pointer<CUstream_st>(stream), rec ? &*rec : nullptr);
 }
 
 void check(Context& context, uintptr_t stream) {
@@ -152,21 +167,23 @@ const char* to_string(W13Layout layout) {
 
 void bind_routed_experts(nb::module_& m) {
   m.def("routed_experts_forward", &forward, "context"_a, "x_TD"_a, "ids_TK"_a, "scores_TK"_a, "scores_dtype"_a,
-        "w13"_a, "w13_layout"_a, "w2"_a, "out_TD"_a, "stream"_a, "clip_counts_E2"_a = 0,
+        "w13"_a, "w13_layout"_a, "w2"_a, "out_TD"_a, "stream"_a, "clip_counts_E2"_a = 0, "keep_for_backward"_a = true,
         "poise::routed_experts_forward on device addresses (integers) and a cudaStream_t (integer); "
-        "clip_counts_E2: int64 [E_local, 2] for the SwiGLU clip counts, or 0.");
+        "clip_counts_E2: int64 [E_local, 2] for the SwiGLU clip counts, or 0. Returns the activation record "
+        "(index, generation) that holds the forward's state for its backward.");
   m.def("routed_experts_backward", &backward, "context"_a, "x_TD"_a, "ids_TK"_a, "scores_TK"_a, "scores_dtype"_a,
         "w13"_a, "w13_layout"_a, "w2"_a, "grad_out_TD"_a, "grad_x_TD"_a, "grad_scores_TK"_a, "grad_w13"_a,
-        "grad_w2"_a, "accumulate_wgrad"_a, "stream"_a,
-        "poise::routed_experts_backward on device addresses (integers) and a cudaStream_t (integer).");
+        "grad_w2"_a, "accumulate_wgrad"_a, "stream"_a, "record"_a = nb::none(),
+        "poise::routed_experts_backward on device addresses (integers) and a cudaStream_t (integer); record: the "
+        "forward's (index, generation), None for the latest forward (recomputed when overwritten).");
   m.def("routed_experts_forward_ranks", &forward_ranks, "context"_a, "x_TD"_a, "ids_TK"_a, "scores_TK"_a,
         "scores_dtype"_a, "w13"_a, "w13_layout"_a, "w2"_a, "out_TD"_a, "stream"_a,
-        "clip_counts_E2"_a = Addresses{},
+        "clip_counts_E2"_a = Addresses{}, "keep_for_backward"_a = true,
         "poise::routed_experts_forward over the launch ranks of a virtual-ranks context: one address per rank "
         "in each list (clip_counts_E2: empty, or one int64 [E_local, 2] per rank).");
   m.def("routed_experts_backward_ranks", &backward_ranks, "context"_a, "x_TD"_a, "ids_TK"_a, "scores_TK"_a,
         "scores_dtype"_a, "w13"_a, "w13_layout"_a, "w2"_a, "grad_out_TD"_a, "grad_x_TD"_a, "grad_scores_TK"_a,
-        "grad_w13"_a, "grad_w2"_a, "accumulate_wgrad"_a, "stream"_a,
+        "grad_w13"_a, "grad_w2"_a, "accumulate_wgrad"_a, "stream"_a, "record"_a = nb::none(),
         "poise::routed_experts_backward over the launch ranks of a virtual-ranks context: one address per rank "
         "in each list.");
   m.def("context_check", &check, "context"_a, "stream"_a,

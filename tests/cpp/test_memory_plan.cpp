@@ -66,10 +66,21 @@ TEST(MemoryPlan, SlotsScaleWithCountAndLayers) {
 
 TEST(MemoryPlan, SlotCapacityFactorAndBytes) {
   Config c = deepseek_v3();
-  c.activation_slot_capacity_factor = 0.0;
+  c.activation_slot_capacity_factor = 0.0;  // nothing kept: every layer recomputes
   const MemoryPlan none = plan_memory(c, 8);
-  EXPECT_EQ(none.activation_slot_bytes, none.activation_slot_min_bytes);
+  EXPECT_EQ(none.activation_records_per_slot, 0);
+  EXPECT_EQ(none.activation_slot_bytes, 0);
+  // A slot keeps whole layers: room for 2.5 layers of 4 keeps 2, the other 2 recompute.
+  c.max_moe_layers_per_activation_slot = 4;
   c.activation_slot_capacity_factor.reset();
+  const MemoryPlan full = plan_memory(c, 8);
+  EXPECT_EQ(full.activation_records_per_slot, 4);
+  EXPECT_EQ(full.activation_slot_bytes, 4 * full.activation_record_bytes);
+  c.activation_slot_bytes = 5 * full.activation_record_bytes / 2;
+  const MemoryPlan part = plan_memory(c, 8);
+  EXPECT_EQ(part.activation_records_per_slot, 2);
+  EXPECT_EQ(part.activation_slot_bytes, 2 * part.activation_record_bytes);
+  c.max_moe_layers_per_activation_slot = 1;
   c.activation_slot_bytes = int64_t(1) << 40;  // more than useful: clamped to the maximum useful size
   const MemoryPlan clamped = plan_memory(c, 8);
   EXPECT_EQ(clamped.activation_slot_bytes, clamped.activation_slot_max_useful_bytes);

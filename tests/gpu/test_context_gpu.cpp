@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -130,6 +131,90 @@ TEST(ContextGpuErrors, ExpertIdOutOfRangeIsReportedNotHung) {
   DeviceLayer good(c, 1, inputs, grad_out, DType::fp32);
   routed_experts_forward(*context, good.forward_args(), nullptr);
   EXPECT_NO_THROW(context->check(nullptr));
+}
+
+// Activation slots: three layers run forward, then backward in reverse order. The slot keeps two
+// layers whole (its bytes hold 2 records), the third runs from the working buffers; then a fourth
+// forward overwrites those, so the third layer's backward must rebuild its forward. Exact balance
+// with every token on one expert: layers use replicas, so a backward from a kept layer must also
+// push its replica weights again (the window holds the latest forward's). Every result against the
+// CPU reference; every output poisoned first.
+TEST(ContextGpuSlots, KeptLayersRunFromTheirSlotTheRestRecompute) {
+  if (!testing::have_sm90_gpu()) GTEST_SKIP() << "needs an SM90 GPU";
+  Config c;
+  c.num_local_input_tokens = 96;
+  c.hidden_dim = 192;
+  c.intermediate_dim = 320;
+  c.top_k = 4;
+  c.num_experts = 16;
+  c.balance = Balance::exact;
+  c.max_moe_layers_per_activation_slot = 3;
+  const int64_t R = 4;
+  c.activation_slot_bytes = 2 * plan_memory(c, R).activation_record_bytes;
+  const MemoryPlan plan = plan_memory(c, R);
+  ASSERT_EQ(plan.activation_records_per_slot, 2);
+
+  reference::Options options;
+  struct Layer {
+    std::vector<reference::RankInputs> inputs;
+    std::vector<std::vector<float>> grad_out, want_out;
+    std::vector<reference::RankGradients> want_grads;
+  };
+  std::vector<Layer> layers(4);
+  for (size_t i = 0; i < layers.size(); ++i) {
+    Layer& l = layers[i];
+    l.inputs = reference::random_inputs(c, R, {.seed = 500 + 31 * i, .skew = 1.0, .padding_rows = 3}, options);
+    if (i % 2 == 0) {  // hot expert: the plan replicates it onto every other rank
+      for (auto& in : l.inputs)
+        for (int64_t t = 0; t < c.num_local_input_tokens; ++t) in.ids_TK[t * c.top_k] = 0, in.ids_TK[t * c.top_k + 1] = 1;
+      for (auto& in : l.inputs)
+        for (int64_t t = 0; t < c.num_local_input_tokens; ++t)
+          for (int64_t k = 2; k < c.top_k; ++k) in.ids_TK[t * c.top_k + k] = int32_t(2 + (t + k) % (c.num_experts - 2));
+    }
+    l.grad_out = reference::random_grad_out(c, R, 900 + i);
+    reference::Engine engine(c, R, options);
+    l.want_out = engine.forward(l.inputs);
+    engine.backward(l.inputs, l.grad_out, l.want_grads);
+  }
+  auto context = Context::create_virtual_ranks(c, R);
+  std::vector<std::unique_ptr<DeviceLayer>> device;
+  for (const Layer& l : layers) {
+    device.push_back(std::make_unique<DeviceLayer>(c, R, l.inputs, l.grad_out, DType::fp32));
+    device.back()->poison_outputs();
+  }
+  context->select_activation_slot(0, 3);
+  std::vector<ActivationRecord> records;
+  for (int i = 0; i < 3; ++i) records.push_back(routed_experts_forward(*context, device[i]->forward_args(), nullptr));
+  EXPECT_EQ(records[0].index, 1);  // kept in the slot
+  EXPECT_EQ(records[1].index, 2);
+  EXPECT_EQ(records[2].index, 0);  // no room: the working buffers
+  for (int i = 2; i >= 0; --i) routed_experts_backward(*context, device[i]->backward_args(), nullptr, &records[i]);
+  context->check(nullptr);
+  EXPECT_EQ(context->recomputed_forwards(), 0);  // layer 2 was still in the working buffers
+
+  // Layer 3 runs forward without a selection (the working buffers); layer 2's record is then stale.
+  const ActivationRecord fourth = routed_experts_forward(*context, device[3]->forward_args(), nullptr);
+  EXPECT_EQ(fourth.index, 0);
+  device[2]->poison_outputs();
+  routed_experts_backward(*context, device[2]->backward_args(), nullptr, &records[2]);
+  EXPECT_EQ(context->recomputed_forwards(), 1);
+  routed_experts_backward(*context, device[3]->backward_args(), nullptr, &fourth);  // rebuilt again: overwritten
+  EXPECT_EQ(context->recomputed_forwards(), 2);
+  context->check(nullptr);
+
+  for (size_t i = 0; i < layers.size(); ++i) {
+    const DeviceLayer& d = *device[i];
+    const auto out = d.out_TD(), grad_x = d.grad_x_TD(), grad_scores = d.grad_scores_TK();
+    const auto grad_w13 = d.grad_w13(), grad_w2 = d.grad_w2();
+    for (int64_t r = 0; r < R; ++r) {
+      SCOPED_TRACE("layer " + std::to_string(i) + " rank " + std::to_string(r));
+      if (i != 2) EXPECT_LT(rel_error(out[r], layers[i].want_out[r]), 1e-2);  // layer 2's out was re-poisoned
+      EXPECT_LT(rel_error(grad_x[r], layers[i].want_grads[r].grad_x_TD), 1e-2);
+      EXPECT_LT(rel_error(grad_scores[r], layers[i].want_grads[r].grad_scores_TK), 1e-2);
+      EXPECT_LT(rel_error(grad_w13[r], layers[i].want_grads[r].grad_w13), 1e-2);
+      EXPECT_LT(rel_error(grad_w2[r], layers[i].want_grads[r].grad_w2), 1e-2);
+    }
+  }
 }
 
 }  // namespace

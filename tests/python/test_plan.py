@@ -87,7 +87,10 @@ def test_regions_sum_to_the_totals(changes, ep_size):
     if not p.config.inference:
         assert 0 < p.activation_slot_min_bytes <= p.activation_slot_full_save_bytes
         assert p.activation_slot_full_save_bytes <= p.activation_slot_max_useful_bytes
-        assert p.activation_slot_min_bytes <= p.activation_slot_bytes <= p.activation_slot_max_useful_bytes
+        # A slot keeps whole layers: 0..max_moe_layers_per_activation_slot records.
+        assert 0 <= p.activation_slot_bytes <= p.activation_slot_max_useful_bytes
+        assert 0 <= p.activation_records_per_slot <= p.config.max_moe_layers_per_activation_slot
+        assert p.activation_slot_bytes == p.activation_records_per_slot * p.activation_record_bytes
 
 
 def test_inference_saves_nothing_and_keeps_no_weight_grads():
@@ -129,17 +132,20 @@ def test_layers_per_slot_scale_the_slot():
 
 
 def test_slot_sizing_by_factor_and_by_bytes():
-    full = plan()
-    half = plan(activation_slot_capacity_factor=0.5)
-    none = plan(activation_slot_capacity_factor=0.0)
-    assert none.activation_slot_bytes < half.activation_slot_bytes < full.activation_slot_bytes
-    # An absolute size between the minimum and the useful maximum is kept (rounded up to 256 B).
-    wanted = (full.activation_slot_min_bytes + full.activation_slot_full_save_bytes) // 2 + 1
-    sized = plan(activation_slot_bytes=wanted)
-    assert wanted <= sized.activation_slot_bytes < wanted + 256
+    # A slot for 4 layers keeps as many whole layers as its bytes allow; the others recompute.
+    full = plan(max_moe_layers_per_activation_slot=4)
+    half = plan(max_moe_layers_per_activation_slot=4, activation_slot_capacity_factor=0.5)
+    none = plan(max_moe_layers_per_activation_slot=4, activation_slot_capacity_factor=0.0)
+    assert (none.activation_records_per_slot, half.activation_records_per_slot, full.activation_records_per_slot) == (0, 2, 4)
+    assert none.activation_slot_bytes == 0 < half.activation_slot_bytes < full.activation_slot_bytes
+    assert full.activation_slot_bytes == 4 * full.activation_record_bytes == full.activation_slot_max_useful_bytes
+    # An absolute size keeps the whole records that fit in it.
+    sized = plan(max_moe_layers_per_activation_slot=4, activation_slot_bytes=5 * full.activation_record_bytes // 2)
+    assert sized.activation_records_per_slot == 2
+    assert sized.activation_slot_bytes == 2 * full.activation_record_bytes
     # Beyond the useful maximum it is clamped; below the minimum it is an error naming the field.
     huge = plan(activation_slot_bytes=10 * full.activation_slot_max_useful_bytes)
-    assert huge.activation_slot_bytes == full.activation_slot_max_useful_bytes
+    assert huge.activation_slot_bytes == plan().activation_slot_max_useful_bytes
     with pytest.raises(poise.InvalidArgument) as raised:
         plan(activation_slot_bytes=full.activation_slot_min_bytes - 1)
     assert raised.value.name == "activation_slot_bytes"

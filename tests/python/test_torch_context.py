@@ -41,7 +41,7 @@ def test_group_needs_torch_distributed():
 
 def test_select_activation_slot():
     with poise.create_context(config=CONFIG, device="cpu") as context:
-        assert context.activation_slot == (0, 1)
+        assert context.activation_slot is None  # no selection yet: the working buffers
         context.select_activation_slot(1, 3)
         assert context.activation_slot == (1, 3)
         for args, name in [((2, 1), "slot"), ((-1, 1), "slot"), ((0, 0), "num_moe_layers_in_slot"),

@@ -123,6 +123,29 @@ def test_layers_sharing_a_context_and_no_grad_in_between():
             assert relative_error(inputs[name].grad, want) < TOLERANCE, name
 
 
+def test_activation_slot_keeps_layers_for_backward():
+    """Two layers in one activation slot: both backwards run from what their forward kept."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    config = dataclasses.replace(CONFIG, max_moe_layers_per_activation_slot=2)
+    layers = [inputs_on(device, seed=s)[0] for s in (11, 12)]
+    for inputs in layers:
+        for name in ("x_TD", "scores_TK", "w13", "w2"):
+            inputs[name].requires_grad_()
+    grad_out = torch.randn(config.num_local_input_tokens, config.hidden_dim, device=device).bfloat16()
+    with poise.create_context(config=config, device=device) as context:
+        assert context.plan.activation_records_per_slot == 2
+        context.select_activation_slot(0, 2)
+        outs = [poise.routed_experts(*[inputs[n] for n in NAMES], context) for inputs in layers]
+        outs[1].backward(grad_out)
+        outs[0].backward(grad_out)
+        context.check()
+        assert context._backend.recomputed_forwards == 0
+    for inputs in layers:
+        _, want_grads = cpu_result(inputs, grad_out)
+        for name, want in zip(("x_TD", "scores_TK", "w13", "w2"), want_grads):
+            assert relative_error(inputs[name].grad, want) < TOLERANCE, name
+
+
 def reference_virtual(config, per_rank, grad_out, w13_layout="gate_up_blocked"):
     """Every rank's out_TD and grads from the CPU reference engine (R virtual ranks, float32 math)."""
     engine = reference.Engine(config, len(per_rank))

@@ -30,7 +30,9 @@ void launch_replica_grad_reduce(const EpLaunch& l, const LaunchIo& io, cudaStrea
 // slots of the ranks that host them (overlapped with the token rows). Ends in a barrier.
 void launch_dispatch_forward(const EpLaunch& l, const LaunchIo& io, cudaStream_t stream);
 // Backward dispatch of grad_out rows, with the forward's layout (no metadata). Ends in a barrier.
-void launch_dispatch_backward(const EpLaunch& l, const LaunchIo& io, cudaStream_t stream);
+// push_replicas (exact balance): push the layer's replica weights again, as forward dispatch does,
+// when the window holds another layer's (a backward from an activation record).
+void launch_dispatch_backward(const EpLaunch& l, const LaunchIo& io, bool push_replicas, cudaStream_t stream);
 
 // Local, after dispatch: rows of a token's second, third... expert on a rank copied from its primary
 // row, in place in the receive rows of x (forward) or of grad_out (backward).

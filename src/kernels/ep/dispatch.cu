@@ -50,7 +50,8 @@ __device__ void push_replica_weights(const PeerTable& pt, const EpDims& dims, co
 template <bool kBackward>
 __global__ void __launch_bounds__(kThreads) dispatch_kernel(const PeerTable* tables, EpDims dims,
                                                             WorkspaceOffsets ws, LaunchIo io,
-                                                            LaunchScratch scratch, int blocks_per_rank) {
+                                                            LaunchScratch scratch, int blocks_per_rank,
+                                                            bool push_replicas) {
   const int slot = rank_slot(blocks_per_rank);
   const PeerTable& pt = tables[slot];
   if (!comm::rank_failed(pt)) {
@@ -86,7 +87,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const PeerTable* tab
       }
     }
   }
-  if (!kBackward && dims.balanced) {
+  if (push_replicas) {
     const size_t first = size_t(blockIdx.x) * kWarps + threadIdx.x / 32, stride = size_t(gridDim.x) * kWarps;
     for (int s = 0; s < int(gridDim.x) / blocks_per_rank; ++s) {
       if (!comm::rank_failed(tables[s]))
@@ -149,23 +150,23 @@ int local_blocks_per_rank(const EpLaunch& l) {
 }
 
 template <bool kBackward>
-void launch_dispatch(const EpLaunch& l, const LaunchIo& io, cudaStream_t stream) {
+void launch_dispatch(const EpLaunch& l, const LaunchIo& io, bool push_replicas, cudaStream_t stream) {
   const int work_blocks = (l.dims.T + kWarps - 1) / kWarps;
   const int blocks = persistent_blocks_per_rank(l, reinterpret_cast<const void*>(&dispatch_kernel<kBackward>),
                                                 kThreads, work_blocks);
   dispatch_kernel<kBackward><<<l.launch_ranks * blocks, kThreads, 0, stream>>>(l.tables, l.dims, l.ws, io,
-                                                                               l.scratch, blocks);
+                                                                               l.scratch, blocks, push_replicas);
   comm::cuda_check_launch("dispatch_kernel");
 }
 
 }  // namespace
 
 void launch_dispatch_forward(const EpLaunch& l, const LaunchIo& io, cudaStream_t stream) {
-  launch_dispatch<false>(l, io, stream);
+  launch_dispatch<false>(l, io, l.dims.balanced != 0, stream);
 }
 
-void launch_dispatch_backward(const EpLaunch& l, const LaunchIo& io, cudaStream_t stream) {
-  launch_dispatch<true>(l, io, stream);
+void launch_dispatch_backward(const EpLaunch& l, const LaunchIo& io, bool push_replicas, cudaStream_t stream) {
+  launch_dispatch<true>(l, io, push_replicas && l.dims.balanced, stream);
 }
 
 void launch_fanout_rows(const EpLaunch& l, bool backward, cudaStream_t stream) {

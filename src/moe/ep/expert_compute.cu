@@ -2,6 +2,7 @@
 
 #include "kernels/ep/reference_grouped_gemm.hpp"
 #include "kernels/expert_mlp.hpp"
+#include "poise/errors.hpp"
 
 namespace poise::ep {
 namespace {
@@ -86,7 +87,8 @@ sm90::ExpertMlpShape sm90_shape(const EpLaunch& l) {
   return shape;
 }
 
-void sm90_forward(const EpLaunch& l, const LaunchIo& io, cudaStream_t stream) {
+// with_w2 = false: only h13 (and a), what a recomputed forward must give backward.
+void sm90_forward(const EpLaunch& l, const LaunchIo& io, bool with_w2, cudaStream_t stream) {
   const sm90::ExpertMlpShape shape = sm90_shape(l);
   const GroupRange own = own_groups(l), replicas = replica_groups(l);
   for (int s = 0; s < l.launch_ranks; ++s) {
@@ -99,7 +101,7 @@ void sm90_forward(const EpLaunch& l, const LaunchIo& io, cudaStream_t stream) {
       w2.replica_w2_EDF = w2_of(l, io, s, replicas);
     }
     sm90::expert_mlp_fprop_w13(rows, shape, w13, stream);
-    sm90::expert_mlp_fprop_w2(rows, shape, w2, stream);
+    if (with_w2) sm90::expert_mlp_fprop_w2(rows, shape, w2, stream);
   }
 }
 
@@ -144,8 +146,13 @@ void sm90_backward(const EpLaunch& l, const LaunchIo& io, bool accumulate, cudaS
 
 const char* to_string(ExpertKernels k) { return k == ExpertKernels::sm90 ? "sm90" : "standin"; }
 
+void expert_forward_h13(const EpLaunch& l, const LaunchIo& io, ExpertKernels kernels, cudaStream_t stream) {
+  if (kernels != ExpertKernels::sm90) throw NotAvailable("expert_forward_h13: SM90 expert kernels only");
+  sm90_forward(l, io, /*with_w2=*/false, stream);
+}
+
 void expert_forward(const EpLaunch& l, const LaunchIo& io, ExpertKernels kernels, cudaStream_t stream) {
-  if (kernels == ExpertKernels::sm90) return sm90_forward(l, io, stream);
+  if (kernels == ExpertKernels::sm90) return sm90_forward(l, io, /*with_w2=*/true, stream);
   GroupRange ranges[2];
   const int n = group_ranges(l, ranges);
   for (int i = 0; i < n; ++i) {

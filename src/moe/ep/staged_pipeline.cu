@@ -20,7 +20,10 @@ constexpr size_t kRegionAlignment = 256;
 
 size_t align_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
 
-WorkspaceOffsets plan_workspace(const EpDims& d, bool training) {
+// The symmetric workspace; `windows` (nullable) receives each activation record's regions (the
+// received x rows and their metadata), record 0's also in the returned offsets.
+WorkspaceOffsets plan_workspace(const EpDims& d, bool training, int records,
+                                std::vector<StagedPipeline::RecordWindow>* windows = nullptr) {
   WorkspaceOffsets w;
   size_t at = comm::kSignalBytes;
   auto region = [&](size_t bytes) {
@@ -31,10 +34,16 @@ WorkspaceOffsets plan_workspace(const EpDims& d, bool training) {
   };
   const size_t cap = d.capacity_rows, row = static_cast<size_t>(d.D) * sizeof(bf16);
   w.counts_RE = region(sizeof(int32_t) * d.world * d.E);
-  w.row_origin = region(sizeof(int32_t) * cap);
-  w.row_primary = region(sizeof(int32_t) * cap);
-  w.row_score = region(sizeof(float) * cap);
-  w.recv_x = region(cap * row);
+  for (int r = 0; r < records; ++r) {
+    StagedPipeline::RecordWindow rw;
+    rw.row_origin = region(sizeof(int32_t) * cap);
+    rw.row_primary = region(sizeof(int32_t) * cap);
+    rw.row_score = region(sizeof(float) * cap);
+    rw.recv_x = region(cap * row);
+    if (windows) windows->push_back(rw);
+    if (r == 0) w.row_origin = rw.row_origin, w.row_primary = rw.row_primary, w.row_score = rw.row_score,
+                w.recv_x = rw.recv_x;
+  }
   w.recv_grad = training ? region(cap * row) : 0;
   w.combine = region(static_cast<size_t>(d.T) * d.K * row);
   w.grad_scores_TK = training ? region(sizeof(float) * d.T * d.K) : 0;
@@ -67,6 +76,11 @@ void validate_config(const Config& c, int64_t ep_size, const PipelineOptions& o)
   require(c.num_experts <= kMaxExperts, "num_experts",
           "the EP pipeline supports num_experts <= " + std::to_string(kMaxExperts));
   require(ep_size <= comm::kMaxPeers, "ep_size", "at most " + std::to_string(comm::kMaxPeers) + " ranks");
+  require(o.activation_records >= 0 && (!c.inference || o.activation_records == 0), "activation_records",
+          "must be >= 0, and 0 for inference");
+  if (o.activation_records > 0 && o.expert_kernels != ExpertKernels::sm90) {
+    throw NotAvailable("activation_records: the EP stand-in kernels' backward reads the latest forward's y");
+  }
   if (!c.inference && c.wgrad_dtype != DType::fp32 && o.expert_kernels != ExpertKernels::sm90) {
     throw NotAvailable("wgrad_dtype=bf16: the EP stand-in kernels write fp32 weight gradients only (the SM90 "
                        "expert kernels write both)");
@@ -149,6 +163,7 @@ const char* to_string(Stage s) {
     case Stage::combine_reduce: return "combine_reduce";
     case Stage::grad_scores: return "grad_scores";
     case Stage::replica_grads: return "replica_grads";
+    case Stage::recompute: return "recompute";
     case Stage::end: return "end";
   }
   return "?";
@@ -171,7 +186,21 @@ int64_t StagedPipeline::capacity_rows(const Config& c, int64_t ep_size, const Pi
 
 size_t StagedPipeline::workspace_bytes(const Config& c, int64_t ep_size, const PipelineOptions& o) {
   validate_config(c, ep_size, o);
-  return plan_workspace(make_dims(c, ep_size, o), !c.inference).total;
+  return plan_workspace(make_dims(c, ep_size, o), !c.inference, 1 + o.activation_records).total;
+}
+
+size_t StagedPipeline::record_bytes(const Config& c, int64_t ep_size, const PipelineOptions& o) {
+  validate_config(c, ep_size, o);
+  const EpDims d = make_dims(c, ep_size, o);
+  const size_t cap = d.capacity_rows, TK = size_t(d.T) * d.K;
+  size_t bytes = 2 * TK * sizeof(int32_t) + (2 * size_t(d.groups) + 1) * sizeof(int32_t) +
+                 cap * 2 * size_t(d.F) * sizeof(bf16);                      // layout, h13
+  bytes += cap * (3 * sizeof(int32_t) + size_t(d.D) * sizeof(bf16));      // window: metadata, x rows
+  if (d.balanced) {
+    bytes += (2 * size_t(d.E) + 1 + size_t(d.world) * (d.groups + 1) + kPlanStats) * sizeof(int32_t) +
+             sizeof(plan::shared::ReplicaPiece) * std::max(1, d.world * d.replica_slots);
+  }
+  return bytes;
 }
 
 std::unique_ptr<StagedPipeline> StagedPipeline::create_virtual(const Config& config, int64_t ep_size,
@@ -209,7 +238,7 @@ StagedPipeline::StagedPipeline(const Config& config, std::unique_ptr<comm::Trans
   launch_.tables = transport_->device_tables();
   launch_.launch_ranks = transport_->launch_ranks();
   launch_.dims = make_dims(config, transport_->world_size(), options);
-  launch_.ws = plan_workspace(launch_.dims, training);
+  launch_.ws = plan_workspace(launch_.dims, training, 1 + options.activation_records, &record_windows_);
   int device = 0;
   cuda_check(cudaGetDevice(&device), "cudaGetDevice");
   cuda_check(cudaDeviceGetAttribute(&launch_.num_sms, cudaDevAttrMultiProcessorCount, device),
@@ -223,27 +252,33 @@ StagedPipeline::StagedPipeline(const Config& config, std::unique_ptr<comm::Trans
     return p;
   };
   try {
+    for (int r = 0; r < records(); ++r) {
+      for (int s = 0; s < launch_.launch_ranks; ++s) {
+        RecordBuffers b;
+        b.dest_row_TK = static_cast<int32_t*>(alloc(sizeof(int32_t) * d.T * d.K));
+        b.dest_rank_TK = static_cast<int32_t*>(alloc(sizeof(int32_t) * d.T * d.K));
+        b.group_offsets = static_cast<int32_t*>(alloc(sizeof(int32_t) * (d.groups + 1)));
+        b.group_counts = static_cast<int32_t*>(alloc(sizeof(int32_t) * d.groups));
+        cuda_check(cudaMemset(b.group_offsets, 0, sizeof(int32_t) * (d.groups + 1)), "cudaMemset");
+        cuda_check(cudaMemset(b.group_counts, 0, sizeof(int32_t) * d.groups), "cudaMemset");
+        if (d.balanced) {
+          b.plan_kept_E = static_cast<int32_t*>(alloc(sizeof(int32_t) * d.E));
+          b.plan_piece_first_E = static_cast<int32_t*>(alloc(sizeof(int32_t) * (d.E + 1)));
+          b.plan_pieces = static_cast<plan::shared::ReplicaPiece*>(
+              alloc(sizeof(plan::shared::ReplicaPiece) * std::max(1, d.world * d.replica_slots)));
+          b.plan_group_offsets_RG = static_cast<int32_t*>(alloc(sizeof(int32_t) * d.world * (d.groups + 1)));
+          b.plan_stats = static_cast<int32_t*>(alloc(sizeof(int32_t) * kPlanStats));
+          cuda_check(cudaMemset(b.plan_piece_first_E, 0, sizeof(int32_t) * (d.E + 1)), "cudaMemset");
+        }
+        b.h13_R2F = static_cast<bf16*>(alloc(sizeof(bf16) * cap * 2 * d.F));
+        record_buffers_.push_back(b);
+      }
+    }
     for (int s = 0; s < launch_.launch_ranks; ++s) {
       RankScratch& rs = launch_.scratch.rank[s];
       rs.workspace = transport_->local_workspace(s);
       rs.error_code = &transport_->device_error(s)->code;
       rs.chunk_offsets_CE = static_cast<int32_t*>(alloc(sizeof(int32_t) * d.num_chunks * d.E));
-      rs.dest_row_TK = static_cast<int32_t*>(alloc(sizeof(int32_t) * d.T * d.K));
-      rs.dest_rank_TK = static_cast<int32_t*>(alloc(sizeof(int32_t) * d.T * d.K));
-      rs.group_offsets = static_cast<int32_t*>(alloc(sizeof(int32_t) * (d.groups + 1)));
-      rs.group_counts = static_cast<int32_t*>(alloc(sizeof(int32_t) * d.groups));
-      cuda_check(cudaMemset(rs.group_offsets, 0, sizeof(int32_t) * (d.groups + 1)), "cudaMemset");
-      cuda_check(cudaMemset(rs.group_counts, 0, sizeof(int32_t) * d.groups), "cudaMemset");
-      if (d.balanced) {
-        rs.plan_kept_E = static_cast<int32_t*>(alloc(sizeof(int32_t) * d.E));
-        rs.plan_piece_first_E = static_cast<int32_t*>(alloc(sizeof(int32_t) * (d.E + 1)));
-        rs.plan_pieces = static_cast<plan::shared::ReplicaPiece*>(
-            alloc(sizeof(plan::shared::ReplicaPiece) * std::max(1, d.world * d.replica_slots)));
-        rs.plan_group_offsets_RG = static_cast<int32_t*>(alloc(sizeof(int32_t) * d.world * (d.groups + 1)));
-        rs.plan_stats = static_cast<int32_t*>(alloc(sizeof(int32_t) * kPlanStats));
-        cuda_check(cudaMemset(rs.plan_piece_first_E, 0, sizeof(int32_t) * (d.E + 1)), "cudaMemset");
-      }
-      rs.h13_R2F = static_cast<bf16*>(alloc(sizeof(bf16) * cap * 2 * d.F));
       rs.a_RF = static_cast<bf16*>(alloc(sizeof(bf16) * cap * d.F));
       rs.rows_out_RD = static_cast<bf16*>(alloc(sizeof(bf16) * cap * d.D));
       if (training) {
@@ -255,6 +290,7 @@ StagedPipeline::StagedPipeline(const Config& config, std::unique_ptr<comm::Trans
         rs.grad_h13_R2F = static_cast<bf16*>(alloc(sizeof(bf16) * cap * 2 * d.F));
       }
     }
+    launch_ = launch_for(0);
     if (d.balanced) configure_balance_plan(launch_);
   } catch (...) {
     for (void* p : allocations_) cudaFree(p);
@@ -287,15 +323,53 @@ LaunchIo StagedPipeline::forward_io(std::span<const ForwardArgs> args, bool back
   return io;
 }
 
-void StagedPipeline::forward(std::span<const ForwardArgs> args, cudaStream_t stream) {
-  const LaunchIo io = forward_io(args, /*backward=*/false);
+EpLaunch StagedPipeline::launch_for(int record) const {
   EpLaunch l = launch_;
+  for (int s = 0; s < l.launch_ranks; ++s) {
+    const RecordBuffers& b = record_buffers_[size_t(record) * l.launch_ranks + s];
+    RankScratch& rs = l.scratch.rank[s];
+    rs.dest_row_TK = b.dest_row_TK;
+    rs.dest_rank_TK = b.dest_rank_TK;
+    rs.group_offsets = b.group_offsets;
+    rs.group_counts = b.group_counts;
+    rs.plan_kept_E = b.plan_kept_E;
+    rs.plan_piece_first_E = b.plan_piece_first_E;
+    rs.plan_pieces = b.plan_pieces;
+    rs.plan_group_offsets_RG = b.plan_group_offsets_RG;
+    rs.plan_stats = b.plan_stats;
+    rs.h13_R2F = b.h13_R2F;
+  }
+  const RecordWindow& w = record_windows_[record];
+  l.ws.row_origin = w.row_origin;
+  l.ws.row_primary = w.row_primary;
+  l.ws.row_score = w.row_score;
+  l.ws.recv_x = w.recv_x;
+  return l;
+}
+
+void StagedPipeline::check_record(int record) const {
+  require(record >= 0 && record < records(), "record",
+          "must be in [0, " + std::to_string(records()) + "), got " + std::to_string(record));
+}
+
+void StagedPipeline::forward_data_path(const EpLaunch& l, const LaunchIo& io, cudaStream_t stream) {
+  launch_route(l, io, stream);
+  launch_dispatch_forward(l, io, stream);
+  launch_fanout_rows(l, /*backward=*/false, stream);
+}
+
+void StagedPipeline::forward(std::span<const ForwardArgs> args, cudaStream_t stream, int record) {
+  check_record(record);
+  const LaunchIo io = forward_io(args, /*backward=*/false);
+  EpLaunch l = launch_for(record);
   l.dims.scores_bf16 = args[0].scores_dtype == DType::bf16;
   l.dims.w13_interleaved = args[0].w13_layout == W13Layout::gate_up_interleaved;
   stage(Stage::route, stream);
   launch_route(l, io, stream);
   stage(Stage::dispatch, stream);
   launch_dispatch_forward(l, io, stream);
+  replicas_in_window_ = record;
+  latest_forward_record_ = record;
   stage(Stage::fanout, stream);
   launch_fanout_rows(l, /*backward=*/false, stream);
   stage(Stage::experts, stream);
@@ -310,8 +384,9 @@ void StagedPipeline::forward(std::span<const ForwardArgs> args, cudaStream_t str
   stage(Stage::end, stream);
 }
 
-void StagedPipeline::backward(std::span<const BackwardArgs> args, cudaStream_t stream) {
+void StagedPipeline::backward(std::span<const BackwardArgs> args, cudaStream_t stream, int record, bool recompute) {
   if (config_.inference) throw InvalidArgument("inference", "the pipeline was created for inference: no backward");
+  check_record(record);
   std::vector<ForwardArgs> fwd;
   for (const BackwardArgs& a : args) fwd.push_back(a.forward);
   LaunchIo io = forward_io(fwd, /*backward=*/true);
@@ -331,15 +406,28 @@ void StagedPipeline::backward(std::span<const BackwardArgs> args, cudaStream_t s
     r.grad_w13_E2FD = a.grad_w13;
     r.grad_w2_EDF = a.grad_w2;
   }
-  EpLaunch l = launch_;
+  EpLaunch l = launch_for(record);
   l.dims.scores_bf16 = args[0].forward.scores_dtype == DType::bf16;
   l.dims.w13_interleaved = args[0].forward.w13_layout == W13Layout::gate_up_interleaved;
+  if (recompute) {
+    // Only what backward reads: the layout, the received x rows, h13 (and the replica weights).
+    if (!l.dims.scores_from_experts) {
+      throw NotAvailable("recompute: the stand-in experts' backward reads the forward's y; run its forward instead");
+    }
+    stage(Stage::recompute, stream);
+    forward_data_path(l, io, stream);
+    expert_forward_h13(l, io, expert_kernels_, stream);
+    replicas_in_window_ = record;
+  }
+  // Exact balance: the window's replica weights are those of the latest forward (or recompute).
+  const bool push_replicas = l.dims.balanced && replicas_in_window_ != record;
+  replicas_in_window_ = record;
   if (!l.dims.scores_from_experts) {
     stage(Stage::grad_scores, stream);
     launch_grad_scores(l, io, stream);  // reads y from the combine buffer before grad_x rows replace it
   }
   stage(Stage::dispatch, stream);
-  launch_dispatch_backward(l, io, stream);
+  launch_dispatch_backward(l, io, push_replicas, stream);
   stage(Stage::fanout, stream);
   // SM90 experts read grad_out rows in place (the scores are applied in DGRAD W2); the stand-in
   // experts want score-scaled copies.
@@ -382,8 +470,9 @@ void StagedPipeline::check(cudaStream_t stream) {
 void StagedPipeline::reset() { transport_->reset(); }
 
 LayoutSnapshot StagedPipeline::snapshot(int slot) const {
-  const EpDims& d = launch_.dims;
-  const RankScratch& rs = launch_.scratch.rank[slot];
+  const EpLaunch latest = launch_for(latest_forward_record_);
+  const EpDims& d = latest.dims;
+  const RankScratch& rs = latest.scratch.rank[slot];
   LayoutSnapshot s;
   s.dest_row_TK.resize(static_cast<size_t>(d.T) * d.K);
   s.group_offsets.resize(d.groups + 1);
@@ -398,8 +487,8 @@ LayoutSnapshot StagedPipeline::snapshot(int slot) const {
   get(s.dest_row_TK, rs.dest_row_TK);
   get(s.group_offsets, rs.group_offsets);
   get(s.group_counts, rs.group_counts);
-  get(s.row_origin, rs.workspace + launch_.ws.row_origin);
-  get(s.row_primary, rs.workspace + launch_.ws.row_primary);
+  get(s.row_origin, rs.workspace + latest.ws.row_origin);
+  get(s.row_primary, rs.workspace + latest.ws.row_primary);
   get(s.dest_rank_TK, rs.dest_rank_TK);
   return s;
 }
@@ -407,7 +496,8 @@ LayoutSnapshot StagedPipeline::snapshot(int slot) const {
 PlanSnapshot StagedPipeline::plan_snapshot(int slot) const {
   const EpDims& d = launch_.dims;
   require(d.balanced, "plan_snapshot", "the pipeline does not balance (balance=capacity)");
-  const RankScratch& rs = launch_.scratch.rank[slot];
+  const EpLaunch latest = launch_for(latest_forward_record_);
+  const RankScratch& rs = latest.scratch.rank[slot];
   cuda_check(cudaDeviceSynchronize(), "plan_snapshot: cudaDeviceSynchronize");
   PlanSnapshot p;
   auto get = [](auto& v, const void* src) {

@@ -5,8 +5,15 @@
 //
 // One pipeline serves every rank this process drives: all R virtual ranks (one grid per stage,
 // split by rank), or the single rank of a process-per-GPU NCCL group. Arguments come per launch
-// slot. Backward reuses the forward's saved layout and activations, so it must follow the forward
-// it differentiates, before the next forward on the same pipeline.
+// slot.
+//
+// Activation records: backward reads what its forward left (routing layout, balance plan, the
+// received x rows with their metadata, h13). Record 0 is the working record; records 1..N
+// (PipelineOptions::activation_records) keep other layers' forwards, so several layers can run
+// forward before their backwards (activation slots, docs/memory_plan.md). A call names its record;
+// the kernels then read and write that record's buffers and window regions (pointers switched per
+// call: no copies). A backward whose record no longer holds its forward recomputes the forward's
+// routing, dispatch and W13 GEMM into it first (no W2 GEMM, no combine: backward needs neither).
 //
 // Balance modes (Config::balance):
 //  - exact: a planner kernel turns the all-gathered counts into a plan (docs/balance.md) so every
@@ -44,6 +51,7 @@ enum class Stage {
   combine_reduce,
   grad_scores,
   replica_grads,  // exact balance, backward: replica weight gradients added to their owners'
+  recompute,      // backward: the forward's route, dispatch, fanout and W13 GEMM again
   end,
 };
 const char* to_string(Stage stage);
@@ -57,6 +65,8 @@ struct PipelineOptions {
   // Replica slots per rank, B in [0, E_local]; -1: E_local (training default: always exact).
   // Fewer slots save memory; the plan is then exact when slots allow and overflows otherwise.
   int64_t replica_slots = -1;
+  // Activation records besides the working record 0 (see above).
+  int activation_records = 0;
 };
 
 // Host copy of one slot's routing layout (tests, diagnostics).
@@ -100,8 +110,14 @@ class StagedPipeline {
   ~StagedPipeline();
 
   // Host-validates (InvalidArgument naming "args[slot].field") then enqueues. args: one per launch slot.
-  void forward(std::span<const ForwardArgs> args, cudaStream_t stream);
-  void backward(std::span<const BackwardArgs> args, cudaStream_t stream);
+  // `record` in [0, records()): where the forward leaves what backward needs, where the backward
+  // finds it. recompute: the record does not hold this backward's forward (overwritten, or never
+  // kept): rebuild it first from args[].forward.
+  void forward(std::span<const ForwardArgs> args, cudaStream_t stream, int record = 0);
+  void backward(std::span<const BackwardArgs> args, cudaStream_t stream, int record = 0, bool recompute = false);
+  int records() const { return static_cast<int>(record_windows_.size()); }
+  // Bytes of one activation record per launch rank: private buffers and window regions.
+  static size_t record_bytes(const Config& config, int64_t ep_size, const PipelineOptions& options = {});
 
   // Waits for `stream`, then throws DeviceError describing the first device error (rank, phase),
   // root causes (bad id, overflow) before the timeouts they caused. No-op when all is well.
@@ -118,9 +134,27 @@ class StagedPipeline {
   // The launch parameters every stage uses (benchmarks time single kernels with them).
   const EpLaunch& launch_params() const { return launch_; }
   comm::Transport& transport() { return *transport_; }
+  // Of the latest forward's record.
   LayoutSnapshot snapshot(int slot) const;
   // Exact balance: the plan slot `slot` computed in the last forward (syncs the device).
   PlanSnapshot plan_snapshot(int slot) const;
+
+  // What one record holds: per launch rank, private buffers; per rank, window regions.
+  struct RecordBuffers {
+    int32_t* dest_row_TK = nullptr;
+    int32_t* dest_rank_TK = nullptr;
+    int32_t* group_offsets = nullptr;
+    int32_t* group_counts = nullptr;
+    int32_t* plan_kept_E = nullptr;
+    int32_t* plan_piece_first_E = nullptr;
+    plan::shared::ReplicaPiece* plan_pieces = nullptr;
+    int32_t* plan_group_offsets_RG = nullptr;
+    int32_t* plan_stats = nullptr;
+    bf16* h13_R2F = nullptr;
+  };
+  struct RecordWindow {
+    size_t row_origin = 0, row_primary = 0, row_score = 0, recv_x = 0;
+  };
 
   StagedPipeline(const StagedPipeline&) = delete;
   StagedPipeline& operator=(const StagedPipeline&) = delete;
@@ -131,12 +165,21 @@ class StagedPipeline {
     if (hook_) hook_(s, stream);
   }
   LaunchIo forward_io(std::span<const ForwardArgs> args, bool backward) const;
+  // launch_ with `record`'s buffers and window regions in place of the working record's.
+  EpLaunch launch_for(int record) const;
+  void check_record(int record) const;
+  // Route, dispatch (with the replica weight push), fanout: the forward up to the experts.
+  void forward_data_path(const EpLaunch& l, const LaunchIo& io, cudaStream_t stream);
 
   Config config_;
   ExpertKernels expert_kernels_;
   std::unique_ptr<comm::Transport> transport_;
   EpLaunch launch_;
   std::vector<void*> allocations_;
+  std::vector<RecordBuffers> record_buffers_;  // [record * launch_ranks + slot]
+  std::vector<RecordWindow> record_windows_;   // [record]
+  int replicas_in_window_ = -1;                // record whose replica weights the window holds
+  int latest_forward_record_ = 0;
   std::function<void(Stage, cudaStream_t)> hook_;
 };
 
