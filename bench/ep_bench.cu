@@ -117,17 +117,33 @@ int main(int argc, char** argv) {
     const ExpertKernels kernels = backends[b];
     PipelineOptions options;
     options.expert_kernels = kernels;
+    // SM90: one activation record besides the working one, to time a backward that finds its
+    // forward kept (record 1) against one that rebuilds it (activation slots without room).
+    const bool records = kernels == ExpertKernels::sm90;
+    options.activation_records = records ? 1 : 0;
+    const int kept = records ? 1 : 0;
     auto pipeline = StagedPipeline::create_virtual(cfg, R, options);
     StageClock clock;
     pipeline->set_stage_hook([&](Stage s, cudaStream_t st) { clock.hook(s, st); });
     std::map<std::string, std::vector<double>> fwd_ms, bwd_ms;
+    std::map<std::string, std::vector<double>> recompute_ms;  // backward that rebuilds its forward
     for (int it = 0; it < iterations + 1; ++it) {
-      pipeline->forward(fwd, stream);
+      pipeline->forward(fwd, stream, kept);
       pipeline->check(stream);
       auto f = clock.read();
-      pipeline->backward(bwd, stream);
+      pipeline->backward(bwd, stream, kept);
       pipeline->check(stream);
       auto bw = clock.read();
+      if (records) {
+        pipeline->forward(fwd, stream, kept);
+        pipeline->check(stream);
+        clock.read();
+        pipeline->backward(bwd, stream, 0, /*recompute=*/true);
+        pipeline->check(stream);
+        auto rc = clock.read();
+        if (it > 0)
+          for (auto& [k, v] : rc) recompute_ms[k].push_back(v);
+      }
       if (it == 0) continue;  // warm-up
       for (auto& [k, v] : f) fwd_ms[k].push_back(v);
       for (auto& [k, v] : bw) bwd_ms[k].push_back(v);
@@ -153,6 +169,11 @@ int main(int argc, char** argv) {
     std::printf("layer forward %.3f ms, forward+backward %.3f ms (experts fwd %.1f TFLOP/s, bwd %.1f TFLOP/s)\n", fwd_total,
                 fwd_total + bwd_total, flops_fwd / (m(fwd_ms, "experts") / 1e3) / 1e12,
                 2 * flops_fwd / (m(bwd_ms, "experts") / 1e3) / 1e12);
+    if (records) {
+      std::printf("backward from a kept record %.3f ms; rebuilding the forward first %.3f ms (recompute stage %.3f ms; "
+                  "the whole forward %.3f ms)\n",
+                  bwd_total, m(recompute_ms, "total"), m(recompute_ms, "recompute"), fwd_total);
+    }
     js << "    {\"expert_kernels\": \"" << to_string(kernels) << "\",\n";
     auto dump = [&](const char* name, std::map<std::string, std::vector<double>>& s) {
       js << "     \"" << name << "_ms\": {";
@@ -165,6 +186,7 @@ int main(int argc, char** argv) {
     };
     dump("forward", fwd_ms);
     dump("backward", bwd_ms);
+    if (records) dump("backward_recomputing_forward", recompute_ms);
     js << "     \"layer_forward_ms\": " << fwd_total << ", \"layer_forward_backward_ms\": " << fwd_total + bwd_total
        << "}" << (b == 0 ? ",\n" : "\n");
     pipeline.reset();
