@@ -28,7 +28,9 @@ struct MemoryPlan {
   int64_t activation_slot_max_useful_bytes = 0;// per slot: full save when every row is on the device
   int64_t activation_slot_bytes = 0;           // per slot, as configured: records_per_slot whole records
   int64_t activation_record_bytes = 0;         // one layer kept whole (layout, x rows, h13 of every received row)
-  int64_t activation_records_per_slot = 0;     // layers a slot keeps; its other layers recompute in backward
+  int64_t activation_records_per_slot = 0;     // layers a slot keeps whole
+  int64_t activation_light_record_bytes = 0;   // one layer kept without its x rows (layout, h13)
+  int64_t activation_light_records_per_slot = 0;  // layers a slot keeps light (backward re-sends x)
   int64_t activation_slots_total_bytes = 0;    // num_activation_slots * activation_slot_bytes
   int64_t device_scratch_bytes = 0;            // per-call intermediates (h13, a, grads) on the device
   int64_t host_overflow_scratch_bytes = 0;     // host-backed virtual memory for overflow rows

@@ -42,11 +42,15 @@ class MemoryPlan:
     activation_slot_max_useful_bytes: int
     """Per slot: full save when every row is on the device."""
     activation_slot_bytes: int
-    """Per slot, as configured: activation_records_per_slot whole records."""
+    """Per slot, as configured: its whole and light records."""
     activation_record_bytes: int
     """One layer's forward kept whole: routing layout, x rows and h13 of every received row."""
     activation_records_per_slot: int
-    """Layers a slot keeps; its other layers recompute their forward in backward."""
+    """Layers a slot keeps whole."""
+    activation_light_record_bytes: int
+    """One layer kept without its x rows (routing layout and h13): backward dispatches x again."""
+    activation_light_records_per_slot: int
+    """Layers a slot keeps light, after the whole ones; its other layers recompute their forward."""
     activation_slots_total_bytes: int
     """num_activation_slots * activation_slot_bytes."""
     device_scratch_bytes: int

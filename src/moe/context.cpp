@@ -91,7 +91,11 @@ static ep::PipelineOptions pipeline_options(const Context& context) {
           .activation_records = context.config().inference
                                     ? 0
                                     : static_cast<int>(context.config().num_activation_slots *
-                                                       plan.activation_records_per_slot)};
+                                                       plan.activation_records_per_slot),
+          .light_activation_records = context.config().inference
+                                          ? 0
+                                          : static_cast<int>(context.config().num_activation_slots *
+                                                             plan.activation_light_records_per_slot)};
 }
 
 std::unique_ptr<Context> Context::create_virtual_ranks(const Config& config, int64_t ep_size,
@@ -268,14 +272,19 @@ ActivationRecord routed_experts_forward(Context& context, std::span<const Forwar
   // backward) run from the working record like layers the slot has no room for.
   const bool takes_position = keep_for_backward && !context.config().inference && st.selected_slot >= 0 &&
                               st.next_position < st.slot_layers;
-  if (takes_position) {
-    const int64_t per_slot = context.plan().activation_records_per_slot;
-    if (st.next_position < per_slot) record = 1 + st.selected_slot * per_slot + st.next_position;
+  if (takes_position) {  // records: working, then every slot's whole ones, then every slot's light ones
+    const MemoryPlan& plan = context.plan();
+    const int64_t whole = plan.activation_records_per_slot, light = plan.activation_light_records_per_slot;
+    const int64_t p = st.next_position;
+    if (p < whole) record = 1 + st.selected_slot * whole + p;
+    else if (p < whole + light)
+      record = 1 + context.config().num_activation_slots * whole + st.selected_slot * light + (p - whole);
   }
   ep::StagedPipeline& pipeline = pipeline_of(context, st.pipeline);
   if (st.generation.size() != size_t(pipeline.records())) st.generation.assign(pipeline.records(), 0);
   st.stage_clock.begin(pipeline, 0);
   st.generation[record] = 0;  // being overwritten: valid again only once the launch was enqueued
+  if (pipeline.light_record(static_cast<int>(record))) st.generation[0] = 0;  // shares the working x rows
   pipeline.forward(args_per_rank, stream, static_cast<int>(record));
   if (takes_position) ++st.next_position;
   st.generation[record] = st.next_generation();
@@ -303,7 +312,8 @@ void routed_experts_backward(Context& context, std::span<const BackwardArgs> arg
   const bool kept = want.index >= 0 && want.generation != 0 && st.generation[want.index] == want.generation;
   const int64_t index = kept ? want.index : 0;
   st.stage_clock.begin(pipeline, 1);
-  if (!kept) st.generation[0] = 0;
+  // Rebuilding, or re-sending a light record's x rows, overwrites the working record's.
+  if (!kept || pipeline.light_record(static_cast<int>(index))) st.generation[0] = 0;
   pipeline.backward(args_per_rank, stream, static_cast<int>(index), /*recompute=*/!kept);
   if (!kept) {
     ++st.recomputed_forwards;

@@ -96,6 +96,7 @@ MemoryPlan plan_memory(const Config& c, int64_t ep_size) {
   const int64_t saved_row_bytes = (D + 2 * F) * kBf16Bytes;
   if (!c.inference) {
     p.activation_record_bytes = layout_bytes + receive_rows * saved_row_bytes;
+    p.activation_light_record_bytes = layout_bytes + receive_rows * 2 * F * kBf16Bytes;
     p.activation_slot_min_bytes = layers * layout_bytes;
     p.activation_slot_full_save_bytes = layers * (layout_bytes + p.balanced_rows * saved_row_bytes);
     p.activation_slot_max_useful_bytes = layers * p.activation_record_bytes;
@@ -114,9 +115,15 @@ MemoryPlan plan_memory(const Config& c, int64_t ep_size) {
       p.activation_slot_bytes = p.activation_slot_max_useful_bytes;  // every layer's forward kept whole
     }
     // A slot keeps whole layers (every received row), so what it holds does not depend on the
-    // routing: the layers past its room recompute their forward in backward.
-    p.activation_records_per_slot = std::min(layers, p.activation_slot_bytes / p.activation_record_bytes);
-    p.activation_slot_bytes = p.activation_records_per_slot * p.activation_record_bytes;
+    // routing: as many layers as fit whole, then as many as fit light (layout and h13: backward
+    // sends their x rows again), the rest recompute their forward in backward.
+    const int64_t room = p.activation_slot_bytes;
+    p.activation_records_per_slot = std::min(layers, room / p.activation_record_bytes);
+    p.activation_light_records_per_slot =
+        std::min(layers - p.activation_records_per_slot,
+                 (room - p.activation_records_per_slot * p.activation_record_bytes) / p.activation_light_record_bytes);
+    p.activation_slot_bytes = p.activation_records_per_slot * p.activation_record_bytes +
+                              p.activation_light_records_per_slot * p.activation_light_record_bytes;
     p.activation_slots_total_bytes = c.num_activation_slots * p.activation_slot_bytes;
   }
 
@@ -162,8 +169,11 @@ std::string MemoryPlan::explain() const {
                   human_bytes(activation_slot_max_useful_bytes).c_str());
     row("activation slot (each)", activation_slot_bytes, line);
     std::snprintf(line, sizeof line,
-                  "%lld layer(s) kept whole per slot (%s each: layout + x rows + h13); the rest recompute",
-                  static_cast<long long>(activation_records_per_slot), human_bytes(activation_record_bytes).c_str());
+                  "per slot %lld layer(s) whole (%s: layout + x rows + h13), %lld light (%s: layout + h13); the "
+                  "rest recompute",
+                  static_cast<long long>(activation_records_per_slot), human_bytes(activation_record_bytes).c_str(),
+                  static_cast<long long>(activation_light_records_per_slot),
+                  human_bytes(activation_light_record_bytes).c_str());
     row("activation slots (all)", activation_slots_total_bytes, line);
   }
   row("device scratch", device_scratch_bytes, c.inference ? "device rows x (3F+D) x 2" : "device rows x (5F+D) x 2");

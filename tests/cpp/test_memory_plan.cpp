@@ -76,10 +76,14 @@ TEST(MemoryPlan, SlotCapacityFactorAndBytes) {
   const MemoryPlan full = plan_memory(c, 8);
   EXPECT_EQ(full.activation_records_per_slot, 4);
   EXPECT_EQ(full.activation_slot_bytes, 4 * full.activation_record_bytes);
+  // Room for 2.5 whole layers: 2 whole, and the half layer's bytes hold one light layer (x rows not kept).
   c.activation_slot_bytes = 5 * full.activation_record_bytes / 2;
   const MemoryPlan part = plan_memory(c, 8);
   EXPECT_EQ(part.activation_records_per_slot, 2);
-  EXPECT_EQ(part.activation_slot_bytes, 2 * part.activation_record_bytes);
+  EXPECT_EQ(part.activation_light_records_per_slot,
+            (full.activation_record_bytes / 2) / full.activation_light_record_bytes);
+  EXPECT_EQ(part.activation_slot_bytes, 2 * part.activation_record_bytes +
+                                            part.activation_light_records_per_slot * part.activation_light_record_bytes);
   c.max_moe_layers_per_activation_slot = 1;
   c.activation_slot_bytes = int64_t(1) << 40;  // more than useful: clamped to the maximum useful size
   const MemoryPlan clamped = plan_memory(c, 8);

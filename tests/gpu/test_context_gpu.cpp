@@ -133,12 +133,13 @@ TEST(ContextGpuErrors, ExpertIdOutOfRangeIsReportedNotHung) {
   EXPECT_NO_THROW(context->check(nullptr));
 }
 
-// Activation slots: three layers run forward, then backward in reverse order. The slot keeps two
-// layers whole (its bytes hold 2 records), the third runs from the working buffers; then a fourth
-// forward overwrites those, so the third layer's backward must rebuild its forward. Exact balance
-// with every token on one expert: layers use replicas, so a backward from a kept layer must also
-// push its replica weights again (the window holds the latest forward's). Every result against the
-// CPU reference; every output poisoned first.
+// Activation slots: three layers run forward, then backward in reverse order. The slot keeps one
+// layer whole and one light (its bytes hold one record and one without x rows: that backward sends
+// the x rows again), the third runs from the working buffers; then a fourth forward overwrites
+// those, so the third layer's backward must rebuild its forward. Exact balance with hot experts:
+// layers use replicas, so a backward from a kept layer must also push its replica weights again
+// (the window holds the latest forward's). Every result against the CPU reference; every output
+// poisoned first.
 TEST(ContextGpuSlots, KeptLayersRunFromTheirSlotTheRestRecompute) {
   if (!testing::have_sm90_gpu()) GTEST_SKIP() << "needs an SM90 GPU";
   Config c;
@@ -150,9 +151,11 @@ TEST(ContextGpuSlots, KeptLayersRunFromTheirSlotTheRestRecompute) {
   c.balance = Balance::exact;
   c.max_moe_layers_per_activation_slot = 3;
   const int64_t R = 4;
-  c.activation_slot_bytes = 2 * plan_memory(c, R).activation_record_bytes;
+  const MemoryPlan sizes = plan_memory(c, R);
+  c.activation_slot_bytes = sizes.activation_record_bytes + sizes.activation_light_record_bytes;
   const MemoryPlan plan = plan_memory(c, R);
-  ASSERT_EQ(plan.activation_records_per_slot, 2);
+  ASSERT_EQ(plan.activation_records_per_slot, 1);
+  ASSERT_EQ(plan.activation_light_records_per_slot, 1);
 
   reference::Options options;
   struct Layer {
@@ -185,12 +188,12 @@ TEST(ContextGpuSlots, KeptLayersRunFromTheirSlotTheRestRecompute) {
   context->select_activation_slot(0, 3);
   std::vector<ActivationRecord> records;
   for (int i = 0; i < 3; ++i) records.push_back(routed_experts_forward(*context, device[i]->forward_args(), nullptr));
-  EXPECT_EQ(records[0].index, 1);  // kept in the slot
-  EXPECT_EQ(records[1].index, 2);
+  EXPECT_EQ(records[0].index, 1);  // kept whole in the slot
+  EXPECT_EQ(records[1].index, 2);  // kept light
   EXPECT_EQ(records[2].index, 0);  // no room: the working buffers
   for (int i = 2; i >= 0; --i) routed_experts_backward(*context, device[i]->backward_args(), nullptr, &records[i]);
   context->check(nullptr);
-  EXPECT_EQ(context->recomputed_forwards(), 0);  // layer 2 was still in the working buffers
+  EXPECT_EQ(context->recomputed_forwards(), 0);  // layer 2 was still in the working buffers; 1 re-sent x
 
   // Layer 3 runs forward without a selection (the working buffers); layer 2's record is then stale.
   const ActivationRecord fourth = routed_experts_forward(*context, device[3]->forward_args(), nullptr);

@@ -90,7 +90,11 @@ def test_regions_sum_to_the_totals(changes, ep_size):
         # A slot keeps whole layers: 0..max_moe_layers_per_activation_slot records.
         assert 0 <= p.activation_slot_bytes <= p.activation_slot_max_useful_bytes
         assert 0 <= p.activation_records_per_slot <= p.config.max_moe_layers_per_activation_slot
-        assert p.activation_slot_bytes == p.activation_records_per_slot * p.activation_record_bytes
+        assert p.activation_slot_bytes == (p.activation_records_per_slot * p.activation_record_bytes
+                                           + p.activation_light_records_per_slot * p.activation_light_record_bytes)
+        assert p.activation_records_per_slot + p.activation_light_records_per_slot <= \
+            p.config.max_moe_layers_per_activation_slot
+        assert p.activation_light_record_bytes < p.activation_record_bytes
 
 
 def test_inference_saves_nothing_and_keeps_no_weight_grads():
@@ -139,15 +143,17 @@ def test_slot_sizing_by_factor_and_by_bytes():
     assert (none.activation_records_per_slot, half.activation_records_per_slot, full.activation_records_per_slot) == (0, 2, 4)
     assert none.activation_slot_bytes == 0 < half.activation_slot_bytes < full.activation_slot_bytes
     assert full.activation_slot_bytes == 4 * full.activation_record_bytes == full.activation_slot_max_useful_bytes
-    # An absolute size keeps the whole records that fit in it.
-    sized = plan(max_moe_layers_per_activation_slot=4, activation_slot_bytes=5 * full.activation_record_bytes // 2)
-    assert sized.activation_records_per_slot == 2
-    assert sized.activation_slot_bytes == 2 * full.activation_record_bytes
+    assert full.activation_light_records_per_slot == 0
+    # An absolute size keeps the whole records that fit in it, then light ones (no x rows) in the rest.
+    whole, light = full.activation_record_bytes, full.activation_light_record_bytes
+    sized = plan(max_moe_layers_per_activation_slot=4, activation_slot_bytes=2 * whole + light + light // 2)
+    assert (sized.activation_records_per_slot, sized.activation_light_records_per_slot) == (2, 1)
+    assert sized.activation_slot_bytes == 2 * whole + light
     # Beyond the useful maximum it is clamped; below the minimum it is an error naming the field.
     huge = plan(activation_slot_bytes=10 * full.activation_slot_max_useful_bytes)
     assert huge.activation_slot_bytes == plan().activation_slot_max_useful_bytes
     with pytest.raises(poise.InvalidArgument) as raised:
-        plan(activation_slot_bytes=full.activation_slot_min_bytes - 1)
+        plan(activation_slot_bytes=plan().activation_slot_min_bytes - 1)
     assert raised.value.name == "activation_slot_bytes"
 
 

@@ -78,7 +78,9 @@ void validate_config(const Config& c, int64_t ep_size, const PipelineOptions& o)
   require(ep_size <= comm::kMaxPeers, "ep_size", "at most " + std::to_string(comm::kMaxPeers) + " ranks");
   require(o.activation_records >= 0 && (!c.inference || o.activation_records == 0), "activation_records",
           "must be >= 0, and 0 for inference");
-  if (o.activation_records > 0 && o.expert_kernels != ExpertKernels::sm90) {
+  require(o.light_activation_records >= 0 && (!c.inference || o.light_activation_records == 0),
+          "light_activation_records", "must be >= 0, and 0 for inference");
+  if (o.activation_records + o.light_activation_records > 0 && o.expert_kernels != ExpertKernels::sm90) {
     throw NotAvailable("activation_records: the EP stand-in kernels' backward reads the latest forward's y");
   }
   if (!c.inference && c.wgrad_dtype != DType::fp32 && o.expert_kernels != ExpertKernels::sm90) {
@@ -164,6 +166,7 @@ const char* to_string(Stage s) {
     case Stage::grad_scores: return "grad_scores";
     case Stage::replica_grads: return "replica_grads";
     case Stage::recompute: return "recompute";
+    case Stage::redispatch: return "redispatch";
     case Stage::end: return "end";
   }
   return "?";
@@ -239,6 +242,8 @@ StagedPipeline::StagedPipeline(const Config& config, std::unique_ptr<comm::Trans
   launch_.launch_ranks = transport_->launch_ranks();
   launch_.dims = make_dims(config, transport_->world_size(), options);
   launch_.ws = plan_workspace(launch_.dims, training, 1 + options.activation_records, &record_windows_);
+  full_records_ = options.activation_records;
+  for (int r = 0; r < options.light_activation_records; ++r) record_windows_.push_back(record_windows_[0]);
   int device = 0;
   cuda_check(cudaGetDevice(&device), "cudaGetDevice");
   cuda_check(cudaDeviceGetAttribute(&launch_.num_sms, cudaDevAttrMultiProcessorCount, device),
@@ -417,6 +422,13 @@ void StagedPipeline::backward(std::span<const BackwardArgs> args, cudaStream_t s
     stage(Stage::recompute, stream);
     forward_data_path(l, io, stream);
     expert_forward_h13(l, io, expert_kernels_, stream);
+    replicas_in_window_ = record;
+  }
+  if (!recompute && light_record(record)) {
+    // The layout and h13 were kept, the x rows were not: send them again (and the replica weights).
+    stage(Stage::redispatch, stream);
+    launch_dispatch_forward(l, io, stream);
+    launch_fanout_rows(l, /*backward=*/false, stream);
     replicas_in_window_ = record;
   }
   // Exact balance: the window's replica weights are those of the latest forward (or recompute).

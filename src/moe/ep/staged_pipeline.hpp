@@ -12,8 +12,11 @@
 // (PipelineOptions::activation_records) keep other layers' forwards, so several layers can run
 // forward before their backwards (activation slots, docs/memory_plan.md). A call names its record;
 // the kernels then read and write that record's buffers and window regions (pointers switched per
-// call: no copies). A backward whose record no longer holds its forward recomputes the forward's
-// routing, dispatch and W13 GEMM into it first (no W2 GEMM, no combine: backward needs neither).
+// call: no copies). Light records (PipelineOptions::light_activation_records, after the full ones)
+// keep the layout and h13 but not the received x rows: they share the working record's window
+// regions, and their backward dispatches the x rows again first (no routing, no GEMM). A backward
+// whose record no longer holds its forward recomputes the forward's routing, dispatch and W13 GEMM
+// into it first (no W2 GEMM, no combine: backward needs neither).
 //
 // Balance modes (Config::balance):
 //  - exact: a planner kernel turns the all-gathered counts into a plan (docs/balance.md) so every
@@ -52,6 +55,7 @@ enum class Stage {
   grad_scores,
   replica_grads,  // exact balance, backward: replica weight gradients added to their owners'
   recompute,      // backward: the forward's route, dispatch, fanout and W13 GEMM again
+  redispatch,     // backward from a light record: the forward's dispatch and fanout of x rows again
   end,
 };
 const char* to_string(Stage stage);
@@ -65,8 +69,9 @@ struct PipelineOptions {
   // Replica slots per rank, B in [0, E_local]; -1: E_local (training default: always exact).
   // Fewer slots save memory; the plan is then exact when slots allow and overflows otherwise.
   int64_t replica_slots = -1;
-  // Activation records besides the working record 0 (see above).
+  // Activation records besides the working record 0 (see above): full ones, then light ones.
   int activation_records = 0;
+  int light_activation_records = 0;
 };
 
 // Host copy of one slot's routing layout (tests, diagnostics).
@@ -116,6 +121,8 @@ class StagedPipeline {
   void forward(std::span<const ForwardArgs> args, cudaStream_t stream, int record = 0);
   void backward(std::span<const BackwardArgs> args, cudaStream_t stream, int record = 0, bool recompute = false);
   int records() const { return static_cast<int>(record_windows_.size()); }
+  // Light records share the working record's window regions (x rows, row metadata).
+  bool light_record(int record) const { return record > full_records_; }
   // Bytes of one activation record per launch rank: private buffers and window regions.
   static size_t record_bytes(const Config& config, int64_t ep_size, const PipelineOptions& options = {});
 
@@ -178,6 +185,7 @@ class StagedPipeline {
   std::vector<void*> allocations_;
   std::vector<RecordBuffers> record_buffers_;  // [record * launch_ranks + slot]
   std::vector<RecordWindow> record_windows_;   // [record]
+  int full_records_ = 0;                       // records 1..full_records_ keep x rows; later ones are light
   int replicas_in_window_ = -1;                // record whose replica weights the window holds
   int latest_forward_record_ = 0;
   std::function<void(Stage, cudaStream_t)> hook_;
