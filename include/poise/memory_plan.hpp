@@ -31,6 +31,10 @@ struct MemoryPlan {
   int64_t activation_records_per_slot = 0;     // layers a slot keeps whole
   int64_t activation_light_record_bytes = 0;   // one layer kept without its x rows (layout, h13)
   int64_t activation_light_records_per_slot = 0;  // layers a slot keeps light (backward re-sends x)
+  // One more layer per slot kept partly: layout and h13 of its first rows (backward re-sends x and
+  // recomputes h13 for the rest, decided on the device). 0 rows: none.
+  int64_t activation_partial_record_rows = 0;
+  int64_t activation_partial_record_bytes = 0;
   int64_t activation_slots_total_bytes = 0;    // num_activation_slots * activation_slot_bytes
   int64_t device_scratch_bytes = 0;            // per-call intermediates (h13, a, grads) on the device
   int64_t host_overflow_scratch_bytes = 0;     // host-backed virtual memory for overflow rows

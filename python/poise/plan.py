@@ -50,7 +50,11 @@ class MemoryPlan:
     activation_light_record_bytes: int
     """One layer kept without its x rows (routing layout and h13): backward dispatches x again."""
     activation_light_records_per_slot: int
-    """Layers a slot keeps light, after the whole ones; its other layers recompute their forward."""
+    """Layers a slot keeps light, after the whole ones."""
+    activation_partial_record_rows: int
+    """One more layer per slot keeps h13 of this many rows (0: none); backward recomputes the rest."""
+    activation_partial_record_bytes: int
+    """That partial layer's bytes (routing layout and h13 of its first rows)."""
     activation_slots_total_bytes: int
     """num_activation_slots * activation_slot_bytes."""
     device_scratch_bytes: int

@@ -43,6 +43,14 @@ struct ExpertMlpShape {
   W13Layout w13_layout = W13Layout::gate_up_blocked;
 };
 
+// h13 split by rows (EP activation records that keep part of a layer): rows [0, split_row) in
+// one buffer, rows [split_row, max_rows) in another of max_rows rows (same row index).
+// split_row: a multiple of 128 in [0, max_rows], or -1 (one buffer).
+struct H13Split {
+  int64_t split_row = -1;
+  const void* hi_R2F = nullptr;
+};
+
 // h13 = x . W13[e]^T, a = act(h13).  x_RD, a_RF, h13_R2F bf16; h13 keeps W13's row order.
 struct FpropW13Args {
   const void* x_RD = nullptr;
@@ -50,6 +58,7 @@ struct FpropW13Args {
   void* a_RF = nullptr;
   void* h13_R2F = nullptr;  // nullable: do not save h13 for backward
   const void* replica_w13_E2FD = nullptr;  // with GroupedRows::first_replica
+  H13Split h13_split;  // rows past split_row go to h13_split.hi_R2F (written)
 };
 void expert_mlp_fprop_w13(const GroupedRows& rows, const ExpertMlpShape& shape,
                           const FpropW13Args& args, cudaStream_t stream);
@@ -80,6 +89,7 @@ struct DgradW2Args {
   void* a_RF = nullptr;             // nullable
   float* grad_score_partials_RP = nullptr;  // nullable, fp32 [R][P]
   const void* replica_w2_EDF = nullptr;  // with GroupedRows::first_replica
+  H13Split h13_split;  // rows past split_row are read from h13_split.hi_R2F
 };
 void expert_mlp_dgrad_w2(const GroupedRows& rows, const ExpertMlpShape& shape,
                          const DgradW2Args& args, cudaStream_t stream);

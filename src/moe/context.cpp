@@ -95,7 +95,11 @@ static ep::PipelineOptions pipeline_options(const Context& context) {
           .light_activation_records = context.config().inference
                                           ? 0
                                           : static_cast<int>(context.config().num_activation_slots *
-                                                             plan.activation_light_records_per_slot)};
+                                                             plan.activation_light_records_per_slot),
+          .partial_activation_records = context.config().inference || plan.activation_partial_record_rows == 0
+                                            ? 0
+                                            : static_cast<int>(context.config().num_activation_slots),
+          .partial_record_rows = plan.activation_partial_record_rows};
 }
 
 std::unique_ptr<Context> Context::create_virtual_ranks(const Config& config, int64_t ep_size,
@@ -272,13 +276,15 @@ ActivationRecord routed_experts_forward(Context& context, std::span<const Forwar
   // backward) run from the working record like layers the slot has no room for.
   const bool takes_position = keep_for_backward && !context.config().inference && st.selected_slot >= 0 &&
                               st.next_position < st.slot_layers;
-  if (takes_position) {  // records: working, then every slot's whole ones, then every slot's light ones
+  if (takes_position) {  // records: working, every slot's whole ones, every slot's light ones, partial ones
     const MemoryPlan& plan = context.plan();
+    const int64_t slots = context.config().num_activation_slots;
     const int64_t whole = plan.activation_records_per_slot, light = plan.activation_light_records_per_slot;
     const int64_t p = st.next_position;
     if (p < whole) record = 1 + st.selected_slot * whole + p;
-    else if (p < whole + light)
-      record = 1 + context.config().num_activation_slots * whole + st.selected_slot * light + (p - whole);
+    else if (p < whole + light) record = 1 + slots * whole + st.selected_slot * light + (p - whole);
+    else if (p == whole + light && plan.activation_partial_record_rows > 0)
+      record = 1 + slots * (whole + light) + st.selected_slot;
   }
   ep::StagedPipeline& pipeline = pipeline_of(context, st.pipeline);
   if (st.generation.size() != size_t(pipeline.records())) st.generation.assign(pipeline.records(), 0);

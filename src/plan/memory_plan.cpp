@@ -124,6 +124,17 @@ MemoryPlan plan_memory(const Config& c, int64_t ep_size) {
                  (room - p.activation_records_per_slot * p.activation_record_bytes) / p.activation_light_record_bytes);
     p.activation_slot_bytes = p.activation_records_per_slot * p.activation_record_bytes +
                               p.activation_light_records_per_slot * p.activation_light_record_bytes;
+    // What is left may keep one more layer's first rows (whole 128-row blocks of h13).
+    const int64_t left = room - p.activation_slot_bytes, h13_row_bytes = 2 * F * kBf16Bytes;
+    if (p.activation_records_per_slot + p.activation_light_records_per_slot < layers && left > layout_bytes) {
+      const int64_t rows = std::min((left - layout_bytes) / h13_row_bytes / kExpertRowAlignment * kExpertRowAlignment,
+                                    receive_rows - kExpertRowAlignment);
+      if (rows > 0) {
+        p.activation_partial_record_rows = rows;
+        p.activation_partial_record_bytes = layout_bytes + rows * h13_row_bytes;
+        p.activation_slot_bytes += p.activation_partial_record_bytes;
+      }
+    }
     p.activation_slots_total_bytes = c.num_activation_slots * p.activation_slot_bytes;
   }
 
@@ -169,11 +180,14 @@ std::string MemoryPlan::explain() const {
                   human_bytes(activation_slot_max_useful_bytes).c_str());
     row("activation slot (each)", activation_slot_bytes, line);
     std::snprintf(line, sizeof line,
-                  "per slot %lld layer(s) whole (%s: layout + x rows + h13), %lld light (%s: layout + h13); the "
-                  "rest recompute",
+                  "per slot %lld layer(s) whole (%s: layout + x rows + h13), %lld light (%s: layout + h13), %s; "
+                  "the rest recompute",
                   static_cast<long long>(activation_records_per_slot), human_bytes(activation_record_bytes).c_str(),
                   static_cast<long long>(activation_light_records_per_slot),
-                  human_bytes(activation_light_record_bytes).c_str());
+                  human_bytes(activation_light_record_bytes).c_str(),
+                  activation_partial_record_rows > 0
+                      ? ("1 partial (h13 of " + std::to_string(activation_partial_record_rows) + " rows)").c_str()
+                      : "no partial");
     row("activation slots (all)", activation_slots_total_bytes, line);
   }
   row("device scratch", device_scratch_bytes, c.inference ? "device rows x (3F+D) x 2" : "device rows x (5F+D) x 2");

@@ -28,6 +28,8 @@ void bind_plan(nb::module_& m) {
       .def_ro("activation_records_per_slot", &MemoryPlan::activation_records_per_slot)
       .def_ro("activation_light_record_bytes", &MemoryPlan::activation_light_record_bytes)
       .def_ro("activation_light_records_per_slot", &MemoryPlan::activation_light_records_per_slot)
+      .def_ro("activation_partial_record_rows", &MemoryPlan::activation_partial_record_rows)
+      .def_ro("activation_partial_record_bytes", &MemoryPlan::activation_partial_record_bytes)
       .def_ro("activation_slots_total_bytes", &MemoryPlan::activation_slots_total_bytes)
       .def_ro("device_scratch_bytes", &MemoryPlan::device_scratch_bytes)
       .def_ro("host_overflow_scratch_bytes", &MemoryPlan::host_overflow_scratch_bytes)

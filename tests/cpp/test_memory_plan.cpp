@@ -83,7 +83,10 @@ TEST(MemoryPlan, SlotCapacityFactorAndBytes) {
   EXPECT_EQ(part.activation_light_records_per_slot,
             (full.activation_record_bytes / 2) / full.activation_light_record_bytes);
   EXPECT_EQ(part.activation_slot_bytes, 2 * part.activation_record_bytes +
-                                            part.activation_light_records_per_slot * part.activation_light_record_bytes);
+                                            part.activation_light_records_per_slot * part.activation_light_record_bytes +
+                                            part.activation_partial_record_bytes);
+  EXPECT_LE(part.activation_slot_bytes, *c.activation_slot_bytes);
+  EXPECT_EQ(part.activation_partial_record_rows % 128, 0);
   c.max_moe_layers_per_activation_slot = 1;
   c.activation_slot_bytes = int64_t(1) << 40;  // more than useful: clamped to the maximum useful size
   const MemoryPlan clamped = plan_memory(c, 8);

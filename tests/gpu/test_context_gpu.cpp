@@ -133,13 +133,15 @@ TEST(ContextGpuErrors, ExpertIdOutOfRangeIsReportedNotHung) {
   EXPECT_NO_THROW(context->check(nullptr));
 }
 
-// Activation slots: three layers run forward, then backward in reverse order. The slot keeps one
-// layer whole and one light (its bytes hold one record and one without x rows: that backward sends
-// the x rows again), the third runs from the working buffers; then a fourth forward overwrites
-// those, so the third layer's backward must rebuild its forward. Exact balance with hot experts:
-// layers use replicas, so a backward from a kept layer must also push its replica weights again
-// (the window holds the latest forward's). Every result against the CPU reference; every output
-// poisoned first.
+// Activation slots: a slot sized for one layer whole, one light (no x rows: its backward sends them
+// again) and one partial (h13 of its first 256 rows: its backward also recomputes h13 for the rest,
+// rows the device picks from the kept layout). Layers 0-2 take those, layer 3 runs from the working
+// buffers (past the 3 selected layers), then all four backwards run in reverse order: none
+// rebuilds its forward, though layer 3 overwrote the working buffers that the light and partial
+// layers share. Then layer 3 runs forward twice (the working buffers), and the backward of the
+// first must rebuild it. Exact balance with hot experts: layers use replicas, so a backward from a
+// kept layer must also push its replica weights again. Every result against the CPU reference;
+// every output poisoned first.
 TEST(ContextGpuSlots, KeptLayersRunFromTheirSlotTheRestRecompute) {
   if (!testing::have_sm90_gpu()) GTEST_SKIP() << "needs an SM90 GPU";
   Config c;
@@ -152,10 +154,14 @@ TEST(ContextGpuSlots, KeptLayersRunFromTheirSlotTheRestRecompute) {
   c.max_moe_layers_per_activation_slot = 3;
   const int64_t R = 4;
   const MemoryPlan sizes = plan_memory(c, R);
-  c.activation_slot_bytes = sizes.activation_record_bytes + sizes.activation_light_record_bytes;
+  const int64_t h13_row_bytes = 4 * c.intermediate_dim;
+  const int64_t layout_bytes = sizes.activation_light_record_bytes - sizes.balanced_rows * h13_row_bytes;
+  c.activation_slot_bytes = sizes.activation_record_bytes + sizes.activation_light_record_bytes + layout_bytes +
+                            256 * h13_row_bytes;
   const MemoryPlan plan = plan_memory(c, R);
   ASSERT_EQ(plan.activation_records_per_slot, 1);
   ASSERT_EQ(plan.activation_light_records_per_slot, 1);
+  ASSERT_EQ(plan.activation_partial_record_rows, 256);
 
   reference::Options options;
   struct Layer {
@@ -187,22 +193,21 @@ TEST(ContextGpuSlots, KeptLayersRunFromTheirSlotTheRestRecompute) {
   }
   context->select_activation_slot(0, 3);
   std::vector<ActivationRecord> records;
-  for (int i = 0; i < 3; ++i) records.push_back(routed_experts_forward(*context, device[i]->forward_args(), nullptr));
+  for (int i = 0; i < 4; ++i) records.push_back(routed_experts_forward(*context, device[i]->forward_args(), nullptr));
   EXPECT_EQ(records[0].index, 1);  // kept whole in the slot
   EXPECT_EQ(records[1].index, 2);  // kept light
-  EXPECT_EQ(records[2].index, 0);  // no room: the working buffers
-  for (int i = 2; i >= 0; --i) routed_experts_backward(*context, device[i]->backward_args(), nullptr, &records[i]);
+  EXPECT_EQ(records[2].index, 3);  // kept partly
+  EXPECT_EQ(records[3].index, 0);  // past the selected layers: the working buffers
+  for (int i = 3; i >= 0; --i) routed_experts_backward(*context, device[i]->backward_args(), nullptr, &records[i]);
   context->check(nullptr);
-  EXPECT_EQ(context->recomputed_forwards(), 0);  // layer 2 was still in the working buffers; 1 re-sent x
+  EXPECT_EQ(context->recomputed_forwards(), 0);
 
-  // Layer 3 runs forward without a selection (the working buffers); layer 2's record is then stale.
-  const ActivationRecord fourth = routed_experts_forward(*context, device[3]->forward_args(), nullptr);
-  EXPECT_EQ(fourth.index, 0);
-  device[2]->poison_outputs();
-  routed_experts_backward(*context, device[2]->backward_args(), nullptr, &records[2]);
+  // Layer 3 forward twice from the working buffers: the first one's backward must rebuild it.
+  device[3]->poison_outputs();
+  const ActivationRecord first = routed_experts_forward(*context, device[3]->forward_args(), nullptr);
+  routed_experts_forward(*context, device[3]->forward_args(), nullptr);
+  routed_experts_backward(*context, device[3]->backward_args(), nullptr, &first);
   EXPECT_EQ(context->recomputed_forwards(), 1);
-  routed_experts_backward(*context, device[3]->backward_args(), nullptr, &fourth);  // rebuilt again: overwritten
-  EXPECT_EQ(context->recomputed_forwards(), 2);
   context->check(nullptr);
 
   for (size_t i = 0; i < layers.size(); ++i) {
@@ -211,7 +216,7 @@ TEST(ContextGpuSlots, KeptLayersRunFromTheirSlotTheRestRecompute) {
     const auto grad_w13 = d.grad_w13(), grad_w2 = d.grad_w2();
     for (int64_t r = 0; r < R; ++r) {
       SCOPED_TRACE("layer " + std::to_string(i) + " rank " + std::to_string(r));
-      if (i != 2) EXPECT_LT(rel_error(out[r], layers[i].want_out[r]), 1e-2);  // layer 2's out was re-poisoned
+      EXPECT_LT(rel_error(out[r], layers[i].want_out[r]), 1e-2);
       EXPECT_LT(rel_error(grad_x[r], layers[i].want_grads[r].grad_x_TD), 1e-2);
       EXPECT_LT(rel_error(grad_scores[r], layers[i].want_grads[r].grad_scores_TK), 1e-2);
       EXPECT_LT(rel_error(grad_w13[r], layers[i].want_grads[r].grad_w13), 1e-2);

@@ -410,6 +410,63 @@ TEST(ExpertMlpChain, ForwardBackwardMatchesFloat64) {
   expect_close(acc.finish(), kChainTolerance, "grad_scores_R");
 }
 
+// EP activation records that keep part of a layer hold h13 rows [0, split) in one buffer, the
+// rest in another (same row index): FPROP W13 writes and DGRAD W2 reads across both. Every output
+// must equal, bit for bit, one buffer; the rows below the split stay untouched in the high buffer.
+TEST(ExpertMlpH13Split, SplitBuffersEqualOneBufferBitwise) {
+  if (!have_sm90()) GTEST_SKIP() << "needs an SM90 GPU";
+  // Groups at rows 0, 256, 384, 640: a split at 384 falls between groups, rows past it in two groups.
+  Fixture fx(Case{"h13_split", {200, 100, 250, 77}, 192, 320, W13Layout::gate_up_blocked, true, 43});
+  const int64_t R = fx.l.rows, D = fx.cs.D, F = fx.cs.F, E = fx.E(), split = 384;
+  ASSERT_LT(split, R);
+  Rng rng(43);
+  const auto x = random_rows(rng, fx.l, D, 1.0f), gy = random_rows(rng, fx.l, D, 1.0f);
+  const auto w13 = rng.bf16_normal(E * 2 * F * D, 2.0f / std::sqrt(float(D)));
+  const auto w2 = rng.bf16_normal(E * D * F, 1.0f / std::sqrt(float(F)));
+  const auto scores = rng.uniform(R, 0.1f, 1.0f);
+  const int64_t P = sm90::dgrad_w2_score_partials(fx.shape);
+  DeviceBuffer<uint16_t> dx(x), dgy(gy), dw13(w13), dw2(w2);
+  DeviceBuffer<float> ds(scores);
+  auto poisoned = [](int64_t n) { return DeviceBuffer<uint16_t>(std::vector<uint16_t>(n, kBf16Poison)); };
+  // One buffer.
+  DeviceBuffer<uint16_t> a1 = poisoned(R * F), h1 = poisoned(R * 2 * F), gh1 = poisoned(R * 2 * F), as1 = poisoned(R * F);
+  DeviceBuffer<float> gs1(std::vector<float>(R * P, 0.0f));
+  sm90::expert_mlp_fprop_w13(fx.rows, fx.shape, {dx.ptr, dw13.ptr, a1.ptr, h1.ptr}, nullptr);
+  sm90::expert_mlp_dgrad_w2(fx.rows, fx.shape, {dgy.ptr, dw2.ptr, h1.ptr, ds.ptr, gh1.ptr, as1.ptr, gs1.ptr}, nullptr);
+  // Split: rows [0, split) in lo (split rows), the rest in hi (R rows).
+  DeviceBuffer<uint16_t> a2 = poisoned(R * F), lo = poisoned(split * 2 * F), hi = poisoned(R * 2 * F),
+                         gh2 = poisoned(R * 2 * F), as2 = poisoned(R * F);
+  DeviceBuffer<float> gs2(std::vector<float>(R * P, 0.0f));
+  sm90::FpropW13Args f{dx.ptr, dw13.ptr, a2.ptr, lo.ptr};
+  f.h13_split = {split, hi.ptr};
+  sm90::expert_mlp_fprop_w13(fx.rows, fx.shape, f, nullptr);
+  sm90::DgradW2Args g{dgy.ptr, dw2.ptr, lo.ptr, ds.ptr, gh2.ptr, as2.ptr, gs2.ptr};
+  g.h13_split = {split, hi.ptr};
+  sm90::expert_mlp_dgrad_w2(fx.rows, fx.shape, g, nullptr);
+  cuda_ok(cudaDeviceSynchronize(), "h13 split");
+
+  const auto one = h1.download(), low = lo.download(), high = hi.download();
+  int64_t low_bad = 0, high_bad = 0, untouched_lost = 0;
+  for (int64_t r = 0; r < R; ++r) {
+    for (int64_t c = 0; c < 2 * F; ++c) {
+      const size_t i = size_t(r * 2 * F + c);
+      if (r < split) {
+        low_bad += fx.l.is_row_valid(r) && low[i] != one[i];
+        untouched_lost += high[i] != kBf16Poison;
+      } else {
+        high_bad += fx.l.is_row_valid(r) && high[i] != one[i];
+      }
+    }
+  }
+  EXPECT_EQ(low_bad, 0) << "h13 rows below the split";
+  EXPECT_EQ(high_bad, 0) << "h13 rows past the split";
+  EXPECT_EQ(untouched_lost, 0) << "the high buffer's rows below the split were written";
+  EXPECT_TRUE(a1.download() == a2.download()) << "a_RF";
+  EXPECT_TRUE(gh1.download() == gh2.download()) << "grad_h13_R2F";
+  EXPECT_TRUE(as1.download() == as2.download()) << "a_RF (dgrad)";
+  EXPECT_TRUE(gs1.download() == gs2.download()) << "grad_score_partials_RP";
+}
+
 // EP exact balance runs one GEMM over a rank's own experts and its replica slots, whose weights
 // and weight gradients live in separate buffers (GroupedRows::first_replica). Every output must
 // equal, bit for bit, the same experts run from one buffer; an empty replica slot's gradient

@@ -91,7 +91,9 @@ def test_regions_sum_to_the_totals(changes, ep_size):
         assert 0 <= p.activation_slot_bytes <= p.activation_slot_max_useful_bytes
         assert 0 <= p.activation_records_per_slot <= p.config.max_moe_layers_per_activation_slot
         assert p.activation_slot_bytes == (p.activation_records_per_slot * p.activation_record_bytes
-                                           + p.activation_light_records_per_slot * p.activation_light_record_bytes)
+                                           + p.activation_light_records_per_slot * p.activation_light_record_bytes
+                                           + p.activation_partial_record_bytes)
+        assert p.activation_partial_record_rows % 128 == 0
         assert p.activation_records_per_slot + p.activation_light_records_per_slot <= \
             p.config.max_moe_layers_per_activation_slot
         assert p.activation_light_record_bytes < p.activation_record_bytes
@@ -148,7 +150,9 @@ def test_slot_sizing_by_factor_and_by_bytes():
     whole, light = full.activation_record_bytes, full.activation_light_record_bytes
     sized = plan(max_moe_layers_per_activation_slot=4, activation_slot_bytes=2 * whole + light + light // 2)
     assert (sized.activation_records_per_slot, sized.activation_light_records_per_slot) == (2, 1)
-    assert sized.activation_slot_bytes == 2 * whole + light
+    # ... and what is left keeps the first rows of one more layer (whole 128-row blocks of h13).
+    assert 0 < sized.activation_partial_record_rows < sized.balanced_rows
+    assert sized.activation_slot_bytes == 2 * whole + light + sized.activation_partial_record_bytes <= 2 * whole + light + light // 2
     # Beyond the useful maximum it is clamped; below the minimum it is an error naming the field.
     huge = plan(activation_slot_bytes=10 * full.activation_slot_max_useful_bytes)
     assert huge.activation_slot_bytes == plan().activation_slot_max_useful_bytes

@@ -29,7 +29,7 @@ __global__ void __launch_bounds__(kThreads) clip_count_groups_kernel(const PeerT
   const int lane = threadIdx.x % 32;
   const float limit = dims.swiglu_limit;
   for_each_row_in_use(rs, dims.groups, blocks_per_rank, [&](int r) {
-    const bf16* h13 = rs.h13_R2F + static_cast<size_t>(r) * 2 * dims.F;
+    const bf16* h13 = (r < rs.h13_split ? rs.h13_R2F : rs.h13_hi_R2F) + static_cast<size_t>(r) * 2 * dims.F;
     unsigned gate = 0, up = 0;
     for (int f = lane; f < dims.F; f += 32) {
       const int g = dims.w13_interleaved ? 2 * f : f, u = dims.w13_interleaved ? 2 * f + 1 : dims.F + f;

@@ -34,6 +34,11 @@ void launch_dispatch_forward(const EpLaunch& l, const LaunchIo& io, cudaStream_t
 // when the window holds another layer's (a backward from an activation record).
 void launch_dispatch_backward(const EpLaunch& l, const LaunchIo& io, bool push_replicas, cudaStream_t stream);
 
+// Backward from a partial activation record: per group, the rows at or past RankScratch::h13_split
+// (offsets max(offset, split), counts what is left) into tail_offsets / tail_counts, the groups a
+// W13 GEMM recomputes h13 for. Decided on the device from the kept layout: empty when every row fit.
+void launch_tail_groups(const EpLaunch& l, cudaStream_t stream);
+
 // Local, after dispatch: rows of a token's second, third... expert on a rank copied from its primary
 // row, in place in the receive rows of x (forward) or of grad_out (backward).
 void launch_fanout_rows(const EpLaunch& l, bool backward, cudaStream_t stream);

@@ -142,6 +142,16 @@ __global__ void __launch_bounds__(kThreads)
   });
 }
 
+__global__ void tail_groups_kernel(EpDims dims, LaunchScratch scratch) {
+  const RankScratch& rs = scratch.rank[blockIdx.x];
+  for (int g = threadIdx.x; g < dims.groups; g += blockDim.x) {
+    const int32_t offset = rs.group_offsets[g], end = offset + rs.group_counts[g];
+    const int32_t first = offset > rs.h13_split ? offset : rs.h13_split;
+    rs.tail_offsets[g] = first;
+    rs.tail_counts[g] = end > first ? end - first : 0;
+  }
+}
+
 int local_blocks_per_rank(const EpLaunch& l) {
   // Enough warps to cover the rows, capped at a few waves.
   const int want = (l.dims.capacity_rows + kWarps - 1) / kWarps;
@@ -167,6 +177,11 @@ void launch_dispatch_forward(const EpLaunch& l, const LaunchIo& io, cudaStream_t
 
 void launch_dispatch_backward(const EpLaunch& l, const LaunchIo& io, bool push_replicas, cudaStream_t stream) {
   launch_dispatch<true>(l, io, push_replicas && l.dims.balanced, stream);
+}
+
+void launch_tail_groups(const EpLaunch& l, cudaStream_t stream) {
+  tail_groups_kernel<<<l.launch_ranks, 256, 0, stream>>>(l.dims, l.scratch);
+  comm::cuda_check_launch("tail_groups_kernel");
 }
 
 void launch_fanout_rows(const EpLaunch& l, bool backward, cudaStream_t stream) {

@@ -89,6 +89,13 @@ struct RankScratch {
   int32_t* plan_group_offsets_RG = nullptr;         // [R][groups+1] every rank's group offsets
   int32_t* plan_stats = nullptr;                    // [kPlanStats] see PlanStat
   bf16* h13_R2F = nullptr;              // [capacity][2F] gate | up pre-activations (saved)
+  // A partial activation record keeps h13 rows [0, h13_split) in h13_R2F; rows past it live in
+  // the working record's h13 (same row index). h13_split = capacity: one buffer.
+  bf16* h13_hi_R2F = nullptr;
+  int32_t h13_split = 0;
+  // Backward from a partial record: each group's rows at or past h13_split (tail_groups kernel).
+  int32_t* tail_offsets = nullptr;      // [groups]
+  int32_t* tail_counts = nullptr;       // [groups]
   bf16* a_RF = nullptr;                 // [capacity][F] SwiGLU output (saved)
   bf16* rows_out_RD = nullptr;          // [capacity][D] y rows (forward), grad_x rows (backward)
   bf16* grad_y_RD = nullptr;            // [capacity][D] score * grad_out per row (backward, stand-in experts)

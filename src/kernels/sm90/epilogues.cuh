@@ -70,8 +70,11 @@ struct SwigluFpropEpilogue {
   static constexpr bool interleaved = kInterleaved;
   CUtensorMap a_map;    // a_RF, 64 x 64 boxes (tensor_map.hpp)
   CUtensorMap h13_map;  // h13_R2F, when set
+  CUtensorMap h13_hi_map;  // h13_hi_R2F: rows >= h13_split
   __nv_bfloat16* a_RF;
   __nv_bfloat16* h13_R2F;  // nullable: backward recomputes the forward instead
+  __nv_bfloat16* h13_hi_R2F;  // rows >= h13_split (same row index); unused when h13_split >= rows
+  int32_t h13_split;       // a multiple of 128, so a 64-row slab lies on one side
   int32_t F;
   ActivationParams act;
 
@@ -91,8 +94,9 @@ struct SwigluFpropEpilogue {
       for (int h = 0; h < 2; ++h)
         stage_put_u32(buf, fr.row + 8 * h, (8 * jj + 2 * fr.quad) * 2,
                       pack_bf16x2(d[kFirst + 4 * jj + 2 * h], d[kFirst + 4 * jj + 2 * h + 1]));
-    emit_staged(buf, consumer, thread, rows.whole(), &h13_map, static_cast<int32_t>(col), rows.first_row,
-                [&](int r) { return rows.at(h13_R2F, 2 * int64_t(F), col, r); });
+    const bool hi = rows.first_row >= h13_split;
+    emit_staged(buf, consumer, thread, rows.whole(), hi ? &h13_hi_map : &h13_map, static_cast<int32_t>(col),
+                rows.first_row, [&](int r) { return rows.at(hi ? h13_hi_R2F : h13_R2F, 2 * int64_t(F), col, r); });
   }
 
   template <int kBlockN, bool kClamped>
@@ -214,6 +218,8 @@ struct SwigluDgradEpilogue {
   CUtensorMap grad_h13_map;  // grad_h13_R2F, 64 x 64 boxes
   CUtensorMap a_map;         // a_RF, when set
   const __nv_bfloat16* h13_R2F;  // saved pre-activation, W13's row order
+  const __nv_bfloat16* h13_hi_R2F;  // rows >= h13_split (same row index)
+  int32_t h13_split;                // a multiple of 128
   __nv_bfloat16* grad_h13_R2F;   // out
   __nv_bfloat16* a_RF;           // out, nullable: s * act(h13), the W2 wgrad operand
   const float* scores_R;         // nullable
@@ -228,9 +234,10 @@ struct SwigluDgradEpilogue {
 
   __device__ void fetch_h13(uint8_t* buf, const GroupedRowAddress& rows, int32_t fc, int thread) const {
     const int64_t F2 = 2 * int64_t(F);
+    const __nv_bfloat16* h13 = rows.first_row >= h13_split ? h13_hi_R2F : h13_R2F;
     auto src = [&](int64_t col) {
       return [&, col](int r) -> const uint8_t* {
-        return r < rows.valid ? reinterpret_cast<const uint8_t*>(h13_R2F + (rows.first_row + r) * F2 + col) : nullptr;
+        return r < rows.valid ? reinterpret_cast<const uint8_t*>(h13 + (rows.first_row + r) * F2 + col) : nullptr;
       };
     };
     staged_fetch_async(buf, thread, src(first_col(fc)));

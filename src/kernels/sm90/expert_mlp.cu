@@ -58,6 +58,15 @@ int64_t own_experts(const GroupedRows& rows) { return rows.first_replica < 0 ? r
 int64_t replica_experts(const GroupedRows& rows) { return rows.num_experts - own_experts(rows); }
 
 void require_ptr(const void* p, const char* name) { require(p != nullptr, name, "must not be null"); }
+
+// The row where h13 switches buffers (max_rows: never).
+int32_t h13_split_row(const GroupedRows& rows, const H13Split& split) {
+  if (split.split_row < 0) return static_cast<int32_t>(rows.max_rows);
+  require(split.split_row % 128 == 0 && split.split_row <= rows.max_rows, "h13_split.split_row",
+          "must be -1 or a multiple of 128 in [0, max_rows]");
+  require(split.hi_R2F != nullptr, "h13_split.hi_R2F", "must not be null when split_row is set");
+  return static_cast<int32_t>(split.split_row);
+}
 // A replica-side pointer is needed only when there are replicas.
 void require_replica_ptr(const GroupedRows& rows, const void* p, const char* name) {
   if (replica_experts(rows) > 0) require_ptr(p, name);
@@ -207,12 +216,22 @@ void expert_mlp_fprop_w13(const GroupedRows& rows, const ExpertMlpShape& shape,
   GroupedGemmShape s = rows_gemm_shape(rows, D, 2 * F, F, kBlockN / 2);
   s.b_split_rows = blocked ? static_cast<int32_t>(F) : 0;
   const CUtensorMap a_map = make_store_tensor_map(args.a_RF, false, rows.max_rows, F, "a_RF");
-  const CUtensorMap h13_map = make_store_tensor_map(args.h13_R2F, false, rows.max_rows, 2 * F, "h13_R2F");
+  const int32_t split = h13_split_row(rows, args.h13_split);
+  // The low buffer holds rows [0, split) only: its map must not reach past them.
+  const CUtensorMap h13_map =
+      split > 0 ? make_store_tensor_map(args.h13_R2F, false, split, 2 * F, "h13_R2F") : CUtensorMap{};
+  const CUtensorMap h13_hi_map =
+      split < rows.max_rows
+          ? make_store_tensor_map(args.h13_split.hi_R2F, false, rows.max_rows, 2 * F, "h13_split.hi_R2F")
+          : CUtensorMap{};
   auto run = [&](auto epi) {
     epi.a_map = a_map;
     epi.h13_map = h13_map;
+    epi.h13_hi_map = h13_hi_map;
     epi.a_RF = bf16(args.a_RF);
     epi.h13_R2F = bf16(args.h13_R2F);
+    epi.h13_hi_R2F = static_cast<__nv_bfloat16*>(const_cast<void*>(args.h13_split.hi_R2F));
+    epi.h13_split = split;
     epi.F = static_cast<int32_t>(F);
     epi.act = activation_params(shape);
     launch<RowsAre::M, false>(map_a, map_b, s, epi, stream);
@@ -255,6 +274,8 @@ void expert_mlp_dgrad_w2(const GroupedRows& rows, const ExpertMlpShape& shape,
     epi.grad_h13_map = make_store_tensor_map(args.grad_h13_R2F, false, rows.max_rows, 2 * F, "grad_h13_R2F");
     epi.a_map = make_store_tensor_map(args.a_RF, false, rows.max_rows, F, "a_RF");
     epi.h13_R2F = bf16(args.h13_R2F);
+    epi.h13_hi_R2F = bf16(args.h13_split.hi_R2F);
+    epi.h13_split = h13_split_row(rows, args.h13_split);
     epi.grad_h13_R2F = bf16(args.grad_h13_R2F);
     epi.a_RF = bf16(args.a_RF);
     epi.scores_R = args.scores_R;

@@ -87,14 +87,23 @@ sm90::ExpertMlpShape sm90_shape(const EpLaunch& l) {
   return shape;
 }
 
-// with_w2 = false: only h13 (and a), what a recomputed forward must give backward.
-void sm90_forward(const EpLaunch& l, const LaunchIo& io, bool with_w2, cudaStream_t stream) {
+// h13 of a partial activation record: rows past the split in the working record's buffer.
+sm90::H13Split h13_split(const EpLaunch& l, const RankScratch& rs) {
+  if (rs.h13_split >= l.dims.capacity_rows) return {};
+  return {rs.h13_split, rs.h13_hi_R2F};
+}
+
+// with_w2 = false: only h13 (and a), what a recomputed forward must give backward. tail_only: the
+// rows of a partial record's groups past its split (RankScratch::tail_offsets / tail_counts).
+void sm90_forward(const EpLaunch& l, const LaunchIo& io, bool with_w2, bool tail_only, cudaStream_t stream) {
   const sm90::ExpertMlpShape shape = sm90_shape(l);
   const GroupRange own = own_groups(l), replicas = replica_groups(l);
   for (int s = 0; s < l.launch_ranks; ++s) {
     const RankScratch& rs = l.scratch.rank[s];
-    const sm90::GroupedRows rows = sm90_rows(l, s);
+    sm90::GroupedRows rows = sm90_rows(l, s);
+    if (tail_only) rows.row_offsets_E = rs.tail_offsets, rows.row_counts_E = rs.tail_counts;
     sm90::FpropW13Args w13{workspace_rows(l, s, l.ws.recv_x), w13_of(l, io, s, own), rs.a_RF, rs.h13_R2F};
+    w13.h13_split = h13_split(l, rs);
     sm90::FpropW2Args w2{rs.a_RF, w2_of(l, io, s, own), nullptr, rs.rows_out_RD};
     if (rows.first_replica >= 0) {
       w13.replica_w13_E2FD = w13_of(l, io, s, replicas);
@@ -121,6 +130,7 @@ void sm90_backward(const EpLaunch& l, const LaunchIo& io, bool accumulate, cudaS
     dgrad_w2.grad_y_RD = grad_y_RD;
     dgrad_w2.w2_EDF = w2_of(l, io, s, own);
     dgrad_w2.h13_R2F = rs.h13_R2F;
+    dgrad_w2.h13_split = h13_split(l, rs);
     dgrad_w2.scores_R = reinterpret_cast<const float*>(rs.workspace + l.ws.row_score);
     dgrad_w2.grad_h13_R2F = rs.grad_h13_R2F;
     dgrad_w2.a_RF = rs.a_RF;
@@ -146,13 +156,14 @@ void sm90_backward(const EpLaunch& l, const LaunchIo& io, bool accumulate, cudaS
 
 const char* to_string(ExpertKernels k) { return k == ExpertKernels::sm90 ? "sm90" : "standin"; }
 
-void expert_forward_h13(const EpLaunch& l, const LaunchIo& io, ExpertKernels kernels, cudaStream_t stream) {
+void expert_forward_h13(const EpLaunch& l, const LaunchIo& io, ExpertKernels kernels, bool tail_only,
+                        cudaStream_t stream) {
   if (kernels != ExpertKernels::sm90) throw NotAvailable("expert_forward_h13: SM90 expert kernels only");
-  sm90_forward(l, io, /*with_w2=*/false, stream);
+  sm90_forward(l, io, /*with_w2=*/false, tail_only, stream);
 }
 
 void expert_forward(const EpLaunch& l, const LaunchIo& io, ExpertKernels kernels, cudaStream_t stream) {
-  if (kernels == ExpertKernels::sm90) return sm90_forward(l, io, /*with_w2=*/true, stream);
+  if (kernels == ExpertKernels::sm90) return sm90_forward(l, io, /*with_w2=*/true, /*tail_only=*/false, stream);
   GroupRange ranges[2];
   const int n = group_ranges(l, ranges);
   for (int i = 0; i < n; ++i) {

@@ -17,8 +17,10 @@ const char* to_string(ExpertKernels k);
 
 // recv_x rows -> h13_R2F (saved), a_RF, y rows in rows_out_RD.
 void expert_forward(const EpLaunch& l, const LaunchIo& io, ExpertKernels kernels, cudaStream_t stream);
-// The part of the forward its backward needs again (recompute): recv_x rows -> h13_R2F (SM90 only).
-void expert_forward_h13(const EpLaunch& l, const LaunchIo& io, ExpertKernels kernels, cudaStream_t stream);
+// The part of the forward its backward needs again (recompute): recv_x rows -> h13_R2F (SM90 only);
+// tail_only: only the rows of RankScratch::tail_offsets / tail_counts (a partial record's).
+void expert_forward_h13(const EpLaunch& l, const LaunchIo& io, ExpertKernels kernels, bool tail_only,
+                        cudaStream_t stream);
 
 // grad_out rows (recv_grad; SM90: scores applied in DGRAD W2) -> grad_h13_R2F, grad_x rows in rows_out_RD, grad_w13 / grad_w2 (fp32, overwritten or
 // accumulated). Experts that received no rows get zero gradients (or keep theirs when accumulating).

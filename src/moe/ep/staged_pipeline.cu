@@ -80,7 +80,15 @@ void validate_config(const Config& c, int64_t ep_size, const PipelineOptions& o)
           "must be >= 0, and 0 for inference");
   require(o.light_activation_records >= 0 && (!c.inference || o.light_activation_records == 0),
           "light_activation_records", "must be >= 0, and 0 for inference");
-  if (o.activation_records + o.light_activation_records > 0 && o.expert_kernels != ExpertKernels::sm90) {
+  require(o.partial_activation_records >= 0 && (!c.inference || o.partial_activation_records == 0),
+          "partial_activation_records", "must be >= 0, and 0 for inference");
+  if (o.partial_activation_records > 0) {
+    require(o.partial_record_rows > 0 && o.partial_record_rows % kGroupAlignment == 0 &&
+                o.partial_record_rows < StagedPipeline::capacity_rows(c, ep_size, o),
+            "partial_record_rows", "must be a positive multiple of 128 below the receive rows");
+  }
+  if (o.activation_records + o.light_activation_records + o.partial_activation_records > 0 &&
+      o.expert_kernels != ExpertKernels::sm90) {
     throw NotAvailable("activation_records: the EP stand-in kernels' backward reads the latest forward's y");
   }
   if (!c.inference && c.wgrad_dtype != DType::fp32 && o.expert_kernels != ExpertKernels::sm90) {
@@ -167,6 +175,7 @@ const char* to_string(Stage s) {
     case Stage::replica_grads: return "replica_grads";
     case Stage::recompute: return "recompute";
     case Stage::redispatch: return "redispatch";
+    case Stage::recompute_rows: return "recompute_rows";
     case Stage::end: return "end";
   }
   return "?";
@@ -243,7 +252,10 @@ StagedPipeline::StagedPipeline(const Config& config, std::unique_ptr<comm::Trans
   launch_.dims = make_dims(config, transport_->world_size(), options);
   launch_.ws = plan_workspace(launch_.dims, training, 1 + options.activation_records, &record_windows_);
   full_records_ = options.activation_records;
-  for (int r = 0; r < options.light_activation_records; ++r) record_windows_.push_back(record_windows_[0]);
+  light_records_ = options.light_activation_records;
+  partial_rows_ = static_cast<int32_t>(options.partial_record_rows);
+  for (int r = 0; r < options.light_activation_records + options.partial_activation_records; ++r)
+    record_windows_.push_back(record_windows_[0]);
   int device = 0;
   cuda_check(cudaGetDevice(&device), "cudaGetDevice");
   cuda_check(cudaDeviceGetAttribute(&launch_.num_sms, cudaDevAttrMultiProcessorCount, device),
@@ -275,7 +287,8 @@ StagedPipeline::StagedPipeline(const Config& config, std::unique_ptr<comm::Trans
           b.plan_stats = static_cast<int32_t*>(alloc(sizeof(int32_t) * kPlanStats));
           cuda_check(cudaMemset(b.plan_piece_first_E, 0, sizeof(int32_t) * (d.E + 1)), "cudaMemset");
         }
-        b.h13_R2F = static_cast<bf16*>(alloc(sizeof(bf16) * cap * 2 * d.F));
+        const size_t h13_rows = partial_record(r) ? size_t(partial_rows_) : cap;
+        b.h13_R2F = static_cast<bf16*>(alloc(sizeof(bf16) * h13_rows * 2 * d.F));
         record_buffers_.push_back(b);
       }
     }
@@ -284,6 +297,8 @@ StagedPipeline::StagedPipeline(const Config& config, std::unique_ptr<comm::Trans
       rs.workspace = transport_->local_workspace(s);
       rs.error_code = &transport_->device_error(s)->code;
       rs.chunk_offsets_CE = static_cast<int32_t*>(alloc(sizeof(int32_t) * d.num_chunks * d.E));
+      rs.tail_offsets = static_cast<int32_t*>(alloc(sizeof(int32_t) * d.groups));
+      rs.tail_counts = static_cast<int32_t*>(alloc(sizeof(int32_t) * d.groups));
       rs.a_RF = static_cast<bf16*>(alloc(sizeof(bf16) * cap * d.F));
       rs.rows_out_RD = static_cast<bf16*>(alloc(sizeof(bf16) * cap * d.D));
       if (training) {
@@ -343,6 +358,8 @@ EpLaunch StagedPipeline::launch_for(int record) const {
     rs.plan_group_offsets_RG = b.plan_group_offsets_RG;
     rs.plan_stats = b.plan_stats;
     rs.h13_R2F = b.h13_R2F;
+    rs.h13_hi_R2F = record_buffers_[s].h13_R2F;  // the working record's (rows past a partial record's)
+    rs.h13_split = partial_record(record) ? partial_rows_ : l.dims.capacity_rows;
   }
   const RecordWindow& w = record_windows_[record];
   l.ws.row_origin = w.row_origin;
@@ -421,7 +438,7 @@ void StagedPipeline::backward(std::span<const BackwardArgs> args, cudaStream_t s
     }
     stage(Stage::recompute, stream);
     forward_data_path(l, io, stream);
-    expert_forward_h13(l, io, expert_kernels_, stream);
+    expert_forward_h13(l, io, expert_kernels_, /*tail_only=*/false, stream);
     replicas_in_window_ = record;
   }
   if (!recompute && light_record(record)) {
@@ -430,6 +447,11 @@ void StagedPipeline::backward(std::span<const BackwardArgs> args, cudaStream_t s
     launch_dispatch_forward(l, io, stream);
     launch_fanout_rows(l, /*backward=*/false, stream);
     replicas_in_window_ = record;
+    if (partial_record(record)) {  // h13 of the rows past what the record kept
+      stage(Stage::recompute_rows, stream);
+      launch_tail_groups(l, stream);
+      expert_forward_h13(l, io, expert_kernels_, /*tail_only=*/true, stream);
+    }
   }
   // Exact balance: the window's replica weights are those of the latest forward (or recompute).
   const bool push_replicas = l.dims.balanced && replicas_in_window_ != record;

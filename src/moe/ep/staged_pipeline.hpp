@@ -14,7 +14,11 @@
 // the kernels then read and write that record's buffers and window regions (pointers switched per
 // call: no copies). Light records (PipelineOptions::light_activation_records, after the full ones)
 // keep the layout and h13 but not the received x rows: they share the working record's window
-// regions, and their backward dispatches the x rows again first (no routing, no GEMM). A backward
+// regions, and their backward dispatches the x rows again first (no routing, no GEMM). Partial
+// records (after the light ones) are light records that keep h13 only for rows below
+// partial_record_rows: the rest goes to the working record's h13, and their backward also
+// recomputes h13 for the groups' rows past that point (a W13 GEMM over row windows the device
+// derives from the kept layout: empty when every row fit). A backward
 // whose record no longer holds its forward recomputes the forward's routing, dispatch and W13 GEMM
 // into it first (no W2 GEMM, no combine: backward needs neither).
 //
@@ -56,6 +60,7 @@ enum class Stage {
   replica_grads,  // exact balance, backward: replica weight gradients added to their owners'
   recompute,      // backward: the forward's route, dispatch, fanout and W13 GEMM again
   redispatch,     // backward from a light record: the forward's dispatch and fanout of x rows again
+  recompute_rows, // backward from a partial record: h13 of the rows it did not keep
   end,
 };
 const char* to_string(Stage stage);
@@ -72,6 +77,8 @@ struct PipelineOptions {
   // Activation records besides the working record 0 (see above): full ones, then light ones.
   int activation_records = 0;
   int light_activation_records = 0;
+  int partial_activation_records = 0;
+  int64_t partial_record_rows = 0;  // a multiple of 128, below the receive rows
 };
 
 // Host copy of one slot's routing layout (tests, diagnostics).
@@ -121,8 +128,9 @@ class StagedPipeline {
   void forward(std::span<const ForwardArgs> args, cudaStream_t stream, int record = 0);
   void backward(std::span<const BackwardArgs> args, cudaStream_t stream, int record = 0, bool recompute = false);
   int records() const { return static_cast<int>(record_windows_.size()); }
-  // Light records share the working record's window regions (x rows, row metadata).
+  // Light and partial records share the working record's window regions (x rows, row metadata).
   bool light_record(int record) const { return record > full_records_; }
+  bool partial_record(int record) const { return record > full_records_ + light_records_; }
   // Bytes of one activation record per launch rank: private buffers and window regions.
   static size_t record_bytes(const Config& config, int64_t ep_size, const PipelineOptions& options = {});
 
@@ -186,6 +194,8 @@ class StagedPipeline {
   std::vector<RecordBuffers> record_buffers_;  // [record * launch_ranks + slot]
   std::vector<RecordWindow> record_windows_;   // [record]
   int full_records_ = 0;                       // records 1..full_records_ keep x rows; later ones are light
+  int light_records_ = 0;                      // then light_records_ light ones, then the partial ones
+  int32_t partial_rows_ = 0;
   int replicas_in_window_ = -1;                // record whose replica weights the window holds
   int latest_forward_record_ = 0;
   std::function<void(Stage, cudaStream_t)> hook_;
