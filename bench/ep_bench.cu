@@ -123,6 +123,10 @@ int main(int argc, char** argv) {
     const bool records = kernels == ExpertKernels::sm90;
     options.activation_records = records ? 1 : 0;
     options.light_activation_records = records ? 1 : 0;
+    // ... and a partial record (record 3) keeping h13 of the first half of the receive rows.
+    const int64_t capacity = StagedPipeline::capacity_rows(cfg, R, options);
+    options.partial_activation_records = records ? 1 : 0;
+    options.partial_record_rows = records ? capacity / 2 / 128 * 128 : 0;
     const int kept = records ? 1 : 0;
     auto pipeline = StagedPipeline::create_virtual(cfg, R, options);
     StageClock clock;
@@ -130,6 +134,7 @@ int main(int argc, char** argv) {
     std::map<std::string, std::vector<double>> fwd_ms, bwd_ms;
     std::map<std::string, std::vector<double>> recompute_ms;  // backward that rebuilds its forward
     std::map<std::string, std::vector<double>> light_ms;      // backward from a light record
+    std::map<std::string, std::vector<double>> partial_ms;    // backward from a partial record
     for (int it = 0; it < iterations + 1; ++it) {
       pipeline->forward(fwd, stream, kept);
       pipeline->check(stream);
@@ -150,9 +155,16 @@ int main(int argc, char** argv) {
         pipeline->backward(bwd, stream, 2);
         pipeline->check(stream);
         auto lt = clock.read();
+        pipeline->forward(fwd, stream, 3);
+        pipeline->check(stream);
+        clock.read();
+        pipeline->backward(bwd, stream, 3);
+        pipeline->check(stream);
+        auto pt = clock.read();
         if (it > 0) {
           for (auto& [k, v] : rc) recompute_ms[k].push_back(v);
           for (auto& [k, v] : lt) light_ms[k].push_back(v);
+          for (auto& [k, v] : pt) partial_ms[k].push_back(v);
         }
       }
       if (it == 0) continue;  // warm-up
@@ -182,9 +194,11 @@ int main(int argc, char** argv) {
                 2 * flops_fwd / (m(bwd_ms, "experts") / 1e3) / 1e12);
     if (records) {
       std::printf("backward from a kept record %.3f ms; from a light record %.3f ms (redispatch stage %.3f ms); "
+                  "from a partial record keeping %lld of %lld rows %.3f ms (redispatch %.3f, recompute_rows %.3f ms); "
                   "rebuilding the forward first %.3f ms (recompute stage %.3f ms; the whole forward %.3f ms)\n",
-                  bwd_total, m(light_ms, "total"), m(light_ms, "redispatch"), m(recompute_ms, "total"),
-                  m(recompute_ms, "recompute"), fwd_total);
+                  bwd_total, m(light_ms, "total"), m(light_ms, "redispatch"), (long long)options.partial_record_rows,
+                  (long long)capacity, m(partial_ms, "total"), m(partial_ms, "redispatch"),
+                  m(partial_ms, "recompute_rows"), m(recompute_ms, "total"), m(recompute_ms, "recompute"), fwd_total);
     }
     js << "    {\"expert_kernels\": \"" << to_string(kernels) << "\",\n";
     auto dump = [&](const char* name, std::map<std::string, std::vector<double>>& s) {
@@ -200,6 +214,7 @@ int main(int argc, char** argv) {
     dump("backward", bwd_ms);
     if (records) dump("backward_recomputing_forward", recompute_ms);
     if (records) dump("backward_from_light_record", light_ms);
+    if (records) dump("backward_from_partial_record", partial_ms);
     js << "     \"layer_forward_ms\": " << fwd_total << ", \"layer_forward_backward_ms\": " << fwd_total + bwd_total
        << "}" << (b == 0 ? ",\n" : "\n");
     pipeline.reset();
