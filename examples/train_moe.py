@@ -1,13 +1,15 @@
 """A BF16 training loop whose MoE layer runs its routed experts on Poise (router outside, in PyTorch).
 
     torchrun --nproc_per_node 1 examples/train_moe.py                  # one GPU
-    torchrun --nproc_per_node 8 examples/train_moe.py                  # one GPU per rank (needs the
-                                                                       # multi-GPU context: not in this build)
+    torchrun --nproc_per_node 8 examples/train_moe.py                  # one GPU per rank (Poise's NCCL
+                                                                       # context; run on 2 H200 so far)
     torchrun --nproc_per_node 2 examples/train_moe.py --device cpu     # CPU reference engine over gloo
     python examples/train_moe.py --device cpu                          # one process, no torchrun
 
 A student MoE layer learns to imitate a fixed random teacher layer. What it shows:
 - one Context per MoE layer, created collectively over the EP group (torch.distributed WORLD here);
+  (layers may share one context instead: ``context.select_activation_slot(slot, num_layers)`` before
+  their forwards keeps what each backward needs, docs/pytorch.md "Activation slots");
 - the router in PyTorch (fp32 logits, top-k, renormalized scores) and int32 ids for Poise;
 - BF16 expert weights with fp32 ``main_grad`` buffers and ``accumulate_wgrad=True``: the micro-batches'
   weight grads are added in place (Megatron's gradient_accumulation_fusion contract), and an fp32
