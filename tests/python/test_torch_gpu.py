@@ -146,6 +146,39 @@ def test_activation_slot_keeps_layers_for_backward():
             assert relative_error(inputs[name].grad, want) < TOLERANCE, name
 
 
+def test_activation_slot_keeps_layers_whole_light_and_partly():
+    """A slot with room for one layer whole, one without its x rows and the first 128 rows of a
+    third: all three backwards run from what was kept (re-sending x rows, recomputing the third
+    layer's other h13 rows), none rebuilds its forward, and the grads match the CPU reference."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    sizes = poise.plan_memory(dataclasses.replace(CONFIG, max_moe_layers_per_activation_slot=3), 1)
+    h13_row_bytes = 4 * CONFIG.intermediate_dim
+    layout = sizes.activation_light_record_bytes - sizes.balanced_rows * h13_row_bytes
+    config = dataclasses.replace(
+        CONFIG, max_moe_layers_per_activation_slot=3,
+        activation_slot_bytes=sizes.activation_record_bytes + sizes.activation_light_record_bytes + layout
+        + 128 * h13_row_bytes)
+    layers = [inputs_on(device, seed=s)[0] for s in (21, 22, 23)]
+    for inputs in layers:
+        for name in ("x_TD", "scores_TK", "w13", "w2"):
+            inputs[name].requires_grad_()
+    grad_out = torch.randn(config.num_local_input_tokens, config.hidden_dim, device=device).bfloat16()
+    with poise.create_context(config=config, device=device) as context:
+        plan = context.plan
+        assert (plan.activation_records_per_slot, plan.activation_light_records_per_slot,
+                plan.activation_partial_record_rows) == (1, 1, 128)
+        context.select_activation_slot(0, 3)
+        outs = [poise.routed_experts(*[inputs[n] for n in NAMES], context) for inputs in layers]
+        for out in reversed(outs):
+            out.backward(grad_out)
+        context.check()
+        assert context._backend.recomputed_forwards == 0
+    for inputs in layers:
+        _, want_grads = cpu_result(inputs, grad_out)
+        for name, want in zip(("x_TD", "scores_TK", "w13", "w2"), want_grads):
+            assert relative_error(inputs[name].grad, want) < TOLERANCE, name
+
+
 def reference_virtual(config, per_rank, grad_out, w13_layout="gate_up_blocked"):
     """Every rank's out_TD and grads from the CPU reference engine (R virtual ranks, float32 math)."""
     engine = reference.Engine(config, len(per_rank))
