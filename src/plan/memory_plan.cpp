@@ -109,8 +109,9 @@ MemoryPlan plan_memory(const Config& c, int64_t ep_size) {
       }
       p.activation_slot_bytes = std::min(*c.activation_slot_bytes, p.activation_slot_max_useful_bytes);
     } else if (c.activation_slot_capacity_factor) {
+      // Factor 0: keep nothing (the layouts' room is not spent on a partial layer's rows either).
       const int64_t rows_saved = std::min(receive_rows, ceil_times(*c.activation_slot_capacity_factor, p.balanced_rows));
-      p.activation_slot_bytes = layers * (layout_bytes + rows_saved * saved_row_bytes);
+      p.activation_slot_bytes = rows_saved == 0 ? 0 : layers * (layout_bytes + rows_saved * saved_row_bytes);
     } else {
       p.activation_slot_bytes = p.activation_slot_max_useful_bytes;  // every layer's forward kept whole
     }
