@@ -140,9 +140,12 @@ TEST(ContextGpuErrors, ExpertIdOutOfRangeIsReportedNotHung) {
 // rebuilds its forward, though layer 3 overwrote the working buffers that the light and partial
 // layers share. Then layer 3 runs forward twice (the working buffers), and the backward of the
 // first must rebuild it. Exact balance with hot experts: layers use replicas, so a backward from a
-// kept layer must also push its replica weights again. Every result against the CPU reference;
-// every output poisoned first.
-TEST(ContextGpuSlots, KeptLayersRunFromTheirSlotTheRestRecompute) {
+// kept layer must also push its replica weights again. Capacity mode (no replicas; receive rows
+// past the balanced ones) runs the same sequence. Every result against the CPU reference; every
+// output poisoned first.
+class ContextGpuSlots : public ::testing::TestWithParam<Balance> {};
+
+TEST_P(ContextGpuSlots, KeptLayersRunFromTheirSlotTheRestRecompute) {
   if (!testing::have_sm90_gpu()) GTEST_SKIP() << "needs an SM90 GPU";
   Config c;
   c.num_local_input_tokens = 96;
@@ -150,12 +153,15 @@ TEST(ContextGpuSlots, KeptLayersRunFromTheirSlotTheRestRecompute) {
   c.intermediate_dim = 320;
   c.top_k = 4;
   c.num_experts = 16;
-  c.balance = Balance::exact;
+  c.balance = GetParam();
+  c.receive_capacity_factor = 4.0;  // capacity mode: dropless when every token picks rank 0's experts
   c.max_moe_layers_per_activation_slot = 3;
   const int64_t R = 4;
   const MemoryPlan sizes = plan_memory(c, R);
+  // record = layout + rows * (2D + 4F) bytes, light record = layout + rows * 4F
   const int64_t h13_row_bytes = 4 * c.intermediate_dim;
-  const int64_t layout_bytes = sizes.activation_light_record_bytes - sizes.balanced_rows * h13_row_bytes;
+  const int64_t receive_rows = (sizes.activation_record_bytes - sizes.activation_light_record_bytes) / (2 * c.hidden_dim);
+  const int64_t layout_bytes = sizes.activation_light_record_bytes - receive_rows * h13_row_bytes;
   c.activation_slot_bytes = sizes.activation_record_bytes + sizes.activation_light_record_bytes + layout_bytes +
                             256 * h13_row_bytes;
   const MemoryPlan plan = plan_memory(c, R);
@@ -224,6 +230,8 @@ TEST(ContextGpuSlots, KeptLayersRunFromTheirSlotTheRestRecompute) {
     }
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(BalanceModes, ContextGpuSlots, ::testing::Values(Balance::exact, Balance::capacity));
 
 }  // namespace
 }  // namespace poise
