@@ -261,6 +261,14 @@ static ep::StagedPipeline& pipeline_of(Context& context, std::unique_ptr<ep::Sta
   return *pipeline;
 }
 
+// The pipeline, with one generation counter per activation record (both created on first use).
+static ep::StagedPipeline& pipeline_with_records(Context& context, std::unique_ptr<ep::StagedPipeline>& owned,
+                                                 std::vector<uint64_t>& generation) {
+  ep::StagedPipeline& pipeline = pipeline_of(context, owned);
+  if (generation.size() != size_t(pipeline.records())) generation.assign(pipeline.records(), 0);
+  return pipeline;
+}
+
 ActivationRecord routed_experts_forward(Context& context, std::span<const ForwardArgs> args_per_rank, Stream stream,
                                         bool keep_for_backward) {
   require_open(context);
@@ -286,8 +294,7 @@ ActivationRecord routed_experts_forward(Context& context, std::span<const Forwar
     else if (p == whole + light && plan.activation_partial_record_rows > 0)
       record = 1 + slots * (whole + light) + st.selected_slot;
   }
-  ep::StagedPipeline& pipeline = pipeline_of(context, st.pipeline);
-  if (st.generation.size() != size_t(pipeline.records())) st.generation.assign(pipeline.records(), 0);
+  ep::StagedPipeline& pipeline = pipeline_with_records(context, st.pipeline, st.generation);
   st.stage_clock.begin(pipeline, 0);
   st.generation[record] = 0;  // being overwritten: valid again only once the launch was enqueued
   if (pipeline.light_record(static_cast<int>(record))) st.generation[0] = 0;  // shares the working x rows
@@ -307,8 +314,7 @@ void routed_experts_backward(Context& context, std::span<const BackwardArgs> arg
   }
   for (const BackwardArgs& b : args_per_rank) validate_backward(b);
   Context::State& st = *context.state_;
-  ep::StagedPipeline& pipeline = pipeline_of(context, st.pipeline);
-  if (st.generation.size() != size_t(pipeline.records())) st.generation.assign(pipeline.records(), 0);
+  ep::StagedPipeline& pipeline = pipeline_with_records(context, st.pipeline, st.generation);
   const ActivationRecord want = record ? *record : st.latest;
   if (want.index < -1 || want.index >= pipeline.records()) {
     throw InvalidArgument("record", "index must be in [-1, " + std::to_string(pipeline.records()) + "), got " +
@@ -323,8 +329,7 @@ void routed_experts_backward(Context& context, std::span<const BackwardArgs> arg
   pipeline.backward(args_per_rank, stream, static_cast<int>(index), /*recompute=*/!kept);
   if (!kept) {
     ++st.recomputed_forwards;
-    st.generation[0] = st.next_generation();
-    if (st.latest.index == 0) st.latest = {};  // the working record now holds this backward's forward
+    st.generation[0] = st.next_generation();  // a token naming the working record is now stale
   }
 }
 

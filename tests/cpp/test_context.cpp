@@ -49,6 +49,24 @@ TEST(Context, LifecycleAndPlan) {
   EXPECT_EQ(rejected_name([&] { routed_experts_forward(*ctx, fake_forward_args(), nullptr); }), "context");
 }
 
+TEST(Context, SelectActivationSlotNamesTheBadArgument) {
+  Config c = small_config();
+  c.num_activation_slots = 2;
+  c.max_moe_layers_per_activation_slot = 3;
+  auto ctx = Context::create(c, 1, 0);
+  EXPECT_NO_THROW(ctx->select_activation_slot(1, 3));
+  EXPECT_EQ(ctx->recomputed_forwards(), 0);
+  EXPECT_EQ(rejected_name([&] { ctx->select_activation_slot(2, 1); }), "slot");
+  EXPECT_EQ(rejected_name([&] { ctx->select_activation_slot(-1, 1); }), "slot");
+  EXPECT_EQ(rejected_name([&] { ctx->select_activation_slot(0, 0); }), "num_moe_layers_in_slot");
+  EXPECT_EQ(rejected_name([&] { ctx->select_activation_slot(0, 4); }), "num_moe_layers_in_slot");
+  c.inference = true;
+  auto inference = Context::create(c, 1, 0);
+  EXPECT_EQ(rejected_name([&] { inference->select_activation_slot(0, 1); }), "context");
+  ctx->close();
+  EXPECT_EQ(rejected_name([&] { ctx->select_activation_slot(0, 1); }), "context");
+}
+
 TEST(Context, CreateValidates) {
   EXPECT_EQ(rejected_name([] { Context::create(small_config(), 2, 2); }), "rank");
   EXPECT_EQ(rejected_name([] { Context::create(small_config(), 3, 0); }), "num_experts");

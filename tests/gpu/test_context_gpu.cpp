@@ -204,6 +204,13 @@ TEST_P(ContextGpuSlots, KeptLayersRunFromTheirSlotTheRestRecompute) {
   EXPECT_EQ(records[1].index, 2);  // kept light
   EXPECT_EQ(records[2].index, 3);  // kept partly
   EXPECT_EQ(records[3].index, 0);  // past the selected layers: the working buffers
+  const ActivationRecord bad{context->plan().activation_records_per_slot + 100, 1};
+  try {
+    routed_experts_backward(*context, device[0]->backward_args(), nullptr, &bad);
+    ADD_FAILURE() << "a record index past the pipeline's records was accepted";
+  } catch (const InvalidArgument& e) {
+    EXPECT_EQ(e.name(), "record");
+  }
   for (int i = 3; i >= 0; --i) routed_experts_backward(*context, device[i]->backward_args(), nullptr, &records[i]);
   context->check(nullptr);
   EXPECT_EQ(context->recomputed_forwards(), 0);

@@ -323,5 +323,50 @@ TEST(EpBalanceErrors, HostRejectsBadOptions) {
   EXPECT_GT(with_slots, StagedPipeline::workspace_bytes(cfg, 4, o));
 }
 
+// Activation records (Context sizes them from the plan): bad counts and partial rows are named.
+TEST(EpRecordErrors, HostRejectsBadRecordOptions) {
+  Config cfg;
+  cfg.num_local_input_tokens = 64;
+  cfg.hidden_dim = 128;
+  cfg.intermediate_dim = 128;
+  cfg.top_k = 4;
+  cfg.num_experts = 16;
+  auto name_of = [&](const PipelineOptions& o) -> std::string {
+    try {
+      StagedPipeline::workspace_bytes(cfg, 4, o);
+    } catch (const InvalidArgument& e) {
+      return e.name();
+    }
+    return "<accepted>";
+  };
+  PipelineOptions o;
+  o.expert_kernels = ExpertKernels::sm90;
+  o.activation_records = -1;
+  EXPECT_EQ(name_of(o), "activation_records");
+  o.activation_records = 0;
+  o.light_activation_records = -1;
+  EXPECT_EQ(name_of(o), "light_activation_records");
+  o.light_activation_records = 0;
+  o.partial_activation_records = 1;
+  o.partial_record_rows = 100;  // not a multiple of 128
+  EXPECT_EQ(name_of(o), "partial_record_rows");
+  o.partial_record_rows = 1 << 20;  // past the receive rows
+  EXPECT_EQ(name_of(o), "partial_record_rows");
+  o.partial_record_rows = 128;
+  EXPECT_EQ(name_of(o), "<accepted>");
+  // More records, more window: each whole record's x rows and metadata live there.
+  o.activation_records = 1;
+  const size_t one = StagedPipeline::workspace_bytes(cfg, 4, o);
+  o.activation_records = 2;
+  EXPECT_GT(StagedPipeline::workspace_bytes(cfg, 4, o), one);
+  // The stand-in experts' backward reads the latest forward's y: no records with them.
+  o.expert_kernels = ExpertKernels::standin;
+  EXPECT_THROW(StagedPipeline::workspace_bytes(cfg, 4, o), NotAvailable);
+  o.expert_kernels = ExpertKernels::sm90;
+  cfg.inference = true;
+  o.partial_activation_records = 0;
+  EXPECT_EQ(name_of(o), "activation_records");
+}
+
 }  // namespace
 }  // namespace poise::ep::testing

@@ -651,6 +651,14 @@ TEST(ExpertMlpValidation, RejectsBadArgumentsByName) {
   EXPECT_EQ(name_of([&] { sm90::expert_mlp_fprop_w2(split, shape, {fake, fake, nullptr, fake}, nullptr); }), "replica_w2_EDF");
   EXPECT_EQ(name_of([&] { sm90::expert_mlp_wgrad_w13(split, shape, fake, fake, {fake, DType::fp32, false}, nullptr); }),
             "replica_grad_w");
+  sm90::FpropW13Args h13_split{fake, fake, fake, fake};
+  h13_split.h13_split = {100, fake};  // not a multiple of 128
+  EXPECT_EQ(name_of([&] { sm90::expert_mlp_fprop_w13(rows, shape, h13_split, nullptr); }), "h13_split.split_row");
+  h13_split.h13_split = {2048, fake};  // past max_rows
+  EXPECT_EQ(name_of([&] { sm90::expert_mlp_fprop_w13(rows, shape, h13_split, nullptr); }), "h13_split.split_row");
+  sm90::DgradW2Args dgrad_split{fake, fake, fake, nullptr, fake, nullptr, nullptr};
+  dgrad_split.h13_split = {128, nullptr};
+  EXPECT_EQ(name_of([&] { sm90::expert_mlp_dgrad_w2(rows, shape, dgrad_split, nullptr); }), "h13_split.hi_R2F");
 }
 
 }  // namespace

@@ -201,19 +201,6 @@ size_t StagedPipeline::workspace_bytes(const Config& c, int64_t ep_size, const P
   return plan_workspace(make_dims(c, ep_size, o), !c.inference, 1 + o.activation_records).total;
 }
 
-size_t StagedPipeline::record_bytes(const Config& c, int64_t ep_size, const PipelineOptions& o) {
-  validate_config(c, ep_size, o);
-  const EpDims d = make_dims(c, ep_size, o);
-  const size_t cap = d.capacity_rows, TK = size_t(d.T) * d.K;
-  size_t bytes = 2 * TK * sizeof(int32_t) + (2 * size_t(d.groups) + 1) * sizeof(int32_t) +
-                 cap * 2 * size_t(d.F) * sizeof(bf16);                      // layout, h13
-  bytes += cap * (3 * sizeof(int32_t) + size_t(d.D) * sizeof(bf16));      // window: metadata, x rows
-  if (d.balanced) {
-    bytes += (2 * size_t(d.E) + 1 + size_t(d.world) * (d.groups + 1) + kPlanStats) * sizeof(int32_t) +
-             sizeof(plan::shared::ReplicaPiece) * std::max(1, d.world * d.replica_slots);
-  }
-  return bytes;
-}
 
 std::unique_ptr<StagedPipeline> StagedPipeline::create_virtual(const Config& config, int64_t ep_size,
                                                                const PipelineOptions& options) {
@@ -374,8 +361,7 @@ void StagedPipeline::check_record(int record) const {
           "must be in [0, " + std::to_string(records()) + "), got " + std::to_string(record));
 }
 
-void StagedPipeline::forward_data_path(const EpLaunch& l, const LaunchIo& io, cudaStream_t stream) {
-  launch_route(l, io, stream);
+void StagedPipeline::dispatch_x_rows(const EpLaunch& l, const LaunchIo& io, cudaStream_t stream) {
   launch_dispatch_forward(l, io, stream);
   launch_fanout_rows(l, /*backward=*/false, stream);
 }
@@ -437,15 +423,15 @@ void StagedPipeline::backward(std::span<const BackwardArgs> args, cudaStream_t s
       throw NotAvailable("recompute: the stand-in experts' backward reads the forward's y; run its forward instead");
     }
     stage(Stage::recompute, stream);
-    forward_data_path(l, io, stream);
+    launch_route(l, io, stream);
+    dispatch_x_rows(l, io, stream);
     expert_forward_h13(l, io, expert_kernels_, /*tail_only=*/false, stream);
     replicas_in_window_ = record;
   }
   if (!recompute && light_record(record)) {
     // The layout and h13 were kept, the x rows were not: send them again (and the replica weights).
     stage(Stage::redispatch, stream);
-    launch_dispatch_forward(l, io, stream);
-    launch_fanout_rows(l, /*backward=*/false, stream);
+    dispatch_x_rows(l, io, stream);
     replicas_in_window_ = record;
     if (partial_record(record)) {  // h13 of the rows past what the record kept
       stage(Stage::recompute_rows, stream);

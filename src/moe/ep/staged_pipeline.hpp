@@ -131,8 +131,6 @@ class StagedPipeline {
   // Light and partial records share the working record's window regions (x rows, row metadata).
   bool light_record(int record) const { return record > full_records_; }
   bool partial_record(int record) const { return record > full_records_ + light_records_; }
-  // Bytes of one activation record per launch rank: private buffers and window regions.
-  static size_t record_bytes(const Config& config, int64_t ep_size, const PipelineOptions& options = {});
 
   // Waits for `stream`, then throws DeviceError describing the first device error (rank, phase),
   // root causes (bad id, overflow) before the timeouts they caused. No-op when all is well.
@@ -183,8 +181,8 @@ class StagedPipeline {
   // launch_ with `record`'s buffers and window regions in place of the working record's.
   EpLaunch launch_for(int record) const;
   void check_record(int record) const;
-  // Route, dispatch (with the replica weight push), fanout: the forward up to the experts.
-  void forward_data_path(const EpLaunch& l, const LaunchIo& io, cudaStream_t stream);
+  // A forward's dispatch of x rows (with the replica weight push) and fanout, from l's layout.
+  void dispatch_x_rows(const EpLaunch& l, const LaunchIo& io, cudaStream_t stream);
 
   Config config_;
   ExpertKernels expert_kernels_;
