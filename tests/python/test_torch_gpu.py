@@ -101,13 +101,26 @@ def test_cuda_graph_capture_and_replay_for_any_routing():
                 assert relative_error(got, want) < TOLERANCE, routing
 
 
-def test_layers_sharing_a_context_and_no_grad_in_between():
-    """The GPU backward differentiates the latest forward: the torch op relaunches an older one."""
-    device = torch.device("cuda", torch.cuda.current_device())
-    layers = [inputs_on(device, seed=s)[0] for s in (7, 8)]
+def layers_with_grads(device, seeds):
+    """One layer's inputs per seed, x, scores and weights requiring grad."""
+    layers = [inputs_on(device, seed=s)[0] for s in seeds]
     for inputs in layers:
         for name in ("x_TD", "scores_TK", "w13", "w2"):
             inputs[name].requires_grad_()
+    return layers
+
+
+def assert_grads_match_cpu(layers, grad_out):
+    for inputs in layers:
+        _, want_grads = cpu_result(inputs, grad_out)
+        for name, want in zip(("x_TD", "scores_TK", "w13", "w2"), want_grads):
+            assert relative_error(inputs[name].grad, want) < TOLERANCE, name
+
+
+def test_layers_sharing_a_context_and_no_grad_in_between():
+    """The GPU backward differentiates the latest forward: the torch op relaunches an older one."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    layers = layers_with_grads(device, (7, 8))
     grad_out = torch.randn(CONFIG.num_local_input_tokens, CONFIG.hidden_dim, device=device).bfloat16()
     with poise.create_context(config=CONFIG, device=device) as context:
         outs = [poise.routed_experts(*[inputs[n] for n in NAMES], context) for inputs in layers]
@@ -117,20 +130,14 @@ def test_layers_sharing_a_context_and_no_grad_in_between():
         outs[0].backward(grad_out)
         context.check()
         assert context._backend.recomputed_forwards == 2
-    for inputs in layers:
-        _, want_grads = cpu_result(inputs, grad_out)
-        for name, want in zip(("x_TD", "scores_TK", "w13", "w2"), want_grads):
-            assert relative_error(inputs[name].grad, want) < TOLERANCE, name
+    assert_grads_match_cpu(layers, grad_out)
 
 
 def test_activation_slot_keeps_layers_for_backward():
     """Two layers in one activation slot: both backwards run from what their forward kept."""
     device = torch.device("cuda", torch.cuda.current_device())
     config = dataclasses.replace(CONFIG, max_moe_layers_per_activation_slot=2)
-    layers = [inputs_on(device, seed=s)[0] for s in (11, 12)]
-    for inputs in layers:
-        for name in ("x_TD", "scores_TK", "w13", "w2"):
-            inputs[name].requires_grad_()
+    layers = layers_with_grads(device, (11, 12))
     grad_out = torch.randn(config.num_local_input_tokens, config.hidden_dim, device=device).bfloat16()
     with poise.create_context(config=config, device=device) as context:
         assert context.plan.activation_records_per_slot == 2
@@ -140,10 +147,7 @@ def test_activation_slot_keeps_layers_for_backward():
         outs[0].backward(grad_out)
         context.check()
         assert context._backend.recomputed_forwards == 0
-    for inputs in layers:
-        _, want_grads = cpu_result(inputs, grad_out)
-        for name, want in zip(("x_TD", "scores_TK", "w13", "w2"), want_grads):
-            assert relative_error(inputs[name].grad, want) < TOLERANCE, name
+    assert_grads_match_cpu(layers, grad_out)
 
 
 def test_activation_slot_keeps_layers_whole_light_and_partly():
@@ -158,10 +162,7 @@ def test_activation_slot_keeps_layers_whole_light_and_partly():
         CONFIG, max_moe_layers_per_activation_slot=3,
         activation_slot_bytes=sizes.activation_record_bytes + sizes.activation_light_record_bytes + layout
         + 128 * h13_row_bytes)
-    layers = [inputs_on(device, seed=s)[0] for s in (21, 22, 23)]
-    for inputs in layers:
-        for name in ("x_TD", "scores_TK", "w13", "w2"):
-            inputs[name].requires_grad_()
+    layers = layers_with_grads(device, (21, 22, 23))
     grad_out = torch.randn(config.num_local_input_tokens, config.hidden_dim, device=device).bfloat16()
     with poise.create_context(config=config, device=device) as context:
         plan = context.plan
@@ -173,10 +174,7 @@ def test_activation_slot_keeps_layers_whole_light_and_partly():
             out.backward(grad_out)
         context.check()
         assert context._backend.recomputed_forwards == 0
-    for inputs in layers:
-        _, want_grads = cpu_result(inputs, grad_out)
-        for name, want in zip(("x_TD", "scores_TK", "w13", "w2"), want_grads):
-            assert relative_error(inputs[name].grad, want) < TOLERANCE, name
+    assert_grads_match_cpu(layers, grad_out)
 
 
 def reference_virtual(config, per_rank, grad_out, w13_layout="gate_up_blocked"):
