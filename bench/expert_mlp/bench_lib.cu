@@ -115,7 +115,23 @@ int launch_check() {
 
 }  // namespace
 
+#if POISE_PHASE_PROFILE
+namespace poise::sm90 {
+void read_phase_profile(unsigned long long out[8]);
+}
+#endif
+
 extern "C" {
+
+// Profiling builds (-DPOISE_PHASE_PROFILE=1): the kernels' cycle sums since the last call; else -1.
+int pb_phase_profile(unsigned long long* out8) {
+#if POISE_PHASE_PROFILE
+  return guarded([&] { poise::sm90::read_phase_profile(out8); });
+#else
+  (void)out8;
+  return -1;
+#endif
+}
 
 const char* pb_last_error() { return g_last_error.c_str(); }
 

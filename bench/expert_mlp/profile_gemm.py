@@ -7,6 +7,11 @@
 SHAPE: a key of bench_expert_mlp.SHAPES; GEMM: fprop_w13, fprop_w2, dgrad_w2, dgrad_w13, wgrad_w2,
 wgrad_w13. One forward and backward first fill every operand with real values (6 GEMM launches),
 then the chosen GEMM runs REPEATS times (default 3).
+
+GEMM "phases" (with a library built by `scripts/build_bench_variant.sh NAME -DPOISE_PHASE_PROFILE=1`):
+runs each of the six GEMMs REPEATS times and prints where the consumer warpgroups' cycles go
+(waiting for a stage, in the epilogue, the rest: issuing and waiting on wgmma) and how long the
+producer waited for a free stage, per tile.
 """
 
 import importlib.util
@@ -41,6 +46,27 @@ def main() -> int:
         "wgrad_w2": lambda: P.wgrad_w2(blk.gy_rows, blk.a, g2, 0, 0),
         "wgrad_w13": lambda: P.wgrad_w13(blk.gh13, blk.x_rows, g13, 0, 0),
     }
+    if gemm == "phases":
+        import ctypes
+        fn = P.lib.pb_phase_profile
+        fn.argtypes = [ctypes.c_void_p]
+        buf = (ctypes.c_ulonglong * 8)()
+        for name, call in calls.items():
+            call()
+            torch.cuda.synchronize()
+            if fn(buf) != 0:
+                print("not a profiling build (-DPOISE_PHASE_PROFILE=1)")
+                return 1
+            for _ in range(repeats):
+                call()
+            torch.cuda.synchronize()
+            fn(buf)
+            total, wait, epi, tiles, p_wait, p_total = (float(v) for v in buf[:6])
+            print(f"{shape} {name}: per tile {total / tiles:,.0f} cycles = wait for stage {wait / tiles:,.0f} "
+                  f"({100 * wait / total:.1f}%), epilogue {epi / tiles:,.0f} ({100 * epi / total:.1f}%), "
+                  f"mma {(total - wait - epi) / tiles:,.0f} ({100 * (total - wait - epi) / total:.1f}%); "
+                  f"producer waits for a free stage {100 * p_wait / max(p_total, 1):.1f}%", flush=True)
+        return 0
     for _ in range(repeats):
         calls[gemm]()
     torch.cuda.synchronize()

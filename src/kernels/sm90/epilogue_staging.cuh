@@ -15,6 +15,7 @@
 #include <cstdint>
 
 #include "kernels/sm90/ptx/cp_async.cuh"
+#include "kernels/sm90/ptx/shared_memory.cuh"
 #include "kernels/sm90/ptx/tma.cuh"
 #include "kernels/sm90/ptx/warpgroup.cuh"
 
@@ -31,17 +32,23 @@ __device__ __forceinline__ int staging_offset(int row, int byte_col) {
   return row * 128 + ((((byte_col >> 4) ^ row) & 7) << 4) + (byte_col & 15);
 }
 
+// Through ptx/shared_memory.cuh: plain dereferences of the staging pointer compiled to generic
+// 64-bit stores (16 live address pairs per chunk, and spills in four kernels).
 __device__ __forceinline__ void stage_put_u32(uint8_t* buf, int row, int byte_col, uint32_t v) {
-  *reinterpret_cast<uint32_t*>(buf + staging_offset(row, byte_col)) = v;
+  ptx::st_shared_b32(ptx::shared_address(buf) + staging_offset(row, byte_col), v);
 }
 __device__ __forceinline__ void stage_put_u16(uint8_t* buf, int row, int byte_col, uint16_t v) {
-  *reinterpret_cast<uint16_t*>(buf + staging_offset(row, byte_col)) = v;
+  ptx::st_shared_b16(ptx::shared_address(buf) + staging_offset(row, byte_col), v);
 }
 __device__ __forceinline__ void stage_put_f32x2(uint8_t* buf, int row, int byte_col, float a, float b) {
-  *reinterpret_cast<float2*>(buf + staging_offset(row, byte_col)) = make_float2(a, b);
+  ptx::st_shared_v2_b32(ptx::shared_address(buf) + staging_offset(row, byte_col), __float_as_uint(a),
+                        __float_as_uint(b));
 }
 __device__ __forceinline__ uint32_t stage_get_u32(const uint8_t* buf, int row, int byte_col) {
-  return *reinterpret_cast<const uint32_t*>(buf + staging_offset(row, byte_col));
+  return ptx::ld_shared_b32(ptx::shared_address(buf) + staging_offset(row, byte_col));
+}
+__device__ __forceinline__ uint4 stage_get_u128(const uint8_t* buf, int row, int byte_col) {
+  return ptx::ld_shared_v4_b32(ptx::shared_address(buf) + staging_offset(row, byte_col));
 }
 
 // Before writing the warpgroup's staging buffers: the TMA stores issued from them (by thread 0)
@@ -64,7 +71,7 @@ __device__ __forceinline__ void staged_copy_out(const uint8_t* buf, int thread, 
     const int u = thread + 128 * i;
     const int r = u >> 3, c = u & 7;
     uint8_t* dst = row_dst(r);
-    if (dst) *reinterpret_cast<uint4*>(dst + c * 16) = *reinterpret_cast<const uint4*>(buf + staging_offset(r, c * 16));
+    if (dst) *reinterpret_cast<uint4*>(dst + c * 16) = stage_get_u128(buf, r, c * 16);
   }
 }
 
@@ -79,7 +86,7 @@ __device__ __forceinline__ void staged_combine_out(const uint8_t* buf, int threa
     uint8_t* dst = row_dst(r);
     if (dst) {
       uint4* p = reinterpret_cast<uint4*>(dst + c * 16);
-      *p = combine(*reinterpret_cast<const uint4*>(buf + staging_offset(r, c * 16)), *p);
+      *p = combine(stage_get_u128(buf, r, c * 16), *p);
     }
   }
 }

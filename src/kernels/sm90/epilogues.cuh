@@ -67,6 +67,7 @@ template <bool kInterleaved>
 struct SwigluFpropEpilogue {
   static constexpr int kStagingBuffers = 1;
   static constexpr bool kPairedTiles = true;  // 2-CTA clusters with multicast (grouped_gemm.cuh)
+  static constexpr bool kSkipsEmptySlabs = true;  // an all-padding 64-row slab is skipped (grouped_gemm.cuh)
   static constexpr bool interleaved = kInterleaved;
   CUtensorMap a_map;    // a_RF, 64 x 64 boxes (tensor_map.hpp)
   CUtensorMap h13_map;  // h13_R2F, when set
@@ -161,6 +162,7 @@ struct SwigluFpropEpilogue {
 struct RowsStoreEpilogue {
   static constexpr int kStagingBuffers = 1;
   static constexpr bool kPairedTiles = true;  // 2-CTA clusters with multicast (grouped_gemm.cuh)
+  static constexpr bool kSkipsEmptySlabs = true;  // an all-padding 64-row slab is skipped (grouped_gemm.cuh)
   CUtensorMap out_map;  // out_RN, 64 x 64 boxes
   // Nothing to prefetch before the mainloop.
   template <int kBlockN>
@@ -214,6 +216,9 @@ struct SwigluDgradEpilogue {
   // 1-CTA launches: at 3 stages, coupling two CTAs' pipelines cost more than the halved B
   // traffic saved (measured: 483 vs 500 TFLOP/s at DeepSeek-V3, 304 vs 325 at Qwen3).
   static constexpr bool kPairedTiles = false;
+  // Both warpgroups compute every tile: letting the one with an all-padding slab run ahead made
+  // this kernel 7-8% slower at DeepSeek-V3 (three runs; the other GEMMs: within noise or faster).
+  static constexpr bool kSkipsEmptySlabs = false;
   static constexpr bool interleaved = kInterleaved;
   CUtensorMap grad_h13_map;  // grad_h13_R2F, 64 x 64 boxes
   CUtensorMap a_map;         // a_RF, when set
@@ -354,6 +359,7 @@ struct SwigluDgradEpilogue {
 struct WgradStoreEpilogue {
   static constexpr int kStagingBuffers = 1;
   static constexpr bool kPairedTiles = true;  // 2-CTA clusters with multicast (grouped_gemm.cuh)
+  static constexpr bool kSkipsEmptySlabs = true;  // an all-padding 64-row slab is skipped (grouped_gemm.cuh)
   CUtensorMap out_map;      // out viewed as [E*M][N]; boxes of 64 rows x 128 bytes (overwrite only)
   CUtensorMap replica_map;  // the replicas' target, same boxes
   // Nothing to prefetch before the mainloop.

@@ -273,9 +273,10 @@ void expert_mlp_dgrad_w2(const GroupedRows& rows, const ExpertMlpShape& shape,
   auto run = [&](auto epi) {
     epi.grad_h13_map = make_store_tensor_map(args.grad_h13_R2F, false, rows.max_rows, 2 * F, "grad_h13_R2F");
     epi.a_map = make_store_tensor_map(args.a_RF, false, rows.max_rows, F, "a_RF");
+    const int32_t split = h13_split_row(rows, args.h13_split);
     epi.h13_R2F = bf16(args.h13_R2F);
     epi.h13_hi_R2F = bf16(args.h13_split.hi_R2F);
-    epi.h13_split = h13_split_row(rows, args.h13_split);
+    epi.h13_split = split;
     epi.grad_h13_R2F = bf16(args.grad_h13_R2F);
     epi.a_RF = bf16(args.a_RF);
     epi.scores_R = args.scores_R;
@@ -366,5 +367,14 @@ void expert_mlp_wgrad_w13(const GroupedRows& rows, const ExpertMlpShape& shape,
   wgrad(rows, grad_h13_R2F, "grad_h13_R2F", 2 * shape.intermediate_dim, x_RD, "x_RD",
         shape.hidden_dim, out, stream);
 }
+
+#if POISE_PHASE_PROFILE
+// Profiling builds: copies out and resets the consumer / producer cycle sums (grouped_gemm.cuh).
+void read_phase_profile(unsigned long long out[8]) {
+  check_cuda(cudaMemcpyFromSymbol(out, g_phase_cycles, sizeof(g_phase_cycles)), "read_phase_profile");
+  const unsigned long long zero[8] = {};
+  check_cuda(cudaMemcpyToSymbol(g_phase_cycles, zero, sizeof(zero)), "read_phase_profile");
+}
+#endif
 
 }  // namespace poise::sm90

@@ -24,6 +24,7 @@
 
 #include "kernels/sm90/ptx/cluster.cuh"
 #include "kernels/sm90/ptx/mbarrier.cuh"
+#include "kernels/sm90/ptx/shared_memory.cuh"
 #include "kernels/sm90/ptx/smem_desc.cuh"
 #include "kernels/sm90/ptx/tma.cuh"
 #include "kernels/sm90/ptx/warpgroup.cuh"
@@ -47,6 +48,20 @@ inline constexpr int kWgmmaGroupsInFlight = POISE_WGMMA_GROUPS_IN_FLIGHT;
 #ifndef POISE_SKIP_EPILOGUE_FOR_TIMING
 #define POISE_SKIP_EPILOGUE_FOR_TIMING 0
 #endif
+// Profiling builds only (scripts/build_bench_variant.sh NAME -DPOISE_PHASE_PROFILE=1, then
+// bench/expert_mlp/profile_gemm.py LIB SHAPE phases): where the SM cycles go, summed over every
+// consumer warpgroup of every launch: [0] the consumer loop, [1] waiting for a stage to land,
+// [2] epilogues, [3] tiles; [4] the producer waiting for a free stage, [5] the producer loop.
+// Read and reset on the host with read_phase_profile (expert_mlp.cu).
+#ifndef POISE_PHASE_PROFILE
+#define POISE_PHASE_PROFILE 0
+#endif
+#if POISE_PHASE_PROFILE
+__device__ unsigned long long g_phase_cycles[8];
+#define POISE_PHASE(...) __VA_ARGS__
+#else
+#define POISE_PHASE(...)
+#endif
 
 template <int kBlockN, int kStages, int kStagingBuffers>
 struct GroupedGemmSmem {
@@ -69,16 +84,17 @@ template <int kAChunks, int kBlockN, int kThreads>
 __device__ __forceinline__ void zero_k_tail(uint8_t* stage_a, uint8_t* stage_b, int valid_rows, int thread,
                                             uint32_t barrier_id) {
   constexpr int kChunks = kAChunks + kBlockN / 64;
-  const int tail_rows = kTileK - valid_rows;
-  const int units = kChunks * tail_rows * 8;  // 16-byte units
-  for (int u = thread; u < units; u += kThreads) {
-    const int chunk = u / (tail_rows * 8);
-    const int rem = u - chunk * tail_rows * 8;
-    const int row = valid_rows + rem / 8;
-    const int col16 = rem % 8;
-    uint8_t* base = chunk < kAChunks ? stage_a + chunk * ptx::kMnChunkBytes
-                                     : stage_b + (chunk - kAChunks) * ptx::kMnChunkBytes;
-    *reinterpret_cast<uint4*>(base + row * 128 + col16 * 16) = make_uint4(0, 0, 0, 0);
+  static_assert(kThreads % 8 == 0, "8 threads per 128-byte row");
+  // Thread t zeroes 16-byte unit t % 8 of rows valid_rows + t / 8, + kThreads / 8, ... of every
+  // chunk (no divisions: this runs on every expert's last K block).
+  const uint32_t a = ptx::shared_address(stage_a), b = ptx::shared_address(stage_b);
+  const uint32_t unit = 16 * (thread % 8);
+  for (int row = valid_rows + thread / 8; row < kTileK; row += kThreads / 8) {
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) {
+      const uint32_t chunk = c < kAChunks ? a + c * ptx::kMnChunkBytes : b + (c - kAChunks) * ptx::kMnChunkBytes;
+      ptx::st_shared_v4_b32(chunk + row * 128 + unit, make_uint4(0, 0, 0, 0));
+    }
   }
   ptx::fence_async_shared();
   ptx::named_barrier_sync(barrier_id, kThreads);
@@ -153,6 +169,7 @@ __global__ void __launch_bounds__(kThreadsPerCta, 1)
       ptx::tma_prefetch_descriptor(&map_b);
       if (shape.first_replica < shape.num_experts) ptx::tma_prefetch_descriptor(&map_b_replicas);
       uint32_t it = 0;
+      POISE_PHASE(long long p_begin = clock64(), p_wait = 0;)
       for (int32_t t = first_tile; t < scheduler.total_tiles; t += tile_stride) {
         const TileInfo tile = scheduler.tile(t, cluster_rank);
         const int32_t k_blocks = scheduler.k_blocks(tile);
@@ -161,7 +178,9 @@ __global__ void __launch_bounds__(kThreadsPerCta, 1)
         const int32_t b_row0 = (tile.expert - (replica ? shape.first_replica : 0)) * shape.b_rows_per_expert;
         for (int32_t kb = 0; kb < k_blocks; ++kb, ++it) {
           const int s = it % kStages;
+          POISE_PHASE(const long long w0 = clock64();)
           ptx::mbarrier_wait(&empty_bar[s], ((it / kStages) & 1) ^ 1);
+          POISE_PHASE(p_wait += clock64() - w0;)
           ptx::mbarrier_arrive_expect_tx(&full_bar[s], Smem::kStageBytes);
           const bool share_b = kCluster > 1 && tile.shares_b, share_a = kCluster > 1 && !tile.shares_b;
           int a_first, a_end, b_first, b_end;
@@ -194,6 +213,8 @@ __global__ void __launch_bounds__(kThreadsPerCta, 1)
           }
         }
       }
+      POISE_PHASE(atomicAdd(&g_phase_cycles[4], (unsigned long long)p_wait);
+                  atomicAdd(&g_phase_cycles[5], (unsigned long long)(clock64() - p_begin));)
     }
   } else {
     // ---------------- wgmma consumers ----------------
@@ -213,12 +234,20 @@ __global__ void __launch_bounds__(kThreadsPerCta, 1)
       }
     };
     uint32_t it = 0;
+    POISE_PHASE(long long c_begin = clock64(), c_wait = 0, c_epi = 0, c_tiles = 0;)
     for (int32_t t = first_tile; t < scheduler.total_tiles; t += tile_stride) {
       const TileInfo tile = scheduler.tile(t, cluster_rank);
       const int32_t k_blocks = scheduler.k_blocks(tile);
+      POISE_PHASE(++c_tiles;)
       uint8_t* staging = smem + Smem::kStagingOffset + consumer * Smem::kStagingPerConsumer;
-      if (kCluster > 1 && !tile.valid) {
-        // A filler tile: the peer's B half still passes through this CTA's stages.
+      // Rows as M: in an expert's last, partial M block a warpgroup whose 64 rows are all past the
+      // expert's count issues no wgmma and stores nothing, so the other warpgroup's wgmmas have the
+      // tensor cores to themselves (Epilogue::kSkipsEmptySlabs). A separate path: wgmmas under a
+      // condition get serialized by ptxas.
+      const bool idle = Epilogue::kSkipsEmptySlabs && kRows == RowsAre::M &&
+                        tile.row_count - tile.m_block * kTileM - 64 * consumer <= 0;
+      if ((kCluster > 1 && !tile.valid) || idle) {
+        // A filler tile or an idle warpgroup: the stages (the peer's multicast half too) pass on.
         for (int32_t kb = 0; kb < k_blocks; ++kb, ++it) {
           const int s = it % kStages;
           ptx::mbarrier_wait(&full_bar[s], (it / kStages) & 1);
@@ -232,7 +261,9 @@ __global__ void __launch_bounds__(kThreadsPerCta, 1)
       int prev_stage = 0;
       for (int32_t kb = 0; kb < k_blocks; ++kb, ++it) {
         const int s = it % kStages;
+        POISE_PHASE(const long long w0 = clock64();)
         ptx::mbarrier_wait(&full_bar[s], (it / kStages) & 1);
+        POISE_PHASE(c_wait += clock64() - w0;)
         if constexpr (kRows == RowsAre::K) {
           const int valid = tile.row_count - kb * kTileK;
           if (valid < kTileK) zero_k_tail<kTileM / 64, kBlockN, 256>(stage_a(s), stage_b(s), valid, consumer_thread, 1);
@@ -271,9 +302,17 @@ __global__ void __launch_bounds__(kThreadsPerCta, 1)
         ptx::fence_accumulators(acc);
         if (k_blocks > 0) release(prev_stage);
       }
+      POISE_PHASE(const long long e0 = clock64();)
       if constexpr (!POISE_SKIP_EPILOGUE_FOR_TIMING)
         epilogue.template store<kBlockN>(acc, tile, consumer, consumer_thread % 128, staging);
+      POISE_PHASE(c_epi += clock64() - e0;)
     }
+    POISE_PHASE(if (consumer_thread % 128 == 0) {
+      atomicAdd(&g_phase_cycles[0], (unsigned long long)(clock64() - c_begin));
+      atomicAdd(&g_phase_cycles[1], (unsigned long long)c_wait);
+      atomicAdd(&g_phase_cycles[2], (unsigned long long)c_epi);
+      atomicAdd(&g_phase_cycles[3], (unsigned long long)c_tiles);
+    })
     // TMA stores read shared memory asynchronously: finish them before the CTA exits.
     if (consumer_thread % 128 == 0) ptx::tma_store_wait_all();
   }

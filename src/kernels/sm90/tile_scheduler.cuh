@@ -17,6 +17,8 @@
 #include <cub/block/block_scan.cuh>
 #include <cstdint>
 
+#include "kernels/sm90/ptx/shared_memory.cuh"
+
 namespace poise::sm90 {
 
 inline constexpr int kMaxExperts = 1024;
@@ -103,15 +105,19 @@ struct TileScheduler {
 
   // Tile (group) t as CTA `cluster_rank` of its cluster computes it.
   __device__ TileInfo tile(int32_t t, int32_t cluster_rank = 0) const {
-    // Largest e with tile_prefix[e] <= t (experts without tiles have equal prefixes).
+    // Largest e with tile_prefix[e] <= t (experts without tiles have equal prefixes). Shared-space
+    // loads: through the generic pointer each step of this search was a generic 64-bit load.
+    const uint32_t prefix = ptx::shared_address(storage->tile_prefix);
     int lo = 0, hi = shape.num_experts - 1;
     while (lo < hi) {
       const int mid = (lo + hi + 1) >> 1;
-      if (storage->tile_prefix[mid] <= t) lo = mid; else hi = mid - 1;
+      if (static_cast<int32_t>(ptx::ld_shared_b32(prefix + 4 * mid)) <= t) lo = mid; else hi = mid - 1;
     }
-    const int2 rows = storage->rows[lo];
+    const uint32_t rows_at = ptx::shared_address(&storage->rows[lo]);
+    const int2 rows = make_int2(static_cast<int32_t>(ptx::ld_shared_b32(rows_at)),
+                                static_cast<int32_t>(ptx::ld_shared_b32(rows_at + 4)));
     const int32_t m_blocks = kRows == RowsAre::M ? (rows.y + kTileM - 1) / kTileM : shape.m_blocks;
-    const int32_t local = t - storage->tile_prefix[lo];
+    const int32_t local = t - static_cast<int32_t>(ptx::ld_shared_b32(prefix + 4 * lo));
     TileInfo info;
     info.expert = lo;
     info.row_begin = rows.x;

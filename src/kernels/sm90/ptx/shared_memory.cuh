@@ -1,0 +1,43 @@
+// Loads and stores that name the shared state space. A C++ dereference of a pointer into the
+// dynamic shared memory compiles to generic ST.E / LD.E with 64-bit addresses whenever the
+// compiler loses track of where the pointer came from (it did in every epilogue: 16 live 64-bit
+// address pairs per staged chunk, and spills); these take the 32-bit shared address instead.
+#pragma once
+
+#include <cstdint>
+
+#ifndef POISE_SMEM_CLOBBER
+#define POISE_SMEM_CLOBBER "memory"
+#endif
+
+namespace poise::sm90::ptx {
+
+__device__ __forceinline__ uint32_t shared_address(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void st_shared_b16(uint32_t addr, uint16_t v) {
+  asm volatile("st.shared.b16 [%0], %1;" ::"r"(addr), "h"(v) : POISE_SMEM_CLOBBER);
+}
+__device__ __forceinline__ void st_shared_b32(uint32_t addr, uint32_t v) {
+  asm volatile("st.shared.b32 [%0], %1;" ::"r"(addr), "r"(v) : POISE_SMEM_CLOBBER);
+}
+__device__ __forceinline__ void st_shared_v2_b32(uint32_t addr, uint32_t a, uint32_t b) {
+  asm volatile("st.shared.v2.b32 [%0], {%1, %2};" ::"r"(addr), "r"(a), "r"(b) : POISE_SMEM_CLOBBER);
+}
+__device__ __forceinline__ void st_shared_v4_b32(uint32_t addr, uint4 v) {
+  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+               : POISE_SMEM_CLOBBER);
+}
+__device__ __forceinline__ uint32_t ld_shared_b32(uint32_t addr) {
+  uint32_t v;
+  asm volatile("ld.shared.b32 %0, [%1];" : "=r"(v) : "r"(addr) : POISE_SMEM_CLOBBER);
+  return v;
+}
+__device__ __forceinline__ uint4 ld_shared_v4_b32(uint32_t addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr) : POISE_SMEM_CLOBBER);
+  return v;
+}
+
+}  // namespace poise::sm90::ptx
