@@ -278,26 +278,27 @@ ActivationRecord routed_experts_forward(Context& context, std::span<const Forwar
     throw InvalidArgument("num_activation_slots", "must be >= 1 for a training forward (backward needs a slot)");
   }
   Context::State& st = *context.state_;
+  ep::StagedPipeline& pipeline = pipeline_with_records(context, st.pipeline, st.generation);
+  const ep::RecordOrder& order = pipeline.record_order();
   // The record this forward writes: a kept layer of the selected slot, else the working record.
+  // A slot's positions take its whole records, then its light ones, then its partial one (the
+  // pipeline holds every slot's records of one kind together: pipeline_options).
   int64_t record = 0;
   // Forwards past the selected layer count (say, recomputed by activation checkpointing inside
   // backward) run from the working record like layers the slot has no room for.
   const bool takes_position = keep_for_backward && !context.config().inference && st.selected_slot >= 0 &&
                               st.next_position < st.slot_layers;
-  if (takes_position) {  // records: working, every slot's whole ones, every slot's light ones, partial ones
-    const MemoryPlan& plan = context.plan();
-    const int64_t slots = context.config().num_activation_slots;
-    const int64_t whole = plan.activation_records_per_slot, light = plan.activation_light_records_per_slot;
+  if (takes_position) {
+    const int64_t whole = context.plan().activation_records_per_slot;
+    const int64_t light = context.plan().activation_light_records_per_slot;
     const int64_t p = st.next_position;
-    if (p < whole) record = 1 + st.selected_slot * whole + p;
-    else if (p < whole + light) record = 1 + slots * whole + st.selected_slot * light + (p - whole);
-    else if (p == whole + light && plan.activation_partial_record_rows > 0)
-      record = 1 + slots * (whole + light) + st.selected_slot;
+    if (p < whole) record = order.whole_record(st.selected_slot * whole + p);
+    else if (p < whole + light) record = order.light_record(st.selected_slot * light + (p - whole));
+    else if (p == whole + light && order.partial > 0) record = order.partial_record(st.selected_slot);
   }
-  ep::StagedPipeline& pipeline = pipeline_with_records(context, st.pipeline, st.generation);
   st.stage_clock.begin(pipeline, 0);
   st.generation[record] = 0;  // being overwritten: valid again only once the launch was enqueued
-  if (pipeline.light_record(static_cast<int>(record))) st.generation[0] = 0;  // shares the working x rows
+  if (order.shares_working_rows(static_cast<int>(record))) st.generation[0] = 0;  // the working x rows
   pipeline.forward(args_per_rank, stream, static_cast<int>(record));
   if (takes_position) ++st.next_position;
   st.generation[record] = st.next_generation();
@@ -325,7 +326,7 @@ void routed_experts_backward(Context& context, std::span<const BackwardArgs> arg
   const int64_t index = kept ? want.index : 0;
   st.stage_clock.begin(pipeline, 1);
   // Rebuilding, or re-sending a light record's x rows, overwrites the working record's.
-  if (!kept || pipeline.light_record(static_cast<int>(index))) st.generation[0] = 0;
+  if (!kept || pipeline.record_order().shares_working_rows(static_cast<int>(index))) st.generation[0] = 0;
   pipeline.backward(args_per_rank, stream, static_cast<int>(index), /*recompute=*/!kept);
   if (!kept) {
     ++st.recomputed_forwards;

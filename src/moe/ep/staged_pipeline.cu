@@ -238,8 +238,7 @@ StagedPipeline::StagedPipeline(const Config& config, std::unique_ptr<comm::Trans
   launch_.launch_ranks = transport_->launch_ranks();
   launch_.dims = make_dims(config, transport_->world_size(), options);
   launch_.ws = plan_workspace(launch_.dims, training, 1 + options.activation_records, &record_windows_);
-  full_records_ = options.activation_records;
-  light_records_ = options.light_activation_records;
+  record_order_ = {options.activation_records, options.light_activation_records, options.partial_activation_records};
   partial_rows_ = static_cast<int32_t>(options.partial_record_rows);
   for (int r = 0; r < options.light_activation_records + options.partial_activation_records; ++r)
     record_windows_.push_back(record_windows_[0]);
@@ -274,7 +273,7 @@ StagedPipeline::StagedPipeline(const Config& config, std::unique_ptr<comm::Trans
           b.plan_stats = static_cast<int32_t*>(alloc(sizeof(int32_t) * kPlanStats));
           cuda_check(cudaMemset(b.plan_piece_first_E, 0, sizeof(int32_t) * (d.E + 1)), "cudaMemset");
         }
-        const size_t h13_rows = partial_record(r) ? size_t(partial_rows_) : cap;
+        const size_t h13_rows = record_order_.partial_kind(r) ? size_t(partial_rows_) : cap;
         b.h13_R2F = static_cast<bf16*>(alloc(sizeof(bf16) * h13_rows * 2 * d.F));
         record_buffers_.push_back(b);
       }
@@ -346,7 +345,7 @@ EpLaunch StagedPipeline::launch_for(int record) const {
     rs.plan_stats = b.plan_stats;
     rs.h13_R2F = b.h13_R2F;
     rs.h13_hi_R2F = record_buffers_[s].h13_R2F;  // the working record's (rows past a partial record's)
-    rs.h13_split = partial_record(record) ? partial_rows_ : l.dims.capacity_rows;
+    rs.h13_split = record_order_.partial_kind(record) ? partial_rows_ : l.dims.capacity_rows;
   }
   const RecordWindow& w = record_windows_[record];
   l.ws.row_origin = w.row_origin;
@@ -428,12 +427,12 @@ void StagedPipeline::backward(std::span<const BackwardArgs> args, cudaStream_t s
     expert_forward_h13(l, io, expert_kernels_, /*tail_only=*/false, stream);
     replicas_in_window_ = record;
   }
-  if (!recompute && light_record(record)) {
+  if (!recompute && record_order_.shares_working_rows(record)) {
     // The layout and h13 were kept, the x rows were not: send them again (and the replica weights).
     stage(Stage::redispatch, stream);
     dispatch_x_rows(l, io, stream);
     replicas_in_window_ = record;
-    if (partial_record(record)) {  // h13 of the rows past what the record kept
+    if (record_order_.partial_kind(record)) {  // h13 of the rows past what the record kept
       stage(Stage::recompute_rows, stream);
       launch_tail_groups(l, stream);
       expert_forward_h13(l, io, expert_kernels_, /*tail_only=*/true, stream);

@@ -65,6 +65,20 @@ enum class Stage {
 };
 const char* to_string(Stage stage);
 
+// The order of a pipeline's activation records, known to the pipeline (which kind a record is)
+// and to Context (which record a slot's layer position takes): 0 the working record, then the
+// whole records, the light ones, the partial ones.
+struct RecordOrder {
+  int whole = 0, light = 0, partial = 0;
+  int count() const { return 1 + whole + light + partial; }
+  int whole_record(int64_t i) const { return static_cast<int>(1 + i); }
+  int light_record(int64_t i) const { return static_cast<int>(1 + whole + i); }
+  int partial_record(int64_t i) const { return static_cast<int>(1 + whole + light + i); }
+  // Light and partial records share the working record's window regions (x rows, row metadata).
+  bool shares_working_rows(int record) const { return record > whole; }
+  bool partial_kind(int record) const { return record > whole + light; }
+};
+
 struct PipelineOptions {
   uint64_t timeout_ns = 10'000'000'000ull;  // bound on every wait for a peer
   ExpertKernels expert_kernels = ExpertKernels::standin;
@@ -128,9 +142,7 @@ class StagedPipeline {
   void forward(std::span<const ForwardArgs> args, cudaStream_t stream, int record = 0);
   void backward(std::span<const BackwardArgs> args, cudaStream_t stream, int record = 0, bool recompute = false);
   int records() const { return static_cast<int>(record_windows_.size()); }
-  // Light and partial records share the working record's window regions (x rows, row metadata).
-  bool light_record(int record) const { return record > full_records_; }
-  bool partial_record(int record) const { return record > full_records_ + light_records_; }
+  const RecordOrder& record_order() const { return record_order_; }
 
   // Waits for `stream`, then throws DeviceError describing the first device error (rank, phase),
   // root causes (bad id, overflow) before the timeouts they caused. No-op when all is well.
@@ -191,8 +203,7 @@ class StagedPipeline {
   std::vector<void*> allocations_;
   std::vector<RecordBuffers> record_buffers_;  // [record * launch_ranks + slot]
   std::vector<RecordWindow> record_windows_;   // [record]
-  int full_records_ = 0;                       // records 1..full_records_ keep x rows; later ones are light
-  int light_records_ = 0;                      // then light_records_ light ones, then the partial ones
+  RecordOrder record_order_;
   int32_t partial_rows_ = 0;
   int replicas_in_window_ = -1;                // record whose replica weights the window holds
   int latest_forward_record_ = 0;
