@@ -273,10 +273,9 @@ void expert_mlp_dgrad_w2(const GroupedRows& rows, const ExpertMlpShape& shape,
   auto run = [&](auto epi) {
     epi.grad_h13_map = make_store_tensor_map(args.grad_h13_R2F, false, rows.max_rows, 2 * F, "grad_h13_R2F");
     epi.a_map = make_store_tensor_map(args.a_RF, false, rows.max_rows, F, "a_RF");
-    const int32_t split = h13_split_row(rows, args.h13_split);
     epi.h13_R2F = bf16(args.h13_R2F);
     epi.h13_hi_R2F = bf16(args.h13_split.hi_R2F);
-    epi.h13_split = split;
+    epi.h13_split = h13_split_row(rows, args.h13_split);
     epi.grad_h13_R2F = bf16(args.grad_h13_R2F);
     epi.a_RF = bf16(args.a_RF);
     epi.scores_R = args.scores_R;

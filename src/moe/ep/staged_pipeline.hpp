@@ -70,7 +70,6 @@ const char* to_string(Stage stage);
 // whole records, the light ones, the partial ones.
 struct RecordOrder {
   int whole = 0, light = 0, partial = 0;
-  int count() const { return 1 + whole + light + partial; }
   int whole_record(int64_t i) const { return static_cast<int>(1 + i); }
   int light_record(int64_t i) const { return static_cast<int>(1 + whole + i); }
   int partial_record(int64_t i) const { return static_cast<int>(1 + whole + light + i); }
