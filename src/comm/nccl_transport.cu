@@ -5,14 +5,11 @@
 #include <string>
 
 #include "comm/cuda_check.hpp"
+#include "comm/nccl_check.hpp"
 #include "poise/errors.hpp"
 
 namespace poise::comm {
 namespace {
-
-void nccl_check(ncclResult_t r, const char* what) {
-  if (r != ncclSuccess) throw DeviceError(std::string(what) + ": " + ncclGetErrorString(r));
-}
 
 // Every LSA peer's workspace address, as this rank dereferences it.
 __global__ void fill_lsa_pointers(ncclWindow_t window, PeerTable* table, int lsa_ranks) {

@@ -4,6 +4,8 @@
 
 #include <string>
 
+#include "comm/current_device.hpp"
+#include "comm/nccl_check.hpp"
 #include "comm/nccl_transport.hpp"
 #include "kernels/device_info.hpp"
 #include "moe/context_internal.hpp"
@@ -13,33 +15,11 @@
 namespace poise {
 namespace {
 
-void nccl_check(ncclResult_t result, const char* what) {
-  if (result != ncclSuccess) throw DeviceError(std::string(what) + ": " + ncclGetErrorString(result));
-}
+using comm::nccl_check;
 
 std::string version_string(int code) {
   return std::to_string(code / 10000) + "." + std::to_string(code / 100 % 100) + "." + std::to_string(code % 100);
 }
-
-// Makes `device` current for the allocations and restores the caller's device afterwards.
-class CurrentDevice {
- public:
-  explicit CurrentDevice(int device) {
-    if (cudaGetDevice(&previous_) != cudaSuccess) previous_ = -1;
-    if (cudaSetDevice(device) != cudaSuccess) {
-      throw DeviceError("create_from_nccl: cannot make the communicator's CUDA device " + std::to_string(device) +
-                        " current");
-    }
-  }
-  ~CurrentDevice() {
-    if (previous_ >= 0) cudaSetDevice(previous_);
-  }
-  CurrentDevice(const CurrentDevice&) = delete;
-  CurrentDevice& operator=(const CurrentDevice&) = delete;
-
- private:
-  int previous_ = -1;
-};
 
 }  // namespace
 
@@ -68,7 +48,7 @@ std::unique_ptr<Context> Context::create_from_nccl(const Config& config, ncclCom
     throw DeviceError("create_from_nccl: the communicator's CUDA device " + std::to_string(device) +
                       " is not an SM90 GPU (H100/H200); the CPU semantics are in poise::reference");
   }
-  CurrentDevice on_comm_device(device);
+  const comm::CurrentDevice on_comm_device(device, "create_from_nccl");  // for the allocations
   // NcclTransport::create throws NotAvailable naming GIN when the LSA (NVLink) team is smaller than
   // the communicator, before it allocates anything.
   return ContextAccess::with_pipeline(

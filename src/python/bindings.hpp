@@ -11,6 +11,8 @@
 namespace poise::python {
 
 void bind_errors(nanobind::module_& m);   // errors.cpp: C++ exceptions -> poise.errors classes
+// errors.cpp: the translation alone, for poise._poise_nccl (its own copy of the library throws).
+void register_error_translator();
 void bind_config(nanobind::module_& m);   // config.cpp: poise::Config and validate()
 void bind_plan(nanobind::module_& m);     // plan.cpp: poise::MemoryPlan and plan_memory()
 void bind_context(nanobind::module_& m);  // context.cpp: poise::Context lifecycle

@@ -52,8 +52,10 @@ void translate(const std::exception_ptr& p, void*) {
 
 }  // namespace
 
+void register_error_translator() { nb::register_exception_translator(translate); }
+
 void bind_errors(nb::module_& m) {
-  nb::register_exception_translator(translate);
+  register_error_translator();
   m.def("_raise_cpp_error", &raise_cpp_error, "kind"_a, "name"_a, "message"_a,
         "Test hook: throws poise::InvalidArgument / NotAvailable / DeviceError (else std::logic_error).");
 }

@@ -16,13 +16,15 @@
 
 #include <cstdint>
 #include <cstring>
-#include <exception>
 #include <memory>
 #include <string>
 
+#include "comm/current_device.hpp"
+#include "comm/nccl_check.hpp"
 #include "moe/context_internal.hpp"
 #include "poise/errors.hpp"
 #include "poise/nccl.hpp"
+#include "python/bindings.hpp"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -30,13 +32,7 @@ using namespace nb::literals;
 namespace poise::python {
 namespace {
 
-void nccl_check(ncclResult_t result, const char* what) {
-  if (result != ncclSuccess) {
-    const char* last = ncclGetLastError(nullptr);
-    throw DeviceError(std::string(what) + ": " + ncclGetErrorString(result) +
-                      (last && *last ? std::string(" (") + last + ")" : std::string()));
-  }
-}
+using comm::nccl_check;
 
 int loaded_nccl_version() {
   int version = 0;
@@ -50,31 +46,18 @@ nb::bytes unique_id() {
   return nb::bytes(id.internal, sizeof(id.internal));
 }
 
-// Makes `device` current for the communicator and the context's buffers, then restores the caller's.
-class DeviceScope {
- public:
-  explicit DeviceScope(int device) {
-    int count = 0;
-    if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
-      (void)cudaGetLastError();
-      throw DeviceError("create_context: no CUDA device; a communicator-backed context needs an SM90 GPU");
-    }
-    if (device < 0 || device >= count) {
-      throw InvalidArgument("device", "must be a CUDA device index in [0, " + std::to_string(count) + "), got " +
-                                          std::to_string(device));
-    }
-    if (cudaGetDevice(&previous_) != cudaSuccess) previous_ = -1;
-    if (cudaSetDevice(device) != cudaSuccess) throw DeviceError("cudaSetDevice(" + std::to_string(device) + ") failed");
+// A device this process can make current: InvalidArgument naming "device" otherwise.
+void require_cuda_device(int device) {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
+    (void)cudaGetLastError();
+    throw DeviceError("create_context: no CUDA device; a communicator-backed context needs an SM90 GPU");
   }
-  ~DeviceScope() {
-    if (previous_ >= 0) cudaSetDevice(previous_);
+  if (device < 0 || device >= count) {
+    throw InvalidArgument("device", "must be a CUDA device index in [0, " + std::to_string(count) + "), got " +
+                                        std::to_string(device));
   }
-  DeviceScope(const DeviceScope&) = delete;
-  DeviceScope& operator=(const DeviceScope&) = delete;
-
- private:
-  int previous_ = -1;
-};
+}
 
 // Collective over the nranks processes holding the same id.
 std::unique_ptr<Context> create_context(const Config& config, nb::bytes id_bytes, int nranks, int rank, int device,
@@ -90,7 +73,9 @@ std::unique_ptr<Context> create_context(const Config& config, nb::bytes id_bytes
     throw InvalidArgument("rank", "must be in [0, nranks=" + std::to_string(nranks) + "), got " + std::to_string(rank));
   }
   nb::gil_scoped_release release;  // collective: other ranks' threads (if any) must get to run
-  DeviceScope scope(device);
+  require_cuda_device(device);
+  // Current for the communicator and the context's buffers; the caller's device comes back after.
+  const comm::CurrentDevice scope(device, "create_context");
   ncclComm_t comm = nullptr;
   nccl_check(ncclCommInitRank(&comm, nranks, id, rank), "ncclCommInitRank");
   // Owned from here on: destroyed on failure below, else after the context's pipeline is released.
@@ -100,36 +85,15 @@ std::unique_ptr<Context> create_context(const Config& config, nb::bytes id_bytes
   return context;
 }
 
-// poise::InvalidArgument / NotAvailable / DeviceError thrown by this module's copy of the library
-// become poise.errors' classes (as in poise._poise).
-nb::object error_class(const char* name) { return nb::module_::import_("poise.errors").attr(name); }
-
-void translate(const std::exception_ptr& p, void*) {
-  try {
-    try {
-      std::rethrow_exception(p);
-    } catch (const InvalidArgument& e) {
-      const std::string what = e.what(), prefix = e.name() + ": ";
-      const std::string rule = what.rfind(prefix, 0) == 0 ? what.substr(prefix.size()) : what;
-      nb::object error = error_class("InvalidArgument")(e.name(), rule);
-      PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(error.ptr())), error.ptr());
-    } catch (const NotAvailable& e) {
-      PyErr_SetString(error_class("NotAvailable").ptr(), e.what());
-    } catch (const DeviceError& e) {
-      PyErr_SetString(error_class("DeviceError").ptr(), e.what());
-    }
-  } catch (nb::python_error& e) {
-    e.restore();
-  }
-}
-
 }  // namespace
 }  // namespace poise::python
 
 NB_MODULE(_poise_nccl, m) {
   using namespace poise::python;
   m.doc() = "poise.Context over an NCCL communicator owned by Poise (see poise/nccl_context.py).";
-  nb::register_exception_translator(translate);
+  // poise::InvalidArgument / NotAvailable / DeviceError thrown by this module's copy of the
+  // library become poise.errors' classes, as in poise._poise.
+  register_error_translator();
   m.attr("build_nccl_version") = NCCL_VERSION_CODE;
   m.def("nccl_version", &loaded_nccl_version, "NCCL_VERSION_CODE of the libnccl.so.2 this process loaded.");
   m.def("unique_id", &unique_id, "ncclGetUniqueId as bytes (rank 0 draws it; every rank passes it to create_context).");
