@@ -302,7 +302,8 @@ TEST(EpBalanceErrors, FewReplicaSlotsOverflowIsReported) {
   EP_CUDA_OK(cudaStreamDestroy(stream));
 }
 
-TEST(EpBalanceErrors, HostRejectsBadOptions) {
+// The layer the host-validation tests size pipelines for (exact balance, 4 ranks: E_local = 4).
+Config host_check_config() {
   Config cfg;
   cfg.num_local_input_tokens = 64;
   cfg.hidden_dim = 128;
@@ -310,6 +311,11 @@ TEST(EpBalanceErrors, HostRejectsBadOptions) {
   cfg.top_k = 4;
   cfg.num_experts = 16;
   cfg.balance = Balance::exact;
+  return cfg;
+}
+
+TEST(EpBalanceErrors, HostRejectsBadOptions) {
+  const Config cfg = host_check_config();
   PipelineOptions o;
   o.replica_slots = 5;  // E_local = 4 at R = 4
   EXPECT_THROW(StagedPipeline::workspace_bytes(cfg, 4, o), InvalidArgument);
@@ -325,12 +331,7 @@ TEST(EpBalanceErrors, HostRejectsBadOptions) {
 
 // Activation records (Context sizes them from the plan): bad counts and partial rows are named.
 TEST(EpRecordErrors, HostRejectsBadRecordOptions) {
-  Config cfg;
-  cfg.num_local_input_tokens = 64;
-  cfg.hidden_dim = 128;
-  cfg.intermediate_dim = 128;
-  cfg.top_k = 4;
-  cfg.num_experts = 16;
+  Config cfg = host_check_config();  // made an inference config below
   auto name_of = [&](const PipelineOptions& o) -> std::string {
     try {
       StagedPipeline::workspace_bytes(cfg, 4, o);
