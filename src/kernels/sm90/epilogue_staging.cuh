@@ -123,4 +123,53 @@ __device__ __forceinline__ void staged_fetch_async(uint8_t* buf, int thread, Row
   }
 }
 
+// Epilogues that stage in ring stages (grouped_gemm.cuh, Epilogue::kRingStages): a warp releases a
+// stage once done with it, except the warpgroup's first warp when its thread 0 issued TMA stores
+// from the stage: it releases the stage after the next chunk's stores were issued and all but
+// those have read shared memory (bulk groups), or at the end of the tile (finish).
+struct RingStageRelease {
+  bool pending = false;
+  uint32_t pending_it = 0;
+
+  template <class Ring>
+  __device__ __forceinline__ void done(const Ring& ring, uint32_t it, int thread, bool stored_by_tma) {
+    if (thread >= 32 || !stored_by_tma) {
+      ring.release(it);
+      return;
+    }
+    if (pending) {
+      if (thread == 0) ptx::tma_store_wait_read<1>();
+      ring.release(pending_it);
+    }
+    pending = true;
+    pending_it = it;
+  }
+  template <class Ring>
+  __device__ __forceinline__ void finish(const Ring& ring, int thread) {
+    if (!pending) return;
+    if (thread == 0) ptx::tma_store_wait_read<0>();
+    ring.release(pending_it);
+    pending = false;
+  }
+};
+
+// A warpgroup's boxes staged in a ring stage leave together: by TMA store from thread 0 (one bulk
+// group) when all 64 rows may be written, else by row copies. The stage's next writer is a TMA
+// load, so every thread orders its staging writes before the async proxy either way.
+// store(i) issues box i's TMA store; copy(i) copies box i's valid rows out.
+template <class TmaStore, class CopyOut>
+__device__ __forceinline__ void emit_ring_stage(int consumer, int thread, bool whole, int boxes, TmaStore&& store,
+                                                CopyOut&& copy) {
+  ptx::fence_async_shared();
+  consumer_warpgroup_sync(consumer);
+  if (whole) {
+    if (thread == 0) {
+      for (int i = 0; i < boxes; ++i) store(i);
+      ptx::tma_store_commit();
+    }
+  } else {
+    for (int i = 0; i < boxes; ++i) copy(i);
+  }
+}
+
 }  // namespace poise::sm90

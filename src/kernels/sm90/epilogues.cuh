@@ -12,9 +12,15 @@
 
 #include "kernels/sm90/activation.cuh"
 #include "kernels/sm90/epilogue_staging.cuh"
+#include "kernels/sm90/ptx/mbarrier.cuh"
 #include "kernels/sm90/tile_scheduler.cuh"
 
 namespace poise::sm90 {
+
+// A/B builds only: the SwiGLU-backward GEMM on 2-CTA clusters (default: 1-CTA launches).
+#ifndef POISE_DGRAD_W2_PAIRED
+#define POISE_DGRAD_W2_PAIRED false
+#endif
 
 // Where one thread's accumulators sit in its warpgroup's 64-row slab:
 // d[4j + 2h + c] is slab row `row + 8h`, column 8j + 2*quad + c.
@@ -63,12 +69,17 @@ struct GroupedRowAddress {
 //   interleaved: tile column 2q is gate f0 + q, 2q + 1 up f0 + q
 // Writes a_RF (bf16) and, when h13_R2F is set, h13 (bf16, in W13's row order) for backward.
 // The layout is a template parameter (a run-time flag made the compiler spill registers).
+// Stages in ring stages (grouped_gemm.cuh), one per 64 activation columns: [a][h13 first piece]
+// [h13 second piece], each 128 rows x 128 bytes (one 64-row box per consumer warpgroup), all three
+// leaving by TMA store without waiting on each other.
 template <bool kInterleaved>
 struct SwigluFpropEpilogue {
-  static constexpr int kStagingBuffers = 1;
+  static constexpr int kStagingBuffers = 0;
+  static constexpr int kRingStages = 2;  // kBlockN / 128 chunks (static_assert in store)
   static constexpr bool kPairedTiles = true;  // 2-CTA clusters with multicast (grouped_gemm.cuh)
   static constexpr bool kSkipsEmptySlabs = true;  // an all-padding 64-row slab is skipped (grouped_gemm.cuh)
   static constexpr bool interleaved = kInterleaved;
+  static constexpr uint32_t kPieceBytes = 2 * kStagingBytes;
   CUtensorMap a_map;    // a_RF, 64 x 64 boxes (tensor_map.hpp)
   CUtensorMap h13_map;  // h13_R2F, when set
   CUtensorMap h13_hi_map;  // h13_hi_R2F: rows >= h13_split
@@ -79,81 +90,100 @@ struct SwigluFpropEpilogue {
   int32_t F;
   ActivationParams act;
 
-  // Nothing to prefetch before the mainloop.
+  // Producer: the ring stages carry no operands, they are only staging space.
   template <int kBlockN>
-  __device__ __forceinline__ void begin_tile(const TileInfo&, int, int, uint8_t*) const {}
+  __device__ __forceinline__ void load_ring_stage(int, const TileInfo&, uint8_t*, uint64_t* full_bar) const {
+    ptx::mbarrier_arrive(full_bar);
+  }
 
-  // Stages 32 accumulators d[kFirst..kFirst+31] (8 groups = 64 columns) as bf16 and writes them
-  // to h13 column `col` of the warpgroup's rows.
+  // Stages 32 accumulators d[kFirst..kFirst+31] (8 groups = 64 columns) as bf16.
   template <int kFirst, int kN>
-  __device__ __forceinline__ void store_h13_piece(const float (&d)[kN], const Fragment& fr, const GroupedRowAddress& rows,
-                                                  int64_t col, int consumer, int thread, uint8_t* buf) const {
-    acquire_staging(consumer, thread);
+  __device__ __forceinline__ static void stage_h13_piece(const float (&d)[kN], const Fragment& fr, uint8_t* buf) {
 #pragma unroll
     for (int jj = 0; jj < 8; ++jj)
 #pragma unroll
       for (int h = 0; h < 2; ++h)
         stage_put_u32(buf, fr.row + 8 * h, (8 * jj + 2 * fr.quad) * 2,
                       pack_bf16x2(d[kFirst + 4 * jj + 2 * h], d[kFirst + 4 * jj + 2 * h + 1]));
-    const bool hi = rows.first_row >= h13_split;
-    emit_staged(buf, consumer, thread, rows.whole(), hi ? &h13_hi_map : &h13_map, static_cast<int32_t>(col),
-                rows.first_row, [&](int r) { return rows.at(hi ? h13_hi_R2F : h13_R2F, 2 * int64_t(F), col, r); });
   }
 
-  template <int kBlockN, bool kClamped>
+  template <int kBlockN, bool kClamped, class Ring>
   __device__ __forceinline__ void store_impl(float (&d)[kBlockN / 2], const TileInfo& tile, int consumer,
-                                             int thread, uint8_t* buf) const {
+                                             int thread, const Ring& ring, uint32_t it0) const {
     const Fragment fr(thread);
     const GroupedRowAddress rows(tile, consumer);
+    const bool whole = rows.whole();
     const int32_t f0 = tile.n_block * (kBlockN / 2);
     constexpr int kUp = kBlockN / 4;  // blocked: first accumulator of the up half
+    const bool hi = rows.first_row >= h13_split;
+    __nv_bfloat16* const h13 = hi ? h13_hi_R2F : h13_R2F;
+    RingStageRelease release;
 #pragma unroll 1
     for (int c = 0; c < kBlockN / 128; ++c) {  // 64 activation columns per chunk
+      const uint32_t it = it0 + c;
+      uint8_t* stage = ring.wait(it);
       const int32_t fc = f0 + 64 * c;
-      if (fc >= F) break;
-      acquire_staging(consumer, thread);
-      if constexpr (!interleaved) {  // gate d[0..31], up d[kUp..kUp+31]
+      if (fc < F) {
+        uint8_t* buf_a = stage + consumer * kStagingBytes;
+        uint8_t* buf_first = buf_a + kPieceBytes;
+        uint8_t* buf_second = buf_first + kPieceBytes;
+        if constexpr (!interleaved) {  // gate d[0..31], up d[kUp..kUp+31]
 #pragma unroll
-        for (int jj = 0; jj < 8; ++jj)
+          for (int jj = 0; jj < 8; ++jj)
 #pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const float a0 = swiglu_forward<kClamped>(d[4 * jj + 2 * h], d[kUp + 4 * jj + 2 * h], act);
-            const float a1 = swiglu_forward<kClamped>(d[4 * jj + 2 * h + 1], d[kUp + 4 * jj + 2 * h + 1], act);
-            stage_put_u32(buf, fr.row + 8 * h, (8 * jj + 2 * fr.quad) * 2, pack_bf16x2(a0, a1));
+            for (int h = 0; h < 2; ++h) {
+              const float a0 = swiglu_forward<kClamped>(d[4 * jj + 2 * h], d[kUp + 4 * jj + 2 * h], act);
+              const float a1 = swiglu_forward<kClamped>(d[4 * jj + 2 * h + 1], d[kUp + 4 * jj + 2 * h + 1], act);
+              stage_put_u32(buf_a, fr.row + 8 * h, (8 * jj + 2 * fr.quad) * 2, pack_bf16x2(a0, a1));
+            }
+          if (h13_R2F) {
+            stage_h13_piece<0>(d, fr, buf_first);
+            stage_h13_piece<kUp>(d, fr, buf_second);
           }
-      } else {  // d[0..63]: group jl holds the (gate, up) pairs of activation columns 4jl + quad
+        } else {  // d[0..63]: group jl holds the (gate, up) pairs of activation columns 4jl + quad
 #pragma unroll
-        for (int jl = 0; jl < 16; ++jl)
+          for (int jl = 0; jl < 16; ++jl)
 #pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const __nv_bfloat16 b = __float2bfloat16_rn(swiglu_forward<kClamped>(d[4 * jl + 2 * h], d[4 * jl + 2 * h + 1], act));
-            stage_put_u16(buf, fr.row + 8 * h, (4 * jl + fr.quad) * 2, *reinterpret_cast<const uint16_t*>(&b));
+            for (int h = 0; h < 2; ++h) {
+              const __nv_bfloat16 b = __float2bfloat16_rn(swiglu_forward<kClamped>(d[4 * jl + 2 * h], d[4 * jl + 2 * h + 1], act));
+              stage_put_u16(buf_a, fr.row + 8 * h, (4 * jl + fr.quad) * 2, *reinterpret_cast<const uint16_t*>(&b));
+            }
+          if (h13_R2F) {
+            stage_h13_piece<0>(d, fr, buf_first);
+            stage_h13_piece<32>(d, fr, buf_second);
           }
-      }
-      emit_staged(buf, consumer, thread, rows.whole(), &a_map, fc, rows.first_row,
-                  [&](int r) { return rows.at(a_RF, F, fc, r); });
-      if constexpr (!interleaved) {
-        if (h13_R2F) {
-          store_h13_piece<0>(d, fr, rows, fc, consumer, thread, buf);
-          store_h13_piece<kUp>(d, fr, rows, int64_t(F) + fc, consumer, thread, buf);
         }
+        // h13 columns of the two pieces: gate / up (blocked) or the chunk's two interleaved halves.
+        const int32_t cols[3] = {fc, interleaved ? 2 * fc : fc, interleaved ? 2 * fc + 64 : F + fc};
+        uint8_t* const bufs[3] = {buf_a, buf_first, buf_second};
+        emit_ring_stage(
+            consumer, thread, whole, h13_R2F ? 3 : 1,
+            [&](int i) {
+              ptx::tma_store_2d(i == 0 ? &a_map : hi ? &h13_hi_map : &h13_map, bufs[i], cols[i], rows.first_row);
+            },
+            [&](int i) {
+              staged_copy_out(bufs[i], thread, [&](int r) {
+                return i == 0 ? rows.at(a_RF, F, fc, r) : rows.at(h13, 2 * int64_t(F), cols[i], r);
+              });
+            });
+      }
+      if constexpr (!interleaved) {
         move_accumulators<0, 32, kUp - 32>(d);
         move_accumulators<kUp, kUp + 32, kUp - 32>(d);
       } else {
-        if (h13_R2F) {
-          store_h13_piece<0>(d, fr, rows, 2 * int64_t(fc), consumer, thread, buf);
-          store_h13_piece<32>(d, fr, rows, 2 * int64_t(fc) + 64, consumer, thread, buf);
-        }
         move_accumulators<0, 64, kBlockN / 2 - 64>(d);
       }
+      release.done(ring, it, thread, fc < F && whole);
     }
+    release.finish(ring, thread);
   }
 
-  template <int kBlockN>
+  template <int kBlockN, class Ring>
   __device__ __forceinline__ void store(float (&d)[kBlockN / 2], const TileInfo& tile, int consumer,
-                                        int thread, uint8_t* buf) const {
-    if (act.clamped) store_impl<kBlockN, true>(d, tile, consumer, thread, buf);
-    else store_impl<kBlockN, false>(d, tile, consumer, thread, buf);
+                                        int thread, const Ring& ring, uint32_t it) const {
+    static_assert(kBlockN / 128 == kRingStages, "one ring stage per 64 activation columns");
+    if (act.clamped) store_impl<kBlockN, true>(d, tile, consumer, thread, ring, it);
+    else store_impl<kBlockN, false>(d, tile, consumer, thread, ring, it);
   }
 };
 
@@ -161,12 +191,10 @@ struct SwigluFpropEpilogue {
 // scaled per row by an fp32 routing score.
 struct RowsStoreEpilogue {
   static constexpr int kStagingBuffers = 1;
+  static constexpr int kRingStages = 0;  // stages through its own buffer (grouped_gemm.cuh)
   static constexpr bool kPairedTiles = true;  // 2-CTA clusters with multicast (grouped_gemm.cuh)
   static constexpr bool kSkipsEmptySlabs = true;  // an all-padding 64-row slab is skipped (grouped_gemm.cuh)
   CUtensorMap out_map;  // out_RN, 64 x 64 boxes
-  // Nothing to prefetch before the mainloop.
-  template <int kBlockN>
-  __device__ __forceinline__ void begin_tile(const TileInfo&, int, int, uint8_t*) const {}
 
   __nv_bfloat16* out_RN;
   const float* scores_R;  // nullable
@@ -206,25 +234,30 @@ struct RowsStoreEpilogue {
 // With scores s (the forward scaled y by s): grad_a = s * acc, the wgrad operand is s * a, and
 // the score's gradient piece of (row, tile) = sum_f acc * a over the tile's columns (a quad's lanes
 // reduce, then one plain store per row and tile: summed in order later, deterministic).
-// Per 64-column chunk, h13's two 128-byte pieces (gate / up, or the two halves of the interleaved
-// pairs) arrive in staging buffers by cp.async (chunk 0 during the mainloop, via begin_tile),
-// the gradients overwrite them in place, s * a goes to the third buffer, and all three are
-// copied out as whole rows.
+// The epilogue runs in ring stages (grouped_gemm.cuh), one per 64 activation columns: the producer
+// loads the tile's h13 pieces for that chunk (gate / up, or the two halves of the interleaved
+// pairs: 128 rows x 128 bytes each) while the mainloop still runs; the gradients overwrite them in
+// place, s * a goes to the stage's third 16 KiB, and all three leave by TMA store (row copies for a
+// partial slab). Each chunk's stage is released once those stores have read it.
 template <bool kInterleaved>
 struct SwigluDgradEpilogue {
-  static constexpr int kStagingBuffers = 3;
-  // 1-CTA launches: at 3 stages, coupling two CTAs' pipelines cost more than the halved B
-  // traffic saved (measured: 483 vs 500 TFLOP/s at DeepSeek-V3, 304 vs 325 at Qwen3).
-  static constexpr bool kPairedTiles = false;
+  static constexpr int kStagingBuffers = 0;
+  static constexpr int kRingStages = 4;  // kBlockN / 64 chunks (static_assert in store)
+  // 1-CTA launches (measured with the v12 staging-buffer epilogue at 3 stages: coupling two CTAs'
+  // pipelines cost more than the halved B traffic saved, 483 vs 500 TFLOP/s at DeepSeek-V3).
+  static constexpr bool kPairedTiles = POISE_DGRAD_W2_PAIRED;
   // Both warpgroups compute every tile: letting the one with an all-padding slab run ahead made
   // this kernel 7-8% slower at DeepSeek-V3 (three runs; the other GEMMs: within noise or faster).
   static constexpr bool kSkipsEmptySlabs = false;
   static constexpr bool interleaved = kInterleaved;
+  // A chunk's stage: [first piece][second piece][s * a], each 128 rows x 128 bytes (two 64-row
+  // boxes, one per consumer warpgroup).
+  static constexpr uint32_t kPieceBytes = 2 * kStagingBytes;
+  CUtensorMap h13_map;       // h13_R2F rows [0, h13_split), 64 x 64 boxes (loads)
+  CUtensorMap h13_hi_map;    // h13_hi_R2F rows [h13_split, rows)
   CUtensorMap grad_h13_map;  // grad_h13_R2F, 64 x 64 boxes
   CUtensorMap a_map;         // a_RF, when set
-  const __nv_bfloat16* h13_R2F;  // saved pre-activation, W13's row order
-  const __nv_bfloat16* h13_hi_R2F;  // rows >= h13_split (same row index)
-  int32_t h13_split;                // a multiple of 128
+  int32_t h13_split;                // a multiple of 128: a tile's rows lie on one side
   __nv_bfloat16* grad_h13_R2F;   // out
   __nv_bfloat16* a_RF;           // out, nullable: s * act(h13), the W2 wgrad operand
   const float* scores_R;         // nullable
@@ -234,45 +267,41 @@ struct SwigluDgradEpilogue {
   ActivationParams act;
 
   // h13 columns of a chunk's two 128-byte pieces.
-  __device__ int64_t first_col(int32_t fc) const { return interleaved ? 2 * int64_t(fc) : fc; }
-  __device__ int64_t second_col(int32_t fc) const { return interleaved ? 2 * int64_t(fc) + 64 : int64_t(F) + fc; }
+  __device__ int32_t first_col(int32_t fc) const { return interleaved ? 2 * fc : fc; }
+  __device__ int32_t second_col(int32_t fc) const { return interleaved ? 2 * fc + 64 : F + fc; }
 
-  __device__ void fetch_h13(uint8_t* buf, const GroupedRowAddress& rows, int32_t fc, int thread) const {
-    const int64_t F2 = 2 * int64_t(F);
-    const __nv_bfloat16* h13 = rows.first_row >= h13_split ? h13_hi_R2F : h13_R2F;
-    auto src = [&](int64_t col) {
-      return [&, col](int r) -> const uint8_t* {
-        return r < rows.valid ? reinterpret_cast<const uint8_t*>(h13 + (rows.first_row + r) * F2 + col) : nullptr;
-      };
-    };
-    staged_fetch_async(buf, thread, src(first_col(fc)));
-    staged_fetch_async(buf + kStagingBytes, thread, src(second_col(fc)));
-    ptx::cp_async_commit();
+  // Producer: ring stage j of the tile holds chunk j's h13 (nothing past F or on a filler tile).
+  template <int kBlockN>
+  __device__ __forceinline__ void load_ring_stage(int j, const TileInfo& tile, uint8_t* stage, uint64_t* full_bar) const {
+    const int32_t fc = tile.n_block * kBlockN + 64 * j;
+    if (!tile.valid || fc >= F) {
+      ptx::mbarrier_arrive(full_bar);
+      return;
+    }
+    ptx::mbarrier_arrive_expect_tx(full_bar, 2 * kPieceBytes);
+    const int32_t row0 = tile.row_begin + tile.m_block * kTileM;
+    const CUtensorMap* map = row0 >= h13_split ? &h13_hi_map : &h13_map;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      ptx::tma_load_2d(stage + half * kStagingBytes, map, first_col(fc), row0 + 64 * half, full_bar);
+      ptx::tma_load_2d(stage + kPieceBytes + half * kStagingBytes, map, second_col(fc), row0 + 64 * half, full_bar);
+    }
   }
 
-  // Chunk 0's h13 is fetched before the mainloop so its latency hides behind the wgmmas.
-  template <int kBlockN>
-  __device__ __forceinline__ void begin_tile(const TileInfo& tile, int consumer, int thread, uint8_t* buf) const {
-    const int32_t fc = tile.n_block * kBlockN;
-    acquire_staging(consumer, thread);  // the previous tile's stores are done with the buffers
-    if (fc < F) fetch_h13(buf, GroupedRowAddress(tile, consumer), fc, thread);
-  }
-
-  template <int kBlockN>
+  template <int kBlockN, class Ring>
   __device__ __forceinline__ void store(float (&d)[kBlockN / 2], const TileInfo& tile, int consumer,
-                                        int thread, uint8_t* buf) const {
-    if (act.clamped) store_impl<kBlockN, true>(d, tile, consumer, thread, buf);
-    else store_impl<kBlockN, false>(d, tile, consumer, thread, buf);
+                                        int thread, const Ring& ring, uint32_t it) const {
+    static_assert(kBlockN / 64 == kRingStages, "one ring stage per 64-column chunk");
+    if (act.clamped) store_impl<kBlockN, true>(d, tile, consumer, thread, ring, it);
+    else store_impl<kBlockN, false>(d, tile, consumer, thread, ring, it);
   }
 
-  template <int kBlockN, bool kClamped>
+  template <int kBlockN, bool kClamped, class Ring>
   __device__ __forceinline__ void store_impl(float (&d)[kBlockN / 2], const TileInfo& tile, int consumer,
-                                             int thread, uint8_t* buf) const {
+                                             int thread, const Ring& ring, uint32_t it0) const {
     const Fragment fr(thread);
     const GroupedRowAddress rows(tile, consumer);
-    uint8_t* buf_first = buf;
-    uint8_t* buf_second = buf + kStagingBytes;
-    uint8_t* buf_a = buf + 2 * kStagingBytes;
+    const bool whole = rows.whole();
     const int64_t F2 = 2 * int64_t(F);
     float s[2], score_grad[2] = {0.0f, 0.0f};
     bool row_ok[2];
@@ -282,65 +311,70 @@ struct SwigluDgradEpilogue {
       row_ok[h] = r < rows.valid;
       s[h] = (scores_R && row_ok[h]) ? scores_R[rows.first_row + r] : 1.0f;
     }
+    RingStageRelease release;
 #pragma unroll 1
     for (int c = 0; c < kBlockN / 64; ++c) {  // this chunk's accumulators are d[0..31]
+      const uint32_t it = it0 + c;
+      uint8_t* stage = ring.wait(it);
       const int32_t fc = tile.n_block * kBlockN + 64 * c;
-      if (fc >= F) break;
-      if (c > 0) {
-        acquire_staging(consumer, thread);  // the previous chunk's stores are done
-        fetch_h13(buf, rows, fc, thread);
-      }
-      ptx::cp_async_wait_all();
-      consumer_warpgroup_sync(consumer);
+      if (fc < F) {
+        uint8_t* buf_first = stage + consumer * kStagingBytes;
+        uint8_t* buf_second = buf_first + kPieceBytes;
+        uint8_t* buf_a = buf_second + kPieceBytes;
 #pragma unroll
-      for (int jj = 0; jj < 8; ++jj) {
-        const int j = jj;
+        for (int jj = 0; jj < 8; ++jj) {
+          const int j = jj;
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int row = fr.row + 8 * h;
-          // lo/hi: blocked (g_f, g_f+1) / (u_f, u_f+1); interleaved (g_f, u_f) / (g_f+1, u_f+1).
-          uint8_t* lo_buf = interleaved ? (jj < 4 ? buf_first : buf_second) : buf_first;
-          uint8_t* hi_buf = interleaved ? lo_buf : buf_second;
-          const int lo_col = interleaved ? ((16 * jj + 4 * fr.quad) % 64) * 2 : (8 * jj + 2 * fr.quad) * 2;
-          const int hi_col = interleaved ? lo_col + 4 : lo_col;
-          const uint32_t lo = stage_get_u32(lo_buf, row, lo_col);
-          const uint32_t hi = stage_get_u32(hi_buf, row, hi_col);
-          float g[2], u[2];
-          if (!interleaved) {
-            g[0] = bf16_lo(lo); g[1] = bf16_hi(lo);
-            u[0] = bf16_lo(hi); u[1] = bf16_hi(hi);
-          } else {
-            g[0] = bf16_lo(lo); u[0] = bf16_hi(lo);
-            g[1] = bf16_lo(hi); u[1] = bf16_hi(hi);
-          }
-          float a[2], gg[2], gu[2];
+          for (int h = 0; h < 2; ++h) {
+            const int row = fr.row + 8 * h;
+            // lo/hi: blocked (g_f, g_f+1) / (u_f, u_f+1); interleaved (g_f, u_f) / (g_f+1, u_f+1).
+            uint8_t* lo_buf = interleaved ? (jj < 4 ? buf_first : buf_second) : buf_first;
+            uint8_t* hi_buf = interleaved ? lo_buf : buf_second;
+            const int lo_col = interleaved ? ((16 * jj + 4 * fr.quad) % 64) * 2 : (8 * jj + 2 * fr.quad) * 2;
+            const int hi_col = interleaved ? lo_col + 4 : lo_col;
+            const uint32_t lo = stage_get_u32(lo_buf, row, lo_col);
+            const uint32_t hi = stage_get_u32(hi_buf, row, hi_col);
+            float g[2], u[2];
+            if (!interleaved) {
+              g[0] = bf16_lo(lo); g[1] = bf16_hi(lo);
+              u[0] = bf16_lo(hi); u[1] = bf16_hi(hi);
+            } else {
+              g[0] = bf16_lo(lo); u[0] = bf16_hi(lo);
+              g[1] = bf16_lo(hi); u[1] = bf16_hi(hi);
+            }
+            float a[2], gg[2], gu[2];
 #pragma unroll
-          for (int cc = 0; cc < 2; ++cc) {
-            const float acc = d[4 * j + 2 * h + cc];
-            swiglu_backward<kClamped>(g[cc], u[cc], s[h] * acc, act, a[cc], gg[cc], gu[cc]);
-            if (row_ok[h]) score_grad[h] += acc * a[cc];
+            for (int cc = 0; cc < 2; ++cc) {
+              const float acc = d[4 * j + 2 * h + cc];
+              swiglu_backward<kClamped>(g[cc], u[cc], s[h] * acc, act, a[cc], gg[cc], gu[cc]);
+              if (row_ok[h]) score_grad[h] += acc * a[cc];
+            }
+            if (!interleaved) {
+              stage_put_u32(lo_buf, row, lo_col, pack_bf16x2(gg[0], gg[1]));
+              stage_put_u32(hi_buf, row, hi_col, pack_bf16x2(gu[0], gu[1]));
+            } else {
+              stage_put_u32(lo_buf, row, lo_col, pack_bf16x2(gg[0], gu[0]));
+              stage_put_u32(hi_buf, row, hi_col, pack_bf16x2(gg[1], gu[1]));
+            }
+            stage_put_u32(buf_a, row, (8 * jj + 2 * fr.quad) * 2, pack_bf16x2(s[h] * a[0], s[h] * a[1]));
           }
-          if (!interleaved) {
-            stage_put_u32(lo_buf, row, lo_col, pack_bf16x2(gg[0], gg[1]));
-            stage_put_u32(hi_buf, row, hi_col, pack_bf16x2(gu[0], gu[1]));
-          } else {
-            stage_put_u32(lo_buf, row, lo_col, pack_bf16x2(gg[0], gu[0]));
-            stage_put_u32(hi_buf, row, hi_col, pack_bf16x2(gg[1], gu[1]));
-          }
-          stage_put_u32(buf_a, row, (8 * jj + 2 * fr.quad) * 2, pack_bf16x2(s[h] * a[0], s[h] * a[1]));
         }
+        const int32_t col1 = first_col(fc), col2 = second_col(fc);
+        uint8_t* const bufs[3] = {buf_first, buf_second, buf_a};
+        const int32_t cols[3] = {col1, col2, fc};
+        emit_ring_stage(
+            consumer, thread, whole, a_RF ? 3 : 2,
+            [&](int i) { ptx::tma_store_2d(i < 2 ? &grad_h13_map : &a_map, bufs[i], cols[i], rows.first_row); },
+            [&](int i) {
+              staged_copy_out(bufs[i], thread, [&](int r) {
+                return i < 2 ? rows.at(grad_h13_R2F, F2, cols[i], r) : rows.at(a_RF, F, fc, r);
+              });
+            });
       }
-      const int64_t col1 = first_col(fc), col2 = second_col(fc);
-      const bool whole = rows.whole();
-      emit_staged(buf_first, consumer, thread, whole, &grad_h13_map, static_cast<int32_t>(col1), rows.first_row,
-                  [&](int r) { return rows.at(grad_h13_R2F, F2, col1, r); });
-      emit_staged(buf_second, consumer, thread, whole, &grad_h13_map, static_cast<int32_t>(col2), rows.first_row,
-                  [&](int r) { return rows.at(grad_h13_R2F, F2, col2, r); });
-      if (a_RF)
-        emit_staged(buf_a, consumer, thread, whole, &a_map, fc, rows.first_row,
-                    [&](int r) { return rows.at(a_RF, F, fc, r); });
       move_accumulators<0, 32, kBlockN / 2 - 32>(d);
+      release.done(ring, it, thread, fc < F && whole);
     }
+    release.finish(ring, thread);
     if (grad_score_partials_RP) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
@@ -358,13 +392,11 @@ struct SwigluDgradEpilogue {
 // experts (e >= first_replica) go to their own target at e - first_replica (always overwritten).
 struct WgradStoreEpilogue {
   static constexpr int kStagingBuffers = 1;
+  static constexpr int kRingStages = 0;  // stages through its own buffer (grouped_gemm.cuh)
   static constexpr bool kPairedTiles = true;  // 2-CTA clusters with multicast (grouped_gemm.cuh)
   static constexpr bool kSkipsEmptySlabs = true;  // an all-padding 64-row slab is skipped (grouped_gemm.cuh)
   CUtensorMap out_map;      // out viewed as [E*M][N]; boxes of 64 rows x 128 bytes (overwrite only)
   CUtensorMap replica_map;  // the replicas' target, same boxes
-  // Nothing to prefetch before the mainloop.
-  template <int kBlockN>
-  __device__ __forceinline__ void begin_tile(const TileInfo&, int, int, uint8_t*) const {}
 
   void* out_EMN;
   int32_t M;

@@ -17,8 +17,8 @@ namespace poise::sm90 {
 namespace {
 
 constexpr int kBlockN = 256;
-// 4 stages fill shared memory next to one staging buffer per consumer; the SwiGLU-backward
-// epilogue stages three outputs at once and runs with 3 stages.
+// 4 stages fill shared memory next to one staging buffer per consumer (or none: the epilogues
+// that stage in ring stages); three staging buffers per consumer would leave room for 3.
 template <class Epilogue>
 constexpr int kStagesFor = Epilogue::kStagingBuffers > 1 ? 3 : 4;
 
@@ -174,7 +174,6 @@ void launch(const CUtensorMap& map_a, const WeightMaps& map_b, const GroupedGemm
 }
 
 __nv_bfloat16* bf16(void* p) { return static_cast<__nv_bfloat16*>(p); }
-const __nv_bfloat16* bf16(const void* p) { return static_cast<const __nv_bfloat16*>(p); }
 
 // Fprop and dgrad GEMMs run over the routed rows: A = [R][K] rows (read in 64-row boxes),
 // B = E weight blocks of b_rows_per_expert rows each, N output columns in n_tile-wide tiles.
@@ -270,12 +269,15 @@ void expert_mlp_dgrad_w2(const GroupedRows& rows, const ExpertMlpShape& shape,
   // W2[e] is [D][F]: K = D rows, N = F contiguous -> MN-major B, 64 x 64 boxes.
   const WeightMaps map_b = weight_maps(rows, args.w2_EDF, "w2_EDF", args.replica_w2_EDF, "replica_w2_EDF", D, F, 64);
   const GroupedGemmShape s = rows_gemm_shape(rows, D, D, F, kBlockN);
+  const int32_t split = h13_split_row(rows, args.h13_split);
   auto run = [&](auto epi) {
+    // h13 is read by the producer in 64 x 64 boxes; the low buffer's map must not reach past its rows.
+    if (split > 0) epi.h13_map = make_bf16_tensor_map(args.h13_R2F, split, 2 * F, 64, "h13_R2F");
+    if (split < rows.max_rows)
+      epi.h13_hi_map = make_bf16_tensor_map(args.h13_split.hi_R2F, rows.max_rows, 2 * F, 64, "h13_split.hi_R2F");
     epi.grad_h13_map = make_store_tensor_map(args.grad_h13_R2F, false, rows.max_rows, 2 * F, "grad_h13_R2F");
     epi.a_map = make_store_tensor_map(args.a_RF, false, rows.max_rows, F, "a_RF");
-    epi.h13_R2F = bf16(args.h13_R2F);
-    epi.h13_hi_R2F = bf16(args.h13_split.hi_R2F);
-    epi.h13_split = h13_split_row(rows, args.h13_split);
+    epi.h13_split = split;
     epi.grad_h13_R2F = bf16(args.grad_h13_R2F);
     epi.a_RF = bf16(args.a_RF);
     epi.scores_R = args.scores_R;

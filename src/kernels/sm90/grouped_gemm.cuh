@@ -14,6 +14,12 @@
 //     Rows of a K block past the expert's count are zeroed in shared memory before the wgmma
 //     (they hold padding or the next expert's rows), so they never contribute.
 //
+// Epilogues may use ring stages too (Epilogue::kRingStages per tile, after the tile's K blocks):
+// the producer fills each through Epilogue::load_ring_stage (operands the epilogue reads, e.g.
+// h13 for the SwiGLU backward, or nothing), the consumers' epilogue waits on it like a K block,
+// writes its outputs in place and releases it once its TMA stores have read it. The epilogue's
+// inputs then arrive during the mainloop and its outputs need no staging buffers of their own.
+//
 // Both consumers read every stage in ring order, so neither waits on a stage more than one phase
 // ahead of its barrier: mbarrier parity waits cannot tell phase p from p + 2. (A ping-pong variant
 // where each warpgroup skips the other's tiles broke exactly this and hung: see performance.md v8.)
@@ -100,6 +106,33 @@ __device__ __forceinline__ void zero_k_tail(uint8_t* stage_a, uint8_t* stage_b, 
   ptx::named_barrier_sync(barrier_id, kThreads);
 }
 
+// The consumers' view of the stage ring. Every consumer warp waits on every stage (wait) and
+// releases it once (release: lane 0 arrives on the "empty" barrier of every CTA that loaded part
+// of it; with clusters the peer multicast half of an operand into it).
+template <int kStages, int kCluster, uint32_t kStageBytes>
+struct ConsumerRing {
+  uint8_t* smem;
+  uint64_t* full_bar;
+  uint64_t* empty_bar;
+  int lane;
+
+  // Waits until the stage of ring iteration `it` has landed; returns its base.
+  __device__ __forceinline__ uint8_t* wait(uint32_t it) const {
+    ptx::mbarrier_wait(&full_bar[it % kStages], (it / kStages) & 1);
+    return smem + (it % kStages) * kStageBytes;
+  }
+  __device__ __forceinline__ void release(uint32_t it) const {
+    if (lane != 0) return;
+    uint64_t* bar = &empty_bar[it % kStages];
+    if constexpr (kCluster > 1) {
+#pragma unroll
+      for (int c = 0; c < kCluster; ++c) ptx::mbarrier_arrive_cluster(bar, c);
+    } else {
+      ptx::mbarrier_arrive(bar);
+    }
+  }
+};
+
 // kCluster = 2: the kernel runs in clusters of two CTAs computing a tile pair of one expert that
 // shares an operand (tile_scheduler.cuh): M blocks 2i, 2i + 1 share B, N blocks 2j, 2j + 1 of an
 // odd last M block share A. Each CTA loads half of the shared operand's boxes, multicast into both
@@ -117,6 +150,8 @@ __global__ void __launch_bounds__(kThreadsPerCta, 1)
   constexpr bool kAMnMajor = kRows == RowsAre::K;
   // With 3 stages, release each stage as soon as it is read (one more stage of TMA prefetch).
   constexpr int kInFlight = kStages >= 4 ? kWgmmaGroupsInFlight : 0;
+  constexpr int kRingStages = Epilogue::kRingStages;
+  static_assert(kRingStages == 0 || Epilogue::kStagingBuffers == 0, "an epilogue stages in ring stages or its own buffers");
   static_assert(kRows == RowsAre::M || kBMnMajor, "wgrad reads both operands MN-major");
 
   extern __shared__ uint8_t smem_raw[];
@@ -212,6 +247,14 @@ __global__ void __launch_bounds__(kThreadsPerCta, 1)
                        &full_bar[s]);
           }
         }
+        // The epilogue's stages: its operands (or nothing) as soon as a stage is free.
+        if constexpr (kRingStages > 0) {
+          for (int j = 0; j < kRingStages; ++j, ++it) {
+            const int s = it % kStages;
+            ptx::mbarrier_wait(&empty_bar[s], ((it / kStages) & 1) ^ 1);
+            epilogue.template load_ring_stage<kBlockN>(j, tile, stage_a(s), &full_bar[s]);
+          }
+        }
       }
       POISE_PHASE(atomicAdd(&g_phase_cycles[4], (unsigned long long)p_wait);
                   atomicAdd(&g_phase_cycles[5], (unsigned long long)(clock64() - p_begin));)
@@ -222,17 +265,7 @@ __global__ void __launch_bounds__(kThreadsPerCta, 1)
     const int consumer = warpgroup - 1;  // rows [64 * consumer, 64 * consumer + 64) of the tile
     const int consumer_thread = threadIdx.x - 128;
     float acc[kBlockN / 2];
-    // Releases a stage: one arrival per consumer warp on the empty barrier of every CTA that
-    // loaded part of it (with clusters, the peer multicast half of B into it).
-    auto release = [&](int s) {
-      if (lane != 0) return;
-      if constexpr (kCluster > 1) {
-#pragma unroll
-        for (int c = 0; c < kCluster; ++c) ptx::mbarrier_arrive_cluster(&empty_bar[s], c);
-      } else {
-        ptx::mbarrier_arrive(&empty_bar[s]);
-      }
-    };
+    const ConsumerRing<kStages, kCluster, Smem::kStageBytes> ring{smem, full_bar, empty_bar, lane};
     uint32_t it = 0;
     POISE_PHASE(long long c_begin = clock64(), c_wait = 0, c_epi = 0, c_tiles = 0;)
     for (int32_t t = first_tile; t < scheduler.total_tiles; t += tile_stride) {
@@ -248,17 +281,15 @@ __global__ void __launch_bounds__(kThreadsPerCta, 1)
                         tile.row_count - tile.m_block * kTileM - 64 * consumer <= 0;
       if ((kCluster > 1 && !tile.valid) || idle) {
         // A filler tile or an idle warpgroup: the stages (the peer's multicast half too) pass on.
-        for (int32_t kb = 0; kb < k_blocks; ++kb, ++it) {
-          const int s = it % kStages;
-          ptx::mbarrier_wait(&full_bar[s], (it / kStages) & 1);
-          release(s);
+        for (int32_t kb = 0; kb < k_blocks + kRingStages; ++kb, ++it) {
+          ring.wait(it);
+          ring.release(it);
         }
         continue;
       }
-      epilogue.template begin_tile<kBlockN>(tile, consumer, consumer_thread % 128, staging);
 #pragma unroll
       for (int i = 0; i < kBlockN / 2; ++i) acc[i] = 0.0f;
-      int prev_stage = 0;
+      uint32_t prev_it = 0;
       for (int32_t kb = 0; kb < k_blocks; ++kb, ++it) {
         const int s = it % kStages;
         POISE_PHASE(const long long w0 = clock64();)
@@ -288,23 +319,34 @@ __global__ void __launch_bounds__(kThreadsPerCta, 1)
           // tensor cores busy meanwhile): one more stage can be in flight on the TMA side.
           ptx::wgmma_wait_group<0>();
           ptx::fence_accumulators(acc);
-          release(s);
+          ring.release(it);
         } else {
           // Keep one group in flight: the previous stage is free once its group retired.
           ptx::wgmma_wait_group<1>();
           ptx::fence_accumulators(acc);
-          if (kb > 0) release(prev_stage);
-          prev_stage = s;
+          if (kb > 0) ring.release(prev_it);
+          prev_it = it;
         }
       }
       if constexpr (kInFlight == 1) {
         ptx::wgmma_wait_group<0>();
         ptx::fence_accumulators(acc);
-        if (k_blocks > 0) release(prev_stage);
+        if (k_blocks > 0) ring.release(prev_it);
       }
       POISE_PHASE(const long long e0 = clock64();)
-      if constexpr (!POISE_SKIP_EPILOGUE_FOR_TIMING)
+      if constexpr (kRingStages > 0) {
+        if constexpr (POISE_SKIP_EPILOGUE_FOR_TIMING) {
+          for (int j = 0; j < kRingStages; ++j) {
+            ring.wait(it + j);
+            ring.release(it + j);
+          }
+        } else {
+          epilogue.template store<kBlockN>(acc, tile, consumer, consumer_thread % 128, ring, it);
+        }
+        it += kRingStages;
+      } else if constexpr (!POISE_SKIP_EPILOGUE_FOR_TIMING) {
         epilogue.template store<kBlockN>(acc, tile, consumer, consumer_thread % 128, staging);
+      }
       POISE_PHASE(c_epi += clock64() - e0;)
     }
     POISE_PHASE(if (consumer_thread % 128 == 0) {

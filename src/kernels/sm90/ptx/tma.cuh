@@ -24,8 +24,12 @@ __device__ __forceinline__ void tma_store_2d(const CUtensorMap* map, const void*
   cuda::ptx::cp_async_bulk_tensor(cuda::ptx::space_global, cuda::ptx::space_shared, map, coords, smem_src);
 }
 __device__ __forceinline__ void tma_store_commit() { cuda::ptx::cp_async_bulk_commit_group(); }
-// The issuing thread's stores have finished reading shared memory (the buffer may be rewritten).
-__device__ __forceinline__ void tma_store_wait_read() { cuda::ptx::cp_async_bulk_wait_group_read(cuda::ptx::n32_t<0>{}); }
+// The issuing thread's stores but the kPending most recent groups have finished reading shared
+// memory (their buffers may be rewritten).
+template <int kPending = 0>
+__device__ __forceinline__ void tma_store_wait_read() {
+  cuda::ptx::cp_async_bulk_wait_group_read(cuda::ptx::n32_t<kPending>{});
+}
 // The issuing thread's stores are complete (before the CTA exits).
 __device__ __forceinline__ void tma_store_wait_all() { cuda::ptx::cp_async_bulk_wait_group(cuda::ptx::n32_t<0>{}); }
 
