@@ -11,11 +11,18 @@
 #include <cstdint>
 
 #include "kernels/sm90/activation.cuh"
+#include "kernels/sm90/epilogue_direct.cuh"
 #include "kernels/sm90/epilogue_staging.cuh"
 #include "kernels/sm90/ptx/mbarrier.cuh"
 #include "kernels/sm90/tile_scheduler.cuh"
 
 namespace poise::sm90 {
+
+// bf16 row outputs of the plain epilogues (rows, wgrad overwrite) stored straight from registers
+// (epilogue_direct.cuh) instead of staged through shared memory.
+#ifndef POISE_DIRECT_STORES
+#define POISE_DIRECT_STORES 1
+#endif
 
 // A/B builds only: the SwiGLU-backward GEMM on 2-CTA clusters (default: 1-CTA launches).
 #ifndef POISE_DGRAD_W2_PAIRED
@@ -211,6 +218,20 @@ struct RowsStoreEpilogue {
       const int r = fr.row + 8 * h;
       scale[h] = (scores_R && r < rows.valid) ? scores_R[rows.first_row + r] : 1.0f;
     }
+    if constexpr (POISE_DIRECT_STORES) {
+      const int32_t n_first = tile.n_block * kBlockN;
+      __nv_bfloat16* const row_ptr[2] = {reinterpret_cast<__nv_bfloat16*>(rows.at(out_RN, N, n_first, fr.row)),
+                                         reinterpret_cast<__nv_bfloat16*>(rows.at(out_RN, N, n_first, fr.row + 8))};
+      store_bf16_rows_direct<kBlockN>(d, thread % 32, row_ptr, scale, min(kBlockN, N - n_first));
+    } else {
+      store_staged<kBlockN>(d, tile, consumer, thread, buf, fr, rows, scale);
+    }
+  }
+
+  template <int kBlockN>
+  __device__ __forceinline__ void store_staged(float (&d)[kBlockN / 2], const TileInfo& tile, int consumer,
+                                               int thread, uint8_t* buf, const Fragment& fr,
+                                               const GroupedRowAddress& rows, const float (&scale)[2]) const {
 #pragma unroll
     for (int c = 0; c < kBlockN / 64; ++c) {
       const int32_t n0 = tile.n_block * kBlockN + 64 * c;
@@ -446,6 +467,13 @@ struct WgradStoreEpilogue {
         }
         move_accumulators<0, 16, kBlockN / 2 - 16>(d);
       }
+    } else if (POISE_DIRECT_STORES && !accumulate) {
+      __nv_bfloat16* out = static_cast<__nv_bfloat16*>(target);
+      const int32_t n_first = tile.n_block * kBlockN;
+      auto row = [&](int r) { return r < valid ? out + (first + r) * N + n_first : nullptr; };
+      __nv_bfloat16* const row_ptr[2] = {row(fr.row), row(fr.row + 8)};
+      const float one[2] = {1.0f, 1.0f};
+      store_bf16_rows_direct<kBlockN>(d, thread % 32, row_ptr, one, min(kBlockN, N - n_first));
     } else {
       __nv_bfloat16* out = static_cast<__nv_bfloat16*>(target);
 #pragma unroll 1
