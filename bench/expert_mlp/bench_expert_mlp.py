@@ -222,29 +222,6 @@ def time_ms(fn, warmup=3, reps=15):
     return statistics.median(times)
 
 
-def time_interleaved(fns, rounds=6, warmup=2, reps=3):
-    """Median ms of each of fns, timed in alternating rounds (reps calls of each per round).
-
-    This card runs power-limited: a function timed right after a long hot stretch of another gets
-    lower clocks. Alternating gives the baseline and Poise the same history; time_ms one after the
-    other (the "sequential" figures) favours whichever runs first."""
-    for fn in fns:
-        for _ in range(warmup):
-            fn()
-    torch.cuda.synchronize()
-    samples = [[] for _ in fns]
-    for _ in range(rounds):
-        for i, fn in enumerate(fns):
-            for _ in range(reps):
-                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                s.record()
-                fn()
-                e.record()
-                torch.cuda.synchronize()
-                samples[i].append(s.elapsed_time(e))
-    return [statistics.median(t) for t in samples]
-
-
 def rel_err(a, b):
     a, b = a.double(), b.double()
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
@@ -323,18 +300,9 @@ def run_case(P, name, skew_target, dense, commit, gemm_detail):
         "grad_w2": rel_err(grad_w2, w2b.grad),
         "grad_scores": rel_err(grad_scores, sb.grad),
     }
-    # Sequential: the baseline's timings above, then Poise's (the figures of v1-v14).
-    fwd_ms_seq = time_ms(poise_fwd)
+    fwd_ms = time_ms(poise_fwd)
     fwd_kernels_ms = time_ms(lambda: blk.forward_kernels(w13, w2, out))
-    fwdbwd_ms_seq = time_ms(poise_fwdbwd)
-    base_fwd_ms_seq, base_fwdbwd_ms_seq = base_fwd_ms, base_fwdbwd_ms
-    # Interleaved (the headline figures): baseline and Poise in alternating rounds.
-    def base_fwd_nograd():
-        with torch.no_grad():
-            baseline_forward(x, ids, scores, w13, w2)
-
-    base_fwd_ms, fwd_ms = time_interleaved([base_fwd_nograd, poise_fwd])
-    base_fwdbwd_ms, fwdbwd_ms = time_interleaved([base_fwdbwd, poise_fwdbwd])
+    fwdbwd_ms = time_ms(poise_fwdbwd)
 
     rec = {
         "shape": name, "T": T, "D": D, "F": F, "E_local": E, "K": K,
@@ -346,10 +314,6 @@ def run_case(P, name, skew_target, dense, commit, gemm_detail):
         "baseline_fwd_tflops": flops_fwd / base_fwd_ms / 1e9,
         "baseline_fwdbwd_tflops": 3 * flops_fwd / base_fwdbwd_ms / 1e9,
         "speedup_fwd": base_fwd_ms / fwd_ms, "speedup_fwdbwd": base_fwdbwd_ms / fwdbwd_ms,
-        "timing": "interleaved",
-        "sequential": {"fwd_ms": fwd_ms_seq, "fwdbwd_ms": fwdbwd_ms_seq, "baseline_fwd_ms": base_fwd_ms_seq,
-                       "baseline_fwdbwd_ms": base_fwdbwd_ms_seq, "speedup_fwd": base_fwd_ms_seq / fwd_ms_seq,
-                       "speedup_fwdbwd": base_fwdbwd_ms_seq / fwdbwd_ms_seq},
         "dense_tflops": dense,
         "saved_bytes": blk.saved_bytes(), "baseline_saved_bytes": base_saved,
         "rel_err_vs_baseline": errors, "commit": commit,
@@ -441,9 +405,6 @@ def main():
               f"{r['fwdbwd_ms']:6.2f} ({r['baseline_fwdbwd_ms']:6.2f})   {r['fwd_tflops']:6.0f}   {r['speedup_fwd']:4.2f}  "
               f"{r['speedup_fwdbwd']:5.2f}     {r['saved_bytes']/2**30:5.2f} ({r['baseline_saved_bytes']/2**30:5.2f})  "
               f"{r['rel_err_vs_baseline']['out']:.1e}")
-        q = r["sequential"]
-        print(f"   sequential: fwd {q['fwd_ms']:.2f} ({q['baseline_fwd_ms']:.2f}) x{q['speedup_fwd']:.2f}, "
-              f"fwd+bwd {q['fwdbwd_ms']:.2f} ({q['baseline_fwdbwd_ms']:.2f}) x{q['speedup_fwdbwd']:.2f}")
         if "gemm_ms" in r:
             print("   gemm ms:", {k: round(v, 3) for k, v in r["gemm_ms"].items()})
             print("   gemm TF/s:", {k: round(v) for k, v in r["gemm_tflops"].items()})
