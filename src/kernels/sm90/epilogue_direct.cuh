@@ -13,6 +13,7 @@
 
 #include <cuda_bf16.h>
 #include <cstdint>
+#include <utility>
 
 namespace poise::sm90 {
 
@@ -65,5 +66,70 @@ __device__ __forceinline__ void store_bf16_rows_direct(const float (&d)[kBlockN 
     }
   }
 }
+
+__device__ __forceinline__ uint32_t bf16x2_bits(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// A warpgroup's tile packed as bf16 rows for direct stores, held in registers while the next
+// tile's mainloop starts: v[m][h] is this lane's 16 bytes of columns 8 (4m + quad) .. + 7 in
+// fragment row `row + 8h`. Epilogues with kDeferredParts > 0 pack into it instead of storing;
+// the kernel stores part p (every m with m % kParts == p) right after issuing the wgmmas of the
+// next tile's K block p, so the stores drain while the tensor cores work (grouped_gemm.cuh).
+template <int kBlockN>
+struct PendingRows {
+  static constexpr int kBlocks = kBlockN / 32;
+  uint4 v[kBlocks][2];
+  __nv_bfloat16* row_ptr[2];  // column 0 of the tile in rows row, row + 8 (nullptr: not written)
+  int columns = 0;            // columns pending (a multiple of 32); 0: none
+
+  template <int kBlock>
+  __device__ __forceinline__ void store_block(int lane) const {
+    if (32 * kBlock >= columns) return;
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+      if (row_ptr[h]) *reinterpret_cast<uint4*>(row_ptr[h] + 8 * (4 * kBlock + (lane & 3))) = v[kBlock][h];
+  }
+  // Stores the blocks of part `part` (of kParts).
+  template <int kParts>
+  __device__ __forceinline__ void flush_part(int part, int lane) const {
+    flush_if<kParts>(lane, [&](int p) { return p == part; });
+  }
+  // Stores the blocks of parts [first_part, kParts); then nothing is pending.
+  template <int kParts>
+  __device__ __forceinline__ void flush_from(int first_part, int lane) {
+    flush_if<kParts>(lane, [&](int p) { return p >= first_part; });
+    columns = 0;
+  }
+  template <int kParts, class Pick>
+  __device__ __forceinline__ void flush_if(int lane, Pick&& pick) const {
+    [&]<int... kBlock>(std::integer_sequence<int, kBlock...>) {
+      ((pick(kBlock % kParts) ? store_block<kBlock>(lane) : void()), ...);
+    }(std::make_integer_sequence<int, kBlocks>{});
+  }
+
+  // Packs d (a 64 x kBlockN fragment) for rows row0, row8 and its first `cols` columns.
+  __device__ __forceinline__ void pack(const float (&d)[kBlockN / 2], int lane, __nv_bfloat16* row0,
+                                       __nv_bfloat16* row8, int cols) {
+#pragma unroll
+    for (int m = 0; m < kBlocks; ++m) {
+      if (32 * m >= cols) break;  // uniform across the warp: shuffles stay converged
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        uint32_t w[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          const int a = 4 * (4 * m + k) + 2 * h;
+          w[k] = bf16x2_bits(d[a], d[a + 1]);
+        }
+        v[m][h] = quad_transpose(w, lane);
+      }
+    }
+    row_ptr[0] = row0;
+    row_ptr[1] = row8;
+    columns = cols;
+  }
+};
 
 }  // namespace poise::sm90

@@ -24,6 +24,11 @@ namespace poise::sm90 {
 #define POISE_DIRECT_STORES 1
 #endif
 
+// Parts the deferred wgrad stores are spread over (one per K block of the next tile; 0: none).
+#ifndef POISE_WGRAD_DEFERRED_PARTS
+#define POISE_WGRAD_DEFERRED_PARTS 4
+#endif
+
 // A/B builds only: the SwiGLU-backward GEMM on 2-CTA clusters (default: 1-CTA launches).
 #ifndef POISE_DGRAD_W2_PAIRED
 #define POISE_DGRAD_W2_PAIRED false
@@ -81,6 +86,7 @@ struct GroupedRowAddress {
 // leaving by TMA store without waiting on each other.
 template <bool kInterleaved>
 struct SwigluFpropEpilogue {
+  static constexpr int kDeferredParts = 0;  // stores at the end of its own tile
   static constexpr int kStagingBuffers = 0;
   static constexpr int kRingStages = 2;  // kBlockN / 128 chunks (static_assert in store)
   static constexpr bool kPairedTiles = true;  // 2-CTA clusters with multicast (grouped_gemm.cuh)
@@ -197,6 +203,7 @@ struct SwigluFpropEpilogue {
 // Row-major bf16 store of grouped rows (FPROP W2 -> y_RD, DGRAD W13 -> grad_x_RD), optionally
 // scaled per row by an fp32 routing score.
 struct RowsStoreEpilogue {
+  static constexpr int kDeferredParts = 0;  // stores at the end of its own tile
   static constexpr int kStagingBuffers = 1;
   static constexpr int kRingStages = 0;  // stages through its own buffer (grouped_gemm.cuh)
   static constexpr bool kPairedTiles = true;  // 2-CTA clusters with multicast (grouped_gemm.cuh)
@@ -262,6 +269,7 @@ struct RowsStoreEpilogue {
 // partial slab). Each chunk's stage is released once those stores have read it.
 template <bool kInterleaved>
 struct SwigluDgradEpilogue {
+  static constexpr int kDeferredParts = 0;  // stores at the end of its own tile
   static constexpr int kStagingBuffers = 0;
   static constexpr int kRingStages = 4;  // kBlockN / 64 chunks (static_assert in store)
   // 1-CTA launches (measured with the v12 staging-buffer epilogue at 3 stages: coupling two CTAs'
@@ -411,8 +419,13 @@ struct SwigluDgradEpilogue {
 
 // WGRAD store: out[e][m][n] for m < M, n < N, fp32 or bf16, overwrite or accumulate. Replica
 // experts (e >= first_replica) go to their own target at e - first_replica (always overwritten).
+// kBf16Overwrite: every tile's target is bf16 and overwritten (own experts and replicas), the
+// common case, compiled on its own: its rows are packed in registers and stored during the next
+// tile's first K blocks (PendingRows, epilogue_direct.cuh).
+template <bool kBf16Overwrite>
 struct WgradStoreEpilogue {
   static constexpr int kStagingBuffers = 1;
+  static constexpr int kDeferredParts = kBf16Overwrite ? POISE_WGRAD_DEFERRED_PARTS : 0;
   static constexpr int kRingStages = 0;  // stages through its own buffer (grouped_gemm.cuh)
   static constexpr bool kPairedTiles = true;  // 2-CTA clusters with multicast (grouped_gemm.cuh)
   static constexpr bool kSkipsEmptySlabs = true;  // an all-padding 64-row slab is skipped (grouped_gemm.cuh)
@@ -427,6 +440,20 @@ struct WgradStoreEpilogue {
   void* replica_out_EMN;
   int32_t replica_fp32;
   int32_t first_replica;  // num_experts when there are none
+
+  // kBf16Overwrite: packs the tile for the kernel to store during the next tile's mainloop.
+  template <int kBlockN>
+  __device__ __forceinline__ void store(const float (&d)[kBlockN / 2], const TileInfo& tile, int consumer,
+                                        int thread, uint8_t*, PendingRows<kBlockN>& pending) const {
+    const Fragment fr(thread);
+    const bool replica = tile.expert >= first_replica;
+    __nv_bfloat16* const out = static_cast<__nv_bfloat16*>(replica ? replica_out_EMN : out_EMN);
+    const int32_t m0 = tile.m_block * kTileM + 64 * consumer;
+    const int64_t first = int64_t(tile.expert - (replica ? first_replica : 0)) * M + m0;
+    const int32_t valid = M - m0, n_first = tile.n_block * kBlockN;
+    auto row = [&](int r) { return r < valid ? out + (first + r) * N + n_first : nullptr; };
+    pending.pack(d, thread % 32, row(fr.row), row(fr.row + 8), min(kBlockN, N - n_first));
+  }
 
   template <int kBlockN>
   __device__ __forceinline__ void store(float (&d)[kBlockN / 2], const TileInfo& tile, int consumer,

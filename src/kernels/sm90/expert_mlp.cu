@@ -336,19 +336,24 @@ void wgrad(const GroupedRows& rows, const void* a_RM, const char* a_name, int64_
   s.m_blocks = ceil_div(M, kTileM);
   s.n_blocks = ceil_div(N, kBlockN);
   const bool fp32 = out.dtype == DType::fp32, replica_fp32 = out.replica_dtype == DType::fp32;
-  WgradStoreEpilogue epi;
-  epi.out_map = make_store_tensor_map(own > 0 ? out.grad_w : nullptr, fp32, own * M, N, "grad_w");
-  epi.replica_map = make_store_tensor_map(replicas > 0 ? out.replica_grad_w : nullptr, replica_fp32, replicas * M, N,
-                                          "replica_grad_w");
-  epi.out_EMN = out.grad_w;
-  epi.M = static_cast<int32_t>(M);
-  epi.N = static_cast<int32_t>(N);
-  epi.out_fp32 = fp32 ? 1 : 0;
-  epi.accumulate = out.accumulate ? 1 : 0;
-  epi.replica_out_EMN = out.replica_grad_w;
-  epi.replica_fp32 = replica_fp32 ? 1 : 0;
-  epi.first_replica = s.first_replica;
-  launch<RowsAre::K, true>(map_a, WeightMaps{map_b, map_b}, s, epi, stream);
+  auto run = [&](auto epi) {
+    epi.out_map = make_store_tensor_map(own > 0 ? out.grad_w : nullptr, fp32, own * M, N, "grad_w");
+    epi.replica_map = make_store_tensor_map(replicas > 0 ? out.replica_grad_w : nullptr, replica_fp32, replicas * M,
+                                            N, "replica_grad_w");
+    epi.out_EMN = out.grad_w;
+    epi.M = static_cast<int32_t>(M);
+    epi.N = static_cast<int32_t>(N);
+    epi.out_fp32 = fp32 ? 1 : 0;
+    epi.accumulate = out.accumulate ? 1 : 0;
+    epi.replica_out_EMN = out.replica_grad_w;
+    epi.replica_fp32 = replica_fp32 ? 1 : 0;
+    epi.first_replica = s.first_replica;
+    launch<RowsAre::K, true>(map_a, WeightMaps{map_b, map_b}, s, epi, stream);
+  };
+  // Every target bf16 and overwritten: the kernel compiled for that case alone.
+  const bool bf16_overwrite = (own == 0 || (!fp32 && !out.accumulate)) && (replicas == 0 || !replica_fp32);
+  if (bf16_overwrite && POISE_DIRECT_STORES) run(WgradStoreEpilogue<true>{});
+  else run(WgradStoreEpilogue<false>{});
 }
 
 }  // namespace

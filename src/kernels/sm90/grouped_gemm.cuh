@@ -35,6 +35,7 @@
 #include "kernels/sm90/ptx/tma.cuh"
 #include "kernels/sm90/ptx/warpgroup.cuh"
 #include "kernels/sm90/ptx/wgmma.cuh"
+#include "kernels/sm90/epilogue_direct.cuh"
 #include "kernels/sm90/epilogue_staging.cuh"
 #include "kernels/sm90/tile_scheduler.cuh"
 
@@ -266,6 +267,10 @@ __global__ void __launch_bounds__(kThreadsPerCta, 1)
     const int consumer_thread = threadIdx.x - 128;
     float acc[kBlockN / 2];
     const ConsumerRing<kStages, kCluster, Smem::kStageBytes> ring{smem, full_bar, empty_bar, lane};
+    // Epilogue::kDeferredParts: the previous tile's packed rows, stored part p right after this
+    // tile's K block p is issued (epilogue_direct.cuh).
+    constexpr int kDeferredParts = Epilogue::kDeferredParts;
+    PendingRows<kBlockN> pending;
     uint32_t it = 0;
     POISE_PHASE(long long c_begin = clock64(), c_wait = 0, c_epi = 0, c_tiles = 0;)
     for (int32_t t = first_tile; t < scheduler.total_tiles; t += tile_stride) {
@@ -314,6 +319,7 @@ __global__ void __launch_bounds__(kThreadsPerCta, 1)
         }
         ptx::wgmma_commit_group();
         ptx::fence_accumulators(acc);
+        if constexpr (kDeferredParts > 0) pending.template flush_part<kDeferredParts>(kb, lane);
         if constexpr (kInFlight == 0) {
           // Release the stage as soon as its own wgmmas retired (the other warpgroup keeps the
           // tensor cores busy meanwhile): one more stage can be in flight on the TMA side.
@@ -344,6 +350,10 @@ __global__ void __launch_bounds__(kThreadsPerCta, 1)
           epilogue.template store<kBlockN>(acc, tile, consumer, consumer_thread % 128, ring, it);
         }
         it += kRingStages;
+      } else if constexpr (kDeferredParts > 0) {
+        pending.template flush_from<kDeferredParts>(k_blocks, lane);  // parts a short K loop left
+        if constexpr (!POISE_SKIP_EPILOGUE_FOR_TIMING)
+          epilogue.template store<kBlockN>(acc, tile, consumer, consumer_thread % 128, staging, pending);
       } else if constexpr (!POISE_SKIP_EPILOGUE_FOR_TIMING) {
         epilogue.template store<kBlockN>(acc, tile, consumer, consumer_thread % 128, staging);
       }
@@ -355,6 +365,7 @@ __global__ void __launch_bounds__(kThreadsPerCta, 1)
       atomicAdd(&g_phase_cycles[2], (unsigned long long)c_epi);
       atomicAdd(&g_phase_cycles[3], (unsigned long long)c_tiles);
     })
+    if constexpr (kDeferredParts > 0) pending.template flush_from<kDeferredParts>(0, lane);
     // TMA stores read shared memory asynchronously: finish them before the CTA exits.
     if (consumer_thread % 128 == 0) ptx::tma_store_wait_all();
   }
