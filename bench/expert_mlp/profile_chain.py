@@ -1,0 +1,75 @@
+#!/usr/bin/env python3
+"""Times every step of the benchmark's Poise forward+backward chain, in chain order, with CUDA
+events (median of REPS chains): where the chain's time goes, e.g. balanced against skewed routing.
+
+    python3 bench/expert_mlp/profile_chain.py LIB [SHAPE] [REPS]
+"""
+import importlib.util
+import pathlib
+import statistics
+import sys
+
+import torch
+
+
+def main() -> int:
+    lib_path = sys.argv[1]
+    shape = sys.argv[2] if len(sys.argv) > 2 else "deepseek_v3_ep8_rank"
+    reps = int(sys.argv[3]) if len(sys.argv) > 3 else 10
+    spec = importlib.util.spec_from_file_location("bench_expert_mlp",
+                                                  pathlib.Path(__file__).with_name("bench_expert_mlp.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    P = bench.Poise(bench.load_lib(lib_path))
+    T, D, F, E, K = bench.SHAPES[shape]
+    for skew_target in (1, 3):
+        ids, skew, x, scores, w13, w2, grad_out = bench.make_inputs(T, D, F, E, K, skew_target)
+        blk = bench.PoiseBlock(P, T, D, F, E, K)
+        out = torch.empty(T, D, device="cuda", dtype=torch.bfloat16)
+        gx, gs = torch.empty_like(out), torch.empty(T, K, device="cuda")
+        g13, g2 = torch.empty_like(w13), torch.empty_like(w2)
+        L = None
+
+        def steps():
+            nonlocal L
+            yield "layout", lambda: blk.layout(ids, scores)
+            L = blk.lay
+            yield "gather_x", lambda: blk.gather_x(x)
+            yield "fprop_w13", lambda: P.fprop_w13(blk.x_rows, w13, blk.a, blk.h13)
+            yield "fprop_w2", lambda: P.fprop_w2(blk.a, w2, L["scores_R"], blk.y_rows)
+            yield "combine", lambda: P.combine_rows(L["row_of_tk"], T, K, D, blk.y_rows, out)
+            yield "scatter_grad", lambda: P.scatter_rows(L["row_of_tk"], T * K, K, D, grad_out, blk.gy_rows)
+            yield "dgrad_w2", lambda: P.dgrad_w2(blk.gy_rows, w2, blk.h13, L["scores_R"], blk.gh13, blk.a,
+                                                 blk.grad_score_partials)
+            yield "wgrad_w2", lambda: P.wgrad_w2(blk.gy_rows, blk.a, g2, 0, 0)
+            yield "dgrad_w13", lambda: P.dgrad_w13(blk.gh13, w13, blk.gx_rows)
+            yield "wgrad_w13", lambda: P.wgrad_w13(blk.gh13, blk.x_rows, g13, 0, 0)
+            yield "combine_grad", lambda: P.combine_rows(L["row_of_tk"], T, K, D, blk.gx_rows, gx)
+            yield "gather_scalars", lambda: P.gather_scalars(L["row_of_tk"], T * K, blk.grad_score_partials,
+                                                             blk.score_parts, gs)
+
+        times = {}
+        for r in range(reps + 2):
+            events = []
+            for name, fn in steps():
+                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                s.record()
+                fn()
+                e.record()
+                events.append((name, s, e))
+            first, last = events[0][1], events[-1][2]
+            torch.cuda.synchronize()
+            if r < 2:
+                continue
+            for name, s, e in events:
+                times.setdefault(name, []).append(s.elapsed_time(e))
+            times.setdefault("chain", []).append(first.elapsed_time(last))
+        med = {k: statistics.median(v) for k, v in times.items()}
+        steps_sum = sum(v for k, v in med.items() if k != "chain")
+        print(f"{shape} skew {skew:.2f}: chain {med['chain']:.2f} ms, steps {steps_sum:.2f} ms: " +
+              ", ".join(f"{k} {v:.3f}" for k, v in med.items() if k != "chain"), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
