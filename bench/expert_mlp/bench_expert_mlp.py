@@ -57,6 +57,11 @@ def load_lib(path):
     return lib
 
 
+def open_poise(path):
+    """The bench library at `path`, wrapped for calls (the profiling scripts' entry point)."""
+    return Poise(load_lib(path))
+
+
 def ptr(t):
     return None if t is None else t.data_ptr()
 

@@ -4,23 +4,21 @@ events (median of REPS chains): where the chain's time goes, e.g. balanced again
 
     python3 bench/expert_mlp/profile_chain.py LIB [SHAPE] [REPS]
 """
-import importlib.util
 import pathlib
 import statistics
 import sys
 
 import torch
 
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+import bench_expert_mlp as bench  # noqa: E402
+
 
 def main() -> int:
     lib_path = sys.argv[1]
     shape = sys.argv[2] if len(sys.argv) > 2 else "deepseek_v3_ep8_rank"
     reps = int(sys.argv[3]) if len(sys.argv) > 3 else 10
-    spec = importlib.util.spec_from_file_location("bench_expert_mlp",
-                                                  pathlib.Path(__file__).with_name("bench_expert_mlp.py"))
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    P = bench.Poise(bench.load_lib(lib_path))
+    P = bench.open_poise(lib_path)
     T, D, F, E, K = bench.SHAPES[shape]
     for skew_target in (1, 3):
         ids, skew, x, scores, w13, w2, grad_out = bench.make_inputs(T, D, F, E, K, skew_target)

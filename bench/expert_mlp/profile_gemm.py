@@ -14,21 +14,19 @@ runs each of the six GEMMs REPEATS times and prints where the consumer warpgroup
 producer waited for a free stage, per tile.
 """
 
-import importlib.util
 import pathlib
 import sys
 
 import torch
 
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+import bench_expert_mlp as bench  # noqa: E402
+
 
 def main() -> int:
     lib_path, shape, gemm = sys.argv[1], sys.argv[2], sys.argv[3]
     repeats = int(sys.argv[4]) if len(sys.argv) > 4 else 3
-    spec = importlib.util.spec_from_file_location("bench_expert_mlp",
-                                                  pathlib.Path(__file__).with_name("bench_expert_mlp.py"))
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    P = bench.Poise(bench.load_lib(lib_path))
+    P = bench.open_poise(lib_path)
     T, D, F, E, K = bench.SHAPES[shape]
     ids, _, x, scores, w13, w2, grad_out = bench.make_inputs(T, D, F, E, K, 1.0)
     blk = bench.PoiseBlock(P, T, D, F, E, K)

@@ -42,9 +42,27 @@ __device__ __forceinline__ uint4 quad_transpose(const uint32_t (&w)[4], int lane
   return make_uint4(out[0], out[1], out[2], out[3]);
 }
 
-// Stores d (a 64 x kBlockN fragment, ptx/wgmma.cuh) as bf16, scaled per row half by scale[h]:
-// row_ptr[h] points at column 0 of the tile in fragment row `row + 8h` (nullptr: the row is not
-// written); only the first `columns` columns are stored (a multiple of 32).
+__device__ __forceinline__ uint32_t bf16x2_bits(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// This lane's 16 bytes of columns 8 (4m + quad) .. + 7 in fragment row `row + 8h` of d (a
+// 64 x kBlockN fragment, ptx/wgmma.cuh) as bf16, scaled by `scale`.
+template <int kN>
+__device__ __forceinline__ uint4 pack_row_segment(const float (&d)[kN], int m, int h, float scale, int lane) {
+  uint32_t w[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const int a = 4 * (4 * m + k) + 2 * h;
+    w[k] = bf16x2_bits(d[a] * scale, d[a + 1] * scale);
+  }
+  return quad_transpose(w, lane);
+}
+
+// Stores d as bf16, scaled per row half by scale[h]: row_ptr[h] points at column 0 of the tile in
+// fragment row `row + 8h` (nullptr: the row is not written); only the first `columns` columns are
+// stored (a multiple of 32).
 template <int kBlockN>
 __device__ __forceinline__ void store_bf16_rows_direct(const float (&d)[kBlockN / 2], int lane,
                                                        __nv_bfloat16* const (&row_ptr)[2], const float (&scale)[2],
@@ -54,22 +72,10 @@ __device__ __forceinline__ void store_bf16_rows_direct(const float (&d)[kBlockN 
     if (32 * m >= columns) break;  // uniform across the warp: shuffles stay converged
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      uint32_t w[4];
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const int a = 4 * (4 * m + k) + 2 * h;
-        const __nv_bfloat162 v = __floats2bfloat162_rn(d[a] * scale[h], d[a + 1] * scale[h]);
-        w[k] = *reinterpret_cast<const uint32_t*>(&v);
-      }
-      const uint4 v = quad_transpose(w, lane);
+      const uint4 v = pack_row_segment(d, m, h, scale[h], lane);
       if (row_ptr[h]) *reinterpret_cast<uint4*>(row_ptr[h] + 8 * (4 * m + (lane & 3))) = v;
     }
   }
-}
-
-__device__ __forceinline__ uint32_t bf16x2_bits(float lo, float hi) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&v);
 }
 
 // A warpgroup's tile packed as bf16 rows for direct stores, held in registers while the next
@@ -116,15 +122,7 @@ struct PendingRows {
     for (int m = 0; m < kBlocks; ++m) {
       if (32 * m >= cols) break;  // uniform across the warp: shuffles stay converged
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        uint32_t w[4];
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          const int a = 4 * (4 * m + k) + 2 * h;
-          w[k] = bf16x2_bits(d[a], d[a + 1]);
-        }
-        v[m][h] = quad_transpose(w, lane);
-      }
+      for (int h = 0; h < 2; ++h) v[m][h] = pack_row_segment(d, m, h, 1.0f, lane);
     }
     row_ptr[0] = row0;
     row_ptr[1] = row8;
