@@ -14,7 +14,6 @@
 #include <cuda.h>
 #include <cstdint>
 
-#include "kernels/sm90/ptx/cp_async.cuh"
 #include "kernels/sm90/ptx/shared_memory.cuh"
 #include "kernels/sm90/ptx/tma.cuh"
 #include "kernels/sm90/ptx/warpgroup.cuh"
@@ -107,19 +106,6 @@ __device__ __forceinline__ void emit_staged(const uint8_t* buf, int consumer, in
   } else {
     consumer_warpgroup_sync(consumer);
     staged_copy_out(buf, thread, row_dst);
-  }
-}
-
-// The reverse of a copy-out: fetches 64 rows of 128 bytes (row_src(r), or nullptr to skip) into
-// the buffer with cp.async; the caller commits, waits and syncs before reading.
-template <class RowSrc>
-__device__ __forceinline__ void staged_fetch_async(uint8_t* buf, int thread, RowSrc&& row_src) {
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int u = thread + 128 * i;
-    const int r = u >> 3, c = u & 7;
-    const uint8_t* src = row_src(r);
-    if (src) ptx::cp_async_16(buf + staging_offset(r, c * 16), src + c * 16);
   }
 }
 

@@ -17,10 +17,9 @@ namespace poise::sm90 {
 namespace {
 
 constexpr int kBlockN = 256;
-// 4 stages fill shared memory next to one staging buffer per consumer (or none: the epilogues
-// that stage in ring stages); three staging buffers per consumer would leave room for 3.
-template <class Epilogue>
-constexpr int kStagesFor = Epilogue::kStagingBuffers > 1 ? 3 : 4;
+// 4 stages of 48 KiB fill shared memory next to at most one staging buffer per consumer (the
+// SwiGLU epilogues stage in ring stages instead).
+constexpr int kStages = 4;
 
 void check_cuda(cudaError_t err, const char* what) {
   if (err != cudaSuccess)
@@ -131,7 +130,7 @@ bool paired_tiles_allowed() {
 template <int kCluster, RowsAre kRows, bool kBMnMajor, class Epilogue>
 void launch_clustered(const CUtensorMap& map_a, const WeightMaps& map_b, const GroupedGemmShape& shape,
                       const Epilogue& epilogue, cudaStream_t stream) {
-  constexpr int kStages = kStagesFor<Epilogue>;
+  static_assert(Epilogue::kStagingBuffers <= 1, "4 stages leave room for one staging buffer per consumer");
   auto kernel = grouped_gemm_kernel<kBlockN, kStages, kRows, kBMnMajor, Epilogue, kCluster>;
   constexpr uint32_t smem = GroupedGemmSmem<kBlockN, kStages, Epilogue::kStagingBuffers>::kTotalBytes;
   check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),

@@ -296,19 +296,18 @@ __global__ void __launch_bounds__(kThreadsPerCta, 1)
       for (int i = 0; i < kBlockN / 2; ++i) acc[i] = 0.0f;
       uint32_t prev_it = 0;
       for (int32_t kb = 0; kb < k_blocks; ++kb, ++it) {
-        const int s = it % kStages;
         POISE_PHASE(const long long w0 = clock64();)
-        ptx::mbarrier_wait(&full_bar[s], (it / kStages) & 1);
+        uint8_t* const a_smem = ring.wait(it);  // the stage: A, then B at kABytes
+        uint8_t* const b_smem = a_smem + Smem::kABytes;
         POISE_PHASE(c_wait += clock64() - w0;)
         if constexpr (kRows == RowsAre::K) {
           const int valid = tile.row_count - kb * kTileK;
-          if (valid < kTileK) zero_k_tail<kTileM / 64, kBlockN, 256>(stage_a(s), stage_b(s), valid, consumer_thread, 1);
+          if (valid < kTileK) zero_k_tail<kTileM / 64, kBlockN, 256>(a_smem, b_smem, valid, consumer_thread, 1);
         }
         // A: this warpgroup's 64 rows; K-major rows are 128 B, MN-major chunks are 64 M wide.
-        const uint64_t desc_a = kAMnMajor ? ptx::make_mn_major_desc(stage_a(s) + consumer * ptx::kMnChunkBytes)
-                                          : ptx::make_k_major_desc(stage_a(s) + consumer * 64 * 128);
-        const uint64_t desc_b = kBMnMajor ? ptx::make_mn_major_desc(stage_b(s))
-                                          : ptx::make_k_major_desc(stage_b(s));
+        const uint64_t desc_a = kAMnMajor ? ptx::make_mn_major_desc(a_smem + consumer * ptx::kMnChunkBytes)
+                                          : ptx::make_k_major_desc(a_smem + consumer * 64 * 128);
+        const uint64_t desc_b = kBMnMajor ? ptx::make_mn_major_desc(b_smem) : ptx::make_k_major_desc(b_smem);
         ptx::fence_accumulators(acc);
         ptx::wgmma_fence();
 #pragma unroll
