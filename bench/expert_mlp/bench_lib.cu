@@ -39,15 +39,26 @@ constexpr int kLayoutThreads = 1024;
 constexpr int kLayoutChunk = 4096;  // (token, k) entries per CTA
 using LayoutScan = cub::BlockScan<int32_t, kLayoutThreads>;
 
+// This CTA's chunk of (token, k) entries, [begin, end).
+struct LayoutChunk {
+  int64_t begin, end;
+  __device__ explicit LayoutChunk(int64_t tk)
+      : begin(blockIdx.x * int64_t(kLayoutChunk)), end(min(tk, blockIdx.x * int64_t(kLayoutChunk) + kLayoutChunk)) {}
+};
+
+// hist[e] = entries of expert e in the chunk (one shared-memory slot per thread; the CTA syncs).
+__device__ void chunk_histogram(const int64_t* ids_TK, const LayoutChunk& chunk, int32_t* hist) {
+  hist[threadIdx.x] = 0;
+  __syncthreads();
+  for (int64_t i = chunk.begin + threadIdx.x; i < chunk.end; i += kLayoutThreads) atomicAdd(&hist[ids_TK[i]], 1);
+  __syncthreads();
+}
+
 // counts_E[e] += entries of expert e in this CTA's chunk (counts_E zeroed before).
 __global__ void __launch_bounds__(kLayoutThreads) expert_histogram_kernel(const int64_t* ids_TK, int64_t tk,
                                                                          int num_experts, int32_t* counts_E) {
   __shared__ int32_t hist[kLayoutThreads];
-  hist[threadIdx.x] = 0;
-  __syncthreads();
-  const int64_t begin = blockIdx.x * int64_t(kLayoutChunk), end = min(tk, begin + kLayoutChunk);
-  for (int64_t i = begin + threadIdx.x; i < end; i += kLayoutThreads) atomicAdd(&hist[ids_TK[i]], 1);
-  __syncthreads();
+  chunk_histogram(ids_TK, LayoutChunk(tk), hist);
   if (threadIdx.x < num_experts && hist[threadIdx.x] > 0) atomicAdd(&counts_E[threadIdx.x], hist[threadIdx.x]);
 }
 
@@ -66,14 +77,11 @@ __global__ void __launch_bounds__(kLayoutThreads) routing_rows_kernel(const int6
   int32_t offset = 0;
   LayoutScan(scan_storage).ExclusiveSum((count + 127) / 128 * 128, offset);
   if (blockIdx.x == 0 && e < num_experts) offsets_E[e] = offset;
-  hist[e] = 0;
-  __syncthreads();
-  const int64_t begin = blockIdx.x * int64_t(kLayoutChunk), end = min(tk, begin + kLayoutChunk);
-  for (int64_t i = begin + threadIdx.x; i < end; i += kLayoutThreads) atomicAdd(&hist[ids_TK[i]], 1);
-  __syncthreads();
+  const LayoutChunk chunk(tk);
+  chunk_histogram(ids_TK, chunk, hist);
   if (e < num_experts) base[e] = offset + (hist[e] > 0 ? atomicAdd(&cursor_E[e], hist[e]) : 0);
   __syncthreads();
-  for (int64_t i = begin + threadIdx.x; i < end; i += kLayoutThreads) {
+  for (int64_t i = chunk.begin + threadIdx.x; i < chunk.end; i += kLayoutThreads) {
     const int32_t row = atomicAdd(&base[ids_TK[i]], 1);
     row_of_tk[i] = row;
     scores_R[row] = scores_TK[i];
