@@ -611,7 +611,8 @@ TEST(ExpertMlpGraph, ReplaysWithNewRoutingWithoutRecapture) {
   cudaStreamDestroy(stream);
 }
 
-// Host validation names the argument and launches nothing (runs without a GPU too).
+// Host validation names the argument and launches nothing, before any TMA descriptor is encoded
+// (runs without a GPU too: ctest's test_expert_mlp_validation, label cpu).
 TEST(ExpertMlpValidation, RejectsBadArgumentsByName) {
   int32_t* fake = reinterpret_cast<int32_t*>(0x1000);
   const GroupedRows rows{fake, fake, 4, 1024};
@@ -659,6 +660,25 @@ TEST(ExpertMlpValidation, RejectsBadArgumentsByName) {
   sm90::DgradW2Args dgrad_split{fake, fake, fake, nullptr, fake, nullptr, nullptr};
   dgrad_split.h13_split = {128, nullptr};
   EXPECT_EQ(name_of([&] { sm90::expert_mlp_dgrad_w2(rows, shape, dgrad_split, nullptr); }), "h13_split.hi_R2F");
+}
+
+// The SwiGLU-backward GEMM loads h13 by TMA: a buffer TMA cannot read is named before any launch.
+// (Its descriptors come after those of the GEMM operands, which need the CUDA driver.)
+TEST(ExpertMlpValidation, MisalignedH13IsNamedBeforeLaunch) {
+  if (!have_sm90()) GTEST_SKIP() << "needs an SM90 GPU (the driver encodes the operand descriptors first)";
+  int32_t* fake = reinterpret_cast<int32_t*>(0x1000);
+  const GroupedRows rows{fake, fake, 4, 1024};
+  ExpertMlpShape shape;
+  shape.hidden_dim = 256;
+  shape.intermediate_dim = 128;
+  void* misaligned = reinterpret_cast<uint8_t*>(fake) + 2;
+  std::string name = "<no error>";
+  try {
+    sm90::expert_mlp_dgrad_w2(rows, shape, {fake, fake, misaligned, nullptr, fake, nullptr, nullptr}, nullptr);
+  } catch (const InvalidArgument& e) {
+    name = e.name();
+  }
+  EXPECT_EQ(name, "h13_R2F");
 }
 
 }  // namespace

@@ -206,6 +206,7 @@ void expert_mlp_fprop_w13(const GroupedRows& rows, const ExpertMlpShape& shape,
   require_ptr(args.a_RF, "a_RF");
   require_replica_ptr(rows, args.replica_w13_E2FD, "replica_w13_E2FD");
   if (rows.max_rows == 0) return;
+  const int32_t split = h13_split_row(rows, args.h13_split);  // checked before any descriptor
   const int64_t D = shape.hidden_dim, F = shape.intermediate_dim;
   const bool blocked = shape.w13_layout == W13Layout::gate_up_blocked;
   const CUtensorMap map_a = rows_operand_map(args.x_RD, rows, D, "x_RD");
@@ -214,7 +215,6 @@ void expert_mlp_fprop_w13(const GroupedRows& rows, const ExpertMlpShape& shape,
   GroupedGemmShape s = rows_gemm_shape(rows, D, 2 * F, F, kBlockN / 2);
   s.b_split_rows = blocked ? static_cast<int32_t>(F) : 0;
   const CUtensorMap a_map = make_store_tensor_map(args.a_RF, false, rows.max_rows, F, "a_RF");
-  const int32_t split = h13_split_row(rows, args.h13_split);
   // The low buffer holds rows [0, split) only: its map must not reach past them.
   const CUtensorMap h13_map =
       split > 0 ? make_store_tensor_map(args.h13_R2F, false, split, 2 * F, "h13_R2F") : CUtensorMap{};
@@ -263,12 +263,12 @@ void expert_mlp_dgrad_w2(const GroupedRows& rows, const ExpertMlpShape& shape,
   require_ptr(args.grad_h13_R2F, "grad_h13_R2F");
   require_replica_ptr(rows, args.replica_w2_EDF, "replica_w2_EDF");
   if (rows.max_rows == 0) return;
+  const int32_t split = h13_split_row(rows, args.h13_split);  // checked before any descriptor
   const int64_t D = shape.hidden_dim, F = shape.intermediate_dim;
   const CUtensorMap map_a = rows_operand_map(args.grad_y_RD, rows, D, "grad_y_RD");
   // W2[e] is [D][F]: K = D rows, N = F contiguous -> MN-major B, 64 x 64 boxes.
   const WeightMaps map_b = weight_maps(rows, args.w2_EDF, "w2_EDF", args.replica_w2_EDF, "replica_w2_EDF", D, F, 64);
   const GroupedGemmShape s = rows_gemm_shape(rows, D, D, F, kBlockN);
-  const int32_t split = h13_split_row(rows, args.h13_split);
   auto run = [&](auto epi) {
     // h13 is read by the producer in 64 x 64 boxes; the low buffer's map must not reach past its rows.
     if (split > 0) epi.h13_map = make_bf16_tensor_map(args.h13_R2F, split, 2 * F, 64, "h13_R2F");
