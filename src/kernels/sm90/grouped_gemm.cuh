@@ -44,6 +44,11 @@ namespace poise::sm90 {
 inline constexpr uint32_t kProducerRegisters = 40;
 inline constexpr uint32_t kConsumerRegisters = 232;
 inline constexpr int kConsumerWarps = 8;
+// setmaxnreg moves registers within what the launch allocated (__launch_bounds__(384, 1): 168 per
+// thread): a consumer's increase waits until the producer's decrease freed enough, forever if the
+// sum does not fit (a producer at 48 registers hung every kernel: performance.md v15).
+static_assert(128 * kProducerRegisters + 256 * kConsumerRegisters <= 384 * 168,
+              "producer + consumer registers must fit the launch's allocation");
 // wgmma groups a consumer leaves in flight when it moves to the next stage (0 or 1); a build
 // option so both pipelines can be measured against each other.
 #ifndef POISE_WGMMA_GROUPS_IN_FLIGHT
