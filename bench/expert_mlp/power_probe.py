@@ -1,0 +1,150 @@
+#!/usr/bin/env python3
+"""Clock, power and cycle efficiency of the expert-MLP GEMMs next to dense cuBLAS, on this card.
+
+The H200 here runs power-limited: a kernel's TFLOP/s is (FLOP per SM cycle) x (the clock its power
+draw leaves). This separates the two. Each workload runs back to back for SECONDS while nvidia-smi
+samples the SM clock and board power every 50 ms; per workload it prints the achieved TFLOP/s, the
+median clock and power, TFLOP/s per GHz against the tensor peak per GHz (132 SMs x 4096 bf16 FLOP per
+cycle = 540.7 TFLOP/s per GHz: the cycle efficiency) and TFLOP per kJ (the energy efficiency).
+
+    python3 bench/expert_mlp/power_probe.py LIB [OUT.json] [SECONDS] [SHAPES]
+"""
+import datetime
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+import bench_expert_mlp as bench  # noqa: E402
+
+PEAK_TFLOPS_PER_GHZ = 132 * 4096 / 1e3
+
+
+def run_for(fn, seconds):
+    """Calls fn back to back for `seconds`; returns (calls, ms per call, start, end) in host time."""
+    fn()
+    torch.cuda.synchronize()
+    start = time.time()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    calls = 0
+    while time.time() - start < seconds:
+        for _ in range(4):
+            fn()
+        calls += 4
+        if calls % 32 == 0:
+            torch.cuda.synchronize()  # keep the host within reach of the GPU
+    e.record()
+    torch.cuda.synchronize()
+    return calls, s.elapsed_time(e) / calls, start, time.time()
+
+
+def samples_between(path, start, end):
+    """(clock MHz, power W, throttle reasons) samples of nvidia-smi's log inside [start, end]."""
+    out = []
+    for line in pathlib.Path(path).read_text().splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) < 4:
+            continue
+        try:
+            t = datetime.datetime.strptime(parts[0], "%Y/%m/%d %H:%M:%S.%f").timestamp()
+            if start + 0.3 <= t <= end:  # skip the ramp at the start
+                out.append((float(parts[1]), float(parts[2]), parts[3]))
+        except ValueError:
+            continue
+    return out
+
+
+def main() -> int:
+    lib_path = sys.argv[1]
+    out_path = sys.argv[2] if len(sys.argv) > 2 else None
+    seconds = float(sys.argv[3]) if len(sys.argv) > 3 else 2.5
+    P = bench.open_poise(lib_path)
+    dev, bf = "cuda", torch.bfloat16
+    workloads = []
+
+    n = 8192
+    a, b = torch.randn(n, n, device=dev, dtype=bf), torch.randn(n, n, device=dev, dtype=bf)
+    # (name, FLOP per call, call, prepare): prepare sets the bench library's problem (its row layout
+    # and shape are global state, last set by the last layout() call).
+    workloads.append(("dense torch.matmul 8192^3", 2.0 * n**3, lambda: torch.matmul(a, b), lambda: None))
+    blocks = {}
+    shapes = sys.argv[4].split(",") if len(sys.argv) > 4 else list(bench.SHAPES)
+    for shape in shapes:
+        T, D, F, E, K = bench.SHAPES[shape]
+        ids, _, x, scores, w13, w2, grad_out = bench.make_inputs(T, D, F, E, K, 1.0)
+        blk = bench.PoiseBlock(P, T, D, F, E, K)
+        out = torch.empty(T, D, device=dev, dtype=bf)
+        gx, gs = torch.empty_like(out), torch.empty(T, K, device=dev)
+        g13, g2 = torch.empty_like(w13), torch.empty_like(w2)
+        blk.forward(x, ids, scores, w13, w2, out)
+        blk.backward(grad_out, w13, w2, gx, g13, g2, gs)
+        blocks[shape] = blk  # keeps the buffers alive
+        L, TK = blk.lay, T * K
+        flat = ids.flatten()
+        order = torch.argsort(flat, stable=True)
+        offs = torch.cumsum(torch.bincount(flat, minlength=E), 0, dtype=torch.int32)
+        xs = x.index_select(0, order // K)
+        tag = "DeepSeek-V3" if shape.startswith("deepseek") else "Qwen3"
+        w13_flops, w2_flops = 4.0 * TK * D * F, 2.0 * TK * D * F
+        prepare = lambda blk=blk, ids=ids, scores=scores: blk.layout(ids, scores)  # noqa: E731
+        workloads += [
+            (f"{tag} poise fprop_w13", w13_flops, lambda blk=blk, w13=w13: P.fprop_w13(blk.x_rows, w13, blk.a, blk.h13),
+             prepare),
+            (f"{tag} torch._grouped_mm W13", w13_flops,
+             lambda xs=xs, w13=w13, offs=offs: torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs), prepare),
+            (f"{tag} poise fprop_w2", w2_flops,
+             lambda blk=blk, w2=w2, L=L: P.fprop_w2(blk.a, w2, L["scores_R"], blk.y_rows), prepare),
+            (f"{tag} poise dgrad_w2", w2_flops,
+             lambda blk=blk, w2=w2, L=L: P.dgrad_w2(blk.gy_rows, w2, blk.h13, L["scores_R"], blk.gh13, blk.a,
+                                                    blk.grad_score_partials), prepare),
+            (f"{tag} poise wgrad_w13", w13_flops, lambda blk=blk, g13=g13: P.wgrad_w13(blk.gh13, blk.x_rows, g13, 0, 0),
+             prepare),
+        ]
+
+    log = tempfile.NamedTemporaryFile(prefix="smi", suffix=".csv", delete=False).name
+    smi = subprocess.Popen(["nvidia-smi", "--query-gpu=timestamp,clocks.sm,power.draw,clocks_event_reasons.active",
+                            "--format=csv,noheader,nounits", "-lms", "50", "-f", log])
+    time.sleep(1.0)
+    records = []
+    try:
+        for name, flops, fn, prepare in workloads:
+            prepare()
+            time.sleep(1.0)  # the same idle start for each
+            calls, ms, start, end = run_for(fn, seconds)
+            records.append(dict(name=name, calls=calls, ms=ms, tflops=flops / ms / 1e9, start=start, end=end))
+    finally:
+        time.sleep(0.3)
+        smi.terminate()
+        smi.wait()
+    print(f"{'workload':<34} {'TFLOP/s':>8} {'MHz':>6} {'W':>6} {'TF/s per GHz':>13} {'of peak':>8} {'TFLOP/kJ':>9}  reasons")
+    for r in records:
+        s = samples_between(log, r["start"], r["end"])
+        if not s:
+            print(f"{r['name']:<34} {r['tflops']:8.0f}  (no clock samples)")
+            continue
+        mhz = statistics.median(v[0] for v in s)
+        watts = statistics.median(v[1] for v in s)
+        reasons = sorted({v[2] for v in s})
+        per_ghz = r["tflops"] / (mhz / 1e3)
+        r.update(sm_mhz=mhz, power_w=watts, samples=len(s), tflops_per_ghz=per_ghz,
+                 cycle_efficiency=per_ghz / PEAK_TFLOPS_PER_GHZ, tflop_per_kj=r["tflops"] / watts * 1e3,
+                 clock_event_reasons=reasons)
+        print(f"{r['name']:<34} {r['tflops']:8.0f} {mhz:6.0f} {watts:6.0f} {per_ghz:13.0f} {per_ghz / PEAK_TFLOPS_PER_GHZ:8.1%} "
+              f"{r['tflop_per_kj']:9.0f}  {','.join(reasons)}")
+    os.unlink(log)
+    if out_path:
+        with open(out_path, "w") as f:
+            json.dump(records, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
