@@ -7,7 +7,10 @@ samples the SM clock and board power every 50 ms; per workload it prints the ach
 median clock and power, TFLOP/s per GHz against the tensor peak per GHz (132 SMs x 4096 bf16 FLOP per
 cycle = 540.7 TFLOP/s per GHz: the cycle efficiency) and TFLOP per kJ (the energy efficiency).
 
-    python3 bench/expert_mlp/power_probe.py LIB [OUT.json] [SECONDS] [SHAPES]
+    python3 bench/expert_mlp/power_probe.py LIB [OUT.json] [SECONDS] [SHAPES] [NAME_FILTER]
+
+SHAPES: comma-separated keys of bench_expert_mlp.SHAPES (default: all); NAME_FILTER: only the
+workloads whose name contains it (dense cuBLAS always runs, as the reference).
 """
 import datetime
 import json
@@ -109,6 +112,8 @@ def main() -> int:
              prepare),
         ]
 
+    if len(sys.argv) > 5:
+        workloads = [w for w in workloads if w[0].startswith("dense") or sys.argv[5] in w[0]]
     log = tempfile.NamedTemporaryFile(prefix="smi", suffix=".csv", delete=False).name
     smi = subprocess.Popen(["nvidia-smi", "--query-gpu=timestamp,clocks.sm,power.draw,clocks_event_reasons.active",
                             "--format=csv,noheader,nounits", "-lms", "50", "-f", log])

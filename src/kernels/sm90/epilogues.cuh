@@ -33,6 +33,10 @@ namespace poise::sm90 {
 #ifndef POISE_DGRAD_W2_PAIRED
 #define POISE_DGRAD_W2_PAIRED false
 #endif
+// A/B builds only: the SwiGLU-backward GEMM skips all-padding 64-row slabs like the others.
+#ifndef POISE_DGRAD_W2_SKIPS_EMPTY_SLABS
+#define POISE_DGRAD_W2_SKIPS_EMPTY_SLABS false
+#endif
 
 // Where one thread's accumulators sit in its warpgroup's 64-row slab:
 // d[4j + 2h + c] is slab row `row + 8h`, column 8j + 2*quad + c.
@@ -273,11 +277,13 @@ struct SwigluDgradEpilogue {
   static constexpr int kStagingBuffers = 0;
   static constexpr int kRingStages = 4;  // kBlockN / 64 chunks (static_assert in store)
   // 1-CTA launches (measured with the v12 staging-buffer epilogue at 3 stages: coupling two CTAs'
-  // pipelines cost more than the halved B traffic saved, 483 vs 500 TFLOP/s at DeepSeek-V3).
+  // pipelines cost more than the halved B traffic saved, 483 vs 500 TFLOP/s at DeepSeek-V3; with
+  // the v14 ring stages, sustained: 534 vs 540 and 373 vs 390 at Qwen3, performance.md v15).
   static constexpr bool kPairedTiles = POISE_DGRAD_W2_PAIRED;
   // Both warpgroups compute every tile: letting the one with an all-padding slab run ahead made
-  // this kernel 7-8% slower at DeepSeek-V3 (three runs; the other GEMMs: within noise or faster).
-  static constexpr bool kSkipsEmptySlabs = false;
+  // this kernel 7-8% slower at DeepSeek-V3 (three runs; the other GEMMs: within noise or faster),
+  // 10% in sustained running (performance.md v15).
+  static constexpr bool kSkipsEmptySlabs = POISE_DGRAD_W2_SKIPS_EMPTY_SLABS;
   static constexpr bool interleaved = kInterleaved;
   // A chunk's stage: [first piece][second piece][s * a], each 128 rows x 128 bytes (two 64-row
   // boxes, one per consumer warpgroup).
