@@ -123,6 +123,7 @@ def main() -> None:
                 print(f"step {step}: loss {total.item() / world:.5f}", flush=True)
 
     if distributed:
+        dist.barrier()  # every rank done with the group before any tears it down (gloo aborted otherwise)
         dist.destroy_process_group()
 
 
