@@ -38,6 +38,7 @@ assert torch.equal(mine["scores_TK"].grad, want.grad_scores_TK), "grad_scores_TK
 assert torch.equal(mine["w13"].grad, want.grad_w13.bfloat16()), "grad_w13"
 assert torch.equal(mine["w2"].grad, want.grad_w2.bfloat16()), "grad_w2"
 print(f"rank {rank} of {world}: matches the virtual-rank reference", flush=True)
+dist.barrier()  # both ranks done with the group before either tears it down (gloo may abort otherwise)
 dist.destroy_process_group()
 """
 
