@@ -44,10 +44,14 @@ namespace poise::sm90 {
 inline constexpr uint32_t kProducerRegisters = 40;
 inline constexpr uint32_t kConsumerRegisters = 232;
 inline constexpr int kConsumerWarps = 8;
-// setmaxnreg moves registers within what the launch allocated (__launch_bounds__(384, 1): 168 per
-// thread): a consumer's increase waits until the producer's decrease freed enough, forever if the
-// sum does not fit (a producer at 48 registers hung every kernel: performance.md v15).
-static_assert(128 * kProducerRegisters + 256 * kConsumerRegisters <= 384 * 168,
+// setmaxnreg moves registers within what the launch allocated (__launch_bounds__(kThreadsPerCta, 1):
+// the 64K-register file split per thread, in steps of 8, 168 here): a consumer's increase waits
+// until the producer's decrease freed enough, forever if the sum does not fit (a producer at 48
+// registers hung every kernel: performance.md v15).
+inline constexpr uint32_t kLaunchRegisters = 65536 / kThreadsPerCta / 8 * 8;
+inline constexpr uint32_t kConsumerThreads = kConsumerWarps * 32;
+static_assert((kThreadsPerCta - kConsumerThreads) * kProducerRegisters + kConsumerThreads * kConsumerRegisters <=
+                  kThreadsPerCta * kLaunchRegisters,
               "producer + consumer registers must fit the launch's allocation");
 // wgmma groups a consumer leaves in flight when it moves to the next stage (0 or 1); a build
 // option so both pipelines can be measured against each other.
