@@ -18,6 +18,7 @@ import math
 import statistics
 import sys
 import time
+import types
 
 import torch
 import torch.nn.functional as Fn
@@ -205,6 +206,19 @@ class PoiseBlock:
         P.combine_rows(L["row_of_tk"], self.T, self.K, self.D, self.gx_rows, grad_x)
         P.gather_scalars(L["row_of_tk"], self.T * self.K, self.grad_score_partials, self.score_parts, grad_scores_TK)
 
+    def gemm_calls(self, w13, w2, grad_w13, grad_w2):
+        """The six GEMMs on this block's buffers (a forward and backward filled them), name -> call."""
+        P, L = self.P, self.lay
+        return {
+            "fprop_w13": lambda: P.fprop_w13(self.x_rows, w13, self.a, self.h13),
+            "fprop_w2": lambda: P.fprop_w2(self.a, w2, L["scores_R"], self.y_rows),
+            "dgrad_w2": lambda: P.dgrad_w2(self.gy_rows, w2, self.h13, L["scores_R"], self.gh13, self.a,
+                                           self.grad_score_partials),
+            "dgrad_w13": lambda: P.dgrad_w13(self.gh13, w13, self.gx_rows),
+            "wgrad_w2": lambda: P.wgrad_w2(self.gy_rows, self.a, grad_w2, 0, 0),
+            "wgrad_w13": lambda: P.wgrad_w13(self.gh13, self.x_rows, grad_w13, 0, 0),
+        }
+
     def saved_bytes(self):
         # What backward needs from forward: grouped x rows, h13 (bf16), the routing layout, scores.
         L = self.lay
@@ -346,20 +360,11 @@ def run_case(P, name, skew_target, dense, commit, gemm_detail):
     }
     if gemm_detail:
         L = blk.lay
-        g = {}
-        g["fprop_w13"] = time_ms(lambda: P.fprop_w13(blk.x_rows, w13, blk.a, blk.h13))
-        g["fprop_w2"] = time_ms(lambda: P.fprop_w2(blk.a, w2, L["scores_R"], blk.y_rows))
-        g["dgrad_w2"] = time_ms(lambda: P.dgrad_w2(blk.gy_rows, w2, blk.h13, L["scores_R"], blk.gh13, blk.a, blk.grad_score_partials))
-        g["dgrad_w13"] = time_ms(lambda: P.dgrad_w13(blk.gh13, w13, blk.gx_rows))
-        g["wgrad_w2"] = time_ms(lambda: P.wgrad_w2(blk.gy_rows, blk.a, grad_w2, 0, 0))
-        g["wgrad_w13"] = time_ms(lambda: P.wgrad_w13(blk.gh13, blk.x_rows, grad_w13, 0, 0))
+        g = {k: time_ms(call) for k, call in blk.gemm_calls(w13, w2, grad_w13, grad_w2).items()}
         g["gather_x"] = time_ms(lambda: blk.gather_x(x))
         g["combine"] = time_ms(lambda: P.combine_rows(L["row_of_tk"], T, K, D, blk.y_rows, out))
         # torch._grouped_mm on the same (unpadded) problem, GEMM for GEMM.
-        flat = ids.flatten()
-        order = torch.argsort(flat, stable=True)
-        offs = torch.cumsum(torch.bincount(flat, minlength=E), 0, dtype=torch.int32)
-        xs = x.index_select(0, order // K)
+        xs, offs = grouped_mm_operands(x, ids, E, K)
         a_t = torch.randn(TK, F, device=dev, dtype=bf)
         g["torch_grouped_mm_w13"] = time_ms(lambda: torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs))
         g["torch_grouped_mm_w2"] = time_ms(lambda: torch._grouped_mm(a_t, w2.transpose(1, 2), offs=offs))
@@ -374,30 +379,42 @@ def run_case(P, name, skew_target, dense, commit, gemm_detail):
     return rec
 
 
+def grouped_mm_operands(x, ids, E, K):
+    """torch._grouped_mm's rows operand for the same (unpadded) problem: the token rows sorted by
+    expert, and the experts' end offsets."""
+    flat = ids.flatten()
+    order = torch.argsort(flat, stable=True)
+    offs = torch.cumsum(torch.bincount(flat, minlength=E), 0, dtype=torch.int32)
+    return x.index_select(0, order // K), offs
+
+
+def ready_block(P, name, skew_target):
+    """A case's inputs and a PoiseBlock whose buffers one forward and backward filled, with the
+    output and gradient tensors those wrote (the GEMM-only timings and the profiling scripts)."""
+    T, D, F, E, K = SHAPES[name]
+    dev = "cuda"
+    ids, skew, x, scores, w13, w2, grad_out = make_inputs(T, D, F, E, K, skew_target)
+    c = types.SimpleNamespace(name=name, T=T, D=D, F=F, E=E, K=K, ids=ids, skew=skew, x=x, scores=scores,
+                              w13=w13, w2=w2, grad_out=grad_out, blk=PoiseBlock(P, T, D, F, E, K))
+    c.out = torch.empty(T, D, device=dev, dtype=torch.bfloat16)
+    c.gx, c.gs = torch.empty_like(c.out), torch.empty(T, K, device=dev)
+    c.g13, c.g2 = torch.empty_like(w13), torch.empty_like(w2)
+    c.forward = lambda: c.blk.forward(x, ids, scores, w13, w2, c.out)
+    c.backward = lambda: c.blk.backward(grad_out, w13, w2, c.gx, c.g13, c.g2, c.gs)
+    c.forward()
+    c.backward()
+    c.gemm_calls = c.blk.gemm_calls(w13, w2, c.g13, c.g2)
+    return c
+
+
 def gemm_only(P, name, skew_target, label):
     """Times the six Poise GEMMs alone (no baseline): for comparing two builds of the kernels."""
-    T, D, F, E, K = SHAPES[name]
-    dev, bf = "cuda", torch.bfloat16
-    ids, skew, x, scores, w13, w2, grad_out = make_inputs(T, D, F, E, K, skew_target)
-    blk = PoiseBlock(P, T, D, F, E, K)
-    out = torch.empty(T, D, device=dev, dtype=bf)
-    gx, gs = torch.empty_like(out), torch.empty(T, K, device=dev)
-    g13, g2 = torch.empty_like(w13), torch.empty_like(w2)
-    blk.forward(x, ids, scores, w13, w2, out)
-    blk.backward(grad_out, w13, w2, gx, g13, g2, gs)
-    L = blk.lay
-    TK = T * K
-    g = {
-        "fprop_w13": time_ms(lambda: P.fprop_w13(blk.x_rows, w13, blk.a, blk.h13)),
-        "fprop_w2": time_ms(lambda: P.fprop_w2(blk.a, w2, L["scores_R"], blk.y_rows)),
-        "dgrad_w2": time_ms(lambda: P.dgrad_w2(blk.gy_rows, w2, blk.h13, L["scores_R"], blk.gh13, blk.a, blk.grad_score_partials)),
-        "dgrad_w13": time_ms(lambda: P.dgrad_w13(blk.gh13, w13, blk.gx_rows)),
-        "wgrad_w2": time_ms(lambda: P.wgrad_w2(blk.gy_rows, blk.a, g2, 0, 0)),
-        "wgrad_w13": time_ms(lambda: P.wgrad_w13(blk.gh13, blk.x_rows, g13, 0, 0)),
-    }
-    fwdbwd = time_ms(lambda: (blk.forward(x, ids, scores, w13, w2, out), blk.backward(grad_out, w13, w2, gx, g13, g2, gs)))
-    tf = {k: (4.0 if "w13" in k else 2.0) * TK * D * F / v / 1e9 for k, v in g.items()}
-    print(f"[{label}] {name} skew {skew:.2f}: fwdbwd {fwdbwd:.2f} ms; TF/s " + ", ".join(f"{k} {v:.0f}" for k, v in tf.items()), flush=True)
+    c = ready_block(P, name, skew_target)
+    g = {k: time_ms(call) for k, call in c.gemm_calls.items()}
+    fwdbwd = time_ms(lambda: (c.forward(), c.backward()))
+    TK = c.T * c.K
+    tf = {k: (4.0 if "w13" in k else 2.0) * TK * c.D * c.F / v / 1e9 for k, v in g.items()}
+    print(f"[{label}] {name} skew {c.skew:.2f}: fwdbwd {fwdbwd:.2f} ms; TF/s " + ", ".join(f"{k} {v:.0f}" for k, v in tf.items()), flush=True)
 
 
 def main():

@@ -71,45 +71,27 @@ def main() -> int:
     seconds = float(sys.argv[3]) if len(sys.argv) > 3 else 2.5
     P = bench.open_poise(lib_path)
     dev, bf = "cuda", torch.bfloat16
-    workloads = []
+    workloads = []  # the calls keep their block's buffers alive
 
     n = 8192
     a, b = torch.randn(n, n, device=dev, dtype=bf), torch.randn(n, n, device=dev, dtype=bf)
     # (name, FLOP per call, call, prepare): prepare sets the bench library's problem (its row layout
     # and shape are global state, last set by the last layout() call).
     workloads.append(("dense torch.matmul 8192^3", 2.0 * n**3, lambda: torch.matmul(a, b), lambda: None))
-    blocks = {}
     shapes = sys.argv[4].split(",") if len(sys.argv) > 4 else list(bench.SHAPES)
     for shape in shapes:
-        T, D, F, E, K = bench.SHAPES[shape]
-        ids, _, x, scores, w13, w2, grad_out = bench.make_inputs(T, D, F, E, K, 1.0)
-        blk = bench.PoiseBlock(P, T, D, F, E, K)
-        out = torch.empty(T, D, device=dev, dtype=bf)
-        gx, gs = torch.empty_like(out), torch.empty(T, K, device=dev)
-        g13, g2 = torch.empty_like(w13), torch.empty_like(w2)
-        blk.forward(x, ids, scores, w13, w2, out)
-        blk.backward(grad_out, w13, w2, gx, g13, g2, gs)
-        blocks[shape] = blk  # keeps the buffers alive
-        L, TK = blk.lay, T * K
-        flat = ids.flatten()
-        order = torch.argsort(flat, stable=True)
-        offs = torch.cumsum(torch.bincount(flat, minlength=E), 0, dtype=torch.int32)
-        xs = x.index_select(0, order // K)
+        c = bench.ready_block(P, shape, 1.0)
+        xs, offs = bench.grouped_mm_operands(c.x, c.ids, c.E, c.K)
         tag = "DeepSeek-V3" if shape.startswith("deepseek") else "Qwen3"
-        w13_flops, w2_flops = 4.0 * TK * D * F, 2.0 * TK * D * F
-        prepare = lambda blk=blk, ids=ids, scores=scores: blk.layout(ids, scores)  # noqa: E731
+        w13_flops = 4.0 * c.T * c.K * c.D * c.F
+        prepare = lambda c=c: c.blk.layout(c.ids, c.scores)  # noqa: E731
+        grouped_mm = lambda xs=xs, w13=c.w13, offs=offs: torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs)  # noqa: E731
         workloads += [
-            (f"{tag} poise fprop_w13", w13_flops, lambda blk=blk, w13=w13: P.fprop_w13(blk.x_rows, w13, blk.a, blk.h13),
-             prepare),
-            (f"{tag} torch._grouped_mm W13", w13_flops,
-             lambda xs=xs, w13=w13, offs=offs: torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs), prepare),
-            (f"{tag} poise fprop_w2", w2_flops,
-             lambda blk=blk, w2=w2, L=L: P.fprop_w2(blk.a, w2, L["scores_R"], blk.y_rows), prepare),
-            (f"{tag} poise dgrad_w2", w2_flops,
-             lambda blk=blk, w2=w2, L=L: P.dgrad_w2(blk.gy_rows, w2, blk.h13, L["scores_R"], blk.gh13, blk.a,
-                                                    blk.grad_score_partials), prepare),
-            (f"{tag} poise wgrad_w13", w13_flops, lambda blk=blk, g13=g13: P.wgrad_w13(blk.gh13, blk.x_rows, g13, 0, 0),
-             prepare),
+            (f"{tag} poise fprop_w13", w13_flops, c.gemm_calls["fprop_w13"], prepare),
+            (f"{tag} torch._grouped_mm W13", w13_flops, grouped_mm, prepare),
+            (f"{tag} poise fprop_w2", w13_flops / 2, c.gemm_calls["fprop_w2"], prepare),
+            (f"{tag} poise dgrad_w2", w13_flops / 2, c.gemm_calls["dgrad_w2"], prepare),
+            (f"{tag} poise wgrad_w13", w13_flops, c.gemm_calls["wgrad_w13"], prepare),
         ]
 
     if len(sys.argv) > 5:

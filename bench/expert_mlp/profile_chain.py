@@ -21,30 +21,24 @@ def main() -> int:
     P = bench.open_poise(lib_path)
     T, D, F, E, K = bench.SHAPES[shape]
     for skew_target in (1, 3):
-        ids, skew, x, scores, w13, w2, grad_out = bench.make_inputs(T, D, F, E, K, skew_target)
-        blk = bench.PoiseBlock(P, T, D, F, E, K)
-        out = torch.empty(T, D, device="cuda", dtype=torch.bfloat16)
-        gx, gs = torch.empty_like(out), torch.empty(T, K, device="cuda")
-        g13, g2 = torch.empty_like(w13), torch.empty_like(w2)
-        L = None
+        c = bench.ready_block(P, shape, skew_target)
+        blk, L, gemm = c.blk, c.blk.lay, c.gemm_calls
+        skew = c.skew
 
         def steps():
-            nonlocal L
-            yield "layout", lambda: blk.layout(ids, scores)
-            L = blk.lay
-            yield "gather_x", lambda: blk.gather_x(x)
-            yield "fprop_w13", lambda: P.fprop_w13(blk.x_rows, w13, blk.a, blk.h13)
-            yield "fprop_w2", lambda: P.fprop_w2(blk.a, w2, L["scores_R"], blk.y_rows)
-            yield "combine", lambda: P.combine_rows(L["row_of_tk"], T, K, D, blk.y_rows, out)
-            yield "scatter_grad", lambda: P.scatter_rows(L["row_of_tk"], T * K, K, D, grad_out, blk.gy_rows)
-            yield "dgrad_w2", lambda: P.dgrad_w2(blk.gy_rows, w2, blk.h13, L["scores_R"], blk.gh13, blk.a,
-                                                 blk.grad_score_partials)
-            yield "wgrad_w2", lambda: P.wgrad_w2(blk.gy_rows, blk.a, g2, 0, 0)
-            yield "dgrad_w13", lambda: P.dgrad_w13(blk.gh13, w13, blk.gx_rows)
-            yield "wgrad_w13", lambda: P.wgrad_w13(blk.gh13, blk.x_rows, g13, 0, 0)
-            yield "combine_grad", lambda: P.combine_rows(L["row_of_tk"], T, K, D, blk.gx_rows, gx)
+            yield "layout", lambda: blk.layout(c.ids, c.scores)
+            yield "gather_x", lambda: blk.gather_x(c.x)
+            yield "fprop_w13", gemm["fprop_w13"]
+            yield "fprop_w2", gemm["fprop_w2"]
+            yield "combine", lambda: P.combine_rows(L["row_of_tk"], T, K, D, blk.y_rows, c.out)
+            yield "scatter_grad", lambda: P.scatter_rows(L["row_of_tk"], T * K, K, D, c.grad_out, blk.gy_rows)
+            yield "dgrad_w2", gemm["dgrad_w2"]
+            yield "wgrad_w2", gemm["wgrad_w2"]
+            yield "dgrad_w13", gemm["dgrad_w13"]
+            yield "wgrad_w13", gemm["wgrad_w13"]
+            yield "combine_grad", lambda: P.combine_rows(L["row_of_tk"], T, K, D, blk.gx_rows, c.gx)
             yield "gather_scalars", lambda: P.gather_scalars(L["row_of_tk"], T * K, blk.grad_score_partials,
-                                                             blk.score_parts, gs)
+                                                             blk.score_parts, c.gs)
 
         times = {}
         for r in range(reps + 2):

@@ -27,23 +27,7 @@ def main() -> int:
     lib_path, shape, gemm = sys.argv[1], sys.argv[2], sys.argv[3]
     repeats = int(sys.argv[4]) if len(sys.argv) > 4 else 3
     P = bench.open_poise(lib_path)
-    T, D, F, E, K = bench.SHAPES[shape]
-    ids, _, x, scores, w13, w2, grad_out = bench.make_inputs(T, D, F, E, K, 1.0)
-    blk = bench.PoiseBlock(P, T, D, F, E, K)
-    out = torch.empty(T, D, device="cuda", dtype=torch.bfloat16)
-    gx, gs = torch.empty_like(out), torch.empty(T, K, device="cuda")
-    g13, g2 = torch.empty_like(w13), torch.empty_like(w2)
-    blk.forward(x, ids, scores, w13, w2, out)
-    blk.backward(grad_out, w13, w2, gx, g13, g2, gs)
-    L = blk.lay
-    calls = {
-        "fprop_w13": lambda: P.fprop_w13(blk.x_rows, w13, blk.a, blk.h13),
-        "fprop_w2": lambda: P.fprop_w2(blk.a, w2, L["scores_R"], blk.y_rows),
-        "dgrad_w2": lambda: P.dgrad_w2(blk.gy_rows, w2, blk.h13, L["scores_R"], blk.gh13, blk.a, blk.grad_score_partials),
-        "dgrad_w13": lambda: P.dgrad_w13(blk.gh13, w13, blk.gx_rows),
-        "wgrad_w2": lambda: P.wgrad_w2(blk.gy_rows, blk.a, g2, 0, 0),
-        "wgrad_w13": lambda: P.wgrad_w13(blk.gh13, blk.x_rows, g13, 0, 0),
-    }
+    calls = bench.ready_block(P, shape, 1.0).gemm_calls
     if gemm == "phases":
         import ctypes
         fn = P.lib.pb_phase_profile
