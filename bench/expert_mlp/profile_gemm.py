@@ -48,6 +48,11 @@ def main() -> int:
                   f"({100 * wait / total:.1f}%), epilogue {epi / tiles:,.0f} ({100 * epi / total:.1f}%), "
                   f"mma {(total - wait - epi) / tiles:,.0f} ({100 * (total - wait - epi) / total:.1f}%); "
                   f"producer waits for a free stage {100 * p_wait / max(p_total, 1):.1f}%", flush=True)
+            ring_wait, emit = float(buf[6]), float(buf[7])
+            if ring_wait + emit > 0:  # epilogues that split their own time (thread 0 of a warpgroup)
+                print(f"    epilogue split: waiting for its ring stages {ring_wait / tiles:,.0f}, emitting and "
+                      f"releasing {emit / tiles:,.0f}, the rest {(epi - ring_wait - emit) / tiles:,.0f} cycles per tile",
+                      flush=True)
         return 0
     for _ in range(repeats):
         calls[gemm]()

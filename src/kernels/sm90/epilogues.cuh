@@ -13,6 +13,7 @@
 #include "kernels/sm90/activation.cuh"
 #include "kernels/sm90/epilogue_direct.cuh"
 #include "kernels/sm90/epilogue_staging.cuh"
+#include "kernels/sm90/phase_profile.cuh"
 #include "kernels/sm90/ptx/mbarrier.cuh"
 #include "kernels/sm90/tile_scheduler.cuh"
 
@@ -347,10 +348,13 @@ struct SwigluDgradEpilogue {
       s[h] = (scores_R && row_ok[h]) ? scores_R[rows.first_row + r] : 1.0f;
     }
     RingStageRelease release;
+    POISE_PHASE(long long t_wait = 0, t_emit = 0;)
 #pragma unroll 1
     for (int c = 0; c < kBlockN / 64; ++c) {  // this chunk's accumulators are d[0..31]
       const uint32_t it = it0 + c;
+      POISE_PHASE(const long long w0 = clock64();)
       uint8_t* stage = ring.wait(it);
+      POISE_PHASE(t_wait += clock64() - w0;)
       const int32_t fc = tile.n_block * kBlockN + 64 * c;
       if (fc < F) {
         uint8_t* buf_first = stage + consumer * kStagingBytes;
@@ -394,6 +398,7 @@ struct SwigluDgradEpilogue {
             stage_put_u32(buf_a, row, (8 * jj + 2 * fr.quad) * 2, pack_bf16x2(s[h] * a[0], s[h] * a[1]));
           }
         }
+        POISE_PHASE(const long long m0 = clock64();)
         const int32_t col1 = first_col(fc), col2 = second_col(fc);
         uint8_t* const bufs[3] = {buf_first, buf_second, buf_a};
         const int32_t cols[3] = {col1, col2, fc};
@@ -405,11 +410,20 @@ struct SwigluDgradEpilogue {
                 return i < 2 ? rows.at(grad_h13_R2F, F2, cols[i], r) : rows.at(a_RF, F, fc, r);
               });
             });
+        POISE_PHASE(t_emit += clock64() - m0;)
       }
       move_accumulators<0, 32, kBlockN / 2 - 32>(d);
+      POISE_PHASE(const long long r0 = clock64();)
       release.done(ring, it, thread, fc < F && whole);
+      POISE_PHASE(t_emit += clock64() - r0;)
     }
+    POISE_PHASE(const long long f0 = clock64();)
     release.finish(ring, thread);
+    POISE_PHASE(t_emit += clock64() - f0;
+                if (thread == 0) {
+                  atomicAdd(&g_phase_cycles[6], (unsigned long long)t_wait);
+                  atomicAdd(&g_phase_cycles[7], (unsigned long long)t_emit);
+                })
     if (grad_score_partials_RP) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {

@@ -37,6 +37,7 @@
 #include "kernels/sm90/ptx/wgmma.cuh"
 #include "kernels/sm90/epilogue_direct.cuh"
 #include "kernels/sm90/epilogue_staging.cuh"
+#include "kernels/sm90/phase_profile.cuh"
 #include "kernels/sm90/tile_scheduler.cuh"
 
 namespace poise::sm90 {
@@ -63,20 +64,6 @@ inline constexpr int kWgmmaGroupsInFlight = POISE_WGMMA_GROUPS_IN_FLIGHT;
 // mainloop alone; outputs are then not written.
 #ifndef POISE_SKIP_EPILOGUE_FOR_TIMING
 #define POISE_SKIP_EPILOGUE_FOR_TIMING 0
-#endif
-// Profiling builds only (scripts/build_bench_variant.sh NAME -DPOISE_PHASE_PROFILE=1, then
-// bench/expert_mlp/profile_gemm.py LIB SHAPE phases): where the SM cycles go, summed over every
-// consumer warpgroup of every launch: [0] the consumer loop, [1] waiting for a stage to land,
-// [2] epilogues, [3] tiles; [4] the producer waiting for a free stage, [5] the producer loop.
-// Read and reset on the host with read_phase_profile (expert_mlp.cu).
-#ifndef POISE_PHASE_PROFILE
-#define POISE_PHASE_PROFILE 0
-#endif
-#if POISE_PHASE_PROFILE
-__device__ unsigned long long g_phase_cycles[8];
-#define POISE_PHASE(...) __VA_ARGS__
-#else
-#define POISE_PHASE(...)
 #endif
 
 template <int kBlockN, int kStages, int kStagingBuffers>
