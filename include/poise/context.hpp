@@ -5,8 +5,9 @@
 //  - A Context drives launch_ranks() ranks from this process: 1 (one GPU per rank), or all ep_size
 //    virtual ranks sharing the current GPU (create_virtual_ranks; tests and single-GPU development).
 //  - Calls do not synchronize with the host. Device-side faults (expert id out of range, capacity
-//    overflow, a peer that never arrives) set an error word; check() waits for the stream and throws
-//    DeviceError naming the rank and phase.
+//    overflow, a peer that never arrives, an expert-GEMM pipeline wait past its 4 s bound) set an
+//    error word; check() waits for the stream and throws DeviceError naming the rank and phase (or
+//    the GEMM's block and barrier).
 //  - It is sequentially reusable: one call in flight per context, calls ordered on the stream.
 //  - After an aborted call (an exception, a device timeout), call reset() before the next call.
 //  - close() releases every buffer; it is collective too. The destructor closes if needed.

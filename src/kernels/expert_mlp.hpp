@@ -124,4 +124,23 @@ void expert_mlp_wgrad_w13(const GroupedRows& rows, const ExpertMlpShape& shape,
                           const void* grad_h13_R2F, const void* x_RD, const WgradOutput& out,
                           cudaStream_t stream);
 
+// A pipeline wait of a grouped GEMM that ran past its bound (4 s; ptx/mbarrier.cuh): the launch
+// gave up on it and drained instead of hanging, its outputs are garbage, the CUDA context stays
+// usable. The first since the last call; one record per device, whichever caller reads it.
+struct PipelineFault {
+  bool occurred = false;
+  int32_t block = 0;        // CTA of the wait
+  int32_t thread = 0;       // its thread
+  uint32_t barrier = 0;     // the barrier's shared-memory offset
+  uint32_t parity = 0;      // the phase parity it waited for
+};
+// Waits for `stream`, returns and clears the current device's record.
+PipelineFault take_pipeline_fault(cudaStream_t stream);
+
+// Fault injection for tests only: the bound of every wait (ns, below 2^32; default 4e9), and a
+// stage whose load CTA 0 skips once (its first), so that its consumers wait for a phase that
+// never completes. Both stay set until changed.
+void set_pipeline_wait_timeout_for_tests(uint32_t timeout_ns);
+void drop_first_stage_for_tests(bool drop);
+
 }  // namespace poise::sm90

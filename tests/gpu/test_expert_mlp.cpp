@@ -611,6 +611,40 @@ TEST(ExpertMlpGraph, ReplaysWithNewRoutingWithoutRecapture) {
   cudaStreamDestroy(stream);
 }
 
+// A stage whose load never arrives (fault injection, CTA 0's first stage): every pipeline wait is
+// bounded, so the launch gives up instead of hanging the stream, take_pipeline_fault names the
+// CTA and barrier, and the next launch on the same CUDA context is correct again. Both launch
+// modes: the fprop W2 kernel runs on 2-CTA clusters unless POISE_SM90_CLUSTER=1.
+TEST(ExpertMlpWatchdog, StalledStageIsReportedAndTheNextLaunchIsCorrect) {
+  if (!have_sm90()) GTEST_SKIP() << "needs an SM90 GPU";
+  Fixture fx(Case{"watchdog", {300, 0, 129, 500}, 192, 128, W13Layout::gate_up_blocked, false, 41});
+  const int64_t R = fx.l.rows, D = fx.cs.D, F = fx.cs.F, E = fx.E();
+  Rng rng(43);
+  const auto a = random_rows(rng, fx.l, F, 1.0f);
+  const auto w2 = rng.bf16_normal(E * D * F, 1.0f / std::sqrt(float(F)));
+  DeviceBuffer<uint16_t> da(a), dw(w2), dy(std::vector<uint16_t>(R * D, kBf16Poison));
+  ASSERT_FALSE(sm90::take_pipeline_fault(nullptr).occurred) << "a fault left over from an earlier test";
+
+  sm90::set_pipeline_wait_timeout_for_tests(20'000'000u);  // 20 ms
+  sm90::drop_first_stage_for_tests(true);
+  sm90::expert_mlp_fprop_w2(fx.rows, fx.shape, {da.ptr, dw.ptr, nullptr, dy.ptr}, nullptr);
+  const sm90::PipelineFault fault = sm90::take_pipeline_fault(nullptr);  // returns: the launch drained
+  sm90::drop_first_stage_for_tests(false);
+  sm90::set_pipeline_wait_timeout_for_tests(4'000'000'000u);
+  EXPECT_TRUE(fault.occurred);
+  // CTA 0 dropped the stage; on 2-CTA clusters its peer misses CTA 0's multicast half and may time
+  // out first.
+  EXPECT_LT(fault.block, 2) << "only CTA 0 dropped a stage";
+  EXPECT_FALSE(sm90::take_pipeline_fault(nullptr).occurred) << "the record is cleared once read";
+
+  dy.upload(std::vector<uint16_t>(R * D, kBf16Poison));
+  sm90::expert_mlp_fprop_w2(fx.rows, fx.shape, {da.ptr, dw.ptr, nullptr, dy.ptr}, nullptr);
+  cuda_ok(cudaDeviceSynchronize(), "fprop_w2 after the fault");
+  EXPECT_FALSE(sm90::take_pipeline_fault(nullptr).occurred);
+  const auto y_ref = ref_rows_gemm(fx.l, to_double(a), F, to_double(w2), D, true);
+  expect_close(compare_rows_bf16(dy.download(), y_ref, fx.l, D), kBf16Tolerance, "y_RD after the fault");
+}
+
 // Host validation names the argument and launches nothing, before any TMA descriptor is encoded
 // (runs without a GPU too: ctest's test_expert_mlp_validation, label cpu).
 TEST(ExpertMlpValidation, RejectsBadArgumentsByName) {

@@ -373,6 +373,33 @@ void expert_mlp_wgrad_w13(const GroupedRows& rows, const ExpertMlpShape& shape,
         shape.hidden_dim, out, stream);
 }
 
+PipelineFault take_pipeline_fault(cudaStream_t stream) {
+  unsigned long long word = 0;
+  check_cuda(cudaMemcpyFromSymbolAsync(&word, ptx::g_pipeline_fault, sizeof(word), 0, cudaMemcpyDeviceToHost, stream),
+             "take_pipeline_fault");
+  check_cuda(cudaStreamSynchronize(stream), "take_pipeline_fault: cudaStreamSynchronize");
+  PipelineFault f;
+  if (word == 0) return f;
+  const unsigned long long zero = 0;
+  check_cuda(cudaMemcpyToSymbol(ptx::g_pipeline_fault, &zero, sizeof(zero)), "take_pipeline_fault");
+  f.occurred = true;  // layout: ptx/mbarrier.cuh
+  f.block = static_cast<int32_t>((word >> 32) & 0x7fffffffu);
+  f.thread = static_cast<int32_t>((word >> 20) & 0xfffu);
+  f.barrier = static_cast<uint32_t>((word >> 1) & 0x3ffffu);
+  f.parity = static_cast<uint32_t>(word & 1u);
+  return f;
+}
+
+void set_pipeline_wait_timeout_for_tests(uint32_t timeout_ns) {
+  check_cuda(cudaMemcpyToSymbol(ptx::g_mbarrier_timeout_ns, &timeout_ns, sizeof(timeout_ns)),
+             "set_pipeline_wait_timeout_for_tests");
+}
+
+void drop_first_stage_for_tests(bool drop) {
+  const int32_t v = drop ? 1 : 0;
+  check_cuda(cudaMemcpyToSymbol(g_drop_first_stage_for_tests, &v, sizeof(v)), "drop_first_stage_for_tests");
+}
+
 #if POISE_PHASE_PROFILE
 // Profiling builds: copies out and resets the consumer / producer cycle sums (grouped_gemm.cuh).
 void read_phase_profile(unsigned long long out[8]) {

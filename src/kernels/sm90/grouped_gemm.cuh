@@ -66,6 +66,9 @@ inline constexpr int kWgmmaGroupsInFlight = POISE_WGMMA_GROUPS_IN_FLIGHT;
 #define POISE_SKIP_EPILOGUE_FOR_TIMING 0
 #endif
 
+// Tests only (drop_first_stage_for_tests, expert_mlp.cu): CTA 0's producer skips its first stage.
+static __device__ int32_t g_drop_first_stage_for_tests = 0;
+
 template <int kBlockN, int kStages, int kStagingBuffers>
 struct GroupedGemmSmem {
   static constexpr uint32_t kABytes = kTileM * kTileK * 2;   // 16 KiB
@@ -162,7 +165,6 @@ __global__ void __launch_bounds__(kThreadsPerCta, 1)
 
   const int warpgroup = threadIdx.x / 128;
   const int lane = threadIdx.x % 32;
-
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
       ptx::mbarrier_init(&full_bar[s], 1);
@@ -201,6 +203,8 @@ __global__ void __launch_bounds__(kThreadsPerCta, 1)
       ptx::tma_prefetch_descriptor(&map_b);
       if (shape.first_replica < shape.num_experts) ptx::tma_prefetch_descriptor(&map_b_replicas);
       uint32_t it = 0;
+      // Fault injection (tests): this stage's load is never issued, its consumers' wait times out.
+      const bool drop_first = blockIdx.x == 0 && g_drop_first_stage_for_tests != 0;
       POISE_PHASE(long long p_begin = clock64(), p_wait = 0;)
       for (int32_t t = first_tile; t < scheduler.total_tiles; t += tile_stride) {
         const TileInfo tile = scheduler.tile(t, cluster_rank);
@@ -213,6 +217,7 @@ __global__ void __launch_bounds__(kThreadsPerCta, 1)
           POISE_PHASE(const long long w0 = clock64();)
           ptx::mbarrier_wait(&empty_bar[s], ((it / kStages) & 1) ^ 1);
           POISE_PHASE(p_wait += clock64() - w0;)
+          if (drop_first && it == 0) continue;
           ptx::mbarrier_arrive_expect_tx(&full_bar[s], Smem::kStageBytes);
           const bool share_b = kCluster > 1 && tile.shares_b, share_a = kCluster > 1 && !tile.shares_b;
           int a_first, a_end, b_first, b_end;

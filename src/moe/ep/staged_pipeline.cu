@@ -473,7 +473,18 @@ void StagedPipeline::check(cudaStream_t stream) {
   for (const comm::ErrorWord& e : errors) {
     if (e.code != 0) found.push_back(&e);
   }
-  if (found.empty()) return;
+  // A grouped-GEMM pipeline wait past its bound (the launch drained instead of hanging).
+  std::string gemm_fault;
+  if (expert_kernels_ == ExpertKernels::sm90) {
+    const sm90::PipelineFault f = sm90::take_pipeline_fault(stream);
+    if (f.occurred) {
+      gemm_fault = "SM90 expert GEMM: a pipeline wait timed out (block " + std::to_string(f.block) + ", thread " +
+                   std::to_string(f.thread) + ", barrier at shared offset " + std::to_string(f.barrier) +
+                   ", parity " + std::to_string(f.parity) + "); that launch's outputs are invalid";
+    }
+  }
+  if (found.empty() && gemm_fault.empty()) return;
+  if (found.empty()) throw DeviceError(gemm_fault);
   // Root causes first: a timeout is usually the echo of another rank's failure.
   std::stable_sort(found.begin(), found.end(), [](const comm::ErrorWord* a, const comm::ErrorWord* b) {
     const bool at = a->code == static_cast<int32_t>(comm::ErrorCode::timeout);
@@ -482,6 +493,7 @@ void StagedPipeline::check(cudaStream_t stream) {
   });
   std::string message = "EP device error: " + comm::describe(*found[0], transport_->timeout_ns());
   for (size_t i = 1; i < found.size(); ++i) message += "; " + comm::describe(*found[i], transport_->timeout_ns());
+  if (!gemm_fault.empty()) message += "; " + gemm_fault;
   message += " (call reset() before the next call)";
   throw DeviceError(message);
 }

@@ -28,27 +28,52 @@ __device__ __forceinline__ void mbarrier_arrive(uint64_t* bar) {
   (void)cuda::ptx::mbarrier_arrive(bar);
 }
 
-// Debugging builds only (-DPOISE_MBARRIER_WATCHDOG=1): a wait that spins ~2^32 cycles prints the
-// barrier's shared-memory offset, the parity and the thread, then traps.
+// Every wait is bounded. One that lasts longer than g_mbarrier_timeout_ns (of %globaltimer, which
+// runs the same on every SM, so a CTA preempted and resumed elsewhere measures true time) records
+// the first such fault in g_pipeline_fault and returns as if the phase had completed; once a fault
+// is recorded, every wait still pending returns after 1 ms. The launch then drains (its outputs are
+// garbage) instead of hanging the stream, the CUDA context stays usable, and the host reports the
+// fault (expert_mlp.cu, take_pipeline_fault). No correct launch waits that long: every TMA load
+// completes, out-of-bounds boxes included. Neither a printf nor a trap on this path: a call in a
+// kernel makes ptxas serialize its wgmmas, and a trap made it spill ~1800 instructions' worth
+// across the kernels; debugging builds (-DPOISE_MBARRIER_WATCHDOG=1) print the block, thread,
+// barrier and parity and trap. Only the SM90 GEMM translation unit includes this header.
 #ifndef POISE_MBARRIER_WATCHDOG
 #define POISE_MBARRIER_WATCHDOG 0
 #endif
+// In ns; below 2^32 (the waits compare the low word of %globaltimer: one register).
+static __device__ unsigned int g_mbarrier_timeout_ns = 4'000'000'000u;
+// 0, or the first timed-out wait: bit 63 set | block << 32 | thread << 20 | barrier smem offset
+// (18 bits) << 1 | parity.
+static __device__ unsigned long long g_pipeline_fault = 0;
 
-// Spin until the phase with parity `parity` has completed.
+__device__ __forceinline__ unsigned int global_timer_lo_ns() {
+  unsigned int t;
+  asm volatile("mov.u32 %0, %%globaltimer_lo;" : "=r"(t));
+  return t;
+}
+
+// Waits until the phase with parity `parity` has completed (or gives up, see above).
 __device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
-#if POISE_MBARRIER_WATCHDOG
-  const long long start = clock64();
+  if (cuda::ptx::mbarrier_try_wait_parity(bar, parity)) return;
+  const unsigned int start = global_timer_lo_ns();
   while (!cuda::ptx::mbarrier_try_wait_parity(bar, parity)) {
-    if (clock64() - start > (1ll << 32)) {
-      printf("mbarrier watchdog: block %d thread %d barrier at smem %u parity %u\n", blockIdx.x, threadIdx.x,
-             static_cast<unsigned>(__cvta_generic_to_shared(bar)), parity);
+    const unsigned int waited = global_timer_lo_ns() - start;  // unsigned: right across the wrap
+    if (waited < (1u << 20)) continue;
+    if (*reinterpret_cast<volatile unsigned long long*>(&g_pipeline_fault) != 0) return;
+    if (waited > g_mbarrier_timeout_ns) {
+#if POISE_MBARRIER_WATCHDOG
+      printf("poise sm90: mbarrier wait timed out: block %d thread %d, barrier at smem %u, parity %u\n", blockIdx.x,
+             threadIdx.x, static_cast<unsigned>(__cvta_generic_to_shared(bar)), parity);
       __trap();
+#endif
+      const unsigned long long where = (1ull << 63) | (static_cast<unsigned long long>(blockIdx.x) << 32) |
+                                       (static_cast<unsigned long long>(threadIdx.x) << 20) |
+                                       ((__cvta_generic_to_shared(bar) & 0x3ffffu) << 1) | (parity & 1u);
+      atomicCAS(&g_pipeline_fault, 0ull, where);
+      return;
     }
   }
-#else
-  while (!cuda::ptx::mbarrier_try_wait_parity(bar, parity)) {
-  }
-#endif
 }
 
 }  // namespace poise::sm90::ptx
