@@ -13,7 +13,10 @@
 #     multigpu   torchrun, one process per GPU: bench/multigpu/multigpu_bench.py -> $OUT/multigpu_h200.json
 #                ($MULTIGPU_ARGS, e.g. --quick; needs python first)
 #     gemm_only  the six GEMMs alone, .carry/libpoise_expert_mlp_bench*.so (one line per build and
-#                CTA cluster size in $CLUSTERS, e.g. "1 2"; default: the built-in choice)
+#                CTA cluster size in $CLUSTERS, e.g. "1 2"; default: the built-in choice), the builds
+#                interleaved $ROUNDS times (default 1; A/B comparisons: 3, the card drifts ~3% per call)
+#     phases     profile_gemm.py phases for every .carry/libpoise_expert_mlp_bench*phases*.so
+#                (scripts/build_bench_variant.sh NAME -DPOISE_PHASE_PROFILE=1) at both shapes
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 NCCL_DIR=$(python3 -c "import nvidia.nccl as n; print(list(n.__path__)[0])" 2>/dev/null)
@@ -56,7 +59,9 @@ part_mlp() {
   echo "mlp rc=$?"; tail -16 "$OUT/mlp.log"
 }
 part_gemm_only() {
+  for round in $(seq "${ROUNDS:-1}"); do
   for lib in .carry/libpoise_expert_mlp_bench*.so; do
+    [[ "$lib" == *phases* ]] && continue
     for cluster in ${CLUSTERS:-default}; do
       local label; label="$(basename "$lib" .so) cluster=$cluster"
       [ "$cluster" = default ] && cluster=""
@@ -64,6 +69,15 @@ part_gemm_only() {
         --out /dev/null --skews 1 --gemm-only "$label" 2>&1 | tee -a "$OUT/gemm_only.log" | grep -v "^$"
     done
   done
+  done
+}
+part_phases() {
+  for lib in .carry/libpoise_expert_mlp_bench*phases*.so; do
+    for shape in qwen3_30b_a3b deepseek_v3_ep8_rank; do
+      echo "[$(basename "$lib" .so)]"
+      PYTHONUNBUFFERED=1 timeout 100 python3 bench/expert_mlp/profile_gemm.py "$lib" "$shape" phases 20 2>&1
+    done
+  done | tee -a "$OUT/phases.log"
 }
 part_multigpu() {
   local n; n=$(nvidia-smi -L | wc -l)

@@ -165,6 +165,7 @@ __global__ void __launch_bounds__(kThreadsPerCta, 1)
 
   const int warpgroup = threadIdx.x / 128;
   const int lane = threadIdx.x % 32;
+
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
       ptx::mbarrier_init(&full_bar[s], 1);
