@@ -160,7 +160,8 @@ class Context:
         """Waits for the current CUDA stream, then raises poise.DeviceError for a device-side fault of
         the calls since the last check (an expert id out of range, a capacity overflow, a peer that
         never arrived, an expert-GEMM pipeline wait past its 4 s bound). GPU calls never synchronize
-        with the host, so this is where such faults surface. A CPU context raises them during the call: nothing to wait for."""
+        with the host, so this is where such faults surface. A CPU context raises them during the
+        call: nothing to wait for."""
         self._require_open()
         if self._device == "cpu":
             return

@@ -124,7 +124,10 @@ void expert_mlp_wgrad_w13(const GroupedRows& rows, const ExpertMlpShape& shape,
                           const void* grad_h13_R2F, const void* x_RD, const WgradOutput& out,
                           cudaStream_t stream);
 
-// A pipeline wait of a grouped GEMM that ran past its bound (4 s; ptx/mbarrier.cuh): the launch
+// The bound on every pipeline wait of the grouped GEMMs (ns).
+inline constexpr uint32_t kPipelineWaitTimeoutNs = 4'000'000'000u;
+
+// A pipeline wait of a grouped GEMM that ran past its bound (ptx/mbarrier.cuh): the launch
 // gave up on it and drained instead of hanging, its outputs are garbage, the CUDA context stays
 // usable. The first since the last call; one record per device, whichever caller reads it.
 struct PipelineFault {
@@ -137,7 +140,7 @@ struct PipelineFault {
 // Waits for `stream`, returns and clears the current device's record.
 PipelineFault take_pipeline_fault(cudaStream_t stream);
 
-// Fault injection for tests only: the bound of every wait (ns, below 2^32; default 4e9), and a
+// Fault injection for tests only: the bound of every wait (ns; default kPipelineWaitTimeoutNs), and a
 // stage whose load CTA 0 skips once (its first), so that its consumers wait for a phase that
 // never completes. Both stay set until changed.
 void set_pipeline_wait_timeout_for_tests(uint32_t timeout_ns);

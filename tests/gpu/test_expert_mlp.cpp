@@ -630,7 +630,7 @@ TEST(ExpertMlpWatchdog, StalledStageIsReportedAndTheNextLaunchIsCorrect) {
   sm90::expert_mlp_fprop_w2(fx.rows, fx.shape, {da.ptr, dw.ptr, nullptr, dy.ptr}, nullptr);
   const sm90::PipelineFault fault = sm90::take_pipeline_fault(nullptr);  // returns: the launch drained
   sm90::drop_first_stage_for_tests(false);
-  sm90::set_pipeline_wait_timeout_for_tests(4'000'000'000u);
+  sm90::set_pipeline_wait_timeout_for_tests(sm90::kPipelineWaitTimeoutNs);
   EXPECT_TRUE(fault.occurred);
   // CTA 0 dropped the stage; on 2-CTA clusters its peer misses CTA 0's multicast half and may time
   // out first.

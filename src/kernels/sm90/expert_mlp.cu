@@ -382,13 +382,16 @@ PipelineFault take_pipeline_fault(cudaStream_t stream) {
   if (word == 0) return f;
   const unsigned long long zero = 0;
   check_cuda(cudaMemcpyToSymbol(ptx::g_pipeline_fault, &zero, sizeof(zero)), "take_pipeline_fault");
-  f.occurred = true;  // layout: ptx/mbarrier.cuh
-  f.block = static_cast<int32_t>((word >> 32) & 0x7fffffffu);
-  f.thread = static_cast<int32_t>((word >> 20) & 0xfffu);
-  f.barrier = static_cast<uint32_t>((word >> 1) & 0x3ffffu);
-  f.parity = static_cast<uint32_t>(word & 1u);
+  using Word = ptx::PipelineFaultWord;
+  f.occurred = true;
+  f.block = static_cast<int32_t>(Word::block(word));
+  f.thread = static_cast<int32_t>(Word::thread(word));
+  f.barrier = Word::barrier(word);
+  f.parity = Word::parity(word);
   return f;
 }
+
+static_assert(kPipelineWaitTimeoutNs == ptx::kDefaultWaitTimeoutNs, "the host API states the kernels' bound");
 
 void set_pipeline_wait_timeout_for_tests(uint32_t timeout_ns) {
   check_cuda(cudaMemcpyToSymbol(ptx::g_mbarrier_timeout_ns, &timeout_ns, sizeof(timeout_ns)),

@@ -42,9 +42,23 @@ __device__ __forceinline__ void mbarrier_arrive(uint64_t* bar) {
 #define POISE_MBARRIER_WATCHDOG 0
 #endif
 // In ns; below 2^32 (the waits compare the low word of %globaltimer: one register).
-static __device__ unsigned int g_mbarrier_timeout_ns = 4'000'000'000u;
-// 0, or the first timed-out wait: bit 63 set | block << 32 | thread << 20 | barrier smem offset
-// (18 bits) << 1 | parity.
+inline constexpr unsigned int kDefaultWaitTimeoutNs = 4'000'000'000u;
+static __device__ unsigned int g_mbarrier_timeout_ns = kDefaultWaitTimeoutNs;
+
+// The fault word: 0, or the first timed-out wait as bit 63 | block << 32 | thread << 20 |
+// barrier shared-memory offset (18 bits) << 1 | parity. Packed on the device, unpacked on the host.
+struct PipelineFaultWord {
+  static constexpr unsigned long long kValid = 1ull << 63;
+  __host__ __device__ static constexpr unsigned long long pack(unsigned block, unsigned thread, unsigned barrier,
+                                                               unsigned parity) {
+    return kValid | (static_cast<unsigned long long>(block) << 32) | (static_cast<unsigned long long>(thread) << 20) |
+           (static_cast<unsigned long long>(barrier & 0x3ffffu) << 1) | (parity & 1u);
+  }
+  static constexpr unsigned block(unsigned long long w) { return static_cast<unsigned>((w >> 32) & 0x7fffffffu); }
+  static constexpr unsigned thread(unsigned long long w) { return static_cast<unsigned>((w >> 20) & 0xfffu); }
+  static constexpr unsigned barrier(unsigned long long w) { return static_cast<unsigned>((w >> 1) & 0x3ffffu); }
+  static constexpr unsigned parity(unsigned long long w) { return static_cast<unsigned>(w & 1u); }
+};
 static __device__ unsigned long long g_pipeline_fault = 0;
 
 __device__ __forceinline__ unsigned int global_timer_lo_ns() {
@@ -67,10 +81,9 @@ __device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
              threadIdx.x, static_cast<unsigned>(__cvta_generic_to_shared(bar)), parity);
       __trap();
 #endif
-      const unsigned long long where = (1ull << 63) | (static_cast<unsigned long long>(blockIdx.x) << 32) |
-                                       (static_cast<unsigned long long>(threadIdx.x) << 20) |
-                                       ((__cvta_generic_to_shared(bar) & 0x3ffffu) << 1) | (parity & 1u);
-      atomicCAS(&g_pipeline_fault, 0ull, where);
+      atomicCAS(&g_pipeline_fault, 0ull,
+                PipelineFaultWord::pack(blockIdx.x, threadIdx.x,
+                                        static_cast<unsigned>(__cvta_generic_to_shared(bar)), parity));
       return;
     }
   }
