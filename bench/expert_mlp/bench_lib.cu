@@ -7,10 +7,13 @@
 #include <cuda_runtime.h>
 
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <exception>
 #include <string>
 
 #include "kernels/expert_mlp.hpp"
+#include "kernels/sm90/ptx/grid_dependency.cuh"
 
 namespace {
 
@@ -30,6 +33,32 @@ int guarded(Fn&& fn) {
 }
 
 cudaStream_t as_stream(void* s) { return static_cast<cudaStream_t>(s); }
+
+// The glue kernels launch as the GEMMs do (programmatic dependent launch unless POISE_SM90_PDL=0):
+// each waits for its predecessor first thing and lets its successor be scheduled at once, so the
+// successor's launch and setup overlap this kernel's last blocks.
+template <class... Params, class... Args>
+void launch_glue(void (*kernel)(Params...), unsigned grid, unsigned block, cudaStream_t stream, Args... args) {
+  static const bool dependent = [] {
+    const char* v = std::getenv("POISE_SM90_PDL");
+    return !(v && std::strcmp(v, "0") == 0);
+  }();
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(grid);
+  config.blockDim = dim3(block);
+  config.stream = stream;
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = &attribute;
+  config.numAttrs = dependent ? 1 : 0;
+  cudaLaunchKernelEx(&config, kernel, static_cast<Params>(args)...);  // errors: launch_check()
+}
+
+__device__ __forceinline__ void glue_kernel_begin() {
+  poise::sm90::ptx::wait_for_prerequisite_grids();
+  poise::sm90::ptx::allow_dependent_grids();
+}
 
 // Routing layout (the bench's stand-in for Poise's route stage): per-expert counts, offsets padded
 // to 128 rows, the grouped row of every (token, k) and the score of every row, in two kernels over
@@ -58,6 +87,7 @@ __device__ void chunk_histogram(const int64_t* ids_TK, const LayoutChunk& chunk,
 __global__ void __launch_bounds__(kLayoutThreads) expert_histogram_kernel(const int64_t* ids_TK, int64_t tk,
                                                                          int num_experts, int32_t* counts_E) {
   __shared__ int32_t hist[kLayoutThreads];
+  glue_kernel_begin();
   chunk_histogram(ids_TK, LayoutChunk(tk), hist);
   if (threadIdx.x < num_experts && hist[threadIdx.x] > 0) atomicAdd(&counts_E[threadIdx.x], hist[threadIdx.x]);
 }
@@ -70,6 +100,7 @@ __global__ void __launch_bounds__(kLayoutThreads) routing_rows_kernel(const int6
                                                                      int32_t* offsets_E, int32_t* row_of_tk,
                                                                      float* scores_R) {
   __shared__ int32_t hist[kLayoutThreads];
+  glue_kernel_begin();
   __shared__ int32_t base[kLayoutThreads];
   __shared__ typename LayoutScan::TempStorage scan_storage;
   const int e = threadIdx.x;
@@ -94,6 +125,7 @@ __global__ void __launch_bounds__(kLayoutThreads) routing_rows_kernel(const int6
 constexpr int kMaxTopK = 64;
 __global__ void scatter_rows_kernel(const int32_t* row_of_tk, int64_t K, int64_t D, const uint4* x_TD, uint4* x_RD) {
   __shared__ int32_t rows[kMaxTopK];
+  glue_kernel_begin();
   const int64_t token = blockIdx.x;
   if (threadIdx.x < K) rows[threadIdx.x] = row_of_tk[token * K + threadIdx.x];
   __syncthreads();
@@ -108,6 +140,7 @@ __global__ void scatter_rows_kernel(const int32_t* row_of_tk, int64_t K, int64_t
 // k order. The K row loads of a column are issued together (unrolled by 8) for memory parallelism.
 __global__ void combine_rows_kernel(const int32_t* row_of_tk, int64_t K, int64_t D, const uint4* y_RD, uint4* out_TD) {
   __shared__ int32_t rows[kMaxTopK];
+  glue_kernel_begin();
   const int64_t t = blockIdx.x;
   if (threadIdx.x < K) rows[threadIdx.x] = row_of_tk[t * K + threadIdx.x];
   __syncthreads();
@@ -141,6 +174,7 @@ __global__ void combine_rows_kernel(const int32_t* row_of_tk, int64_t K, int64_t
 // dst[i] = sum_p src[index[i]][p], p in order: the routing score's gradient of (token, k) from
 // DGRAD W2's per-tile pieces of its row.
 __global__ void gather_scalars_kernel(const int32_t* index, int64_t n, const float* src_RP, int64_t P, float* dst) {
+  glue_kernel_begin();
   const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
   if (i >= n) return;
   float sum = 0.0f;
@@ -236,9 +270,9 @@ int pb_routing_layout(const int64_t* ids_TK, const float* scores_TK, int64_t tk,
   cudaMemsetAsync(counts_E, 0, num_experts * sizeof(int32_t), s);
   cudaMemsetAsync(cursor_E, 0, num_experts * sizeof(int32_t), s);
   if (chunks > 0) {
-    expert_histogram_kernel<<<chunks, kLayoutThreads, 0, s>>>(ids_TK, tk, experts, counts_E);
-    routing_rows_kernel<<<chunks, kLayoutThreads, 0, s>>>(ids_TK, scores_TK, tk, experts, counts_E, cursor_E,
-                                                          offsets_E, row_of_tk, scores_R);
+    launch_glue(expert_histogram_kernel, chunks, kLayoutThreads, s, ids_TK, tk, experts, counts_E);
+    launch_glue(routing_rows_kernel, chunks, kLayoutThreads, s, ids_TK, scores_TK, tk, experts, counts_E, cursor_E,
+                offsets_E, row_of_tk, scores_R);
   } else {
     cudaMemsetAsync(offsets_E, 0, num_experts * sizeof(int32_t), s);
   }
@@ -250,8 +284,8 @@ int pb_scatter_rows(const int32_t* row_of_tk, int64_t tk, int64_t K, int64_t D, 
     g_last_error = "scatter_rows: K must be in [1, 64] and divide tk";
     return -1;
   }
-  scatter_rows_kernel<<<tk / K, 256, 0, as_stream(stream)>>>(row_of_tk, K, D, static_cast<const uint4*>(x_TD),
-                                                             static_cast<uint4*>(x_RD));
+  launch_glue(scatter_rows_kernel, static_cast<unsigned>(tk / K), 256, as_stream(stream), row_of_tk, K, D,
+              static_cast<const uint4*>(x_TD), static_cast<uint4*>(x_RD));
   return launch_check();
 }
 int pb_combine_rows(const int32_t* row_of_tk, int64_t T, int64_t K, int64_t D, const void* y_RD, void* out_TD,
@@ -260,8 +294,8 @@ int pb_combine_rows(const int32_t* row_of_tk, int64_t T, int64_t K, int64_t D, c
     g_last_error = "combine_rows: K must be in [1, 64]";
     return -1;
   }
-  combine_rows_kernel<<<T, 256, 0, as_stream(stream)>>>(row_of_tk, K, D, static_cast<const uint4*>(y_RD),
-                                                        static_cast<uint4*>(out_TD));
+  launch_glue(combine_rows_kernel, static_cast<unsigned>(T), 256, as_stream(stream), row_of_tk, K, D,
+              static_cast<const uint4*>(y_RD), static_cast<uint4*>(out_TD));
   return launch_check();
 }
 int64_t pb_score_partials(int64_t intermediate_dim) {
@@ -271,7 +305,8 @@ int64_t pb_score_partials(int64_t intermediate_dim) {
 }
 
 int pb_gather_scalars(const int32_t* index, int64_t n, const float* src_RP, int64_t P, float* dst, void* stream) {
-  gather_scalars_kernel<<<(n + 255) / 256, 256, 0, as_stream(stream)>>>(index, n, src_RP, P, dst);
+  launch_glue(gather_scalars_kernel, static_cast<unsigned>((n + 255) / 256), 256, as_stream(stream), index, n,
+              src_RP, P, dst);
   return launch_check();
 }
 

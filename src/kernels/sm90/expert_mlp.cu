@@ -127,6 +127,16 @@ bool paired_tiles_allowed() {
   return allowed;
 }
 
+// Programmatic dependent launch of every GEMM (the kernel waits for its predecessor after its
+// setup, ptx/grid_dependency.cuh); POISE_SM90_PDL=0 launches them plainly (A/B measurements).
+bool dependent_launch_allowed() {
+  static const bool allowed = [] {
+    const char* v = std::getenv("POISE_SM90_PDL");
+    return !(v && std::strcmp(v, "0") == 0);
+  }();
+  return allowed;
+}
+
 template <int kCluster, RowsAre kRows, bool kBMnMajor, class Epilogue>
 void launch_clustered(const CUtensorMap& map_a, const WeightMaps& map_b, const GroupedGemmShape& shape,
                       const Epilogue& epilogue, cudaStream_t stream) {
@@ -139,13 +149,15 @@ void launch_clustered(const CUtensorMap& map_a, const WeightMaps& map_b, const G
   config.blockDim = dim3(kThreadsPerCta);
   config.dynamicSmemBytes = smem;
   config.stream = stream;
-  cudaLaunchAttribute attribute{};
-  attribute.id = cudaLaunchAttributeClusterDimension;
-  attribute.val.clusterDim.x = kCluster;
-  attribute.val.clusterDim.y = 1;
-  attribute.val.clusterDim.z = 1;
-  config.attrs = &attribute;
-  config.numAttrs = 1;
+  cudaLaunchAttribute attributes[2]{};
+  attributes[0].id = cudaLaunchAttributeClusterDimension;
+  attributes[0].val.clusterDim.x = kCluster;
+  attributes[0].val.clusterDim.y = 1;
+  attributes[0].val.clusterDim.z = 1;
+  attributes[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attributes[1].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attributes;
+  config.numAttrs = 1;  // the occupancy query below sees the cluster shape only
   // Persistent: as many clusters as fit at once (one CTA per SM; pairs must share a GPC).
   int clusters = sm_count() / kCluster;
   if constexpr (kCluster > 1) {
@@ -154,6 +166,7 @@ void launch_clustered(const CUtensorMap& map_a, const WeightMaps& map_b, const G
     if (clusters < 1) throw DeviceError("grouped_gemm_kernel: no 2-CTA cluster fits on this device");
   }
   config.gridDim = dim3(clusters * kCluster);
+  if (dependent_launch_allowed()) config.numAttrs = 2;
   if (std::getenv("POISE_SM90_DEBUG")) {
     static bool printed = false;
     if (!printed) std::fprintf(stderr, "grouped_gemm_kernel: %d clusters of %d CTAs\n", clusters, kCluster);

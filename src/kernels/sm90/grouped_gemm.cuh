@@ -29,6 +29,7 @@
 #include <cstdint>
 
 #include "kernels/sm90/ptx/cluster.cuh"
+#include "kernels/sm90/ptx/grid_dependency.cuh"
 #include "kernels/sm90/ptx/mbarrier.cuh"
 #include "kernels/sm90/ptx/shared_memory.cuh"
 #include "kernels/sm90/ptx/smem_desc.cuh"
@@ -173,6 +174,10 @@ __global__ void __launch_bounds__(kThreadsPerCta, 1)
     }
     ptx::fence_barrier_init();
   }
+  // Programmatic dependent launch: everything above overlapped the previous kernel's last tiles;
+  // the row offsets and counts the scheduler reads, and every operand, may be its outputs.
+  ptx::wait_for_prerequisite_grids();
+  ptx::allow_dependent_grids();
   const auto scheduler = TileScheduler<kRows, kCluster>::build(sched_storage, shape);  // syncs the CTA
   // Clusters: the peer's barriers are initialised before anyone multicasts or arrives remotely.
   const int32_t cluster_rank = kCluster > 1 ? static_cast<int32_t>(ptx::cluster_cta_rank()) : 0;
