@@ -31,9 +31,11 @@ part_tests() {
     timeout 150 "$t" >> "$log" 2>&1; local rc=$?
     echo "$t rc=$rc $(grep -E '^\[  (PASSED|FAILED) ' "$log" | tail -1)"
   done
-  echo "== .carry/test_expert_mlp with POISE_SM90_CLUSTER=1" >> "$log"
-  POISE_SM90_CLUSTER=1 timeout 150 .carry/test_expert_mlp >> "$log" 2>&1
-  echo "test_expert_mlp (1-CTA clusters) rc=$? $(grep -E '^\[  (PASSED|FAILED) ' "$log" | tail -1)"
+  for cluster in 1 4; do
+    echo "== .carry/test_expert_mlp with POISE_SM90_CLUSTER=$cluster" >> "$log"
+    POISE_SM90_CLUSTER=$cluster timeout 150 .carry/test_expert_mlp >> "$log" 2>&1
+    echo "test_expert_mlp (POISE_SM90_CLUSTER=$cluster) rc=$? $(grep -E '^\[  (PASSED|FAILED) ' "$log" | tail -1)"
+  done
   grep -E '^\[  FAILED  \]' "$log" | head -20
   echo "HGMMA instructions in test_expert_mlp: $(cuobjdump --dump-sass .carry/test_expert_mlp | grep -c HGMMA)" | tee -a "$log"
 }

@@ -117,15 +117,25 @@ WeightMaps weight_maps(const GroupedRows& rows, const void* w, const char* name,
 
 int32_t ceil_div(int64_t a, int64_t b) { return static_cast<int32_t>((a + b - 1) / b); }
 
-// CTAs per cluster: 2 (tile pairs sharing an operand by multicast) where the epilogue's kernel
-// gains from it (Epilogue::kPairedTiles), 1 everywhere with POISE_SM90_CLUSTER=1 (A/B measurements).
-bool paired_tiles_allowed() {
-  static const bool allowed = [] {
+// CTAs per cluster where the epilogue's kernel gains from clusters (Epilogue::kPairedTiles): tile
+// pairs (2) sharing an operand by multicast, or quads (4, rows-as-M GEMMs only) sharing both; the
+// call picks (below). POISE_SM90_CLUSTER=1, 2 or 4 overrides it for every GEMM (A/B measurements).
+int requested_cluster() {
+  static const int requested = [] {
     const char* v = std::getenv("POISE_SM90_CLUSTER");
-    return !(v && std::strcmp(v, "1") == 0);
+    for (const char* c : {"1", "2", "4"})
+      if (v && std::strcmp(v, c) == 0) return *c - '0';
+    return 0;
   }();
-  return allowed;
+  return requested;
 }
+
+// FPROP W13 runs on quads from this hidden size on. Only 30 quads fit on the H200 (120 of 132 SMs),
+// so they win only where the quarter less L2 -> SM traffic per CTA outweighs the lost SMs: at
+// DeepSeek-V3's D = 7168 fprop W13 gained ~6% (621-661 vs 596-613 TFLOP/s, gemm-only pairs in one
+// call), at Qwen3's D = 2048 it lost ~2.5%, and FPROP W2 / DGRAD W13 gained nothing or lost 4% at
+// either shape (performance.md, v17).
+constexpr int64_t kQuadMinHiddenDim = 4096;
 
 // Programmatic dependent launch of every GEMM (the kernel waits for its predecessor after its
 // setup, ptx/grid_dependency.cuh); POISE_SM90_PDL=0 launches them plainly (A/B measurements).
@@ -163,7 +173,8 @@ void launch_clustered(const CUtensorMap& map_a, const WeightMaps& map_b, const G
   if constexpr (kCluster > 1) {
     config.gridDim = dim3(clusters * kCluster);
     check_cuda(cudaOccupancyMaxActiveClusters(&clusters, kernel, &config), "cudaOccupancyMaxActiveClusters");
-    if (clusters < 1) throw DeviceError("grouped_gemm_kernel: no 2-CTA cluster fits on this device");
+    if (clusters < 1) throw DeviceError("grouped_gemm_kernel: no cluster of " + std::to_string(kCluster) +
+                                        " CTAs fits on this device");
   }
   config.gridDim = dim3(clusters * kCluster);
   if (dependent_launch_allowed()) config.numAttrs = 2;
@@ -176,11 +187,16 @@ void launch_clustered(const CUtensorMap& map_a, const WeightMaps& map_b, const G
              "grouped_gemm_kernel launch");
 }
 
+// `cluster`: the call's choice of CTAs per cluster (2 or 4) where the epilogue allows clusters.
 template <RowsAre kRows, bool kBMnMajor, class Epilogue>
 void launch(const CUtensorMap& map_a, const WeightMaps& map_b, const GroupedGemmShape& shape,
-            const Epilogue& epilogue, cudaStream_t stream) {
+            const Epilogue& epilogue, cudaStream_t stream, int cluster = 2) {
+  [[maybe_unused]] const int chosen = requested_cluster() != 0 ? requested_cluster() : cluster;
   if constexpr (Epilogue::kPairedTiles) {
-    if (paired_tiles_allowed()) return launch_clustered<2, kRows, kBMnMajor>(map_a, map_b, shape, epilogue, stream);
+    if constexpr (kRows == RowsAre::M) {
+      if (chosen == 4) return launch_clustered<4, kRows, kBMnMajor>(map_a, map_b, shape, epilogue, stream);
+    }
+    if (chosen > 1) return launch_clustered<2, kRows, kBMnMajor>(map_a, map_b, shape, epilogue, stream);
   }
   launch_clustered<1, kRows, kBMnMajor>(map_a, map_b, shape, epilogue, stream);
 }
@@ -245,7 +261,7 @@ void expert_mlp_fprop_w13(const GroupedRows& rows, const ExpertMlpShape& shape,
     epi.h13_split = split;
     epi.F = static_cast<int32_t>(F);
     epi.act = activation_params(shape);
-    launch<RowsAre::M, false>(map_a, map_b, s, epi, stream);
+    launch<RowsAre::M, false>(map_a, map_b, s, epi, stream, D >= kQuadMinHiddenDim ? 4 : 2);
   };
   if (blocked) run(SwigluFpropEpilogue<false>{});
   else run(SwigluFpropEpilogue<true>{});

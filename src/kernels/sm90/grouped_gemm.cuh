@@ -107,15 +107,21 @@ __device__ __forceinline__ void zero_k_tail(uint8_t* stage_a, uint8_t* stage_b, 
   ptx::named_barrier_sync(barrier_id, kThreads);
 }
 
+// CTAs of a cluster that load into one CTA's stages (itself included): every CTA of a pair; in a
+// quad the CTA, its B partner (rank ^ 1) and its A partner (rank ^ 2), not the diagonal one.
+template <int kCluster>
+inline constexpr int kStageWriters = kCluster == 4 ? 3 : kCluster;
+
 // The consumers' view of the stage ring. Every consumer warp waits on every stage (wait) and
 // releases it once (release: lane 0 arrives on the "empty" barrier of every CTA that loaded part
-// of it; with clusters the peer multicast half of an operand into it).
+// of it; with clusters the peers multicast half of an operand into it).
 template <int kStages, int kCluster, uint32_t kStageBytes>
 struct ConsumerRing {
   uint8_t* smem;
   uint64_t* full_bar;
   uint64_t* empty_bar;
   int lane;
+  uint32_t cluster_rank;
 
   // Waits until the stage of ring iteration `it` has landed; returns its base.
   __device__ __forceinline__ uint8_t* wait(uint32_t it) const {
@@ -125,7 +131,11 @@ struct ConsumerRing {
   __device__ __forceinline__ void release(uint32_t it) const {
     if (lane != 0) return;
     uint64_t* bar = &empty_bar[it % kStages];
-    if constexpr (kCluster > 1) {
+    if constexpr (kCluster == 4) {
+      ptx::mbarrier_arrive_cluster(bar, cluster_rank);
+      ptx::mbarrier_arrive_cluster(bar, cluster_rank ^ 1);
+      ptx::mbarrier_arrive_cluster(bar, cluster_rank ^ 2);
+    } else if constexpr (kCluster == 2) {
 #pragma unroll
       for (int c = 0; c < kCluster; ++c) ptx::mbarrier_arrive_cluster(bar, c);
     } else {
@@ -139,6 +149,9 @@ struct ConsumerRing {
 // odd last M block share A. Each CTA loads half of the shared operand's boxes, multicast into both
 // CTAs, and its other operand whole. A stage is then free only when the consumers of both CTAs
 // released it, so every consumer warp arrives on the "empty" barrier of both CTAs.
+// kCluster = 4 (rows as M): quads of 2 M blocks x 2 N blocks; a CTA shares A with rank ^ 2 and B
+// with rank ^ 1, loading half of each (a quarter less L2 -> SM traffic than pairs), and releases a
+// stage to itself and those two partners (kStageWriters).
 template <int kBlockN, int kStages, RowsAre kRows, bool kBMnMajor, class Epilogue, int kCluster = 1>
 __global__ void __launch_bounds__(kThreadsPerCta, 1)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
@@ -170,7 +183,7 @@ __global__ void __launch_bounds__(kThreadsPerCta, 1)
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
       ptx::mbarrier_init(&full_bar[s], 1);
-      ptx::mbarrier_init(&empty_bar[s], kConsumerWarps * kCluster);
+      ptx::mbarrier_init(&empty_bar[s], kConsumerWarps * kStageWriters<kCluster>);
     }
     ptx::fence_barrier_init();
   }
@@ -189,16 +202,21 @@ __global__ void __launch_bounds__(kThreadsPerCta, 1)
   // its CTAs, each multicasting its boxes into both; the other operand each CTA loads whole.
   constexpr int kABoxes = 2;
   constexpr int kBBoxes = kBMnMajor ? kBlockN / 64 : 2;
-  constexpr uint16_t kClusterMask = (1u << kCluster) - 1;
-  auto load_box = [&](bool shared, uint8_t* dst, const CUtensorMap* map, int32_t inner, int32_t outer,
-                      uint64_t* bar) {
-    if (kCluster > 1 && shared) ptx::tma_load_2d_multicast(dst, map, inner, outer, bar, kClusterMask);
+  // An operand shared with a partner: this CTA loads half of its boxes (its index among the two
+  // sharers picks which half) into both CTAs.
+  const uint32_t a_partner = kCluster == 4 ? cluster_rank ^ 2 : cluster_rank ^ 1, b_partner = cluster_rank ^ 1;
+  const uint16_t a_mask = static_cast<uint16_t>((1u << cluster_rank) | (1u << a_partner));
+  const uint16_t b_mask = static_cast<uint16_t>((1u << cluster_rank) | (1u << b_partner));
+  const int a_half = cluster_rank > static_cast<int32_t>(a_partner), b_half = cluster_rank > static_cast<int32_t>(b_partner);
+  auto load_box = [&](bool shared, uint16_t mask, uint8_t* dst, const CUtensorMap* map, int32_t inner,
+                      int32_t outer, uint64_t* bar) {
+    if (kCluster > 1 && shared) ptx::tma_load_2d_multicast(dst, map, inner, outer, bar, mask);
     else ptx::tma_load_2d(dst, map, inner, outer, bar);
   };
   // Boxes [first, end) of `boxes` this CTA loads.
-  auto box_range = [&](bool shared, int boxes, int& first, int& end) {
-    first = shared ? cluster_rank * (boxes / kCluster) : 0;
-    end = shared ? first + boxes / kCluster : boxes;
+  auto box_range = [&](bool shared, int half, int boxes, int& first, int& end) {
+    first = shared ? half * (boxes / 2) : 0;
+    end = shared ? first + boxes / 2 : boxes;
   };
 
   if (warpgroup == 0) {
@@ -225,33 +243,34 @@ __global__ void __launch_bounds__(kThreadsPerCta, 1)
           POISE_PHASE(p_wait += clock64() - w0;)
           if (drop_first && it == 0) continue;
           ptx::mbarrier_arrive_expect_tx(&full_bar[s], Smem::kStageBytes);
-          const bool share_b = kCluster > 1 && tile.shares_b, share_a = kCluster > 1 && !tile.shares_b;
+          const bool share_b = kCluster > 1 && tile.shares_b, share_a = kCluster > 1 && tile.shares_a;
           int a_first, a_end, b_first, b_end;
-          box_range(share_a, kABoxes, a_first, a_end);
-          box_range(share_b, kBBoxes, b_first, b_end);
+          box_range(share_a, a_half, kABoxes, a_first, a_end);
+          box_range(share_b, b_half, kBBoxes, b_first, b_end);
           if constexpr (kRows == RowsAre::M) {
             const int32_t k0 = kb * kTileK;
             for (int j = a_first; j < a_end; ++j)
-              load_box(share_a, stage_a(s) + j * 64 * 128, &map_a, k0,
+              load_box(share_a, a_mask, stage_a(s) + j * 64 * 128, &map_a, k0,
                        tile.row_begin + tile.m_block * kTileM + 64 * j, &full_bar[s]);
             if constexpr (kBMnMajor) {
               for (int j = b_first; j < b_end; ++j)
-                load_box(share_b, stage_b(s) + j * ptx::kMnChunkBytes, weights, tile.n_block * kBlockN + 64 * j,
+                load_box(share_b, b_mask, stage_b(s) + j * ptx::kMnChunkBytes, weights, tile.n_block * kBlockN + 64 * j,
                          b_row0 + k0, &full_bar[s]);
             } else {
               // Gate and up rows F apart (blocked W13), or the two halves of the tile's kBlockN rows.
               const int32_t n0 = b_row0 + tile.n_block * (shape.b_split_rows > 0 ? kBlockN / 2 : kBlockN);
               const int32_t second = shape.b_split_rows > 0 ? shape.b_split_rows : kBlockN / 2;
               for (int j = b_first; j < b_end; ++j)
-                load_box(share_b, stage_b(s) + j * (kBlockN / 2) * 128, weights, k0, n0 + j * second, &full_bar[s]);
+                load_box(share_b, b_mask, stage_b(s) + j * (kBlockN / 2) * 128, weights, k0, n0 + j * second,
+                         &full_bar[s]);
             }
           } else {
             const int32_t r0 = tile.row_begin + kb * kTileK;
             for (int j = a_first; j < a_end; ++j)
-              load_box(share_a, stage_a(s) + j * ptx::kMnChunkBytes, &map_a, tile.m_block * kTileM + 64 * j, r0,
+              load_box(share_a, a_mask, stage_a(s) + j * ptx::kMnChunkBytes, &map_a, tile.m_block * kTileM + 64 * j, r0,
                        &full_bar[s]);
             for (int j = b_first; j < b_end; ++j)
-              load_box(share_b, stage_b(s) + j * ptx::kMnChunkBytes, &map_b, tile.n_block * kBlockN + 64 * j, r0,
+              load_box(share_b, b_mask, stage_b(s) + j * ptx::kMnChunkBytes, &map_b, tile.n_block * kBlockN + 64 * j, r0,
                        &full_bar[s]);
           }
         }
@@ -273,7 +292,8 @@ __global__ void __launch_bounds__(kThreadsPerCta, 1)
     const int consumer = warpgroup - 1;  // rows [64 * consumer, 64 * consumer + 64) of the tile
     const int consumer_thread = threadIdx.x - 128;
     float acc[kBlockN / 2];
-    const ConsumerRing<kStages, kCluster, Smem::kStageBytes> ring{smem, full_bar, empty_bar, lane};
+    const ConsumerRing<kStages, kCluster, Smem::kStageBytes> ring{smem, full_bar, empty_bar, lane,
+                                                                 static_cast<uint32_t>(cluster_rank)};
     // Epilogue::kDeferredParts: the previous tile's packed rows, stored part p right after this
     // tile's K block p is issued (epilogue_direct.cuh).
     constexpr int kDeferredParts = Epilogue::kDeferredParts;

@@ -12,6 +12,10 @@
 //    of one N block (they share B), and for an odd M block count the last M block's N blocks
 //    2j, 2j + 1 (they share A). With an odd N block count too, the last pair's second CTA has no
 //    tile: it loads its share of A for its peer and computes nothing (TileInfo::valid).
+//  - Clusters of 4 CTAs (rows as M only) walk quads: CTA r computes M block 2i + (r & 1) of N block
+//    2j + (r >> 1), sharing A with CTA r ^ 2 (same M block) and B with CTA r ^ 1 (same N block).
+//    An odd last M block is walked in units of 4 N blocks, as two A-sharing pairs {0, 2} and
+//    {1, 3}. CTAs past the last N block are fillers as above.
 #pragma once
 
 #include <cub/block/block_scan.cuh>
@@ -51,7 +55,9 @@ struct TileInfo {
   int32_t row_begin;  // first row of the expert in the grouped buffers
   int32_t row_count;  // rows of the expert
   bool valid;         // false: a cluster peer's filler tile (load for the peer, compute nothing)
-  bool shares_b;      // clusters: the pair shares B (M blocks 2i, 2i+1), else A (N blocks 2j, 2j+1)
+  // Clusters: this CTA shares B with CTA rank ^ 1 (same N block), A with its A partner (rank ^ 1
+  // in pairs, rank ^ 2 in quads: same M block); each loads half of a shared operand for both.
+  bool shares_a, shares_b;
 };
 
 struct SchedulerStorage {
@@ -61,11 +67,13 @@ struct SchedulerStorage {
 
 template <RowsAre kRows, int kCluster = 1>
 struct TileScheduler {
-  static_assert(kCluster == 1 || kCluster == 2, "tile pairs only");
-  // Tiles (kCluster 1) or tile pairs (kCluster 2) of an expert with m_blocks x n_blocks tiles.
+  static_assert(kCluster == 1 || kCluster == 2 || (kCluster == 4 && kRows == RowsAre::M),
+                "tile pairs, or quads over rows-as-M GEMMs");
+  // Tiles (kCluster 1), tile pairs (2) or quads (4) of an expert with m_blocks x n_blocks tiles.
   __device__ static int32_t groups_of(int32_t m_blocks, int32_t n_blocks) {
     if constexpr (kCluster == 1) return m_blocks * n_blocks;
-    return m_blocks / 2 * n_blocks + m_blocks % 2 * ((n_blocks + 1) / 2);
+    if constexpr (kCluster == 2) return m_blocks / 2 * n_blocks + m_blocks % 2 * ((n_blocks + 1) / 2);
+    return m_blocks / 2 * ((n_blocks + 1) / 2) + m_blocks % 2 * ((n_blocks + 3) / 4);
   }
 
   const SchedulerStorage* storage;
@@ -123,16 +131,31 @@ struct TileScheduler {
     info.row_begin = rows.x;
     info.row_count = rows.y;
     info.valid = true;
+    info.shares_a = false;
     info.shares_b = kCluster > 1;
     if constexpr (kCluster == 1) {
       info.m_block = local % m_blocks;
       info.n_block = local / m_blocks;
+    } else if constexpr (kCluster == 4) {
+      const int32_t m_pairs = m_blocks / 2, n_pairs = (shape.n_blocks + 1) / 2;
+      if (local < m_pairs * n_pairs) {  // M blocks 2i, 2i + 1 x N blocks 2j, 2j + 1
+        info.shares_a = true;
+        info.m_block = 2 * (local % m_pairs) + (cluster_rank & 1);
+        info.n_block = 2 * (local / m_pairs) + (cluster_rank >> 1);
+      } else {  // the odd last M block: N blocks 4u .. 4u + 3, pairs {0, 2} and {1, 3} share A
+        info.shares_a = true;
+        info.shares_b = false;
+        info.m_block = m_blocks - 1;
+        info.n_block = 4 * (local - m_pairs * n_pairs) + 2 * (cluster_rank & 1) + (cluster_rank >> 1);
+      }
+      info.valid = info.n_block < shape.n_blocks;
     } else {
       const int32_t m_pairs = m_blocks / 2;
       if (local < m_pairs * shape.n_blocks) {  // M blocks 2i, 2i + 1 of one N block
         info.m_block = 2 * (local % m_pairs) + cluster_rank;
         info.n_block = local / m_pairs;
       } else {  // the odd last M block: N blocks 2j, 2j + 1
+        info.shares_a = true;
         info.shares_b = false;
         info.m_block = m_blocks - 1;
         info.n_block = 2 * (local - m_pairs * shape.n_blocks) + cluster_rank;
