@@ -147,7 +147,7 @@ void check_against_model(EpWorld& w, const std::vector<ModelOut>& model) {
     RankDevice& d = w.dev()[r];
     check_rows(bf16_values(d.out->download<uint16_t>(size_t(c.T) * c.D)), model[r].out_TD, c.T, c.D, "out_TD");
     check_rows(bf16_values(d.grad_x->download<uint16_t>(size_t(c.T) * c.D)), model[r].grad_x_TD, c.T, c.D,
-               "grad_x_TD");
+               "grad_x_TD", &model[r].grad_x_clamp_slack_T);
     EXPECT_LT(relative_error(w.scores_as_double(*d.grad_scores), model[r].grad_scores_TK), kTolerance);
     check_weight_grads(w, model, r);
     check_clip_counts(w, model, r);
