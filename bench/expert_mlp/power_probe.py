@@ -91,6 +91,7 @@ def main() -> int:
             (f"{tag} torch._grouped_mm W13", w13_flops, grouped_mm, prepare),
             (f"{tag} poise fprop_w2", w13_flops / 2, c.gemm_calls["fprop_w2"], prepare),
             (f"{tag} poise dgrad_w2", w13_flops / 2, c.gemm_calls["dgrad_w2"], prepare),
+            (f"{tag} poise dgrad_w13", w13_flops, c.gemm_calls["dgrad_w13"], prepare),
             (f"{tag} poise wgrad_w13", w13_flops, c.gemm_calls["wgrad_w13"], prepare),
         ]
 

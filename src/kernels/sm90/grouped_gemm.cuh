@@ -203,11 +203,20 @@ __global__ void __launch_bounds__(kThreadsPerCta, 1)
   constexpr int kABoxes = 2;
   constexpr int kBBoxes = kBMnMajor ? kBlockN / 64 : 2;
   // An operand shared with a partner: this CTA loads half of its boxes (its index among the two
-  // sharers picks which half) into both CTAs.
-  const uint32_t a_partner = kCluster == 4 ? cluster_rank ^ 2 : cluster_rank ^ 1, b_partner = cluster_rank ^ 1;
-  const uint16_t a_mask = static_cast<uint16_t>((1u << cluster_rank) | (1u << a_partner));
-  const uint16_t b_mask = static_cast<uint16_t>((1u << cluster_rank) | (1u << b_partner));
-  const int a_half = cluster_rank > static_cast<int32_t>(a_partner), b_half = cluster_rank > static_cast<int32_t>(b_partner);
+  // sharers picks which half) into both CTAs. Pairs: the peer, compile-time masks. Quads: A with
+  // rank ^ 2, B with rank ^ 1. Computed where used: the producer runs on 40 registers, and holding
+  // masks and halves for the whole loop made it spill (24-32 bytes of stack, the pair GEMMs 5-6%
+  // slower in sustained running, performance.md v17).
+  auto a_mask = [&]() -> uint16_t {
+    if constexpr (kCluster == 4) return static_cast<uint16_t>(0x5u << (cluster_rank & 1));
+    else return static_cast<uint16_t>((1u << kCluster) - 1);
+  };
+  auto b_mask = [&]() -> uint16_t {
+    if constexpr (kCluster == 4) return static_cast<uint16_t>(0x3u << (cluster_rank & 2));
+    else return static_cast<uint16_t>((1u << kCluster) - 1);
+  };
+  auto a_half = [&] { return kCluster == 4 ? cluster_rank >> 1 : cluster_rank; };
+  auto b_half = [&] { return kCluster == 4 ? cluster_rank & 1 : cluster_rank; };
   auto load_box = [&](bool shared, uint16_t mask, uint8_t* dst, const CUtensorMap* map, int32_t inner,
                       int32_t outer, uint64_t* bar) {
     if (kCluster > 1 && shared) ptx::tma_load_2d_multicast(dst, map, inner, outer, bar, mask);
@@ -243,34 +252,36 @@ __global__ void __launch_bounds__(kThreadsPerCta, 1)
           POISE_PHASE(p_wait += clock64() - w0;)
           if (drop_first && it == 0) continue;
           ptx::mbarrier_arrive_expect_tx(&full_bar[s], Smem::kStageBytes);
-          const bool share_b = kCluster > 1 && tile.shares_b, share_a = kCluster > 1 && tile.shares_a;
+          // Pairs share A exactly where they do not share B (one flag, as the v12 producer).
+          const bool share_b = kCluster > 1 && tile.shares_b;
+          const bool share_a = kCluster == 4 ? tile.shares_a : kCluster > 1 && !tile.shares_b;
           int a_first, a_end, b_first, b_end;
-          box_range(share_a, a_half, kABoxes, a_first, a_end);
-          box_range(share_b, b_half, kBBoxes, b_first, b_end);
+          box_range(share_a, a_half(), kABoxes, a_first, a_end);
+          box_range(share_b, b_half(), kBBoxes, b_first, b_end);
           if constexpr (kRows == RowsAre::M) {
             const int32_t k0 = kb * kTileK;
             for (int j = a_first; j < a_end; ++j)
-              load_box(share_a, a_mask, stage_a(s) + j * 64 * 128, &map_a, k0,
+              load_box(share_a, a_mask(), stage_a(s) + j * 64 * 128, &map_a, k0,
                        tile.row_begin + tile.m_block * kTileM + 64 * j, &full_bar[s]);
             if constexpr (kBMnMajor) {
               for (int j = b_first; j < b_end; ++j)
-                load_box(share_b, b_mask, stage_b(s) + j * ptx::kMnChunkBytes, weights, tile.n_block * kBlockN + 64 * j,
+                load_box(share_b, b_mask(), stage_b(s) + j * ptx::kMnChunkBytes, weights, tile.n_block * kBlockN + 64 * j,
                          b_row0 + k0, &full_bar[s]);
             } else {
               // Gate and up rows F apart (blocked W13), or the two halves of the tile's kBlockN rows.
               const int32_t n0 = b_row0 + tile.n_block * (shape.b_split_rows > 0 ? kBlockN / 2 : kBlockN);
               const int32_t second = shape.b_split_rows > 0 ? shape.b_split_rows : kBlockN / 2;
               for (int j = b_first; j < b_end; ++j)
-                load_box(share_b, b_mask, stage_b(s) + j * (kBlockN / 2) * 128, weights, k0, n0 + j * second,
+                load_box(share_b, b_mask(), stage_b(s) + j * (kBlockN / 2) * 128, weights, k0, n0 + j * second,
                          &full_bar[s]);
             }
           } else {
             const int32_t r0 = tile.row_begin + kb * kTileK;
             for (int j = a_first; j < a_end; ++j)
-              load_box(share_a, a_mask, stage_a(s) + j * ptx::kMnChunkBytes, &map_a, tile.m_block * kTileM + 64 * j, r0,
+              load_box(share_a, a_mask(), stage_a(s) + j * ptx::kMnChunkBytes, &map_a, tile.m_block * kTileM + 64 * j, r0,
                        &full_bar[s]);
             for (int j = b_first; j < b_end; ++j)
-              load_box(share_b, b_mask, stage_b(s) + j * ptx::kMnChunkBytes, &map_b, tile.n_block * kBlockN + 64 * j, r0,
+              load_box(share_b, b_mask(), stage_b(s) + j * ptx::kMnChunkBytes, &map_b, tile.n_block * kBlockN + 64 * j, r0,
                        &full_bar[s]);
           }
         }
