@@ -118,8 +118,8 @@ WeightMaps weight_maps(const GroupedRows& rows, const void* w, const char* name,
 int32_t ceil_div(int64_t a, int64_t b) { return static_cast<int32_t>((a + b - 1) / b); }
 
 // CTAs per cluster where the epilogue's kernel gains from clusters (Epilogue::kPairedTiles): tile
-// pairs (2) sharing an operand by multicast, or quads (4, rows-as-M GEMMs only) sharing both; the
-// call picks (below). POISE_SM90_CLUSTER=1, 2 or 4 overrides it for every GEMM (A/B measurements).
+// pairs (2) sharing an operand by multicast, or quads (4, rows-as-M GEMMs only) sharing both.
+// POISE_SM90_CLUSTER=1, 2 or 4 overrides the call's choice for every GEMM (A/B measurements).
 int requested_cluster() {
   static const int requested = [] {
     const char* v = std::getenv("POISE_SM90_CLUSTER");
@@ -130,12 +130,10 @@ int requested_cluster() {
   return requested;
 }
 
-// FPROP W13 runs on quads from this hidden size on. Only 30 quads fit on the H200 (120 of 132 SMs),
-// so they win only where the quarter less L2 -> SM traffic per CTA outweighs the lost SMs: at
-// DeepSeek-V3's D = 7168 fprop W13 gained ~6% (621-661 vs 596-613 TFLOP/s, gemm-only pairs in one
-// call), at Qwen3's D = 2048 it lost ~2.5%, and FPROP W2 / DGRAD W13 gained nothing or lost 4% at
-// either shape (performance.md, v17).
-constexpr int64_t kQuadMinHiddenDim = 4096;
+// Quads are an A/B option only: 30 fit on the H200 (120 of 132 SMs), and in sustained running they
+// were slower than pairs on every GEMM measured (DeepSeek-V3 fprop W13 569 vs 601 TFLOP/s, fprop W2
+// 560 vs 579; Qwen3 fprop W13 468 vs 501; power probe, two interleaved rounds, performance.md v17):
+// the quarter less L2 -> SM traffic per CTA does not pay for the lost SMs and the 3-CTA coupling.
 
 // Programmatic dependent launch of every GEMM (the kernel waits for its predecessor after its
 // setup, ptx/grid_dependency.cuh); POISE_SM90_PDL=0 launches them plainly (A/B measurements).
@@ -261,7 +259,7 @@ void expert_mlp_fprop_w13(const GroupedRows& rows, const ExpertMlpShape& shape,
     epi.h13_split = split;
     epi.F = static_cast<int32_t>(F);
     epi.act = activation_params(shape);
-    launch<RowsAre::M, false>(map_a, map_b, s, epi, stream, D >= kQuadMinHiddenDim ? 4 : 2);
+    launch<RowsAre::M, false>(map_a, map_b, s, epi, stream);
   };
   if (blocked) run(SwigluFpropEpilogue<false>{});
   else run(SwigluFpropEpilogue<true>{});
