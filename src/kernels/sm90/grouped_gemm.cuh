@@ -149,9 +149,10 @@ struct ConsumerRing {
 // odd last M block share A. Each CTA loads half of the shared operand's boxes, multicast into both
 // CTAs, and its other operand whole. A stage is then free only when the consumers of both CTAs
 // released it, so every consumer warp arrives on the "empty" barrier of both CTAs.
-// kCluster = 4 (rows as M): quads of 2 M blocks x 2 N blocks; a CTA shares A with rank ^ 2 and B
-// with rank ^ 1, loading half of each (a quarter less L2 -> SM traffic than pairs), and releases a
-// stage to itself and those two partners (kStageWriters).
+// kCluster = 4 (rows as M, an A/B option: slower than pairs on the H200, where only 120 of 132 SMs
+// take quads): 2 M blocks x 2 N blocks; a CTA shares A with rank ^ 2 and B with rank ^ 1, loading
+// half of each (a quarter less L2 -> SM traffic than pairs), and releases a stage to itself and
+// those two partners (kStageWriters).
 template <int kBlockN, int kStages, RowsAre kRows, bool kBMnMajor, class Epilogue, int kCluster = 1>
 __global__ void __launch_bounds__(kThreadsPerCta, 1)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
