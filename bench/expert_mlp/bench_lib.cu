@@ -7,8 +7,6 @@
 #include <cuda_runtime.h>
 
 #include <cstdio>
-#include <cstdlib>
-#include <cstring>
 #include <exception>
 #include <string>
 
@@ -34,15 +32,11 @@ int guarded(Fn&& fn) {
 
 cudaStream_t as_stream(void* s) { return static_cast<cudaStream_t>(s); }
 
-// The glue kernels launch as the GEMMs do (programmatic dependent launch unless POISE_SM90_PDL=0):
-// each waits for its predecessor first thing and lets its successor be scheduled at once, so the
-// successor's launch and setup overlap this kernel's last blocks.
+// The glue kernels launch as the GEMMs do (sm90::dependent_launch_allowed): each waits for its
+// predecessor first thing and lets its successor be scheduled at once, so the successor's launch
+// and setup overlap this kernel's last blocks.
 template <class... Params, class... Args>
 void launch_glue(void (*kernel)(Params...), unsigned grid, unsigned block, cudaStream_t stream, Args... args) {
-  static const bool dependent = [] {
-    const char* v = std::getenv("POISE_SM90_PDL");
-    return !(v && std::strcmp(v, "0") == 0);
-  }();
   cudaLaunchConfig_t config{};
   config.gridDim = dim3(grid);
   config.blockDim = dim3(block);
@@ -51,7 +45,7 @@ void launch_glue(void (*kernel)(Params...), unsigned grid, unsigned block, cudaS
   attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attribute.val.programmaticStreamSerializationAllowed = 1;
   config.attrs = &attribute;
-  config.numAttrs = dependent ? 1 : 0;
+  config.numAttrs = poise::sm90::dependent_launch_allowed() ? 1 : 0;
   cudaLaunchKernelEx(&config, kernel, static_cast<Params>(args)...);  // errors: launch_check()
 }
 

@@ -124,6 +124,11 @@ void expert_mlp_wgrad_w13(const GroupedRows& rows, const ExpertMlpShape& shape,
                           const void* grad_h13_R2F, const void* x_RD, const WgradOutput& out,
                           cudaStream_t stream);
 
+// Whether the grouped GEMMs are launched with programmatic dependent launch (they set up while the
+// previous kernel in the stream finishes, then wait for it: ptx/grid_dependency.cuh); false with
+// POISE_SM90_PDL=0 (A/B measurements). Kernels launched next to them (the bench glue) follow it.
+bool dependent_launch_allowed();
+
 // The bound on every pipeline wait of the grouped GEMMs (ns).
 inline constexpr uint32_t kPipelineWaitTimeoutNs = 4'000'000'000u;
 

@@ -118,31 +118,20 @@ WeightMaps weight_maps(const GroupedRows& rows, const void* w, const char* name,
 int32_t ceil_div(int64_t a, int64_t b) { return static_cast<int32_t>((a + b - 1) / b); }
 
 // CTAs per cluster where the epilogue's kernel gains from clusters (Epilogue::kPairedTiles): tile
-// pairs (2) sharing an operand by multicast, or quads (4, rows-as-M GEMMs only) sharing both.
-// POISE_SM90_CLUSTER=1, 2 or 4 overrides the call's choice for every GEMM (A/B measurements).
-int requested_cluster() {
-  static const int requested = [] {
+// pairs (2, the default) sharing an operand by multicast; POISE_SM90_CLUSTER=1 or 4 (quads, rows-as-M
+// GEMMs only, sharing both operands) for A/B measurements. Quads are not the default: 30 fit on the
+// H200 (120 of 132 SMs), and in sustained running they were slower than pairs on every GEMM
+// measured (DeepSeek-V3 fprop W13 569 vs 601 TFLOP/s, fprop W2 560 vs 579; Qwen3 fprop W13 468 vs
+// 501; power probe, two interleaved rounds, performance.md v17): the quarter less L2 -> SM traffic
+// per CTA does not pay for the lost SMs and the 3-CTA coupling.
+int cluster_size() {
+  static const int size = [] {
     const char* v = std::getenv("POISE_SM90_CLUSTER");
-    for (const char* c : {"1", "2", "4"})
+    for (const char* c : {"1", "4"})
       if (v && std::strcmp(v, c) == 0) return *c - '0';
-    return 0;
+    return 2;
   }();
-  return requested;
-}
-
-// Quads are an A/B option only: 30 fit on the H200 (120 of 132 SMs), and in sustained running they
-// were slower than pairs on every GEMM measured (DeepSeek-V3 fprop W13 569 vs 601 TFLOP/s, fprop W2
-// 560 vs 579; Qwen3 fprop W13 468 vs 501; power probe, two interleaved rounds, performance.md v17):
-// the quarter less L2 -> SM traffic per CTA does not pay for the lost SMs and the 3-CTA coupling.
-
-// Programmatic dependent launch of every GEMM (the kernel waits for its predecessor after its
-// setup, ptx/grid_dependency.cuh); POISE_SM90_PDL=0 launches them plainly (A/B measurements).
-bool dependent_launch_allowed() {
-  static const bool allowed = [] {
-    const char* v = std::getenv("POISE_SM90_PDL");
-    return !(v && std::strcmp(v, "0") == 0);
-  }();
-  return allowed;
+  return size;
 }
 
 template <int kCluster, RowsAre kRows, bool kBMnMajor, class Epilogue>
@@ -185,16 +174,14 @@ void launch_clustered(const CUtensorMap& map_a, const WeightMaps& map_b, const G
              "grouped_gemm_kernel launch");
 }
 
-// `cluster`: the call's choice of CTAs per cluster (2 or 4) where the epilogue allows clusters.
 template <RowsAre kRows, bool kBMnMajor, class Epilogue>
 void launch(const CUtensorMap& map_a, const WeightMaps& map_b, const GroupedGemmShape& shape,
-            const Epilogue& epilogue, cudaStream_t stream, int cluster = 2) {
-  [[maybe_unused]] const int chosen = requested_cluster() != 0 ? requested_cluster() : cluster;
+            const Epilogue& epilogue, cudaStream_t stream) {
   if constexpr (Epilogue::kPairedTiles) {
     if constexpr (kRows == RowsAre::M) {
-      if (chosen == 4) return launch_clustered<4, kRows, kBMnMajor>(map_a, map_b, shape, epilogue, stream);
+      if (cluster_size() == 4) return launch_clustered<4, kRows, kBMnMajor>(map_a, map_b, shape, epilogue, stream);
     }
-    if (chosen > 1) return launch_clustered<2, kRows, kBMnMajor>(map_a, map_b, shape, epilogue, stream);
+    if (cluster_size() > 1) return launch_clustered<2, kRows, kBMnMajor>(map_a, map_b, shape, epilogue, stream);
   }
   launch_clustered<1, kRows, kBMnMajor>(map_a, map_b, shape, epilogue, stream);
 }
@@ -398,6 +385,14 @@ void expert_mlp_wgrad_w13(const GroupedRows& rows, const ExpertMlpShape& shape,
   validate(rows, shape);
   wgrad(rows, grad_h13_R2F, "grad_h13_R2F", 2 * shape.intermediate_dim, x_RD, "x_RD",
         shape.hidden_dim, out, stream);
+}
+
+bool dependent_launch_allowed() {
+  static const bool allowed = [] {
+    const char* v = std::getenv("POISE_SM90_PDL");
+    return !(v && std::strcmp(v, "0") == 0);
+  }();
+  return allowed;
 }
 
 PipelineFault take_pipeline_fault(cudaStream_t stream) {
