@@ -289,17 +289,14 @@ inline void check_rows(const std::vector<double>& got, const std::vector<double>
   double worst = 0;  // error / bound
   int worst_row = -1, slack_rows = 0;
   for (int r = 0; r < rows; ++r) {
-    double err2 = 0, norm2 = 0;
-    bool finite = true;
-    for (size_t i = size_t(r) * cols; i < size_t(r + 1) * cols; ++i) {
-      finite = finite && std::isfinite(got[i]);
-      err2 += (got[i] - want[i]) * (got[i] - want[i]);
-      norm2 += want[i] * want[i];
-    }
+    const size_t begin = size_t(r) * cols, end = size_t(r + 1) * cols;
+    double norm2 = 0;
+    for (size_t i = begin; i < end; ++i) norm2 += want[i] * want[i];
+    const double norm = norm2 > 0 ? std::sqrt(norm2) : 1.0;  // a zero row: absolute error, as relative_error
+    const double err = relative_error(got, want, begin, end) * norm;  // infinite if got is not finite
     const double slack = row_slack ? (*row_slack)[r] : 0.0;
     slack_rows += slack > 0;
-    const double bound = kRowTolerance * (norm2 > 0 ? std::sqrt(norm2) : 1.0) + slack;
-    const double e = finite ? std::sqrt(err2) / bound : INFINITY;
+    const double e = err / (kRowTolerance * norm + slack);
     if (e > worst) worst = e, worst_row = r;
   }
   EXPECT_LT(worst, 1.0) << what << ": worst row " << worst_row << " at " << worst
