@@ -360,43 +360,56 @@ struct SwigluDgradEpilogue {
         uint8_t* buf_first = stage + consumer * kStagingBytes;
         uint8_t* buf_second = buf_first + kPieceBytes;
         uint8_t* buf_a = buf_second + kPieceBytes;
+        // Step i = 2 jj + h: fragment row fr.row + 8h, column group jj. lo/hi: blocked (g_f, g_f+1) /
+        // (u_f, u_f+1); interleaved (g_f, u_f) / (g_f+1, u_f+1).
+        auto lo_buf_of = [&](int i) { return interleaved ? (i / 2 < 4 ? buf_first : buf_second) : buf_first; };
+        auto hi_buf_of = [&](int i) { return interleaved ? lo_buf_of(i) : buf_second; };
+        auto lo_col_of = [&](int i) {
+          return interleaved ? ((16 * (i / 2) + 4 * fr.quad) % 64) * 2 : (8 * (i / 2) + 2 * fr.quad) * 2;
+        };
+        auto hi_col_of = [&](int i) { return interleaved ? lo_col_of(i) + 4 : lo_col_of(i); };
+        auto row_of = [&](int i) { return fr.row + 8 * (i % 2); };
+        // The shared-memory accesses are volatile: a step's loads cannot pass the previous step's
+        // stores, so the next step's words are loaded before this step's stores and its math can
+        // overlap this one's (loaded in place, the steps ran one after another: Qwen3's dgrad W2
+        // 406 vs 417-418 TFLOP/s sustained, performance.md v18f).
+        uint32_t next_lo = stage_get_u32(lo_buf_of(0), row_of(0), lo_col_of(0));
+        uint32_t next_hi = stage_get_u32(hi_buf_of(0), row_of(0), hi_col_of(0));
 #pragma unroll
-        for (int jj = 0; jj < 8; ++jj) {
-          const int j = jj;
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const int row = fr.row + 8 * h;
-            // lo/hi: blocked (g_f, g_f+1) / (u_f, u_f+1); interleaved (g_f, u_f) / (g_f+1, u_f+1).
-            uint8_t* lo_buf = interleaved ? (jj < 4 ? buf_first : buf_second) : buf_first;
-            uint8_t* hi_buf = interleaved ? lo_buf : buf_second;
-            const int lo_col = interleaved ? ((16 * jj + 4 * fr.quad) % 64) * 2 : (8 * jj + 2 * fr.quad) * 2;
-            const int hi_col = interleaved ? lo_col + 4 : lo_col;
-            const uint32_t lo = stage_get_u32(lo_buf, row, lo_col);
-            const uint32_t hi = stage_get_u32(hi_buf, row, hi_col);
-            float g[2], u[2];
-            if (!interleaved) {
-              g[0] = bf16_lo(lo); g[1] = bf16_hi(lo);
-              u[0] = bf16_lo(hi); u[1] = bf16_hi(hi);
-            } else {
-              g[0] = bf16_lo(lo); u[0] = bf16_hi(lo);
-              g[1] = bf16_lo(hi); u[1] = bf16_hi(hi);
-            }
-            float a[2], gg[2], gu[2];
-#pragma unroll
-            for (int cc = 0; cc < 2; ++cc) {
-              const float acc = d[4 * j + 2 * h + cc];
-              swiglu_backward<kClamped>(g[cc], u[cc], s[h] * acc, act, a[cc], gg[cc], gu[cc]);
-              if (row_ok[h]) score_grad[h] += acc * a[cc];
-            }
-            if (!interleaved) {
-              stage_put_u32(lo_buf, row, lo_col, pack_bf16x2(gg[0], gg[1]));
-              stage_put_u32(hi_buf, row, hi_col, pack_bf16x2(gu[0], gu[1]));
-            } else {
-              stage_put_u32(lo_buf, row, lo_col, pack_bf16x2(gg[0], gu[0]));
-              stage_put_u32(hi_buf, row, hi_col, pack_bf16x2(gg[1], gu[1]));
-            }
-            stage_put_u32(buf_a, row, (8 * jj + 2 * fr.quad) * 2, pack_bf16x2(s[h] * a[0], s[h] * a[1]));
+        for (int i = 0; i < 16; ++i) {
+          const int jj = i / 2, h = i % 2, j = jj;
+          const int row = row_of(i);
+          uint8_t* lo_buf = lo_buf_of(i);
+          uint8_t* hi_buf = hi_buf_of(i);
+          const int lo_col = lo_col_of(i), hi_col = hi_col_of(i);
+          const uint32_t lo = next_lo, hi = next_hi;
+          if (i + 1 < 16) {
+            next_lo = stage_get_u32(lo_buf_of(i + 1), row_of(i + 1), lo_col_of(i + 1));
+            next_hi = stage_get_u32(hi_buf_of(i + 1), row_of(i + 1), hi_col_of(i + 1));
           }
+          float g[2], u[2];
+          if (!interleaved) {
+            g[0] = bf16_lo(lo); g[1] = bf16_hi(lo);
+            u[0] = bf16_lo(hi); u[1] = bf16_hi(hi);
+          } else {
+            g[0] = bf16_lo(lo); u[0] = bf16_hi(lo);
+            g[1] = bf16_lo(hi); u[1] = bf16_hi(hi);
+          }
+          float a[2], gg[2], gu[2];
+#pragma unroll
+          for (int cc = 0; cc < 2; ++cc) {
+            const float acc = d[4 * j + 2 * h + cc];
+            swiglu_backward<kClamped>(g[cc], u[cc], s[h] * acc, act, a[cc], gg[cc], gu[cc]);
+            if (row_ok[h]) score_grad[h] += acc * a[cc];
+          }
+          if (!interleaved) {
+            stage_put_u32(lo_buf, row, lo_col, pack_bf16x2(gg[0], gg[1]));
+            stage_put_u32(hi_buf, row, hi_col, pack_bf16x2(gu[0], gu[1]));
+          } else {
+            stage_put_u32(lo_buf, row, lo_col, pack_bf16x2(gg[0], gu[0]));
+            stage_put_u32(hi_buf, row, hi_col, pack_bf16x2(gg[1], gu[1]));
+          }
+          stage_put_u32(buf_a, row, (8 * jj + 2 * fr.quad) * 2, pack_bf16x2(s[h] * a[0], s[h] * a[1]));
         }
         POISE_PHASE(const long long m0 = clock64();)
         const int32_t col1 = first_col(fc), col2 = second_col(fc);
