@@ -377,7 +377,7 @@ struct SwigluDgradEpilogue {
         uint32_t next_hi = stage_get_u32(hi_buf_of(0), row_of(0), hi_col_of(0));
 #pragma unroll
         for (int i = 0; i < 16; ++i) {
-          const int jj = i / 2, h = i % 2, j = jj;
+          const int jj = i / 2, h = i % 2;
           const int row = row_of(i);
           uint8_t* lo_buf = lo_buf_of(i);
           uint8_t* hi_buf = hi_buf_of(i);
@@ -398,7 +398,7 @@ struct SwigluDgradEpilogue {
           float a[2], gg[2], gu[2];
 #pragma unroll
           for (int cc = 0; cc < 2; ++cc) {
-            const float acc = d[4 * j + 2 * h + cc];
+            const float acc = d[4 * jj + 2 * h + cc];
             swiglu_backward<kClamped>(g[cc], u[cc], s[h] * acc, act, a[cc], gg[cc], gu[cc]);
             if (row_ok[h]) score_grad[h] += acc * a[cc];
           }
