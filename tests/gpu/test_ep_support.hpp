@@ -261,19 +261,32 @@ inline std::vector<ModelOut> run_model(const ModelShape& s, const std::vector<Ra
   return out;
 }
 
-// ||got - want|| / ||want||; infinite if any element of got is not finite.
+// ||got - want||^2 and ||want||^2 over [begin, end); finite: every element of got is.
+struct SquaredNorms {
+  double error2 = 0, want2 = 0;
+  bool finite = true;
+};
+template <typename Got>
+SquaredNorms squared_norms(const std::vector<Got>& got, const std::vector<double>& want, size_t begin = 0,
+                           size_t end = SIZE_MAX) {
+  end = std::min(end, want.size());
+  SquaredNorms n;
+  for (size_t i = begin; i < end; ++i) {
+    const double g = static_cast<double>(got[i]);
+    if (!std::isfinite(g)) return {0, 0, false};
+    n.error2 += (g - want[i]) * (g - want[i]);
+    n.want2 += want[i] * want[i];
+  }
+  return n;
+}
+
+// ||got - want|| / ||want|| (absolute for a zero want); infinite if any element of got is not finite.
 template <typename Got>
 double relative_error(const std::vector<Got>& got, const std::vector<double>& want, size_t begin = 0,
                       size_t end = SIZE_MAX) {
-  end = std::min(end, want.size());
-  double num = 0, den = 0;
-  for (size_t i = begin; i < end; ++i) {
-    const double g = static_cast<double>(got[i]);
-    if (!std::isfinite(g)) return INFINITY;
-    num += (g - want[i]) * (g - want[i]);
-    den += want[i] * want[i];
-  }
-  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+  const SquaredNorms n = squared_norms(got, want, begin, end);
+  if (!n.finite) return INFINITY;
+  return n.want2 > 0 ? std::sqrt(n.error2 / n.want2) : std::sqrt(n.error2);
 }
 
 // Layer outputs against the float64 model: norm-wise over a whole tensor (bf16 storage of
@@ -289,11 +302,9 @@ inline void check_rows(const std::vector<double>& got, const std::vector<double>
   double worst = 0;  // error / bound
   int worst_row = -1, slack_rows = 0;
   for (int r = 0; r < rows; ++r) {
-    const size_t begin = size_t(r) * cols, end = size_t(r + 1) * cols;
-    double norm2 = 0;
-    for (size_t i = begin; i < end; ++i) norm2 += want[i] * want[i];
-    const double norm = norm2 > 0 ? std::sqrt(norm2) : 1.0;  // a zero row: absolute error, as relative_error
-    const double err = relative_error(got, want, begin, end) * norm;  // infinite if got is not finite
+    const SquaredNorms n = squared_norms(got, want, size_t(r) * cols, size_t(r + 1) * cols);
+    const double norm = n.want2 > 0 ? std::sqrt(n.want2) : 1.0;  // a zero row: absolute error, as relative_error
+    const double err = n.finite ? std::sqrt(n.error2) : INFINITY;
     const double slack = row_slack ? (*row_slack)[r] : 0.0;
     slack_rows += slack > 0;
     const double e = err / (kRowTolerance * norm + slack);
