@@ -38,6 +38,11 @@ namespace poise::sm90 {
 #ifndef POISE_DGRAD_W2_SKIPS_EMPTY_SLABS
 #define POISE_DGRAD_W2_SKIPS_EMPTY_SLABS false
 #endif
+// Steps of the SwiGLU-backward epilogue whose h13 words are loaded ahead of a step's stores (an A/B
+// option: 1, 4 and 8 measured, performance.md v19a).
+#ifndef POISE_SWIGLU_BWD_LOADS_AHEAD
+#define POISE_SWIGLU_BWD_LOADS_AHEAD 2
+#endif
 
 // Where one thread's accumulators sit in its warpgroup's 64-row slab:
 // d[4j + 2h + c] is slab row `row + 8h`, column 8j + 2*quad + c.
@@ -286,6 +291,9 @@ struct SwigluDgradEpilogue {
   // 10% in sustained running (performance.md v15).
   static constexpr bool kSkipsEmptySlabs = POISE_DGRAD_W2_SKIPS_EMPTY_SLABS;
   static constexpr bool interleaved = kInterleaved;
+  // Steps whose h13 words are loaded before a step's stores (1..16; see store_impl).
+  static constexpr int kLoadsAhead = POISE_SWIGLU_BWD_LOADS_AHEAD;
+  static_assert(kLoadsAhead >= 1 && kLoadsAhead <= 16, "loads ahead: 1..16 steps");
   // A chunk's stage: [first piece][second piece][s * a], each 128 rows x 128 bytes (two 64-row
   // boxes, one per consumer warpgroup).
   static constexpr uint32_t kPieceBytes = 2 * kStagingBytes;
@@ -370,11 +378,17 @@ struct SwigluDgradEpilogue {
         auto hi_col_of = [&](int i) { return interleaved ? lo_col_of(i) + 4 : lo_col_of(i); };
         auto row_of = [&](int i) { return fr.row + 8 * (i % 2); };
         // The shared-memory accesses are volatile: a step's loads cannot pass the previous step's
-        // stores, so the next step's words are loaded before this step's stores and its math can
-        // overlap this one's (loaded in place, the steps ran one after another: Qwen3's dgrad W2
-        // 406 vs 417-418 TFLOP/s sustained, performance.md v18f).
-        uint32_t next_lo = stage_get_u32(lo_buf_of(0), row_of(0), lo_col_of(0));
-        uint32_t next_hi = stage_get_u32(hi_buf_of(0), row_of(0), hi_col_of(0));
+        // stores, so the words of the next kLoadsAhead steps are loaded before this step's stores
+        // and their math can overlap this one's (loaded in place, the steps ran one after another:
+        // Qwen3's dgrad W2 406 vs 417-418 TFLOP/s sustained, performance.md v18f; 2 steps instead
+        // of 1: +1%, 4 or 8: no more, v19a).
+        uint32_t words_lo[16], words_hi[16];
+        auto load_step = [&](int i) {
+          words_lo[i] = stage_get_u32(lo_buf_of(i), row_of(i), lo_col_of(i));
+          words_hi[i] = stage_get_u32(hi_buf_of(i), row_of(i), hi_col_of(i));
+        };
+#pragma unroll
+        for (int i = 0; i < kLoadsAhead; ++i) load_step(i);
 #pragma unroll
         for (int i = 0; i < 16; ++i) {
           const int jj = i / 2, h = i % 2;
@@ -382,11 +396,8 @@ struct SwigluDgradEpilogue {
           uint8_t* lo_buf = lo_buf_of(i);
           uint8_t* hi_buf = hi_buf_of(i);
           const int lo_col = lo_col_of(i), hi_col = hi_col_of(i);
-          const uint32_t lo = next_lo, hi = next_hi;
-          if (i + 1 < 16) {
-            next_lo = stage_get_u32(lo_buf_of(i + 1), row_of(i + 1), lo_col_of(i + 1));
-            next_hi = stage_get_u32(hi_buf_of(i + 1), row_of(i + 1), hi_col_of(i + 1));
-          }
+          if (i + kLoadsAhead < 16) load_step(i + kLoadsAhead);
+          const uint32_t lo = words_lo[i], hi = words_hi[i];
           float g[2], u[2];
           if (!interleaved) {
             g[0] = bf16_lo(lo); g[1] = bf16_hi(lo);

@@ -66,6 +66,13 @@ inline constexpr int kWgmmaGroupsInFlight = POISE_WGMMA_GROUPS_IN_FLIGHT;
 #ifndef POISE_SKIP_EPILOGUE_FOR_TIMING
 #define POISE_SKIP_EPILOGUE_FOR_TIMING 0
 #endif
+// Timing experiments only (never in a shipped build; wrong results): rows-as-M GEMMs read expert 0's
+// weights for every expert, so the weights stay in L2: how much of a tile's stage waits is the
+// weights' DRAM latency (performance.md, session 10).
+#ifndef POISE_SAME_WEIGHTS_FOR_TIMING
+#define POISE_SAME_WEIGHTS_FOR_TIMING 0
+#endif
+inline constexpr bool kSameWeightsForTiming = POISE_SAME_WEIGHTS_FOR_TIMING;
 
 // Tests only (drop_first_stage_for_tests, expert_mlp.cu): CTA 0's producer skips its first stage.
 static __device__ int32_t g_drop_first_stage_for_tests = 0;
@@ -245,7 +252,8 @@ __global__ void __launch_bounds__(kThreadsPerCta, 1)
         const int32_t k_blocks = scheduler.k_blocks(tile);
         const bool replica = tile.expert >= shape.first_replica;
         const CUtensorMap* weights = replica ? &map_b_replicas : &map_b;
-        const int32_t b_row0 = (tile.expert - (replica ? shape.first_replica : 0)) * shape.b_rows_per_expert;
+        const int32_t b_row0 =
+            kSameWeightsForTiming ? 0 : (tile.expert - (replica ? shape.first_replica : 0)) * shape.b_rows_per_expert;
         for (int32_t kb = 0; kb < k_blocks; ++kb, ++it) {
           const int s = it % kStages;
           POISE_PHASE(const long long w0 = clock64();)
