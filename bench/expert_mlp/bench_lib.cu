@@ -41,9 +41,7 @@ void launch_glue(void (*kernel)(Params...), unsigned grid, unsigned block, cudaS
   config.gridDim = dim3(grid);
   config.blockDim = dim3(block);
   config.stream = stream;
-  cudaLaunchAttribute attribute{};
-  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchAttribute attribute = poise::sm90::dependent_launch_attribute();
   config.attrs = &attribute;
   config.numAttrs = poise::sm90::dependent_launch_allowed() ? 1 : 0;
   cudaLaunchKernelEx(&config, kernel, static_cast<Params>(args)...);  // errors: launch_check()

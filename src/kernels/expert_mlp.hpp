@@ -128,6 +128,8 @@ void expert_mlp_wgrad_w13(const GroupedRows& rows, const ExpertMlpShape& shape,
 // previous kernel in the stream finishes, then wait for it: ptx/grid_dependency.cuh); false with
 // POISE_SM90_PDL=0 (A/B measurements). Kernels launched next to them (the bench glue) follow it.
 bool dependent_launch_allowed();
+// The launch attribute that asks for it (cudaLaunchAttributeProgrammaticStreamSerialization).
+cudaLaunchAttribute dependent_launch_attribute();
 
 // The bound on every pipeline wait of the grouped GEMMs (ns).
 inline constexpr uint32_t kPipelineWaitTimeoutNs = 4'000'000'000u;

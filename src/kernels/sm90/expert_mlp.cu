@@ -151,8 +151,7 @@ void launch_clustered(const CUtensorMap& map_a, const WeightMaps& map_b, const G
   attributes[0].val.clusterDim.x = kCluster;
   attributes[0].val.clusterDim.y = 1;
   attributes[0].val.clusterDim.z = 1;
-  attributes[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attributes[1].val.programmaticStreamSerializationAllowed = 1;
+  attributes[1] = dependent_launch_attribute();
   config.attrs = attributes;
   config.numAttrs = 1;  // the occupancy query below sees the cluster shape only
   // Persistent: as many clusters as fit at once (one CTA per SM; pairs must share a GPC).
@@ -393,6 +392,13 @@ bool dependent_launch_allowed() {
     return !(v && std::strcmp(v, "0") == 0);
   }();
   return allowed;
+}
+
+cudaLaunchAttribute dependent_launch_attribute() {
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  return attribute;
 }
 
 PipelineFault take_pipeline_fault(cudaStream_t stream) {
