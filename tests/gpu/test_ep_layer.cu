@@ -6,6 +6,7 @@
 #include <set>
 
 #include "kernels/device_info.hpp"
+#include "kernels/expert_mlp.hpp"
 #include "poise/errors.hpp"
 #include "test_ep_world.hpp"
 
@@ -235,6 +236,51 @@ TEST(EpLayerErrors, BadExpertIdIsReportedWithoutHang) {
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   EXPECT_LT(seconds, 5.0);
   w.pipeline().reset();
+  EP_CUDA_OK(cudaStreamDestroy(stream));
+}
+
+// A grouped-GEMM stage that never arrives (fault injection: CTA 0's producer drops its first stage in
+// every SM90 expert GEMM): the bounded pipeline waits drain the launches, the pipeline's check()
+// reports the GEMM fault by name (CTA, barrier, parity) as a DeviceError instead of a hang or a
+// silent wrong result, and the next pass on the same CUDA context is correct again.
+TEST(EpLayerErrors, StalledExpertGemmStageIsReportedThenRecovers) {
+  if (!have_sm90_gpu()) GTEST_SKIP() << "needs an SM90 GPU";
+  LayerCase c{2, 64, 128, 128, 8, 2, Routing::random, 2.0};
+  c.kernels = ExpertKernels::sm90;
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  EpWorld w(c, seed, 2'000'000'000ull);
+  cudaStream_t stream;
+  EP_CUDA_OK(cudaStreamCreate(&stream));
+  ASSERT_NO_THROW(w.pipeline().check(stream)) << "a fault left over from an earlier test";
+
+  sm90::set_pipeline_wait_timeout_for_tests(20'000'000u);  // 20 ms
+  sm90::drop_first_stage_for_tests(true);
+  w.poison_outputs();
+  w.forward(stream);
+  std::string msg;
+  try {
+    w.pipeline().check(stream);
+  } catch (const DeviceError& e) {
+    msg = e.what();
+  }
+  sm90::drop_first_stage_for_tests(false);
+  sm90::set_pipeline_wait_timeout_for_tests(sm90::kPipelineWaitTimeoutNs);
+  ASSERT_FALSE(msg.empty()) << "a dropped GEMM stage was not reported";
+  EXPECT_NE(msg.find("SM90 expert GEMM: a pipeline wait timed out (block "), std::string::npos) << msg;
+  EXPECT_NE(msg.find("barrier at shared offset"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("that launch's outputs are invalid"), std::string::npos) << msg;
+
+  // The fault was read and cleared: the same world runs correctly on the same context.
+  w.pipeline().reset();
+  w.new_routing(Routing::random);
+  const auto model = run_model(w.shape(), w.host());
+  ASSERT_NO_FATAL_FAILURE(run_pass(w, stream));
+  for (int r = 0; r < c.R; ++r) {
+    SCOPED_TRACE("rank " + std::to_string(r));
+    check_rows(bf16_values(w.dev()[r].out->download<uint16_t>(size_t(c.T) * c.D)), model[r].out_TD, c.T, c.D,
+               "out_TD after the fault");
+  }
   EP_CUDA_OK(cudaStreamDestroy(stream));
 }
 

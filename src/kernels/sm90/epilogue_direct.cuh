@@ -15,6 +15,8 @@
 #include <cstdint>
 #include <utility>
 
+#include "kernels/sm90/ptx/shared_memory.cuh"
+
 namespace poise::sm90 {
 
 // w[i & 3] with selects (a dynamic register index would go through local memory).
@@ -60,13 +62,14 @@ __device__ __forceinline__ uint4 pack_row_segment(const float (&d)[kN], int m, i
   return quad_transpose(w, lane);
 }
 
-// Stores d as bf16, scaled per row half by scale[h]: row_ptr[h] points at column 0 of the tile in
-// fragment row `row + 8h` (nullptr: the row is not written); only the first `columns` columns are
-// stored (a multiple of 32).
-template <int kBlockN>
-__device__ __forceinline__ void store_bf16_rows_direct(const float (&d)[kBlockN / 2], int lane,
-                                                       __nv_bfloat16* const (&row_ptr)[2], const float (&scale)[2],
-                                                       int columns) {
+// Stores d as bf16, scaled per row half by scale[h] (fragment rows `row + 8h`); row(r): column 0 of
+// the tile in slab row r (nullptr: the row is not written); only the first `columns` columns are
+// stored (a multiple of 64). The staging buffer is not used.
+template <int kBlockN, class RowPtr>
+__device__ __forceinline__ void store_bf16_rows_shuffled(const float (&d)[kBlockN / 2], int thread, uint8_t*,
+                                                         RowPtr&& row, const float (&scale)[2], int columns) {
+  const int lane = thread % 32, fragment_row = 16 * (thread / 32) + lane / 4;
+  __nv_bfloat16* const row_ptr[2] = {row(fragment_row), row(fragment_row + 8)};
 #pragma unroll
   for (int m = 0; m < kBlockN / 32; ++m) {
     if (32 * m >= columns) break;  // uniform across the warp: shuffles stay converged
@@ -84,7 +87,7 @@ __device__ __forceinline__ void store_bf16_rows_direct(const float (&d)[kBlockN 
 // the kernel stores part p (every m with m % kParts == p) right after issuing the wgmmas of the
 // next tile's K block p, so the stores drain while the tensor cores work (grouped_gemm.cuh).
 template <int kBlockN>
-struct PendingRows {
+struct ShuffledPendingRows {
   static constexpr int kBlocks = kBlockN / 32;
   uint4 v[kBlocks][2];
   __nv_bfloat16* row_ptr[2];  // column 0 of the tile in rows row, row + 8 (nullptr: not written)
@@ -115,19 +118,158 @@ struct PendingRows {
     }(std::make_integer_sequence<int, kBlocks>{});
   }
 
-  // Packs d (a 64 x kBlockN fragment) for rows row0, row8 and its first `cols` columns.
-  __device__ __forceinline__ void pack(const float (&d)[kBlockN / 2], int lane, __nv_bfloat16* row0,
-                                       __nv_bfloat16* row8, int cols) {
+  // Packs d (a 64 x kBlockN fragment) and its first `cols` columns; row(r): column 0 of slab row r
+  // (nullptr: not written). The staging buffer is not used.
+  template <class RowPtr>
+  __device__ __forceinline__ void pack(const float (&d)[kBlockN / 2], int thread, uint8_t*, RowPtr&& row, int cols) {
+    const int lane = thread % 32, fragment_row = 16 * (thread / 32) + lane / 4;
 #pragma unroll
     for (int m = 0; m < kBlocks; ++m) {
       if (32 * m >= cols) break;  // uniform across the warp: shuffles stay converged
 #pragma unroll
       for (int h = 0; h < 2; ++h) v[m][h] = pack_row_segment(d, m, h, 1.0f, lane);
     }
-    row_ptr[0] = row0;
-    row_ptr[1] = row8;
+    row_ptr[0] = row(fragment_row);
+    row_ptr[1] = row(fragment_row + 8);
     columns = cols;
   }
 };
+
+// Warp-staged direct stores (POISE_WARP_STAGED_STORES, the default): instead of quad shuffles, a
+// warp writes its 16 fragment rows x 64 columns (one chunk) as bf16 into a 2 KiB warp-private
+// shared-memory buffer with four stmatrix (the wgmma fragment is stmatrix's layout), and reads them
+// back as whole 128-byte row pieces: lane L gets 16-byte unit L % 8 of the warp's rows 4p + L / 8,
+// p = 0..3, and each warp store writes 4 whole 128-byte lines. Per 16 bytes that is one stmatrix
+// share, one load and one store instead of 3 shuffles, ~16 selects and predicate shuffling (~40
+// instructions, most of a short-K tile's epilogue); only __syncwarp orders the buffer. Rows are
+// 128 bytes apart with unit u of row r at u ^ (r % 8): conflict-free for both sides.
+#ifndef POISE_WARP_STAGED_STORES
+#define POISE_WARP_STAGED_STORES 1
+#endif
+inline constexpr int kWarpStagingBytes = 16 * 128;
+
+// Row (of the warp's 16) of this lane's piece p of a warp-staged chunk, and the piece's 16-byte unit.
+__device__ __forceinline__ int warp_staged_row(int p, int lane) { return 4 * p + lane / 8; }
+__device__ __forceinline__ int warp_staged_unit(int lane) { return lane % 8; }
+
+// Chunk `chunk` (columns 64 chunk .. + 63) of d, scaled per fragment row half by scale[h], through the
+// warp's buffer at shared address `buf`: seg[p] = 16 bytes of row warp_staged_row(p), unit
+// warp_staged_unit. The whole warp calls it (stmatrix and __syncwarp are warp-collective).
+template <int kN>
+__device__ __forceinline__ void warp_stage_chunk(const float (&d)[kN], int chunk, const float (&scale)[2], uint32_t buf,
+                                                 int lane, uint4 (&seg)[4]) {
+  // stmatrix q writes matrices k = 0..3: group 8 chunk + 2q + k / 2, fragment row half k % 2; this
+  // lane addresses row lane % 8 of matrix lane / 8 (buffer row 8 (k % 2) + lane % 8).
+  const int i = lane % 8, k = lane / 8;
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    uint32_t w[4];
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+      const int a = 4 * (8 * chunk + 2 * q + m / 2) + 2 * (m % 2);
+      w[m] = bf16x2_bits(d[a] * scale[m % 2], d[a + 1] * scale[m % 2]);
+    }
+    const int row = 8 * (k % 2) + i, unit = 2 * q + k / 2;
+    ptx::stmatrix_x4(buf + row * 128 + ((unit ^ i) << 4), w[0], w[1], w[2], w[3]);
+  }
+  __syncwarp();
+#pragma unroll
+  for (int p = 0; p < 4; ++p) {
+    const int row = warp_staged_row(p, lane), unit = warp_staged_unit(lane);
+    seg[p] = ptx::ld_shared_v4_b32(buf + row * 128 + ((unit ^ (row & 7)) << 4));
+  }
+  __syncwarp();  // every lane has read the chunk before the next one is written
+}
+
+// The warp's 2 KiB of a consumer warpgroup's staging buffer (kStagingBytes = 4 warps x 2 KiB).
+__device__ __forceinline__ uint32_t warp_staging(uint8_t* warpgroup_buf, int thread) {
+  return ptx::shared_address(warpgroup_buf) + (thread / 32) * kWarpStagingBytes;
+}
+
+// store_bf16_rows_shuffled's contract, through the warp's staging buffer.
+template <int kBlockN, class RowPtr>
+__device__ __forceinline__ void store_bf16_rows_warp_staged(const float (&d)[kBlockN / 2], int thread, uint8_t* buf,
+                                                            RowPtr&& row, const float (&scale)[2], int columns) {
+  const int lane = thread % 32, warp_row = 16 * (thread / 32);
+  const uint32_t wbuf = warp_staging(buf, thread);
+  __nv_bfloat16* row_ptr[4];
+#pragma unroll
+  for (int p = 0; p < 4; ++p) row_ptr[p] = row(warp_row + warp_staged_row(p, lane));
+#pragma unroll
+  for (int c = 0; c < kBlockN / 64; ++c) {
+    if (64 * c >= columns) break;  // uniform across the warp
+    uint4 seg[4];
+    warp_stage_chunk(d, c, scale, wbuf, lane, seg);
+#pragma unroll
+    for (int p = 0; p < 4; ++p)
+      if (row_ptr[p]) *reinterpret_cast<uint4*>(row_ptr[p] + 64 * c + 8 * warp_staged_unit(lane)) = seg[p];
+  }
+}
+
+// ShuffledPendingRows' contract (the tile's rows held in registers, stored in kParts parts during
+// the next tile's K blocks), packed through the warp's staging buffer: v[c][p] is piece p of chunk c.
+template <int kBlockN>
+struct WarpStagedPendingRows {
+  static constexpr int kChunks = kBlockN / 64;
+  uint4 v[kChunks][4];
+  __nv_bfloat16* row_ptr[4];  // column 0 of the tile in warp rows warp_staged_row(p) (nullptr: not written)
+  int columns = 0;            // columns pending (a multiple of 64); 0: none
+
+  template <int kPiece>
+  __device__ __forceinline__ void store_piece(int lane) const {
+    constexpr int c = kPiece / 4, p = kPiece % 4;
+    if (64 * c >= columns) return;
+    if (row_ptr[p]) *reinterpret_cast<uint4*>(row_ptr[p] + 64 * c + 8 * warp_staged_unit(lane)) = v[c][p];
+  }
+  template <int kParts>
+  __device__ __forceinline__ void flush_part(int part, int lane) const {
+    flush_if<kParts>(lane, [&](int q) { return q == part; });
+  }
+  template <int kParts>
+  __device__ __forceinline__ void flush_from(int first_part, int lane) {
+    flush_if<kParts>(lane, [&](int q) { return q >= first_part; });
+    columns = 0;
+  }
+  // Piece i (chunk i / 4, row i % 4) belongs to part i % kParts.
+  template <int kParts, class Pick>
+  __device__ __forceinline__ void flush_if(int lane, Pick&& pick) const {
+    [&]<int... kPiece>(std::integer_sequence<int, kPiece...>) {
+      ((pick(kPiece % kParts) ? store_piece<kPiece>(lane) : void()), ...);
+    }(std::make_integer_sequence<int, 4 * kChunks>{});
+  }
+
+  template <class RowPtr>
+  __device__ __forceinline__ void pack(const float (&d)[kBlockN / 2], int thread, uint8_t* buf, RowPtr&& row, int cols) {
+    const int lane = thread % 32, warp_row = 16 * (thread / 32);
+    const uint32_t wbuf = warp_staging(buf, thread);
+    const float one[2] = {1.0f, 1.0f};
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) {
+      if (64 * c >= cols) break;  // uniform across the warp
+      warp_stage_chunk(d, c, one, wbuf, lane, v[c]);
+    }
+#pragma unroll
+    for (int p = 0; p < 4; ++p) row_ptr[p] = row(warp_row + warp_staged_row(p, lane));
+    columns = cols;
+  }
+};
+
+#if POISE_WARP_STAGED_STORES
+template <int kBlockN>
+using PendingRows = WarpStagedPendingRows<kBlockN>;
+template <int kBlockN, class RowPtr>
+__device__ __forceinline__ void store_bf16_rows_direct(const float (&d)[kBlockN / 2], int thread, uint8_t* buf,
+                                                       RowPtr&& row, const float (&scale)[2], int columns) {
+  store_bf16_rows_warp_staged<kBlockN>(d, thread, buf, row, scale, columns);
+}
+#else
+template <int kBlockN>
+using PendingRows = ShuffledPendingRows<kBlockN>;
+template <int kBlockN, class RowPtr>
+__device__ __forceinline__ void store_bf16_rows_direct(const float (&d)[kBlockN / 2], int thread, uint8_t* buf,
+                                                       RowPtr&& row, const float (&scale)[2], int columns) {
+  store_bf16_rows_shuffled<kBlockN>(d, thread, buf, row, scale, columns);
+}
+#endif
 
 }  // namespace poise::sm90

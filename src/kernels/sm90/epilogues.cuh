@@ -44,6 +44,20 @@ namespace poise::sm90 {
 #define POISE_SWIGLU_BWD_LOADS_AHEAD 2
 #endif
 
+// Timing experiments only (never in a shipped build; wrong results): the plain bf16 epilogues (rows:
+// FPROP W2, DGRAD W13; bf16-overwrite WGRAD) do all their work but 1: store nothing (every row
+// pointer null, decided at run time so the work stays), 2: store every tile into the output's first
+// 64 rows (the same lines stay in L2: what the stores' DRAM traffic costs).
+#ifndef POISE_EPILOGUE_STORES_FOR_TIMING
+#define POISE_EPILOGUE_STORES_FOR_TIMING 0
+#endif
+template <class T>
+__device__ __forceinline__ T* timing_store_target(T* real, T* base, int64_t row_elems, int64_t col, int slab_row) {
+  if constexpr (POISE_EPILOGUE_STORES_FOR_TIMING == 1) return row_elems > 0 ? nullptr : real;
+  if constexpr (POISE_EPILOGUE_STORES_FOR_TIMING == 2) return real ? base + slab_row * row_elems + col : nullptr;
+  return real;
+}
+
 // Where one thread's accumulators sit in its warpgroup's 64-row slab:
 // d[4j + 2h + c] is slab row `row + 8h`, column 8j + 2*quad + c.
 struct Fragment {
@@ -237,9 +251,10 @@ struct RowsStoreEpilogue {
     }
     if constexpr (POISE_DIRECT_STORES) {
       const int32_t n_first = tile.n_block * kBlockN;
-      __nv_bfloat16* const row_ptr[2] = {reinterpret_cast<__nv_bfloat16*>(rows.at(out_RN, N, n_first, fr.row)),
-                                         reinterpret_cast<__nv_bfloat16*>(rows.at(out_RN, N, n_first, fr.row + 8))};
-      store_bf16_rows_direct<kBlockN>(d, thread % 32, row_ptr, scale, min(kBlockN, N - n_first));
+      auto row = [&](int r) {
+        return timing_store_target(reinterpret_cast<__nv_bfloat16*>(rows.at(out_RN, N, n_first, r)), out_RN, N, n_first, r);
+      };
+      store_bf16_rows_direct<kBlockN>(d, thread, buf, row, scale, min(kBlockN, N - n_first));
     } else {
       store_staged<kBlockN>(d, tile, consumer, thread, buf, fr, rows, scale);
     }
@@ -488,15 +503,14 @@ struct WgradStoreEpilogue {
   // kBf16Overwrite: packs the tile for the kernel to store during the next tile's mainloop.
   template <int kBlockN>
   __device__ __forceinline__ void store(const float (&d)[kBlockN / 2], const TileInfo& tile, int consumer,
-                                        int thread, uint8_t*, PendingRows<kBlockN>& pending) const {
-    const Fragment fr(thread);
+                                        int thread, uint8_t* buf, PendingRows<kBlockN>& pending) const {
     const bool replica = tile.expert >= first_replica;
     __nv_bfloat16* const out = static_cast<__nv_bfloat16*>(replica ? replica_out_EMN : out_EMN);
     const int32_t m0 = tile.m_block * kTileM + 64 * consumer;
     const int64_t first = int64_t(tile.expert - (replica ? first_replica : 0)) * M + m0;
     const int32_t valid = M - m0, n_first = tile.n_block * kBlockN;
-    auto row = [&](int r) { return r < valid ? out + (first + r) * N + n_first : nullptr; };
-    pending.pack(d, thread % 32, row(fr.row), row(fr.row + 8), min(kBlockN, N - n_first));
+    auto row = [&](int r) { return timing_store_target(r < valid ? out + (first + r) * N + n_first : nullptr, out, N, n_first, r); };
+    pending.pack(d, thread, buf, row, min(kBlockN, N - n_first));
   }
 
   template <int kBlockN>
@@ -542,9 +556,8 @@ struct WgradStoreEpilogue {
       __nv_bfloat16* out = static_cast<__nv_bfloat16*>(target);
       const int32_t n_first = tile.n_block * kBlockN;
       auto row = [&](int r) { return r < valid ? out + (first + r) * N + n_first : nullptr; };
-      __nv_bfloat16* const row_ptr[2] = {row(fr.row), row(fr.row + 8)};
       const float one[2] = {1.0f, 1.0f};
-      store_bf16_rows_direct<kBlockN>(d, thread % 32, row_ptr, one, min(kBlockN, N - n_first));
+      store_bf16_rows_direct<kBlockN>(d, thread, buf, row, one, min(kBlockN, N - n_first));
     } else {
       __nv_bfloat16* out = static_cast<__nv_bfloat16*>(target);
 #pragma unroll 1

@@ -36,4 +36,12 @@ __device__ __forceinline__ uint4 ld_shared_v4_b32(uint32_t addr) {
   return v;
 }
 
+// stmatrix: four 8 x 8 b16 matrices, one 32-bit register of each per lane in the mma fragment layout
+// (lane l: row l / 4, elements 2 (l % 4), + 1); lanes 8k .. 8k + 7 give the row addresses of matrix k.
+__device__ __forceinline__ void stmatrix_x4(uint32_t addr, uint32_t m0, uint32_t m1, uint32_t m2, uint32_t m3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(m0), "r"(m1),
+               "r"(m2), "r"(m3)
+               : "memory");
+}
+
 }  // namespace poise::sm90::ptx
