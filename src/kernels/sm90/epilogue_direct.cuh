@@ -121,7 +121,8 @@ struct ShuffledPendingRows {
   // Packs d (a 64 x kBlockN fragment) and its first `cols` columns; row(r): column 0 of slab row r
   // (nullptr: not written). The staging buffer is not used.
   template <class RowPtr>
-  __device__ __forceinline__ void pack(const float (&d)[kBlockN / 2], int thread, uint8_t*, RowPtr&& row, int cols) {
+  __device__ __forceinline__ void pack(const float (&d)[kBlockN / 2], int thread, uint8_t*, RowPtr&& row, int cols,
+                                       int32_t) {
     const int lane = thread % 32, fragment_row = 16 * (thread / 32) + lane / 4;
 #pragma unroll
     for (int m = 0; m < kBlocks; ++m) {
@@ -212,14 +213,20 @@ template <int kBlockN>
 struct WarpStagedPendingRows {
   static constexpr int kChunks = kBlockN / 64;
   uint4 v[kChunks][4];
-  __nv_bfloat16* row_ptr[4];  // column 0 of the tile in warp rows warp_staged_row(p) (nullptr: not written)
-  int columns = 0;            // columns pending (a multiple of 64); 0: none
+  // Few registers, held through the next tile's K loop (four row pointers made the rows-as-M kernel
+  // spill): the lane's rows are 4 apart in the output, so one pointer, the row stride, and which
+  // of the four are written.
+  __nv_bfloat16* first_row_ptr;  // column 0 of the tile in warp row warp_staged_row(0)
+  int32_t row_elems;             // output row stride (elements)
+  int32_t rows_mask;             // bit p: row warp_staged_row(p) is written
+  int columns = 0;               // columns pending (a multiple of 64); 0: none
 
   template <int kPiece>
   __device__ __forceinline__ void store_piece(int lane) const {
     constexpr int c = kPiece / 4, p = kPiece % 4;
     if (64 * c >= columns) return;
-    if (row_ptr[p]) *reinterpret_cast<uint4*>(row_ptr[p] + 64 * c + 8 * warp_staged_unit(lane)) = v[c][p];
+    if (rows_mask & (1 << p))
+      *reinterpret_cast<uint4*>(first_row_ptr + int64_t(4 * p) * row_elems + 64 * c + 8 * warp_staged_unit(lane)) = v[c][p];
   }
   template <int kParts>
   __device__ __forceinline__ void flush_part(int part, int lane) const {
@@ -238,18 +245,24 @@ struct WarpStagedPendingRows {
     }(std::make_integer_sequence<int, 4 * kChunks>{});
   }
 
+  // Packs d; row(r): column 0 of the tile in slab row r (nullptr: not written), affine in r with
+  // stride `stride` elements wherever it is not null (weight rows).
   template <class RowPtr>
-  __device__ __forceinline__ void pack(const float (&d)[kBlockN / 2], int thread, uint8_t* buf, RowPtr&& row, int cols) {
+  __device__ __forceinline__ void pack(const float (&d)[kBlockN / 2], int thread, uint8_t* buf, RowPtr&& row, int cols,
+                                       int32_t stride) {
     const int lane = thread % 32, warp_row = 16 * (thread / 32);
     const uint32_t wbuf = warp_staging(buf, thread);
-    const float one[2] = {1.0f, 1.0f};
+    const float scale[2] = {1.0f, 1.0f};
 #pragma unroll
     for (int c = 0; c < kChunks; ++c) {
       if (64 * c >= cols) break;  // uniform across the warp
-      warp_stage_chunk(d, c, one, wbuf, lane, v[c]);
+      warp_stage_chunk(d, c, scale, wbuf, lane, v[c]);
     }
+    first_row_ptr = row(warp_row + warp_staged_row(0, lane));
+    row_elems = stride;
+    rows_mask = 0;
 #pragma unroll
-    for (int p = 0; p < 4; ++p) row_ptr[p] = row(warp_row + warp_staged_row(p, lane));
+    for (int p = 0; p < 4; ++p) rows_mask |= row(warp_row + warp_staged_row(p, lane)) ? 1 << p : 0;
     columns = cols;
   }
 };

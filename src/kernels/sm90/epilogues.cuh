@@ -227,7 +227,9 @@ struct SwigluFpropEpilogue {
 // Row-major bf16 store of grouped rows (FPROP W2 -> y_RD, DGRAD W13 -> grad_x_RD), optionally
 // scaled per row by an fp32 routing score.
 struct RowsStoreEpilogue {
-  static constexpr int kDeferredParts = 0;  // stores at the end of its own tile
+  // Stores at the end of its own tile: deferred into the next tile's K blocks like the wgrad stores,
+  // it measured 1% slower (performance.md v20d).
+  static constexpr int kDeferredParts = 0;
   static constexpr int kStagingBuffers = 1;
   static constexpr int kRingStages = 0;  // stages through its own buffer (grouped_gemm.cuh)
   static constexpr bool kPairedTiles = true;  // 2-CTA clusters with multicast (grouped_gemm.cuh)
@@ -510,7 +512,7 @@ struct WgradStoreEpilogue {
     const int64_t first = int64_t(tile.expert - (replica ? first_replica : 0)) * M + m0;
     const int32_t valid = M - m0, n_first = tile.n_block * kBlockN;
     auto row = [&](int r) { return timing_store_target(r < valid ? out + (first + r) * N + n_first : nullptr, out, N, n_first, r); };
-    pending.pack(d, thread, buf, row, min(kBlockN, N - n_first));
+    pending.pack(d, thread, buf, row, min(kBlockN, N - n_first), N);
   }
 
   template <int kBlockN>
