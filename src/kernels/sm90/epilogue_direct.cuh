@@ -1,14 +1,18 @@
-// Direct epilogue stores: a consumer warpgroup's accumulators leave as bf16 rows straight from
-// registers, without shared-memory staging. In the cooperative 128 x 256 mainloop the TMA fill and
-// the two warpgroups' wgmma reads already take about the whole shared-memory bandwidth (~125 of 128
-// bytes per cycle), so staging an epilogue through shared memory (write, then TMA read) adds its
-// bytes to the tile's time instead of overlapping the next tile (performance.md, v13 / v14).
+// Direct epilogue stores: a consumer warpgroup's accumulators leave as bf16 rows from registers,
+// without a TMA store. In the cooperative 128 x 256 mainloop the TMA fill and the two warpgroups'
+// wgmma reads already take about the whole shared-memory bandwidth (~125 of 128 bytes per cycle),
+// so staging a whole tile through shared memory for a TMA store adds its bytes to the tile's time
+// (performance.md, v13 / v14).
 //
-// Fragment (ptx/wgmma.cuh): lane quad q of a warp holds, for each of its two rows, columns
-// 8j + 2q, 8j + 2q + 1 of every 8-column group j. Four groups (64 bytes of a row) are transposed
-// among the quad's lanes so that lane q holds group 4m + q whole; each lane then stores 16 bytes
-// and one warp instruction writes 8 rows x 64 contiguous bytes (whole 32-byte sectors; storing
-// the fragment as is wrote 4 bytes per lane, half sectors: v1).
+// Warp-staged (v20a): the wgmma fragment (ptx/wgmma.cuh: lane l holds, for rows l / 4 and + 8 of its
+// warp's 16, columns 8j + 2 (l % 4), + 1 of every 8-column group j) is stmatrix's layout. A warp
+// writes its 16 rows x 64 columns (one chunk) as bf16 with four stmatrix into a 2 KiB warp-private
+// buffer and reads them back as whole 128-byte row pieces: lane L gets 16-byte unit L % 8 of the
+// warp's rows 4p + L / 8, p = 0..3, and each warp store writes 4 whole 128-byte lines. Per 16 bytes
+// that is a quarter stmatrix, one load and one store; the quad shuffle transposes it replaced took
+// ~40 instructions (3 shuffles, ~16 selects, predicate shuffling; 0.4-1.3% slower). Only __syncwarp
+// orders the buffer. Rows are 128 bytes apart with unit u of row r at u ^ (r % 8): conflict-free
+// for both sides. (Storing the fragment as is wrote 4 bytes per lane, half sectors: v1.)
 #pragma once
 
 #include <cuda_bf16.h>
@@ -19,134 +23,11 @@
 
 namespace poise::sm90 {
 
-// w[i & 3] with selects (a dynamic register index would go through local memory).
-__device__ __forceinline__ uint32_t select_word(const uint32_t (&w)[4], int i) {
-  const uint32_t lo = (i & 1) ? w[1] : w[0];
-  const uint32_t hi = (i & 1) ? w[3] : w[2];
-  return (i & 2) ? hi : lo;
-}
-
-// In: w[k] = this lane's word of group k (of four). Out: the four words of group `quad`, in lane
-// order (lane k's word is word k). Round r: every lane sends its word for the group of lane
-// quad + r and receives, from lane quad - r, that lane's word for this lane's group.
-__device__ __forceinline__ uint4 quad_transpose(const uint32_t (&w)[4], int lane) {
-  const int quad = lane & 3;
-  uint32_t got[4];  // got[r]: word of lane (quad - r) & 3
-#pragma unroll
-  for (int r = 0; r < 4; ++r) {
-    const uint32_t sent = select_word(w, quad + r);
-    got[r] = r == 0 ? sent : __shfl_sync(0xffffffffu, sent, (lane & ~3) | ((quad - r) & 3));
-  }
-  // out[k] = got[(quad - k) & 3]: rotate by quad.
-  uint32_t out[4];
-#pragma unroll
-  for (int k = 0; k < 4; ++k) out[k] = select_word(got, quad - k);
-  return make_uint4(out[0], out[1], out[2], out[3]);
-}
-
 __device__ __forceinline__ uint32_t bf16x2_bits(float lo, float hi) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
-// This lane's 16 bytes of columns 8 (4m + quad) .. + 7 in fragment row `row + 8h` of d (a
-// 64 x kBlockN fragment, ptx/wgmma.cuh) as bf16, scaled by `scale`.
-template <int kN>
-__device__ __forceinline__ uint4 pack_row_segment(const float (&d)[kN], int m, int h, float scale, int lane) {
-  uint32_t w[4];
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    const int a = 4 * (4 * m + k) + 2 * h;
-    w[k] = bf16x2_bits(d[a] * scale, d[a + 1] * scale);
-  }
-  return quad_transpose(w, lane);
-}
-
-// Stores d as bf16, scaled per row half by scale[h] (fragment rows `row + 8h`); row(r): column 0 of
-// the tile in slab row r (nullptr: the row is not written); only the first `columns` columns are
-// stored (a multiple of 64). The staging buffer is not used.
-template <int kBlockN, class RowPtr>
-__device__ __forceinline__ void store_bf16_rows_shuffled(const float (&d)[kBlockN / 2], int thread, uint8_t*,
-                                                         RowPtr&& row, const float (&scale)[2], int columns) {
-  const int lane = thread % 32, fragment_row = 16 * (thread / 32) + lane / 4;
-  __nv_bfloat16* const row_ptr[2] = {row(fragment_row), row(fragment_row + 8)};
-#pragma unroll
-  for (int m = 0; m < kBlockN / 32; ++m) {
-    if (32 * m >= columns) break;  // uniform across the warp: shuffles stay converged
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const uint4 v = pack_row_segment(d, m, h, scale[h], lane);
-      if (row_ptr[h]) *reinterpret_cast<uint4*>(row_ptr[h] + 8 * (4 * m + (lane & 3))) = v;
-    }
-  }
-}
-
-// A warpgroup's tile packed as bf16 rows for direct stores, held in registers while the next
-// tile's mainloop starts: v[m][h] is this lane's 16 bytes of columns 8 (4m + quad) .. + 7 in
-// fragment row `row + 8h`. Epilogues with kDeferredParts > 0 pack into it instead of storing;
-// the kernel stores part p (every m with m % kParts == p) right after issuing the wgmmas of the
-// next tile's K block p, so the stores drain while the tensor cores work (grouped_gemm.cuh).
-template <int kBlockN>
-struct ShuffledPendingRows {
-  static constexpr int kBlocks = kBlockN / 32;
-  uint4 v[kBlocks][2];
-  __nv_bfloat16* row_ptr[2];  // column 0 of the tile in rows row, row + 8 (nullptr: not written)
-  int columns = 0;            // columns pending (a multiple of 32); 0: none
-
-  template <int kBlock>
-  __device__ __forceinline__ void store_block(int lane) const {
-    if (32 * kBlock >= columns) return;
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-      if (row_ptr[h]) *reinterpret_cast<uint4*>(row_ptr[h] + 8 * (4 * kBlock + (lane & 3))) = v[kBlock][h];
-  }
-  // Stores the blocks of part `part` (of kParts).
-  template <int kParts>
-  __device__ __forceinline__ void flush_part(int part, int lane) const {
-    flush_if<kParts>(lane, [&](int p) { return p == part; });
-  }
-  // Stores the blocks of parts [first_part, kParts); then nothing is pending.
-  template <int kParts>
-  __device__ __forceinline__ void flush_from(int first_part, int lane) {
-    flush_if<kParts>(lane, [&](int p) { return p >= first_part; });
-    columns = 0;
-  }
-  template <int kParts, class Pick>
-  __device__ __forceinline__ void flush_if(int lane, Pick&& pick) const {
-    [&]<int... kBlock>(std::integer_sequence<int, kBlock...>) {
-      ((pick(kBlock % kParts) ? store_block<kBlock>(lane) : void()), ...);
-    }(std::make_integer_sequence<int, kBlocks>{});
-  }
-
-  // Packs d (a 64 x kBlockN fragment) and its first `cols` columns; row(r): column 0 of slab row r
-  // (nullptr: not written). The staging buffer is not used.
-  template <class RowPtr>
-  __device__ __forceinline__ void pack(const float (&d)[kBlockN / 2], int thread, uint8_t*, RowPtr&& row, int cols,
-                                       int32_t) {
-    const int lane = thread % 32, fragment_row = 16 * (thread / 32) + lane / 4;
-#pragma unroll
-    for (int m = 0; m < kBlocks; ++m) {
-      if (32 * m >= cols) break;  // uniform across the warp: shuffles stay converged
-#pragma unroll
-      for (int h = 0; h < 2; ++h) v[m][h] = pack_row_segment(d, m, h, 1.0f, lane);
-    }
-    row_ptr[0] = row(fragment_row);
-    row_ptr[1] = row(fragment_row + 8);
-    columns = cols;
-  }
-};
-
-// Warp-staged direct stores (POISE_WARP_STAGED_STORES, the default): instead of quad shuffles, a
-// warp writes its 16 fragment rows x 64 columns (one chunk) as bf16 into a 2 KiB warp-private
-// shared-memory buffer with four stmatrix (the wgmma fragment is stmatrix's layout), and reads them
-// back as whole 128-byte row pieces: lane L gets 16-byte unit L % 8 of the warp's rows 4p + L / 8,
-// p = 0..3, and each warp store writes 4 whole 128-byte lines. Per 16 bytes that is one stmatrix
-// share, one load and one store instead of 3 shuffles, ~16 selects and predicate shuffling (~40
-// instructions, most of a short-K tile's epilogue); only __syncwarp orders the buffer. Rows are
-// 128 bytes apart with unit u of row r at u ^ (r % 8): conflict-free for both sides.
-#ifndef POISE_WARP_STAGED_STORES
-#define POISE_WARP_STAGED_STORES 1
-#endif
 inline constexpr int kWarpStagingBytes = 16 * 128;
 
 // Row (of the warp's 16) of this lane's piece p of a warp-staged chunk, and the piece's 16-byte unit.
@@ -187,10 +68,12 @@ __device__ __forceinline__ uint32_t warp_staging(uint8_t* warpgroup_buf, int thr
   return ptx::shared_address(warpgroup_buf) + (thread / 32) * kWarpStagingBytes;
 }
 
-// store_bf16_rows_shuffled's contract, through the warp's staging buffer.
+// Stores d (a 64 x kBlockN fragment) as bf16, scaled per fragment row half by scale[h], through the
+// warp's part of the warpgroup's staging buffer `buf`; row(r): column 0 of the tile in slab row r
+// (nullptr: the row is not written); only the first `columns` columns are stored (a multiple of 64).
 template <int kBlockN, class RowPtr>
-__device__ __forceinline__ void store_bf16_rows_warp_staged(const float (&d)[kBlockN / 2], int thread, uint8_t* buf,
-                                                            RowPtr&& row, const float (&scale)[2], int columns) {
+__device__ __forceinline__ void store_bf16_rows_direct(const float (&d)[kBlockN / 2], int thread, uint8_t* buf,
+                                                       RowPtr&& row, const float (&scale)[2], int columns) {
   const int lane = thread % 32, warp_row = 16 * (thread / 32);
   const uint32_t wbuf = warp_staging(buf, thread);
   __nv_bfloat16* row_ptr[4];
@@ -207,15 +90,17 @@ __device__ __forceinline__ void store_bf16_rows_warp_staged(const float (&d)[kBl
   }
 }
 
-// ShuffledPendingRows' contract (the tile's rows held in registers, stored in kParts parts during
-// the next tile's K blocks), packed through the warp's staging buffer: v[c][p] is piece p of chunk c.
+// A warpgroup's tile packed as bf16 rows, held in registers while the next tile's mainloop starts:
+// v[c][p] is this lane's piece p of chunk c. Epilogues with kDeferredParts > 0 pack into it instead
+// of storing; the kernel stores part q (pieces i with i % kParts == q) right after issuing the wgmmas
+// of the next tile's K block q, so the stores drain while the tensor cores work (grouped_gemm.cuh).
 template <int kBlockN>
-struct WarpStagedPendingRows {
+struct PendingRows {
   static constexpr int kChunks = kBlockN / 64;
   uint4 v[kChunks][4];
-  // Few registers, held through the next tile's K loop (four row pointers made the rows-as-M kernel
-  // spill): the lane's rows are 4 apart in the output, so one pointer, the row stride, and which
-  // of the four are written.
+  // Few registers, held through the next tile's K loop (four row pointers cost wgrad 1.4-2%,
+  // performance.md v20d): the lane's rows are 4 apart in the output, so one pointer, the row
+  // stride, and which of the four are written.
   __nv_bfloat16* first_row_ptr;  // column 0 of the tile in warp row warp_staged_row(0)
   int32_t row_elems;             // output row stride (elements)
   int32_t rows_mask;             // bit p: row warp_staged_row(p) is written
@@ -228,10 +113,12 @@ struct WarpStagedPendingRows {
     if (rows_mask & (1 << p))
       *reinterpret_cast<uint4*>(first_row_ptr + int64_t(4 * p) * row_elems + 64 * c + 8 * warp_staged_unit(lane)) = v[c][p];
   }
+  // Stores the pieces of part `part` (of kParts).
   template <int kParts>
   __device__ __forceinline__ void flush_part(int part, int lane) const {
     flush_if<kParts>(lane, [&](int q) { return q == part; });
   }
+  // Stores the pieces of parts [first_part, kParts); then nothing is pending.
   template <int kParts>
   __device__ __forceinline__ void flush_from(int first_part, int lane) {
     flush_if<kParts>(lane, [&](int q) { return q >= first_part; });
@@ -245,8 +132,9 @@ struct WarpStagedPendingRows {
     }(std::make_integer_sequence<int, 4 * kChunks>{});
   }
 
-  // Packs d; row(r): column 0 of the tile in slab row r (nullptr: not written), affine in r with
-  // stride `stride` elements wherever it is not null (weight rows).
+  // Packs d's first `cols` columns through the warp's staging buffer; row(r): column 0 of the tile
+  // in slab row r (nullptr: not written), affine in r with stride `stride` elements wherever it is
+  // not null (weight rows).
   template <class RowPtr>
   __device__ __forceinline__ void pack(const float (&d)[kBlockN / 2], int thread, uint8_t* buf, RowPtr&& row, int cols,
                                        int32_t stride) {
@@ -266,23 +154,5 @@ struct WarpStagedPendingRows {
     columns = cols;
   }
 };
-
-#if POISE_WARP_STAGED_STORES
-template <int kBlockN>
-using PendingRows = WarpStagedPendingRows<kBlockN>;
-template <int kBlockN, class RowPtr>
-__device__ __forceinline__ void store_bf16_rows_direct(const float (&d)[kBlockN / 2], int thread, uint8_t* buf,
-                                                       RowPtr&& row, const float (&scale)[2], int columns) {
-  store_bf16_rows_warp_staged<kBlockN>(d, thread, buf, row, scale, columns);
-}
-#else
-template <int kBlockN>
-using PendingRows = ShuffledPendingRows<kBlockN>;
-template <int kBlockN, class RowPtr>
-__device__ __forceinline__ void store_bf16_rows_direct(const float (&d)[kBlockN / 2], int thread, uint8_t* buf,
-                                                       RowPtr&& row, const float (&scale)[2], int columns) {
-  store_bf16_rows_shuffled<kBlockN>(d, thread, buf, row, scale, columns);
-}
-#endif
 
 }  // namespace poise::sm90

@@ -76,10 +76,6 @@ __device__ __forceinline__ void move_accumulators(float (&d)[kN]) {
   for (int i = 0; i < kCount; ++i) d[kTo + i] = d[kFrom + i];
 }
 
-__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&v);
-}
 __device__ __forceinline__ float bf16_lo(uint32_t v) { return __uint_as_float(v << 16); }
 __device__ __forceinline__ float bf16_hi(uint32_t v) { return __uint_as_float(v & 0xffff0000u); }
 
@@ -141,7 +137,7 @@ struct SwigluFpropEpilogue {
 #pragma unroll
       for (int h = 0; h < 2; ++h)
         stage_put_u32(buf, fr.row + 8 * h, (8 * jj + 2 * fr.quad) * 2,
-                      pack_bf16x2(d[kFirst + 4 * jj + 2 * h], d[kFirst + 4 * jj + 2 * h + 1]));
+                      bf16x2_bits(d[kFirst + 4 * jj + 2 * h], d[kFirst + 4 * jj + 2 * h + 1]));
   }
 
   template <int kBlockN, bool kClamped, class Ring>
@@ -171,7 +167,7 @@ struct SwigluFpropEpilogue {
             for (int h = 0; h < 2; ++h) {
               const float a0 = swiglu_forward<kClamped>(d[4 * jj + 2 * h], d[kUp + 4 * jj + 2 * h], act);
               const float a1 = swiglu_forward<kClamped>(d[4 * jj + 2 * h + 1], d[kUp + 4 * jj + 2 * h + 1], act);
-              stage_put_u32(buf_a, fr.row + 8 * h, (8 * jj + 2 * fr.quad) * 2, pack_bf16x2(a0, a1));
+              stage_put_u32(buf_a, fr.row + 8 * h, (8 * jj + 2 * fr.quad) * 2, bf16x2_bits(a0, a1));
             }
           if (h13_R2F) {
             stage_h13_piece<0>(d, fr, buf_first);
@@ -277,7 +273,7 @@ struct RowsStoreEpilogue {
 #pragma unroll
         for (int h = 0; h < 2; ++h)
           stage_put_u32(buf, fr.row + 8 * h, (8 * jj + 2 * fr.quad) * 2,
-                        pack_bf16x2(d[4 * j + 2 * h] * scale[h], d[4 * j + 2 * h + 1] * scale[h]));
+                        bf16x2_bits(d[4 * j + 2 * h] * scale[h], d[4 * j + 2 * h + 1] * scale[h]));
       }
       emit_staged(buf, consumer, thread, rows.whole(), &out_map, n0, rows.first_row,
                   [&](int r) { return rows.at(out_RN, N, n0, r); });
@@ -431,13 +427,13 @@ struct SwigluDgradEpilogue {
             if (row_ok[h]) score_grad[h] += acc * a[cc];
           }
           if (!interleaved) {
-            stage_put_u32(lo_buf, row, lo_col, pack_bf16x2(gg[0], gg[1]));
-            stage_put_u32(hi_buf, row, hi_col, pack_bf16x2(gu[0], gu[1]));
+            stage_put_u32(lo_buf, row, lo_col, bf16x2_bits(gg[0], gg[1]));
+            stage_put_u32(hi_buf, row, hi_col, bf16x2_bits(gu[0], gu[1]));
           } else {
-            stage_put_u32(lo_buf, row, lo_col, pack_bf16x2(gg[0], gu[0]));
-            stage_put_u32(hi_buf, row, hi_col, pack_bf16x2(gg[1], gu[1]));
+            stage_put_u32(lo_buf, row, lo_col, bf16x2_bits(gg[0], gu[0]));
+            stage_put_u32(hi_buf, row, hi_col, bf16x2_bits(gg[1], gu[1]));
           }
-          stage_put_u32(buf_a, row, (8 * jj + 2 * fr.quad) * 2, pack_bf16x2(s[h] * a[0], s[h] * a[1]));
+          stage_put_u32(buf_a, row, (8 * jj + 2 * fr.quad) * 2, bf16x2_bits(s[h] * a[0], s[h] * a[1]));
         }
         POISE_PHASE(const long long m0 = clock64();)
         const int32_t col1 = first_col(fc), col2 = second_col(fc);
@@ -572,7 +568,7 @@ struct WgradStoreEpilogue {
           const int j = jj;
 #pragma unroll
           for (int h = 0; h < 2; ++h)
-            stage_put_u32(buf, fr.row + 8 * h, (8 * jj + 2 * fr.quad) * 2, pack_bf16x2(d[4 * j + 2 * h], d[4 * j + 2 * h + 1]));
+            stage_put_u32(buf, fr.row + 8 * h, (8 * jj + 2 * fr.quad) * 2, bf16x2_bits(d[4 * j + 2 * h], d[4 * j + 2 * h + 1]));
         }
         auto dst = [&](int r) { return r < valid ? reinterpret_cast<uint8_t*>(out + (first + r) * N + n0) : nullptr; };
         if (accumulate) {
@@ -581,7 +577,7 @@ struct WgradStoreEpilogue {
             uint32_t in[4] = {v.x, v.y, v.z, v.w}, old[4] = {o.x, o.y, o.z, o.w}, res[4];
 #pragma unroll
             for (int i = 0; i < 4; ++i)
-              res[i] = pack_bf16x2(bf16_lo(in[i]) + bf16_lo(old[i]), bf16_hi(in[i]) + bf16_hi(old[i]));
+              res[i] = bf16x2_bits(bf16_lo(in[i]) + bf16_lo(old[i]), bf16_hi(in[i]) + bf16_hi(old[i]));
             return make_uint4(res[0], res[1], res[2], res[3]);
           });
         } else {
