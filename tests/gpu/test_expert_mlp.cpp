@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 #include <tuple>
 #include <cuda_runtime_api.h>
@@ -560,6 +561,56 @@ TEST(ExpertMlpReplicas, SplitWeightsEqualOneBufferBitwise) {
   };
   check_wgrad(one.gw2, split.gw2, split.rep_gw2, prior_w2, w2_n, "grad_w2");
   check_wgrad(one.gw13, split.gw13, split.rep_gw13, prior_w13, w13_n, "grad_w13");
+}
+
+// One wgrad launch writing fp32 gradients for the own experts and bf16 ones for the replicas: the
+// general wgrad kernel then runs TMA-staged fp32 tiles and direct bf16 tiles, whose warp staging
+// reuses the buffer the fp32 tiles' TMA stores read from (D = 2048, F = 512: 160-320 tiles, so
+// clusters run several and cross from own to replica experts). The own gradients must equal a one-buffer fp32 run bit
+// for bit, the replicas a one-buffer bf16 run (the bf16-overwrite kernel), an empty replica slot
+// keeps its poison.
+TEST(ExpertMlpReplicas, Fp32OwnAndBf16ReplicaGradientsInOneLaunch) {
+  if (!have_sm90()) GTEST_SKIP() << "needs an SM90 GPU";
+  // Experts 0-2 own, 3-5 replicas; replica 3 has no rows.
+  Fixture fx(Case{"mixed_wgrad", {300, 77, 129, 0, 200, 64}, 2048, 512, W13Layout::gate_up_blocked, false, 53});
+  const int64_t D = fx.cs.D, F = fx.cs.F, E = fx.E(), own = 3, reps = E - own;
+  Rng rng(53);
+  DeviceBuffer<uint16_t> gy(random_rows(rng, fx.l, D, 1.0f)), a(random_rows(rng, fx.l, F, 1.0f)),
+      gh(random_rows(rng, fx.l, 2 * F, 1.0f)), x(random_rows(rng, fx.l, D, 1.0f));
+  GroupedRows split_rows = fx.rows;
+  split_rows.first_replica = own;
+  for (const bool w13 : {false, true}) {
+    SCOPED_TRACE(w13 ? "wgrad_w13" : "wgrad_w2");
+    const int64_t per_expert = w13 ? 2 * F * D : D * F;
+    auto launch = [&](const GroupedRows& rows, const sm90::WgradOutput& out) {
+      if (w13) sm90::expert_mlp_wgrad_w13(rows, fx.shape, gh.ptr, x.ptr, out, nullptr);
+      else sm90::expert_mlp_wgrad_w2(rows, fx.shape, gy.ptr, a.ptr, out, nullptr);
+      cuda_ok(cudaDeviceSynchronize(), "wgrad");
+    };
+    DeviceBuffer<float> ref32(std::vector<float>(E * per_expert, fp32_poison()));
+    DeviceBuffer<uint16_t> ref16(std::vector<uint16_t>(E * per_expert, kBf16Poison));
+    launch(fx.rows, {ref32.ptr, DType::fp32, false});
+    launch(fx.rows, {ref16.ptr, DType::bf16, false});
+    DeviceBuffer<float> own32(std::vector<float>(own * per_expert, fp32_poison()));
+    DeviceBuffer<uint16_t> rep16(std::vector<uint16_t>(reps * per_expert, kBf16Poison));
+    launch(split_rows, {own32.ptr, DType::fp32, false, rep16.ptr, DType::bf16});
+
+    const auto want32 = ref32.download(), got32 = own32.download();
+    const auto want16 = ref16.download(), got16 = rep16.download();
+    int64_t own_bad = 0, rep_bad = 0, poison_lost = 0;
+    for (int64_t i = 0; i < own * per_expert; ++i) own_bad += std::memcmp(&got32[i], &want32[i], 4) != 0;
+    for (int64_t e = 0; e < reps; ++e) {
+      const bool empty = fx.cs.counts[own + e] == 0;
+      for (int64_t i = 0; i < per_expert; ++i) {
+        const uint16_t v = got16[e * per_expert + i];
+        if (empty) poison_lost += v != kBf16Poison;
+        else rep_bad += v != want16[(own + e) * per_expert + i];
+      }
+    }
+    EXPECT_EQ(own_bad, 0) << "own fp32 gradients != the one-buffer fp32 run";
+    EXPECT_EQ(rep_bad, 0) << "replica bf16 gradients != the one-buffer bf16 run";
+    EXPECT_EQ(poison_lost, 0) << "an empty replica slot was written";
+  }
 }
 
 // A graph captured once replays for any routing: change counts/offsets on the device, replay.

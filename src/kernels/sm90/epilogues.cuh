@@ -551,6 +551,9 @@ struct WgradStoreEpilogue {
         move_accumulators<0, 16, kBlockN / 2 - 16>(d);
       }
     } else if (POISE_DIRECT_STORES && !accumulate) {
+      // The direct stores pass through the staging buffer too: an earlier tile's TMA stores (fp32
+      // or accumulated targets in this kernel) may still be reading it.
+      acquire_staging(consumer, thread);
       __nv_bfloat16* out = static_cast<__nv_bfloat16*>(target);
       const int32_t n_first = tile.n_block * kBlockN;
       auto row = [&](int r) { return r < valid ? out + (first + r) * N + n_first : nullptr; };
