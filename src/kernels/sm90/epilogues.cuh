@@ -44,8 +44,8 @@ namespace poise::sm90 {
 #define POISE_SWIGLU_BWD_LOADS_AHEAD 2
 #endif
 
-// Timing experiments only (never in a shipped build; wrong results): the plain bf16 epilogues (rows:
-// FPROP W2, DGRAD W13; bf16-overwrite WGRAD) do all their work but 1: store nothing (every row
+// Timing experiments only (never in a shipped build; wrong results): the direct bf16 stores (rows:
+// FPROP W2, DGRAD W13; bf16-overwrite WGRAD tiles) do all their work but 1: store nothing (every row
 // pointer null, decided at run time so the work stays), 2: store every tile into the output's first
 // 64 rows (the same lines stay in L2: what the stores' DRAM traffic costs).
 #ifndef POISE_EPILOGUE_STORES_FOR_TIMING
@@ -498,30 +498,45 @@ struct WgradStoreEpilogue {
   int32_t replica_fp32;
   int32_t first_replica;  // num_experts when there are none
 
+  // Where a consumer warpgroup's 64 rows of a tile go: the replica's or the own target, its first
+  // row in the [E*M][N] view, and how many of the 64 rows are below M.
+  struct Slab {
+    bool replica;
+    int64_t first;
+    int32_t valid;
+  };
+  __device__ __forceinline__ Slab slab(const TileInfo& tile, int consumer) const {
+    const bool replica = tile.expert >= first_replica;
+    const int32_t m0 = tile.m_block * kTileM + 64 * consumer;
+    return {replica, int64_t(tile.expert - (replica ? first_replica : 0)) * M + m0, M - m0};
+  }
+  // The direct bf16 stores' row(r): column n_first of slab row r, nullptr past M.
+  __device__ __forceinline__ auto bf16_rows(const Slab& s, int32_t n_first) const {
+    __nv_bfloat16* const out = static_cast<__nv_bfloat16*>(s.replica ? replica_out_EMN : out_EMN);
+    return [this, s, out, n_first](int r) {
+      return timing_store_target(r < s.valid ? out + (s.first + r) * N + n_first : nullptr, out, N, n_first, r);
+    };
+  }
+
   // kBf16Overwrite: packs the tile for the kernel to store during the next tile's mainloop.
   template <int kBlockN>
   __device__ __forceinline__ void store(const float (&d)[kBlockN / 2], const TileInfo& tile, int consumer,
                                         int thread, uint8_t* buf, PendingRows<kBlockN>& pending) const {
-    const bool replica = tile.expert >= first_replica;
-    __nv_bfloat16* const out = static_cast<__nv_bfloat16*>(replica ? replica_out_EMN : out_EMN);
-    const int32_t m0 = tile.m_block * kTileM + 64 * consumer;
-    const int64_t first = int64_t(tile.expert - (replica ? first_replica : 0)) * M + m0;
-    const int32_t valid = M - m0, n_first = tile.n_block * kBlockN;
-    auto row = [&](int r) { return timing_store_target(r < valid ? out + (first + r) * N + n_first : nullptr, out, N, n_first, r); };
-    pending.pack(d, thread, buf, row, min(kBlockN, N - n_first), N);
+    const int32_t n_first = tile.n_block * kBlockN;
+    pending.pack(d, thread, buf, bf16_rows(slab(tile, consumer), n_first), min(kBlockN, N - n_first), N);
   }
 
   template <int kBlockN>
   __device__ __forceinline__ void store(float (&d)[kBlockN / 2], const TileInfo& tile, int consumer,
                                         int thread, uint8_t* buf) const {
     const Fragment fr(thread);
-    const bool replica = tile.expert >= first_replica;
+    const Slab sl = slab(tile, consumer);
+    const bool replica = sl.replica;
     const CUtensorMap* map = replica ? &replica_map : &out_map;
     void* const target = replica ? replica_out_EMN : out_EMN;
     const bool accumulate = replica ? false : this->accumulate != 0;
-    const int32_t m0 = tile.m_block * kTileM + 64 * consumer;
-    const int64_t first = int64_t(tile.expert - (replica ? first_replica : 0)) * M + m0;
-    const int32_t valid = M - m0;
+    const int64_t first = sl.first;
+    const int32_t valid = sl.valid;
     if (replica ? replica_fp32 : out_fp32) {
       float* out = static_cast<float*>(target);
 #pragma unroll 1
@@ -554,11 +569,9 @@ struct WgradStoreEpilogue {
       // The direct stores pass through the staging buffer too: an earlier tile's TMA stores (fp32
       // or accumulated targets in this kernel) may still be reading it.
       acquire_staging(consumer, thread);
-      __nv_bfloat16* out = static_cast<__nv_bfloat16*>(target);
       const int32_t n_first = tile.n_block * kBlockN;
-      auto row = [&](int r) { return r < valid ? out + (first + r) * N + n_first : nullptr; };
       const float one[2] = {1.0f, 1.0f};
-      store_bf16_rows_direct<kBlockN>(d, thread, buf, row, one, min(kBlockN, N - n_first));
+      store_bf16_rows_direct<kBlockN>(d, thread, buf, bf16_rows(sl, n_first), one, min(kBlockN, N - n_first));
     } else {
       __nv_bfloat16* out = static_cast<__nv_bfloat16*>(target);
 #pragma unroll 1
