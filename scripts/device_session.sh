@@ -15,6 +15,10 @@
 #     gemm_only  the six GEMMs alone, .carry/libpoise_expert_mlp_bench*.so (one line per build and
 #                CTA cluster size in $CLUSTERS, e.g. "1 2"; default: the built-in choice), the builds
 #                interleaved $ROUNDS times (default 1; A/B comparisons: 3, the card drifts ~3% per call)
+#     ncu        ncu source-level stall sampling of single GEMMs (see part_ncu)
+#     ncu_mem    ncu DRAM / L2 metrics of single GEMM launches (see part_ncu_mem)
+#     probe      power_probe.py A/B of every carried bench library (see part_probe)
+#     timeline   profile_gemm.py timeline: start spread of operand-sharing tiles (see part_timeline)
 #     phases     profile_gemm.py phases for every .carry/libpoise_expert_mlp_bench*phases*.so
 #                (scripts/build_bench_variant.sh NAME -DPOISE_PHASE_PROFILE=1) at both shapes
 set -uo pipefail
@@ -63,7 +67,7 @@ part_mlp() {
 part_gemm_only() {
   for round in $(seq "${ROUNDS:-1}"); do
   for lib in .carry/libpoise_expert_mlp_bench*.so; do
-    [[ "$lib" == *phases* ]] && continue
+    [[ "$lib" == *phases* || "$lib" == *timeline* ]] && continue
     for cluster in ${CLUSTERS:-default}; do
       local label; label="$(basename "$lib" .so) cluster=$cluster"
       [ "$cluster" = default ] && cluster=""
@@ -80,6 +84,62 @@ part_phases() {
       PYTHONUNBUFFERED=1 timeout 100 python3 bench/expert_mlp/profile_gemm.py "$lib" "$shape" phases 20 2>&1
     done
   done | tee -a "$OUT/phases.log"
+}
+# ncu source-level warp-state sampling of single GEMMs ($NCU_SHAPE, default Qwen3; $NCU_GEMMS,
+# default the four short-K ones; $NCU_LIB, default the base build): per GEMM the SASS with its stall
+# samples as gzipped CSV ($OUT/ncu_src_LIBTAG_SHAPE_GEMM.csv.gz), the sections' text in $OUT/ncu.log.
+part_ncu() {
+  local lib=${NCU_LIB:-.carry/libpoise_expert_mlp_bench_base.so} shape=${NCU_SHAPE:-qwen3_30b_a3b}
+  local tag; tag=$(basename "$lib" .so); tag=${tag#libpoise_expert_mlp_bench}; tag=${tag#_}
+  ncu --version | tail -1 >> "$OUT/ncu.log"
+  for gemm in ${NCU_GEMMS:-dgrad_w2 fprop_w13 wgrad_w13 fprop_w2}; do
+    local rep=/tmp/ncu_${tag}_${shape}_${gemm}
+    timeout 240 ncu --clock-control none --kernel-name regex:grouped_gemm --launch-skip 8 --launch-count 1 \
+      --section SpeedOfLight --section WarpStateStats --section SourceCounters --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+      --import-source no -f -o "$rep" python3 bench/expert_mlp/profile_gemm.py "$lib" "$shape" "$gemm" 3 >> "$OUT/ncu.log" 2>&1
+    echo "ncu $tag $shape $gemm rc=$?"
+    ncu -i "$rep.ncu-rep" --print-details all >> "$OUT/ncu.log" 2>&1
+    ncu -i "$rep.ncu-rep" --page source --csv --print-source sass 2>> "$OUT/ncu.log" | gzip > "$OUT/ncu_src_${tag}_${shape}_${gemm}.csv.gz"
+  done
+}
+# DRAM bytes, L2 hit rate and what the L2 throughput is made of, per GEMM launch, for the
+# combinations in $MEM_RUNS ("lib:shape:gemm:cluster ...", lib a tag of .carry/libpoise_expert_mlp_bench_TAG.so,
+# cluster "-" for the built-in choice): $OUT/ncu_mem.log.
+part_ncu_mem() {
+  local run lib shape gemm cluster
+  for run in $MEM_RUNS; do
+    IFS=: read -r lib shape gemm cluster <<< "$run"
+    [ "$cluster" = "-" ] && cluster=""
+    echo "### $run" >> "$OUT/ncu_mem.log"
+    POISE_SM90_CLUSTER=$cluster timeout 120 ncu --clock-control none --kernel-name regex:grouped_gemm --launch-skip 8 --launch-count 1 \
+      --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct,lts__t_sectors_srcunit_tex_op_read.sum,breakdown:lts__throughput.avg.pct_of_peak_sustained_elapsed \
+      python3 bench/expert_mlp/profile_gemm.py ".carry/libpoise_expert_mlp_bench_$lib.so" "$shape" "$gemm" 3 2>&1 \
+      | grep -vE "^==PROF==|^ *$|Warning|runs after" >> "$OUT/ncu_mem.log"
+    echo "ncu_mem $run rc=$?"
+  done
+}
+part_probe() {
+  # power probe of every .carry/libpoise_expert_mlp_bench*.so ($PROBE_SHAPES, $PROBE_FILTER), $ROUNDS rounds
+  for round in $(seq "${ROUNDS:-1}"); do
+    for lib in .carry/libpoise_expert_mlp_bench*.so; do
+      [[ "$lib" == *phases* || "$lib" == *timeline* ]] && continue
+      echo "[$(basename "$lib" .so) round $round]"
+      PYTHONUNBUFFERED=1 timeout 200 python3 bench/expert_mlp/power_probe.py "$lib" /dev/null "${PROBE_SECONDS:-2.0}" \
+        "${PROBE_SHAPES:-qwen3_30b_a3b,deepseek_v3_ep8_rank}" ${PROBE_FILTER:-poise} 2>&1 | grep -v "^$"
+    done
+  done | tee -a "$OUT/probe.log"
+}
+# timeline: profile_gemm.py timeline for every .carry/libpoise_expert_mlp_bench*timeline*.so
+# (-DPOISE_TILE_TIMELINE=1) at both shapes, for each CTA cluster size in $CLUSTERS (default: built-in).
+part_timeline() {
+  for lib in .carry/libpoise_expert_mlp_bench*timeline*.so; do
+    for cluster in ${CLUSTERS:-default}; do
+      for shape in qwen3_30b_a3b deepseek_v3_ep8_rank; do
+        echo "[$(basename "$lib" .so) cluster=$cluster]"
+        POISE_SM90_CLUSTER=${cluster/default/} PYTHONUNBUFFERED=1 timeout 100 python3 bench/expert_mlp/profile_gemm.py "$lib" "$shape" timeline 2>&1
+      done
+    done
+  done | tee -a "$OUT/timeline.log"
 }
 part_multigpu() {
   local n; n=$(nvidia-smi -L | wc -l)

@@ -190,6 +190,12 @@ namespace poise::sm90 {
 void read_phase_profile(unsigned long long out[8]);
 }
 #endif
+#if POISE_TILE_TIMELINE
+namespace poise::sm90 {
+void read_tile_timeline(unsigned long long* start_ns, unsigned long long* end_ns, unsigned int* what,
+                        unsigned int* sm, int n);
+}
+#endif
 
 extern "C" {
 
@@ -199,6 +205,17 @@ int pb_phase_profile(unsigned long long* out8) {
   return guarded([&] { poise::sm90::read_phase_profile(out8); });
 #else
   (void)out8;
+  return -1;
+#endif
+}
+
+// Timeline builds (-DPOISE_TILE_TIMELINE=1): the last launches' per-tile start / end / what / SM; else -1.
+int pb_tile_timeline(unsigned long long* start_ns, unsigned long long* end_ns, unsigned int* what,
+                     unsigned int* sm, int n) {
+#if POISE_TILE_TIMELINE
+  return guarded([&] { poise::sm90::read_tile_timeline(start_ns, end_ns, what, sm, n); });
+#else
+  (void)start_ns, (void)end_ns, (void)what, (void)sm, (void)n;
   return -1;
 #endif
 }

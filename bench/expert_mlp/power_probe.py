@@ -10,7 +10,8 @@ cycle = 540.7 TFLOP/s per GHz: the cycle efficiency) and TFLOP per kJ (the energ
     python3 bench/expert_mlp/power_probe.py LIB [OUT.json] [SECONDS] [SHAPES] [NAME_FILTER]
 
 SHAPES: comma-separated keys of bench_expert_mlp.SHAPES (default: all); NAME_FILTER: only the
-workloads whose name contains it (dense cuBLAS always runs, as the reference).
+workloads whose name contains one of its comma-separated parts (dense cuBLAS always runs, as the
+reference).
 """
 import datetime
 import json
@@ -96,7 +97,8 @@ def main() -> int:
         ]
 
     if len(sys.argv) > 5:
-        workloads = [w for w in workloads if w[0].startswith("dense") or sys.argv[5] in w[0]]
+        keys = sys.argv[5].split(",")
+        workloads = [w for w in workloads if w[0].startswith("dense") or any(k in w[0] for k in keys)]
     log = tempfile.NamedTemporaryFile(prefix="smi", suffix=".csv", delete=False).name
     smi = subprocess.Popen(["nvidia-smi", "--query-gpu=timestamp,clocks.sm,power.draw,clocks_event_reasons.active",
                             "--format=csv,noheader,nounits", "-lms", "50", "-f", log])

@@ -8,6 +8,9 @@ SHAPE: a key of bench_expert_mlp.SHAPES; GEMM: fprop_w13, fprop_w2, dgrad_w2, dg
 wgrad_w13. One forward and backward first fill every operand with real values (6 GEMM launches),
 then the chosen GEMM runs REPEATS times (default 3).
 
+GEMM "timeline" (with a library built with -DPOISE_TILE_TIMELINE=1): per GEMM, how far apart in
+time the tiles that share an operand start.
+
 GEMM "phases" (with a library built by `scripts/build_bench_variant.sh NAME -DPOISE_PHASE_PROFILE=1`):
 runs each of the six GEMMs REPEATS times and prints where the consumer warpgroups' cycles go
 (waiting for a stage, in the epilogue, the rest: issuing and waiting on wgmma) and how long the
@@ -54,10 +57,55 @@ def main() -> int:
                       f"releasing {emit / tiles:,.0f}, the rest {(epi - ring_wait - emit) / tiles:,.0f} cycles per tile",
                       flush=True)
         return 0
+    if gemm == "timeline":
+        return timeline(P, shape, calls)
     for _ in range(repeats):
         calls[gemm]()
     torch.cuda.synchronize()
     print(f"{gemm} at {shape}: {repeats} runs after 6 warm-up GEMMs", flush=True)
+    return 0
+
+
+def timeline(P, shape, calls):
+    """Per GEMM: how far apart the tiles that share an operand start (a POISE_TILE_TIMELINE build).
+
+    Tiles of one expert with the same N block read the same B (weights, or the wgrad N operand);
+    tiles with the same M block read the same A. L2 serves the later readers only while the first
+    reader's lines are still cached, so the spread of their start times against a tile's duration
+    says whether operand sharing can work through L2."""
+    import ctypes
+    import statistics
+    n = 1 << 16
+    start, end = (ctypes.c_ulonglong * n)(), (ctypes.c_ulonglong * n)()
+    what, sm = (ctypes.c_uint * n)(), (ctypes.c_uint * n)()
+    fn = P.lib.pb_tile_timeline
+    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int]
+    for name, call in calls.items():
+        call()
+        torch.cuda.synchronize()
+        if fn(start, end, what, sm, n) != 0:
+            print("not a timeline build (-DPOISE_TILE_TIMELINE=1)")
+            return 1
+        call()
+        torch.cuda.synchronize()
+        fn(start, end, what, sm, n)
+        tiles = [(start[i], end[i], what[i], sm[i]) for i in range(n) if start[i] and not what[i] >> 31]
+        t0 = min(t[0] for t in tiles)
+        dur = statistics.median(t[1] - t[0] for t in tiles)
+        span = max(t[1] for t in tiles) - t0
+
+        def spread(key):
+            groups = {}
+            for t in tiles:
+                groups.setdefault(key(t[2]), []).append(t[0])
+            s = sorted(max(v) - min(v) for v in groups.values() if len(v) > 1)
+            return s[len(s) // 2] / dur, s[int(len(s) * 0.9)] / dur, statistics.mean(len(v) for v in groups.values())
+
+        b_med, b_p90, b_n = spread(lambda w: (w >> 16, (w >> 8) & 0xFF))
+        a_med, a_p90, a_n = spread(lambda w: (w >> 16, w & 0xFF))
+        print(f"{shape} {name}: {len(tiles)} tiles, {span / 1e3:.0f} us, tile {dur / 1e3:.1f} us; start spread of "
+              f"tiles sharing B (x{b_n:.1f}): median {b_med:.2f}, p90 {b_p90:.2f} tiles; sharing A (x{a_n:.1f}): "
+              f"median {a_med:.2f}, p90 {a_p90:.2f} tiles", flush=True)
     return 0
 
 

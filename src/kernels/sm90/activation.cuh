@@ -25,8 +25,17 @@ __device__ __forceinline__ float exp2_flush(float x) {
 // __fdividef: one MUFU.RCP, no IEEE-division slow path (whose branches and calls, inlined per
 // element, made the SwiGLU-backward epilogue 13k instructions long and i-cache bound).
 // exp(-x) = inf gives 0, the right limit.
+// POISE_SIGMOID_FOR_TIMING=1 (timing experiments only, wrong results): a MUFU-free stand-in,
+// to measure what the sigmoid's two MUFU operations cost the SwiGLU epilogues.
+#ifndef POISE_SIGMOID_FOR_TIMING
+#define POISE_SIGMOID_FOR_TIMING 0
+#endif
 __device__ __forceinline__ float fast_sigmoid(float x) {
+#if POISE_SIGMOID_FOR_TIMING
+  return fminf(fmaxf(fmaf(x, 0.25f, 0.5f), 0.0f), 1.0f);
+#else
   return __fdividef(1.0f, 1.0f + exp2_flush(x * -1.4426950408889634f));
+#endif
 }
 
 // kClamped selects the activation at compile time; epilogues branch once, outside their loops.

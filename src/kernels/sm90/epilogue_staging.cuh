@@ -143,11 +143,18 @@ struct RingStageRelease {
 // group) when all 64 rows may be written, else by row copies. The stage's next writer is a TMA
 // load, so every thread orders its staging writes before the async proxy either way.
 // store(i) issues box i's TMA store; copy(i) copies box i's valid rows out.
+// POISE_RING_EMIT_NO_BARRIER_FOR_TIMING=1 (timing experiments only, wrong results): whole boxes
+// leave without the fence and the warpgroup barrier, to measure what that synchronisation costs.
+#ifndef POISE_RING_EMIT_NO_BARRIER_FOR_TIMING
+#define POISE_RING_EMIT_NO_BARRIER_FOR_TIMING 0
+#endif
 template <class TmaStore, class CopyOut>
 __device__ __forceinline__ void emit_ring_stage(int consumer, int thread, bool whole, int boxes, TmaStore&& store,
                                                 CopyOut&& copy) {
-  ptx::fence_async_shared();
-  consumer_warpgroup_sync(consumer);
+  if (!(POISE_RING_EMIT_NO_BARRIER_FOR_TIMING && whole)) {
+    ptx::fence_async_shared();
+    consumer_warpgroup_sync(consumer);
+  }
   if (whole) {
     if (thread == 0) {
       for (int i = 0; i < boxes; ++i) store(i);

@@ -439,5 +439,20 @@ void read_phase_profile(unsigned long long out[8]) {
   check_cuda(cudaMemcpyToSymbol(g_phase_cycles, zero, sizeof(zero)), "read_phase_profile");
 }
 #endif
+#if POISE_TILE_TIMELINE
+// Profiling builds: copies out the last launches' tile timeline (phase_profile.cuh), n entries each
+// (at most kTimelineTiles), then clears it.
+void read_tile_timeline(unsigned long long* start_ns, unsigned long long* end_ns, unsigned int* what,
+                        unsigned int* sm, int n) {
+  n = n < kTimelineTiles ? n : kTimelineTiles;
+  check_cuda(cudaMemcpyFromSymbol(start_ns, g_tile_start_ns, n * sizeof(*start_ns)), "read_tile_timeline");
+  check_cuda(cudaMemcpyFromSymbol(end_ns, g_tile_end_ns, n * sizeof(*end_ns)), "read_tile_timeline");
+  check_cuda(cudaMemcpyFromSymbol(what, g_tile_what, n * sizeof(*what)), "read_tile_timeline");
+  check_cuda(cudaMemcpyFromSymbol(sm, g_tile_sm, n * sizeof(*sm)), "read_tile_timeline");
+  void* p = nullptr;
+  check_cuda(cudaGetSymbolAddress(&p, g_tile_start_ns), "read_tile_timeline");
+  check_cuda(cudaMemset(p, 0, sizeof(g_tile_start_ns)), "read_tile_timeline");
+}
+#endif
 
 }  // namespace poise::sm90

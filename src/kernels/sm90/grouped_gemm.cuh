@@ -335,6 +335,14 @@ __global__ void __launch_bounds__(kThreadsPerCta, 1)
       const TileInfo tile = scheduler.tile(t, cluster_rank);
       const int32_t k_blocks = scheduler.k_blocks(tile);
       POISE_PHASE(++c_tiles;)
+      POISE_TIMELINE(const int32_t timeline_at = t * kCluster + cluster_rank;
+                     const bool timeline_writer = consumer_thread == 0 && timeline_at < kTimelineTiles;
+                     if (timeline_writer) {
+                       g_tile_start_ns[timeline_at] = timeline_now();
+                       g_tile_sm[timeline_at] = timeline_smid();
+                       g_tile_what[timeline_at] = (unsigned(tile.expert) << 16) | (unsigned(tile.n_block) << 8) |
+                                                  unsigned(tile.m_block) | (tile.valid ? 0u : 0x80u << 24);
+                     })
       uint8_t* staging = smem + Smem::kStagingOffset + consumer * Smem::kStagingPerConsumer;
       // Rows as M: in an expert's last, partial M block a warpgroup whose 64 rows are all past the
       // expert's count issues no wgmma and stores nothing, so the other warpgroup's wgmmas have the
@@ -348,6 +356,7 @@ __global__ void __launch_bounds__(kThreadsPerCta, 1)
           ring.wait(it);
           ring.release(it);
         }
+        POISE_TIMELINE(if (timeline_writer) g_tile_end_ns[timeline_at] = timeline_now();)
         continue;
       }
 #pragma unroll
@@ -420,6 +429,7 @@ __global__ void __launch_bounds__(kThreadsPerCta, 1)
       }
 #endif
       POISE_PHASE(c_epi += clock64() - e0;)
+      POISE_TIMELINE(if (timeline_writer) g_tile_end_ns[timeline_at] = timeline_now();)
     }
     POISE_PHASE(if (consumer_thread % 128 == 0) {
       atomicAdd(&g_phase_cycles[0], (unsigned long long)(clock64() - c_begin));
