@@ -83,6 +83,19 @@ inline constexpr bool kSameWeightsForTiming = POISE_SAME_WEIGHTS_FOR_TIMING;
 static __device__ float g_skipped_epilogue_sink;
 #endif
 
+// A/B experiment (performance.md v21d): 1-CTA launches take their tiles in order from a global
+// counter instead of the static blockIdx + k * gridDim sequence, so tiles that share an operand
+// start close together. The producer claims each next tile and hands it to its consumers through a
+// small shared-memory queue. The counter is one global pair, reset by the launch's last CTA, so
+// launches of this option must not run concurrently (bench use only).
+#ifndef POISE_SM90_DYNAMIC_TILES
+#define POISE_SM90_DYNAMIC_TILES 0
+#endif
+#if POISE_SM90_DYNAMIC_TILES
+static __device__ int32_t g_dynamic_tile_counter = 0, g_dynamic_tile_done = 0;
+#endif
+inline constexpr int kTileQueue = 4;
+
 // Tests only (drop_first_stage_for_tests, expert_mlp.cu): CTA 0's producer skips its first stage.
 static __device__ int32_t g_drop_first_stage_for_tests = 0;
 
@@ -96,8 +109,12 @@ struct GroupedGemmSmem {
   static constexpr uint32_t kStagingPerConsumer = kStagingBuffers * kStagingBytes;
   static constexpr uint32_t kBarrierOffset = kStagingOffset + 2 * kStagingPerConsumer;
   static constexpr uint32_t kSchedulerOffset = kBarrierOffset + 2 * kStages * sizeof(uint64_t);
+  // Dynamic tile order (POISE_SM90_DYNAMIC_TILES): full / empty barriers and tile indices.
+  static constexpr uint32_t kTileQueueOffset = (kSchedulerOffset + sizeof(SchedulerStorage) + 7) / 8 * 8;
+  static constexpr uint32_t kTileQueueBytes =
+      POISE_SM90_DYNAMIC_TILES ? kTileQueue * (2 * sizeof(uint64_t) + sizeof(int32_t)) : 0;
   // + 1024 so the kernel can round the dynamic smem base up to the swizzle atom.
-  static constexpr uint32_t kTotalBytes = kSchedulerOffset + sizeof(SchedulerStorage) + 1024;
+  static constexpr uint32_t kTotalBytes = kTileQueueOffset + kTileQueueBytes + 1024;
 };
 
 // Zeroes rows [valid_rows, 64) of every 64-row MN-major chunk of this stage: kAChunks of A, then
@@ -199,10 +216,20 @@ __global__ void __launch_bounds__(kThreadsPerCta, 1)
   const int warpgroup = threadIdx.x / 128;
   const int lane = threadIdx.x % 32;
 
+  constexpr bool kDynamicTiles = POISE_SM90_DYNAMIC_TILES && kCluster == 1;
+  uint64_t* tile_full = reinterpret_cast<uint64_t*>(smem + Smem::kTileQueueOffset);
+  uint64_t* tile_empty = tile_full + kTileQueue;
+  int32_t* tile_queue = reinterpret_cast<int32_t*>(tile_empty + kTileQueue);
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
       ptx::mbarrier_init(&full_bar[s], 1);
       ptx::mbarrier_init(&empty_bar[s], kConsumerWarps * kStageWriters<kCluster>);
+    }
+    if constexpr (kDynamicTiles) {
+      for (int q = 0; q < kTileQueue; ++q) {
+        ptx::mbarrier_init(&tile_full[q], 1);
+        ptx::mbarrier_init(&tile_empty[q], kConsumerWarps);
+      }
     }
     ptx::fence_barrier_init();
   }
@@ -215,6 +242,27 @@ __global__ void __launch_bounds__(kThreadsPerCta, 1)
   const int32_t cluster_rank = kCluster > 1 ? static_cast<int32_t>(ptx::cluster_cta_rank()) : 0;
   if constexpr (kCluster > 1) ptx::cluster_sync();
   const int32_t first_tile = blockIdx.x / kCluster, tile_stride = gridDim.x / kCluster;
+  // Dynamic order: the producer publishes tile t as entry q of the queue (t >= total_tiles ends the
+  // loop) and claims the next; each consumer warp reads entry q and frees it.
+  auto publish_tile = [&](uint32_t q, int32_t t) {
+    ptx::mbarrier_wait(&tile_empty[q % kTileQueue], ((q / kTileQueue) & 1) ^ 1);
+    ptx::st_shared_b32(ptx::shared_address(&tile_queue[q % kTileQueue]), static_cast<uint32_t>(t));
+    ptx::mbarrier_arrive(&tile_full[q % kTileQueue]);
+  };
+  auto claim_tile = [&]() -> int32_t {
+#if POISE_SM90_DYNAMIC_TILES
+    return tile_stride + atomicAdd(&g_dynamic_tile_counter, 1);
+#else
+    return scheduler.total_tiles;
+#endif
+  };
+  auto read_tile = [&](uint32_t q) -> int32_t {
+    ptx::mbarrier_wait(&tile_full[q % kTileQueue], (q / kTileQueue) & 1);
+    const int32_t t = static_cast<int32_t>(ptx::ld_shared_b32(ptx::shared_address(&tile_queue[q % kTileQueue])));
+    __syncwarp();
+    if (lane == 0) ptx::mbarrier_arrive(&tile_empty[q % kTileQueue]);
+    return t;
+  };
   // A stage is loaded as boxes: A as two 64-row (K-major) or 64-column (MN-major) halves, B as
   // 64-column chunks (MN-major) or two halves of kBlockN / 2 weight rows (K-major: gate / up for
   // the blocked W13 layout). The operand a cluster shares (TileInfo::shares_b) is split between
@@ -258,7 +306,10 @@ __global__ void __launch_bounds__(kThreadsPerCta, 1)
       // Fault injection (tests): this stage's load is never issued, its consumers' wait times out.
       const bool drop_first = blockIdx.x == 0 && g_drop_first_stage_for_tests != 0;
       POISE_PHASE(long long p_begin = clock64(), p_wait = 0;)
-      for (int32_t t = first_tile; t < scheduler.total_tiles; t += tile_stride) {
+      uint32_t queued = 0;
+      int32_t t = first_tile;
+      if constexpr (kDynamicTiles) publish_tile(queued++, t);
+      for (; t < scheduler.total_tiles;) {
         const TileInfo tile = scheduler.tile(t, cluster_rank);
         const int32_t k_blocks = scheduler.k_blocks(tile);
         const bool replica = tile.expert >= shape.first_replica;
@@ -313,7 +364,22 @@ __global__ void __launch_bounds__(kThreadsPerCta, 1)
             epilogue.template load_ring_stage<kBlockN>(j, tile, stage_a(s), &full_bar[s]);
           }
         }
+        if constexpr (kDynamicTiles) {
+          t = claim_tile();
+          publish_tile(queued++, t);
+        } else {
+          t += tile_stride;
+        }
       }
+#if POISE_SM90_DYNAMIC_TILES
+      // Every producer has made its last claim once all have counted in: the last resets the pair.
+      if constexpr (kDynamicTiles) {
+        if (atomicAdd(&g_dynamic_tile_done, 1) == static_cast<int32_t>(gridDim.x) - 1) {
+          g_dynamic_tile_counter = 0;
+          g_dynamic_tile_done = 0;
+        }
+      }
+#endif
       POISE_PHASE(atomicAdd(&g_phase_cycles[4], (unsigned long long)p_wait);
                   atomicAdd(&g_phase_cycles[5], (unsigned long long)(clock64() - p_begin));)
     }
@@ -331,7 +397,9 @@ __global__ void __launch_bounds__(kThreadsPerCta, 1)
     PendingRows<kBlockN> pending;
     uint32_t it = 0;
     POISE_PHASE(long long c_begin = clock64(), c_wait = 0, c_epi = 0, c_tiles = 0;)
-    for (int32_t t = first_tile; t < scheduler.total_tiles; t += tile_stride) {
+    uint32_t dequeued = 0;
+    auto next_tile = [&](int32_t t) { return kDynamicTiles ? read_tile(dequeued++) : t + tile_stride; };
+    for (int32_t t = kDynamicTiles ? read_tile(dequeued++) : first_tile; t < scheduler.total_tiles; t = next_tile(t)) {
       const TileInfo tile = scheduler.tile(t, cluster_rank);
       const int32_t k_blocks = scheduler.k_blocks(tile);
       POISE_PHASE(++c_tiles;)
