@@ -225,7 +225,12 @@ const char* pb_last_error() { return g_last_error.c_str(); }
 void pb_set_problem(const int32_t* row_offsets_E, const int32_t* row_counts_E, int64_t num_experts,
                     int64_t max_rows, int64_t hidden_dim, int64_t intermediate_dim, int interleaved,
                     int clamped, float alpha, float limit) {
+  // The GEMMs' tile counters (GroupedRows::tile_counters), as a Context's pipeline passes them.
+  static int32_t* tile_counters = nullptr;
+  if (!tile_counters && cudaMalloc(&tile_counters, 2 * sizeof(int32_t)) == cudaSuccess)
+    cudaMemset(tile_counters, 0, 2 * sizeof(int32_t));
   g_rows = {row_offsets_E, row_counts_E, num_experts, max_rows};
+  g_rows.tile_counters = tile_counters;
   g_shape.hidden_dim = hidden_dim;
   g_shape.intermediate_dim = intermediate_dim;
   g_shape.w13_layout = interleaved ? poise::W13Layout::gate_up_interleaved : poise::W13Layout::gate_up_blocked;

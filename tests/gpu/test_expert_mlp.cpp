@@ -134,6 +134,7 @@ struct Fixture {
   Act act;
   ExpertMlpShape shape;
   DeviceBuffer<int32_t> offsets, counts;
+  DeviceBuffer<int32_t> tile_counters{std::vector<int32_t>{0, 0}};  // the dynamic tile order, as a Context runs it
   GroupedRows rows;
 
   explicit Fixture(const Case& c) : cs(c), l(make_layout(c.counts)), offsets(l.offsets), counts(l.counts) {
@@ -149,6 +150,7 @@ struct Fixture {
     rows.row_counts_E = counts.ptr;
     rows.num_experts = static_cast<int64_t>(c.counts.size());
     rows.max_rows = l.rows;
+    rows.tile_counters = tile_counters.ptr;
   }
   int64_t E() const { return static_cast<int64_t>(cs.counts.size()); }
 };
@@ -413,6 +415,62 @@ TEST(ExpertMlpChain, ForwardBackwardMatchesFloat64) {
   expect_close(acc.finish(), kChainTolerance, "grad_scores_R");
 }
 
+// The fprop and dgrad GEMMs take their tiles in order from GroupedRows::tile_counters (the
+// dynamic order) or walk the static blockIdx + k * gridDim sequence (null). The order must not
+// change a single bit of any output, the counters must be zero again after every launch, and a
+// second round on the same counters must give the same bits. Enough tiles that every CTA claims
+// several (280 fprop W13 tiles, 140 for the 1-CTA dgrad W2), zero-row and one-row experts, D a
+// multiple of 64 but not of 128, F not a multiple of 256.
+TEST(ExpertMlpTileOrder, DynamicOrderEqualsStaticOrderBitwise) {
+  if (!have_sm90()) GTEST_SKIP() << "needs an SM90 GPU";
+  Fixture fx(Case{"tile_order", {300, 0, 2000, 64, 129, 700, 1, 513, 0, 1500, 77, 640, 256, 900, 3, 400},
+                  704, 448, W13Layout::gate_up_blocked, false, 71});
+  const int64_t R = fx.l.rows, D = fx.cs.D, F = fx.cs.F, E = fx.E();
+  Rng rng(71);
+  const auto x = random_rows(rng, fx.l, D, 1.0f), gy = random_rows(rng, fx.l, D, 1.0f);
+  const auto w13 = rng.bf16_normal(E * 2 * F * D, 2.0f / std::sqrt(float(D)));
+  const auto w2 = rng.bf16_normal(E * D * F, 1.0f / std::sqrt(float(F)));
+  const auto scores = rng.uniform(R, 0.1f, 1.0f);
+  const int64_t P = sm90::dgrad_w2_score_partials(fx.shape);
+  DeviceBuffer<uint16_t> dx(x), dgy(gy), dw13(w13), dw2(w2);
+  DeviceBuffer<float> ds(scores);
+  struct Outputs {
+    std::vector<uint16_t> a, h13, y, gh13, as, gx;
+    std::vector<float> gs;
+  };
+  auto run = [&](const GroupedRows& rows) {
+    auto poisoned = [](int64_t n) { return DeviceBuffer<uint16_t>(std::vector<uint16_t>(n, kBf16Poison)); };
+    DeviceBuffer<uint16_t> a = poisoned(R * F), h = poisoned(R * 2 * F), y = poisoned(R * D), gh = poisoned(R * 2 * F),
+                           as = poisoned(R * F), gx = poisoned(R * D);
+    DeviceBuffer<float> gs(std::vector<float>(R * P, fp32_poison()));
+    sm90::expert_mlp_fprop_w13(rows, fx.shape, {dx.ptr, dw13.ptr, a.ptr, h.ptr}, nullptr);
+    sm90::expert_mlp_fprop_w2(rows, fx.shape, {a.ptr, dw2.ptr, ds.ptr, y.ptr}, nullptr);
+    sm90::expert_mlp_dgrad_w2(rows, fx.shape, {dgy.ptr, dw2.ptr, h.ptr, ds.ptr, gh.ptr, as.ptr, gs.ptr}, nullptr);
+    sm90::expert_mlp_dgrad_w13(rows, fx.shape, {gh.ptr, dw13.ptr, gx.ptr}, nullptr);
+    cuda_ok(cudaDeviceSynchronize(), "tile order");
+    return Outputs{a.download(), h.download(), y.download(), gh.download(), as.download(), gx.download(), gs.download()};
+  };
+  GroupedRows static_rows = fx.rows;
+  static_rows.tile_counters = nullptr;
+  const Outputs reference = run(static_rows);
+  for (int round = 0; round < 2; ++round) {
+    const Outputs dynamic = run(fx.rows);
+    EXPECT_TRUE(dynamic.a == reference.a) << "a_RF, round " << round;
+    EXPECT_TRUE(dynamic.h13 == reference.h13) << "h13_R2F, round " << round;
+    EXPECT_TRUE(dynamic.y == reference.y) << "y_RD, round " << round;
+    EXPECT_TRUE(dynamic.gh13 == reference.gh13) << "grad_h13_R2F, round " << round;
+    EXPECT_TRUE(dynamic.as == reference.as) << "s * a (dgrad), round " << round;
+    EXPECT_TRUE(dynamic.gx == reference.gx) << "grad_x_RD, round " << round;
+    EXPECT_TRUE(std::memcmp(dynamic.gs.data(), reference.gs.data(), dynamic.gs.size() * sizeof(float)) == 0)
+        << "grad_score_partials_RP, round " << round;
+    EXPECT_EQ(fx.tile_counters.download(), (std::vector<int32_t>{0, 0})) << "counters after round " << round;
+  }
+  // The reference must itself be real output: every valid row of y written (no poison left).
+  int64_t poisoned_rows = 0;
+  for (int64_t r = 0; r < R; ++r) poisoned_rows += fx.l.is_row_valid(r) && reference.y[size_t(r * D)] == kBf16Poison;
+  EXPECT_EQ(poisoned_rows, 0);
+}
+
 // EP activation records that keep part of a layer hold h13 rows [0, split) in one buffer, the
 // rest in another (same row index): FPROP W13 writes and DGRAD W2 reads across both. Every output
 // must equal, bit for bit, one buffer; the rows below the split stay untouched in the high buffer.
@@ -621,11 +679,12 @@ TEST(ExpertMlpGraph, ReplaysWithNewRoutingWithoutRecapture) {
   const auto w2 = rng.bf16_normal(E * D * F, 1.0f / std::sqrt(float(F)));
   auto a = rng.bf16_normal(R * F, 1.0f);
   DeviceBuffer<uint16_t> da(a), dw(w2), dy(R * D);
-  DeviceBuffer<int32_t> offsets(3), counts(3);
+  DeviceBuffer<int32_t> offsets(3), counts(3), tile_counters(std::vector<int32_t>{0, 0});
   ExpertMlpShape shape;
   shape.hidden_dim = D;
   shape.intermediate_dim = F;
-  const GroupedRows rows{offsets.ptr, counts.ptr, E, R};
+  GroupedRows rows{offsets.ptr, counts.ptr, E, R};
+  rows.tile_counters = tile_counters.ptr;  // each replay must leave them zero for the next
 
   cudaStream_t stream;
   cuda_ok(cudaStreamCreate(&stream), "stream");
@@ -658,6 +717,7 @@ TEST(ExpertMlpGraph, ReplaysWithNewRoutingWithoutRecapture) {
     auto c = acc.finish();
     c.poison_lost = written_padding;
     expect_close(c, kBf16Tolerance, "y_RD after graph replay");
+    EXPECT_EQ(tile_counters.download(), (std::vector<int32_t>{0, 0})) << "tile counters after a replay";
   }
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
@@ -690,6 +750,7 @@ TEST(ExpertMlpWatchdog, StalledStageIsReportedAndTheNextLaunchIsCorrect) {
   const char* cluster = std::getenv("POISE_SM90_CLUSTER");
   EXPECT_LT(fault.block, cluster && std::string(cluster) == "4" ? 4 : 2) << "only CTA 0 dropped a stage";
   EXPECT_FALSE(sm90::take_pipeline_fault(nullptr).occurred) << "the record is cleared once read";
+  EXPECT_EQ(fx.tile_counters.download(), (std::vector<int32_t>{0, 0})) << "the drained launch reset its counters";
 
   dy.upload(std::vector<uint16_t>(R * D, kBf16Poison));
   sm90::expert_mlp_fprop_w2(fx.rows, fx.shape, {da.ptr, dw.ptr, nullptr, dy.ptr}, nullptr);
@@ -731,6 +792,9 @@ TEST(ExpertMlpValidation, RejectsBadArgumentsByName) {
   clamp.activation = Activation::swiglu_clamped;
   clamp.swiglu_limit = -1.0f;
   EXPECT_EQ(name_of([&] { sm90::expert_mlp_fprop_w13(rows, clamp, ok, nullptr); }), "swiglu_limit");
+  GroupedRows misaligned_counters = rows;
+  misaligned_counters.tile_counters = reinterpret_cast<int32_t*>(0x1002);
+  EXPECT_EQ(name_of([&] { sm90::expert_mlp_fprop_w13(misaligned_counters, shape, ok, nullptr); }), "tile_counters");
   GroupedRows bad_split = rows;
   bad_split.first_replica = 5;
   EXPECT_EQ(name_of([&] { sm90::expert_mlp_fprop_w13(bad_split, shape, ok, nullptr); }), "first_replica");

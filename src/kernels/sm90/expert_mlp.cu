@@ -50,6 +50,17 @@ void validate(const GroupedRows& rows, const ExpertMlpShape& shape) {
     require(shape.swiglu_limit > 0.0f, "swiglu_limit", "must be positive");
   require(rows.first_replica >= -1 && rows.first_replica <= rows.num_experts, "first_replica",
           "must be -1 (no replicas) or in [0, num_experts]");
+  require(reinterpret_cast<uintptr_t>(rows.tile_counters) % alignof(int32_t) == 0, "tile_counters",
+          "must be null or a 4-byte aligned device pointer");
+}
+
+// POISE_SM90_TILE_ORDER=static: ignore GroupedRows::tile_counters (A/B measurements).
+bool dynamic_tile_order() {
+  static const bool dynamic = [] {
+    const char* v = std::getenv("POISE_SM90_TILE_ORDER");
+    return !(v && std::strcmp(v, "static") == 0);
+  }();
+  return dynamic;
 }
 
 // Experts whose weights come from the main pointers, and replica experts after them.
@@ -94,6 +105,7 @@ GroupedGemmShape base_shape(const GroupedRows& rows) {
   s.row_counts_E = rows.row_counts_E;
   s.num_experts = static_cast<int32_t>(rows.num_experts);
   s.first_replica = static_cast<int32_t>(own_experts(rows));
+  s.tile_counters = dynamic_tile_order() ? rows.tile_counters : nullptr;  // used by rows-as-M GEMMs
   return s;
 }
 

@@ -83,17 +83,15 @@ inline constexpr bool kSameWeightsForTiming = POISE_SAME_WEIGHTS_FOR_TIMING;
 static __device__ float g_skipped_epilogue_sink;
 #endif
 
-// A/B experiment (performance.md v21d): 1-CTA launches take their tiles in order from a global
-// counter instead of the static blockIdx + k * gridDim sequence, so tiles that share an operand
-// start close together. The producer claims each next tile and hands it to its consumers through a
-// small shared-memory queue. The counter is one global pair, reset by the launch's last CTA, so
-// launches of this option must not run concurrently (bench use only).
-#ifndef POISE_SM90_DYNAMIC_TILES
-#define POISE_SM90_DYNAMIC_TILES 0
-#endif
-#if POISE_SM90_DYNAMIC_TILES
-static __device__ int32_t g_dynamic_tile_counter = 0, g_dynamic_tile_done = 0;
-#endif
+// Tile order. With GroupedGemmShape::tile_counters set, rows-as-M GEMMs on 1-CTA or pair launches
+// take their tiles in order from that device counter, claimed by whichever cluster is free, instead
+// of the static blockIdx + k * gridDim sequence: the tiles that share an operand then start within
+// a few microseconds of each other, so L2 serves the later readers. On the static sequence the
+// clusters drift apart over a GEMM's ~30 tile waves, and DeepSeek-V3's fprop W13 read 2.5x its
+// compulsory DRAM bytes (performance.md v21d/e). The producer claims each next tile (in pairs,
+// rank 0's producer claims and mails the tile to rank 1's producer through rank 1's shared memory)
+// and hands it to its consumers through a small shared-memory queue. The launch's last claimer
+// resets the counters.
 inline constexpr int kTileQueue = 4;
 
 // Tests only (drop_first_stage_for_tests, expert_mlp.cu): CTA 0's producer skips its first stage.
@@ -109,10 +107,10 @@ struct GroupedGemmSmem {
   static constexpr uint32_t kStagingPerConsumer = kStagingBuffers * kStagingBytes;
   static constexpr uint32_t kBarrierOffset = kStagingOffset + 2 * kStagingPerConsumer;
   static constexpr uint32_t kSchedulerOffset = kBarrierOffset + 2 * kStages * sizeof(uint64_t);
-  // Dynamic tile order (POISE_SM90_DYNAMIC_TILES): full / empty barriers and tile indices.
+  // Dynamic tile order: full / empty barriers and tile indices.
   static constexpr uint32_t kTileQueueOffset = (kSchedulerOffset + sizeof(SchedulerStorage) + 7) / 8 * 8;
-  static constexpr uint32_t kTileQueueBytes =
-      POISE_SM90_DYNAMIC_TILES ? kTileQueue * (2 * sizeof(uint64_t) + sizeof(int32_t)) : 0;
+  // [tile full][tile empty][mail full][mail empty] barriers, then [tile queue][mailbox] indices.
+  static constexpr uint32_t kTileQueueBytes = kTileQueue * (4 * sizeof(uint64_t) + 2 * sizeof(int32_t));
   // + 1024 so the kernel can round the dynamic smem base up to the swizzle atom.
   static constexpr uint32_t kTotalBytes = kTileQueueOffset + kTileQueueBytes + 1024;
 };
@@ -216,19 +214,27 @@ __global__ void __launch_bounds__(kThreadsPerCta, 1)
   const int warpgroup = threadIdx.x / 128;
   const int lane = threadIdx.x % 32;
 
-  constexpr bool kDynamicTiles = POISE_SM90_DYNAMIC_TILES && kCluster == 1;
+  // Rows-as-M GEMMs only: the wgrad tiles share their operands across many N blocks either way
+  // (their 1-CTA probe: no gain, v21d), and the paired bf16 wgrad kernel spilled with the queue.
+  constexpr bool kDynamicCapable = kCluster <= 2 && kRows == RowsAre::M;
+  const bool dynamic_tiles = kDynamicCapable && shape.tile_counters != nullptr;
   uint64_t* tile_full = reinterpret_cast<uint64_t*>(smem + Smem::kTileQueueOffset);
   uint64_t* tile_empty = tile_full + kTileQueue;
-  int32_t* tile_queue = reinterpret_cast<int32_t*>(tile_empty + kTileQueue);
+  uint64_t* mail_full = tile_empty + kTileQueue;
+  uint64_t* mail_empty = mail_full + kTileQueue;
+  int32_t* tile_queue = reinterpret_cast<int32_t*>(mail_empty + kTileQueue);
+  int32_t* mailbox = tile_queue + kTileQueue;
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
       ptx::mbarrier_init(&full_bar[s], 1);
       ptx::mbarrier_init(&empty_bar[s], kConsumerWarps * kStageWriters<kCluster>);
     }
-    if constexpr (kDynamicTiles) {
+    if (dynamic_tiles) {
       for (int q = 0; q < kTileQueue; ++q) {
         ptx::mbarrier_init(&tile_full[q], 1);
         ptx::mbarrier_init(&tile_empty[q], kConsumerWarps);
+        ptx::mbarrier_init(&mail_full[q], 1);
+        ptx::mbarrier_init(&mail_empty[q], 1);
       }
     }
     ptx::fence_barrier_init();
@@ -249,12 +255,24 @@ __global__ void __launch_bounds__(kThreadsPerCta, 1)
     ptx::st_shared_b32(ptx::shared_address(&tile_queue[q % kTileQueue]), static_cast<uint32_t>(t));
     ptx::mbarrier_arrive(&tile_full[q % kTileQueue]);
   };
-  auto claim_tile = [&]() -> int32_t {
-#if POISE_SM90_DYNAMIC_TILES
-    return tile_stride + atomicAdd(&g_dynamic_tile_counter, 1);
-#else
-    return scheduler.total_tiles;
-#endif
+  // The next tile of this cluster: rank 0 claims it and mails it to rank 1 (mail entry m).
+  auto claim_tile = [&](uint32_t m) -> int32_t {
+    const uint32_t slot = m % kTileQueue, parity = (m / kTileQueue) & 1;
+    if (cluster_rank == 0) {
+      const int32_t t = tile_stride + atomicAdd(&shape.tile_counters[0], 1);
+      if constexpr (kCluster == 2) {
+        ptx::mbarrier_wait(&mail_empty[slot], parity ^ 1);
+        ptx::st_shared_cluster_b32(&mailbox[slot], 1, static_cast<uint32_t>(t));
+        ptx::fence_cluster();
+        ptx::mbarrier_arrive_cluster(&mail_full[slot], 1);
+      }
+      return t;
+    }
+    ptx::mbarrier_wait(&mail_full[slot], parity);
+    ptx::fence_cluster();
+    const int32_t t = static_cast<int32_t>(ptx::ld_shared_b32(ptx::shared_address(&mailbox[slot])));
+    ptx::mbarrier_arrive_cluster(&mail_empty[slot], 0);
+    return t;
   };
   auto read_tile = [&](uint32_t q) -> int32_t {
     ptx::mbarrier_wait(&tile_full[q % kTileQueue], (q / kTileQueue) & 1);
@@ -308,7 +326,7 @@ __global__ void __launch_bounds__(kThreadsPerCta, 1)
       POISE_PHASE(long long p_begin = clock64(), p_wait = 0;)
       uint32_t queued = 0;
       int32_t t = first_tile;
-      if constexpr (kDynamicTiles) publish_tile(queued++, t);
+      if (dynamic_tiles) publish_tile(queued++, t);
       for (; t < scheduler.total_tiles;) {
         const TileInfo tile = scheduler.tile(t, cluster_rank);
         const int32_t k_blocks = scheduler.k_blocks(tile);
@@ -364,22 +382,18 @@ __global__ void __launch_bounds__(kThreadsPerCta, 1)
             epilogue.template load_ring_stage<kBlockN>(j, tile, stage_a(s), &full_bar[s]);
           }
         }
-        if constexpr (kDynamicTiles) {
-          t = claim_tile();
+        if (dynamic_tiles) {
+          t = claim_tile(queued - 1);
           publish_tile(queued++, t);
         } else {
           t += tile_stride;
         }
       }
-#if POISE_SM90_DYNAMIC_TILES
-      // Every producer has made its last claim once all have counted in: the last resets the pair.
-      if constexpr (kDynamicTiles) {
-        if (atomicAdd(&g_dynamic_tile_done, 1) == static_cast<int32_t>(gridDim.x) - 1) {
-          g_dynamic_tile_counter = 0;
-          g_dynamic_tile_done = 0;
-        }
+      // Every claimer has made its last claim once all have counted in: the last resets the pair.
+      if (dynamic_tiles && cluster_rank == 0 && atomicAdd(&shape.tile_counters[1], 1) == tile_stride - 1) {
+        shape.tile_counters[0] = 0;
+        shape.tile_counters[1] = 0;
       }
-#endif
       POISE_PHASE(atomicAdd(&g_phase_cycles[4], (unsigned long long)p_wait);
                   atomicAdd(&g_phase_cycles[5], (unsigned long long)(clock64() - p_begin));)
     }
@@ -398,8 +412,8 @@ __global__ void __launch_bounds__(kThreadsPerCta, 1)
     uint32_t it = 0;
     POISE_PHASE(long long c_begin = clock64(), c_wait = 0, c_epi = 0, c_tiles = 0;)
     uint32_t dequeued = 0;
-    auto next_tile = [&](int32_t t) { return kDynamicTiles ? read_tile(dequeued++) : t + tile_stride; };
-    for (int32_t t = kDynamicTiles ? read_tile(dequeued++) : first_tile; t < scheduler.total_tiles; t = next_tile(t)) {
+    auto next_tile = [&](int32_t t) { return dynamic_tiles ? read_tile(dequeued++) : t + tile_stride; };
+    for (int32_t t = dynamic_tiles ? read_tile(dequeued++) : first_tile; t < scheduler.total_tiles; t = next_tile(t)) {
       const TileInfo tile = scheduler.tile(t, cluster_rank);
       const int32_t k_blocks = scheduler.k_blocks(tile);
       POISE_PHASE(++c_tiles;)

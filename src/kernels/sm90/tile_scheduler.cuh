@@ -46,6 +46,10 @@ struct GroupedGemmShape {
   // kernel's second map at index e - first_replica; rows-as-K GEMMs give a replica without rows
   // no tiles (nobody reads its gradient). num_experts when there are none.
   int32_t first_replica = 0;
+  // Rows-as-M GEMMs on 1-CTA or pair launches: device int32 [2] (next tile, claimers done), zero
+  // between launches; tiles are then taken in order by whichever cluster is free (grouped_gemm.cuh).
+  // Null: the static order.
+  int32_t* tile_counters = nullptr;
 };
 
 struct TileInfo {

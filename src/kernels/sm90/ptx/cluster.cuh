@@ -32,6 +32,17 @@ __device__ __forceinline__ void mbarrier_arrive_cluster(uint64_t* bar, uint32_t 
   asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(remote) : "memory");
 }
 
+// A 32-bit store into the shared memory of CTA `cta` of the cluster, at `p`'s offset.
+__device__ __forceinline__ void st_shared_cluster_b32(const void* p, uint32_t cta, uint32_t v) {
+  const uint32_t local = static_cast<uint32_t>(__cvta_generic_to_shared(p));
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(cta));
+  asm volatile("st.shared::cluster.u32 [%0], %1;" ::"r"(remote), "r"(v) : "memory");
+}
+// Orders this thread's shared-memory accesses at cluster scope (a value handed to the peer through
+// its shared memory, then signalled by a remote mbarrier arrival, or read after that arrival).
+__device__ __forceinline__ void fence_cluster() { asm volatile("fence.acq_rel.cluster;" ::: "memory"); }
+
 // One 2D box into `smem_dst` of every CTA in `cta_mask`, each completing bytes on its own mbarrier
 // at `full_bar`'s offset.
 __device__ __forceinline__ void tma_load_2d_multicast(void* smem_dst, const CUtensorMap* map, int32_t inner,
