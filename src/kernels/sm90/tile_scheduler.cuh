@@ -1,8 +1,10 @@
 // Persistent tile scheduler over (expert, M block, N block) for expert-grouped rows.
 //
 // The per-expert row offsets and counts live on the device; every CTA reads them once into shared
-// memory at start (no host sync), then walks tiles blockIdx.x, blockIdx.x + gridDim.x, ...
-// Both roles (TMA producer, wgmma consumers) walk the same sequence, so they agree on the stages.
+// memory at start (no host sync), then walks tiles blockIdx.x, blockIdx.x + gridDim.x, ... or, with
+// GroupedGemmShape::tile_counters (rows-as-M GEMMs), takes each next tile from that counter
+// (grouped_gemm.cuh: the producer claims it and queues it for the consumers). Both roles (TMA
+// producer, wgmma consumers) walk the same sequence, so they agree on the stages.
 //
 //  - Rows as M (fprop, dgrad): expert e has ceil(count_e / 128) M blocks x n_blocks tiles; the
 //    tile order is expert-major, M block fastest, so concurrent CTAs share one expert's weights.
