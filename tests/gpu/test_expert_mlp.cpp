@@ -415,6 +415,24 @@ TEST(ExpertMlpChain, ForwardBackwardMatchesFloat64) {
   expect_close(acc.finish(), kChainTolerance, "grad_scores_R");
 }
 
+// Random x and grad_y rows, weights and scores for a fixture, on the device (the bitwise tests'
+// inputs; the order of the draws fixes them for a seed).
+struct DeviceInputs {
+  DeviceBuffer<uint16_t> dx, dgy, dw13, dw2;
+  DeviceBuffer<float> ds;
+  int64_t P;  // score-gradient pieces per row (DGRAD W2)
+  DeviceInputs(const Fixture& fx, uint64_t seed) : DeviceInputs(fx, Rng(seed)) {}
+
+ private:
+  DeviceInputs(const Fixture& fx, Rng rng)
+      : dx(random_rows(rng, fx.l, fx.cs.D, 1.0f)),
+        dgy(random_rows(rng, fx.l, fx.cs.D, 1.0f)),
+        dw13(rng.bf16_normal(fx.E() * 2 * fx.cs.F * fx.cs.D, 2.0f / std::sqrt(float(fx.cs.D)))),
+        dw2(rng.bf16_normal(fx.E() * fx.cs.D * fx.cs.F, 1.0f / std::sqrt(float(fx.cs.F)))),
+        ds(rng.uniform(fx.l.rows, 0.1f, 1.0f)),
+        P(sm90::dgrad_w2_score_partials(fx.shape)) {}
+};
+
 // The fprop and dgrad GEMMs take their tiles in order from GroupedRows::tile_counters (the
 // dynamic order) or walk the static blockIdx + k * gridDim sequence (null). The order must not
 // change a single bit of any output, the counters must be zero again after every launch, and a
@@ -425,15 +443,11 @@ TEST(ExpertMlpTileOrder, DynamicOrderEqualsStaticOrderBitwise) {
   if (!have_sm90()) GTEST_SKIP() << "needs an SM90 GPU";
   Fixture fx(Case{"tile_order", {300, 0, 2000, 64, 129, 700, 1, 513, 0, 1500, 77, 640, 256, 900, 3, 400},
                   704, 448, W13Layout::gate_up_blocked, false, 71});
-  const int64_t R = fx.l.rows, D = fx.cs.D, F = fx.cs.F, E = fx.E();
-  Rng rng(71);
-  const auto x = random_rows(rng, fx.l, D, 1.0f), gy = random_rows(rng, fx.l, D, 1.0f);
-  const auto w13 = rng.bf16_normal(E * 2 * F * D, 2.0f / std::sqrt(float(D)));
-  const auto w2 = rng.bf16_normal(E * D * F, 1.0f / std::sqrt(float(F)));
-  const auto scores = rng.uniform(R, 0.1f, 1.0f);
-  const int64_t P = sm90::dgrad_w2_score_partials(fx.shape);
-  DeviceBuffer<uint16_t> dx(x), dgy(gy), dw13(w13), dw2(w2);
-  DeviceBuffer<float> ds(scores);
+  const int64_t R = fx.l.rows, D = fx.cs.D, F = fx.cs.F;
+  DeviceInputs in(fx, 71);
+  const int64_t P = in.P;
+  auto &dx = in.dx, &dgy = in.dgy, &dw13 = in.dw13, &dw2 = in.dw2;
+  auto& ds = in.ds;
   struct Outputs {
     std::vector<uint16_t> a, h13, y, gh13, as, gx;
     std::vector<float> gs;
@@ -478,16 +492,12 @@ TEST(ExpertMlpH13Split, SplitBuffersEqualOneBufferBitwise) {
   if (!have_sm90()) GTEST_SKIP() << "needs an SM90 GPU";
   // Groups at rows 0, 256, 384, 640: a split at 384 falls between groups, rows past it in two groups.
   Fixture fx(Case{"h13_split", {200, 100, 250, 77}, 192, 320, W13Layout::gate_up_blocked, true, 43});
-  const int64_t R = fx.l.rows, D = fx.cs.D, F = fx.cs.F, E = fx.E(), split = 384;
+  const int64_t R = fx.l.rows, D = fx.cs.D, F = fx.cs.F, split = 384;
   ASSERT_LT(split, R);
-  Rng rng(43);
-  const auto x = random_rows(rng, fx.l, D, 1.0f), gy = random_rows(rng, fx.l, D, 1.0f);
-  const auto w13 = rng.bf16_normal(E * 2 * F * D, 2.0f / std::sqrt(float(D)));
-  const auto w2 = rng.bf16_normal(E * D * F, 1.0f / std::sqrt(float(F)));
-  const auto scores = rng.uniform(R, 0.1f, 1.0f);
-  const int64_t P = sm90::dgrad_w2_score_partials(fx.shape);
-  DeviceBuffer<uint16_t> dx(x), dgy(gy), dw13(w13), dw2(w2);
-  DeviceBuffer<float> ds(scores);
+  DeviceInputs in(fx, 43);
+  const int64_t P = in.P;
+  auto &dx = in.dx, &dgy = in.dgy, &dw13 = in.dw13, &dw2 = in.dw2;
+  auto& ds = in.ds;
   auto poisoned = [](int64_t n) { return DeviceBuffer<uint16_t>(std::vector<uint16_t>(n, kBf16Poison)); };
   // One buffer.
   DeviceBuffer<uint16_t> a1 = poisoned(R * F), h1 = poisoned(R * 2 * F), gh1 = poisoned(R * 2 * F), as1 = poisoned(R * F);
