@@ -36,7 +36,7 @@ def load_lib(path):
     lib = ctypes.CDLL(path)
     lib.pb_last_error.restype = ctypes.c_char_p
     lib.pb_set_problem.argtypes = [c_void_p, c_void_p, c_int64, c_int64, c_int64, c_int64, c_int, c_int, c_float, c_float]
-    lib.pb_set_problem.restype = None
+    lib.pb_set_problem.restype = ctypes.c_int
     lib.pb_score_partials.argtypes = [c_int64]
     lib.pb_score_partials.restype = c_int64
     sigs = {
@@ -179,8 +179,9 @@ class PoiseBlock:
                             scores_R=torch.zeros(R, device=dev, dtype=torch.float32))
         L = self.lay
         self.P.routing_layout(ids, scores, TK, E, L["counts"], L["offsets"], L["row_of_tk"], L["scores_R"])
-        self.P.lib.pb_set_problem(L["offsets"].data_ptr(), L["counts"].data_ptr(), E, R, self.D, self.F, 0, 0,
-                                  1.702, 7.0)
+        if self.P.lib.pb_set_problem(L["offsets"].data_ptr(), L["counts"].data_ptr(), E, R, self.D, self.F, 0, 0,
+                                     1.702, 7.0) != 0:
+            raise RuntimeError(self.P.lib.pb_last_error().decode())
 
     def gather_x(self, x):
         self.P.scatter_rows(self.lay["row_of_tk"], self.T * self.K, self.K, self.D, x, self.x_rows)

@@ -222,13 +222,22 @@ int pb_tile_timeline(unsigned long long* start_ns, unsigned long long* end_ns, u
 
 const char* pb_last_error() { return g_last_error.c_str(); }
 
-void pb_set_problem(const int32_t* row_offsets_E, const int32_t* row_counts_E, int64_t num_experts,
-                    int64_t max_rows, int64_t hidden_dim, int64_t intermediate_dim, int interleaved,
-                    int clamped, float alpha, float limit) {
-  // The GEMMs' tile counters (GroupedRows::tile_counters), as a Context's pipeline passes them.
+int pb_set_problem(const int32_t* row_offsets_E, const int32_t* row_counts_E, int64_t num_experts,
+                   int64_t max_rows, int64_t hidden_dim, int64_t intermediate_dim, int interleaved,
+                   int clamped, float alpha, float limit) {
+  // The GEMMs' tile counters (GroupedRows::tile_counters), as a Context's pipeline passes them;
+  // without them the GEMMs would fall back to the static tile order, so a failure is an error.
   static int32_t* tile_counters = nullptr;
-  if (!tile_counters && cudaMalloc(&tile_counters, 2 * sizeof(int32_t)) == cudaSuccess)
-    cudaMemset(tile_counters, 0, 2 * sizeof(int32_t));
+  if (!tile_counters) {
+    int32_t* counters = nullptr;
+    if (cudaMalloc(&counters, 2 * sizeof(int32_t)) != cudaSuccess ||
+        cudaMemset(counters, 0, 2 * sizeof(int32_t)) != cudaSuccess) {
+      if (counters) cudaFree(counters);
+      g_last_error = std::string("pb_set_problem: tile counters: ") + cudaGetErrorString(cudaGetLastError());
+      return -1;
+    }
+    tile_counters = counters;
+  }
   g_rows = {row_offsets_E, row_counts_E, num_experts, max_rows};
   g_rows.tile_counters = tile_counters;
   g_shape.hidden_dim = hidden_dim;
@@ -237,6 +246,7 @@ void pb_set_problem(const int32_t* row_offsets_E, const int32_t* row_counts_E, i
   g_shape.activation = clamped ? poise::Activation::swiglu_clamped : poise::Activation::swiglu;
   g_shape.swiglu_alpha = alpha;
   g_shape.swiglu_limit = limit;
+  return 0;
 }
 
 int pb_fprop_w13(const void* x, const void* w13, void* a, void* h13, void* stream) {

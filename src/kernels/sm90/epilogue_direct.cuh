@@ -69,28 +69,25 @@ __device__ __forceinline__ uint32_t warp_staging(uint8_t* warpgroup_buf, int thr
   return ptx::shared_address(warpgroup_buf) + (thread / 32) * kWarpStagingBytes;
 }
 
-// Stores d, the fragment's 64-column chunks [kFirstChunk, kFirstChunk + kN / 32) of a 64-row slab
-// (d[0] is column 64 kFirstChunk), as bf16, scaled per fragment row half by scale[h], through the
+// Stores d (a 64 x kBlockN fragment) as bf16, scaled per fragment row half by scale[h], through the
 // warp's part of the warpgroup's staging buffer `buf`; row(r): column 0 of the tile in slab row r
-// (nullptr: the row is not written); only the tile's first `columns` columns are stored (a
-// multiple of 64). A whole 64 x kBlockN fragment is kFirstChunk = 0, kN = kBlockN / 2.
-template <int kFirstChunk, int kN, class RowPtr>
-__device__ __forceinline__ void store_bf16_rows_direct(const float (&d)[kN], int thread, uint8_t* buf, RowPtr&& row,
-                                                       const float (&scale)[2], int columns) {
+// (nullptr: the row is not written); only the first `columns` columns are stored (a multiple of 64).
+template <int kBlockN, class RowPtr>
+__device__ __forceinline__ void store_bf16_rows_direct(const float (&d)[kBlockN / 2], int thread, uint8_t* buf,
+                                                       RowPtr&& row, const float (&scale)[2], int columns) {
   const int lane = thread % 32, warp_row = 16 * (thread / 32);
   const uint32_t wbuf = warp_staging(buf, thread);
   __nv_bfloat16* row_ptr[4];
 #pragma unroll
   for (int p = 0; p < 4; ++p) row_ptr[p] = row(warp_row + warp_staged_row(p, lane));
 #pragma unroll
-  for (int c = 0; c < kN / 32; ++c) {
-    const int tile_chunk = kFirstChunk + c;
-    if (64 * tile_chunk >= columns) break;  // uniform across the warp
+  for (int c = 0; c < kBlockN / 64; ++c) {
+    if (64 * c >= columns) break;  // uniform across the warp
     uint4 seg[4];
     warp_stage_chunk(d, c, scale, wbuf, lane, seg);
 #pragma unroll
     for (int p = 0; p < 4; ++p)
-      if (row_ptr[p]) *reinterpret_cast<uint4*>(row_ptr[p] + 64 * tile_chunk + 8 * warp_staged_unit(lane)) = seg[p];
+      if (row_ptr[p]) *reinterpret_cast<uint4*>(row_ptr[p] + 64 * c + 8 * warp_staged_unit(lane)) = seg[p];
   }
 }
 
@@ -136,23 +133,20 @@ struct PendingRows {
     }(std::make_integer_sequence<int, 4 * kChunks>{});
   }
 
-  // Packs the tile's first `cols` columns through the warp's staging buffer; row(r): column 0 of the
-  // tile in slab row r (nullptr: not written), affine in r with stride `stride` elements wherever
-  // it is not null (weight rows). d holds chunks [kFirstChunk, kFirstChunk + kN / 32) (the whole
-  // fragment, or one half of it for the split tile boundary: grouped_gemm.cuh); the half with
-  // kFirstChunk = 0 sets the rows, the other only packs.
-  template <int kFirstChunk = 0, int kN, class RowPtr>
-  __device__ __forceinline__ void pack(const float (&d)[kN], int thread, uint8_t* buf, RowPtr&& row, int cols,
+  // Packs d's first `cols` columns through the warp's staging buffer; row(r): column 0 of the tile
+  // in slab row r (nullptr: not written), affine in r with stride `stride` elements wherever it is
+  // not null (weight rows).
+  template <class RowPtr>
+  __device__ __forceinline__ void pack(const float (&d)[kBlockN / 2], int thread, uint8_t* buf, RowPtr&& row, int cols,
                                        int32_t stride) {
     const int lane = thread % 32, warp_row = 16 * (thread / 32);
     const uint32_t wbuf = warp_staging(buf, thread);
     const float scale[2] = {1.0f, 1.0f};
 #pragma unroll
-    for (int c = 0; c < kN / 32; ++c) {
-      if (64 * (kFirstChunk + c) >= cols) break;  // uniform across the warp
-      warp_stage_chunk(d, c, scale, wbuf, lane, v[kFirstChunk + c]);
+    for (int c = 0; c < kChunks; ++c) {
+      if (64 * c >= cols) break;  // uniform across the warp
+      warp_stage_chunk(d, c, scale, wbuf, lane, v[c]);
     }
-    if constexpr (kFirstChunk > 0) return;
     first_row_ptr = row(warp_row + warp_staged_row(0, lane));
     row_elems = stride;
     rows_mask = 0;

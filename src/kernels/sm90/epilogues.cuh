@@ -25,11 +25,6 @@ namespace poise::sm90 {
 #define POISE_DIRECT_STORES 1
 #endif
 
-// The split tile boundary (grouped_gemm.cuh) for the epilogues that offer it (kSplitBoundary).
-#ifndef POISE_SM90_SPLIT_BOUNDARY
-#define POISE_SM90_SPLIT_BOUNDARY 0
-#endif
-
 // Parts the deferred wgrad stores are spread over (one per K block of the next tile; 0: none).
 #ifndef POISE_WGRAD_DEFERRED_PARTS
 #define POISE_WGRAD_DEFERRED_PARTS 4
@@ -116,7 +111,6 @@ struct SwigluFpropEpilogue {
   static constexpr int kRingStages = 2;  // kBlockN / 128 chunks (static_assert in store)
   static constexpr bool kPairedTiles = true;  // 2-CTA clusters with multicast (grouped_gemm.cuh)
   static constexpr bool kSkipsEmptySlabs = true;  // an all-padding 64-row slab is skipped (grouped_gemm.cuh)
-  static constexpr bool kSplitBoundary = false;  // its SwiGLU pairs span both column halves
   static constexpr bool interleaved = kInterleaved;
   static constexpr uint32_t kPieceBytes = 2 * kStagingBytes;
   CUtensorMap a_map;    // a_RF, 64 x 64 boxes (tensor_map.hpp)
@@ -245,44 +239,23 @@ struct RowsStoreEpilogue {
   template <int kBlockN>
   __device__ __forceinline__ void store(float (&d)[kBlockN / 2], const TileInfo& tile, int consumer,
                                         int thread, uint8_t* buf) const {
-    if constexpr (POISE_DIRECT_STORES) {
-      store_direct<kBlockN, 0>(d, tile, consumer, thread, buf);
-    } else {
-      const Fragment fr(thread);
-      const GroupedRowAddress rows(tile, consumer);
-      float scale[2];
-      row_scales(fr, rows, scale);
-      store_staged<kBlockN>(d, tile, consumer, thread, buf, fr, rows, scale);
-    }
-  }
-  // The split tile boundary (grouped_gemm.cuh): columns [kBlockN / 2 * kHalf, + kBlockN / 2) from d.
-  static constexpr bool kSplitBoundary = POISE_SM90_SPLIT_BOUNDARY && POISE_DIRECT_STORES;
-  template <int kBlockN, int kHalf>
-  __device__ __forceinline__ void store_half(const float (&d)[kBlockN / 4], const TileInfo& tile, int consumer,
-                                             int thread, uint8_t* buf) const {
-    store_direct<kBlockN, kHalf * kBlockN / 128>(d, tile, consumer, thread, buf);
-  }
-
-  __device__ __forceinline__ void row_scales(const Fragment& fr, const GroupedRowAddress& rows, float (&scale)[2]) const {
+    const Fragment fr(thread);
+    const GroupedRowAddress rows(tile, consumer);
+    float scale[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int r = fr.row + 8 * h;
       scale[h] = (scores_R && r < rows.valid) ? scores_R[rows.first_row + r] : 1.0f;
     }
-  }
-  // d: the tile's 64-column chunks from kFirstChunk on.
-  template <int kBlockN, int kFirstChunk, int kN>
-  __device__ __forceinline__ void store_direct(const float (&d)[kN], const TileInfo& tile, int consumer, int thread,
-                                               uint8_t* buf) const {
-    const Fragment fr(thread);
-    const GroupedRowAddress rows(tile, consumer);
-    float scale[2];
-    row_scales(fr, rows, scale);
-    const int32_t n_first = tile.n_block * kBlockN;
-    auto row = [&](int r) {
-      return timing_store_target(reinterpret_cast<__nv_bfloat16*>(rows.at(out_RN, N, n_first, r)), out_RN, N, n_first, r);
-    };
-    store_bf16_rows_direct<kFirstChunk>(d, thread, buf, row, scale, min(kBlockN, N - n_first));
+    if constexpr (POISE_DIRECT_STORES) {
+      const int32_t n_first = tile.n_block * kBlockN;
+      auto row = [&](int r) {
+        return timing_store_target(reinterpret_cast<__nv_bfloat16*>(rows.at(out_RN, N, n_first, r)), out_RN, N, n_first, r);
+      };
+      store_bf16_rows_direct<kBlockN>(d, thread, buf, row, scale, min(kBlockN, N - n_first));
+    } else {
+      store_staged<kBlockN>(d, tile, consumer, thread, buf, fr, rows, scale);
+    }
   }
 
   template <int kBlockN>
@@ -330,7 +303,6 @@ struct SwigluDgradEpilogue {
   // this kernel 7-8% slower at DeepSeek-V3 (three runs; the other GEMMs: within noise or faster),
   // 10% in sustained running (performance.md v15).
   static constexpr bool kSkipsEmptySlabs = POISE_DGRAD_W2_SKIPS_EMPTY_SLABS;
-  static constexpr bool kSplitBoundary = false;  // its epilogue runs in ring stages
   static constexpr bool interleaved = kInterleaved;
   // Steps whose h13 words are loaded before a step's stores (1..16; see store_impl).
   static constexpr int kLoadsAhead = POISE_SWIGLU_BWD_LOADS_AHEAD;
@@ -550,17 +522,8 @@ struct WgradStoreEpilogue {
   template <int kBlockN>
   __device__ __forceinline__ void store(const float (&d)[kBlockN / 2], const TileInfo& tile, int consumer,
                                         int thread, uint8_t* buf, PendingRows<kBlockN>& pending) const {
-    store_half<kBlockN, 0>(d, tile, consumer, thread, buf, pending);
-  }
-  // The split tile boundary (grouped_gemm.cuh): packs columns [kBlockN / 2 * kHalf, + kBlockN / 2)
-  // from d (half 0 first: it sets the rows). Also the whole tile: kHalf = 0, d of kBlockN / 2.
-  static constexpr bool kSplitBoundary = POISE_SM90_SPLIT_BOUNDARY && kDeferredParts > 0;
-  template <int kBlockN, int kHalf, int kN>
-  __device__ __forceinline__ void store_half(const float (&d)[kN], const TileInfo& tile, int consumer, int thread,
-                                             uint8_t* buf, PendingRows<kBlockN>& pending) const {
     const int32_t n_first = tile.n_block * kBlockN;
-    pending.template pack<kHalf * kBlockN / 128>(d, thread, buf, bf16_rows(slab(tile, consumer), n_first),
-                                                 min(kBlockN, N - n_first), N);
+    pending.pack(d, thread, buf, bf16_rows(slab(tile, consumer), n_first), min(kBlockN, N - n_first), N);
   }
 
   template <int kBlockN>
@@ -608,7 +571,7 @@ struct WgradStoreEpilogue {
       acquire_staging(consumer, thread);
       const int32_t n_first = tile.n_block * kBlockN;
       const float one[2] = {1.0f, 1.0f};
-      store_bf16_rows_direct<0>(d, thread, buf, bf16_rows(sl, n_first), one, min(kBlockN, N - n_first));
+      store_bf16_rows_direct<kBlockN>(d, thread, buf, bf16_rows(sl, n_first), one, min(kBlockN, N - n_first));
     } else {
       __nv_bfloat16* out = static_cast<__nv_bfloat16*>(target);
 #pragma unroll 1

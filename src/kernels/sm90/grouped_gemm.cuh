@@ -409,35 +409,6 @@ __global__ void __launch_bounds__(kThreadsPerCta, 1)
     // tile's K block p is issued (epilogue_direct.cuh).
     constexpr int kDeferredParts = Epilogue::kDeferredParts;
     PendingRows<kBlockN> pending;
-    // The split tile end (Epilogue::kSplitBoundary): every K block is issued as two wgmma chains
-    // of kBlockN / 2 columns, so at the tile's end the epilogue stores the first half while the
-    // second half's last chain still computes. Both consumers reach their epilogues together
-    // (they share every stage), so the tensor cores otherwise idle through the whole epilogue.
-    // All K blocks: ptxas orders accumulator accesses only across wgmmas of one shape (a switch
-    // of shape on the same registers waits for the queued group, and mixing them in one kernel
-    // ran out of registers for its wgmma pipeline). The price is A read twice from shared memory.
-    constexpr bool kSplit = Epilogue::kSplitBoundary && !kSkipEpilogue && kRingStages == 0;
-    static_assert(!kSplit || kInFlight == 1, "the split tile end keeps one wgmma group in flight");
-    float(&acc_lo)[kBlockN / 4] = *reinterpret_cast<float(*)[kBlockN / 4]>(&acc[0]);
-    float(&acc_hi)[kBlockN / 4] = *reinterpret_cast<float(*)[kBlockN / 4]>(&acc[kBlockN / 4]);
-    auto store_half = [&]<int kHalf>(const float(&d)[kBlockN / 4], const TileInfo& t, uint8_t* staging) {
-      if constexpr (kSplit && kDeferredParts > 0)
-        epilogue.template store_half<kBlockN, kHalf>(d, t, consumer, consumer_thread % 128, staging, pending);
-      else if constexpr (kSplit)
-        epilogue.template store_half<kBlockN, kHalf>(d, t, consumer, consumer_thread % 128, staging);
-    };
-    auto issue_chain = [&](float(&d)[kBlockN / 4], uint64_t desc_a, uint64_t desc_b) {
-      ptx::fence_accumulators(d);
-      ptx::wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < kTileK / 16; ++kk) {
-        ptx::wgmma_k16<kBlockN / 2, kAMnMajor ? 1 : 0, kBMnMajor ? 1 : 0>(
-            d, ptx::desc_advance(desc_a, kk * ptx::k16_slice_bytes<kAMnMajor>()),
-            ptx::desc_advance(desc_b, kk * ptx::k16_slice_bytes<kBMnMajor>()), 1);
-      }
-      ptx::wgmma_commit_group();
-      ptx::fence_accumulators(d);
-    };
     uint32_t it = 0;
     POISE_PHASE(long long c_begin = clock64(), c_wait = 0, c_epi = 0, c_tiles = 0;)
     uint32_t dequeued = 0;
@@ -486,18 +457,6 @@ __global__ void __launch_bounds__(kThreadsPerCta, 1)
         const uint64_t desc_a = kAMnMajor ? ptx::make_mn_major_desc(a_smem + consumer * ptx::kMnChunkBytes)
                                           : ptx::make_k_major_desc(a_smem + consumer * 64 * 128);
         const uint64_t desc_b = kBMnMajor ? ptx::make_mn_major_desc(b_smem) : ptx::make_k_major_desc(b_smem);
-        if constexpr (kSplit) {
-          // Columns [kBlockN / 2, kBlockN): B's second half, 16 KiB on (K-major rows, MN-major chunks).
-          const uint64_t desc_b_hi = kBMnMajor ? ptx::make_mn_major_desc(b_smem + kBlockN / 2 * 128)
-                                               : ptx::make_k_major_desc(b_smem + kBlockN / 2 * 128);
-          issue_chain(acc_lo, desc_a, desc_b);
-          issue_chain(acc_hi, desc_a, desc_b_hi);
-          if constexpr (kDeferredParts > 0) pending.template flush_part<kDeferredParts>(kb, lane);
-          ptx::wgmma_wait_group<2>();  // this K block's two chains stay in flight
-          if (kb > 0) ring.release(prev_it);
-          prev_it = it;
-          continue;
-        }
         ptx::fence_accumulators(acc);
         ptx::wgmma_fence();
 #pragma unroll
@@ -522,22 +481,6 @@ __global__ void __launch_bounds__(kThreadsPerCta, 1)
           if (kb > 0) ring.release(prev_it);
           prev_it = it;
         }
-      }
-      if (kSplit && k_blocks > 0) {
-        // The first half's chain retires first: its epilogue runs while the second's computes.
-        // (Here, after the K loop: accumulator reads inside it made ptxas serialize every wgmma.)
-        if constexpr (kDeferredParts > 0) pending.template flush_from<kDeferredParts>(k_blocks, lane);
-        ptx::wgmma_wait_group<1>();
-        ptx::fence_accumulators(acc_lo);
-        POISE_PHASE(const long long e0 = clock64();)
-        store_half.template operator()<0>(acc_lo, tile, staging);
-        ptx::wgmma_wait_group<0>();
-        ptx::fence_accumulators(acc_hi);
-        ring.release(prev_it);
-        store_half.template operator()<1>(acc_hi, tile, staging);
-        POISE_PHASE(c_epi += clock64() - e0;)
-        POISE_TIMELINE(if (timeline_writer) g_tile_end_ns[timeline_at] = timeline_now();)
-        continue;
       }
       if constexpr (kInFlight == 1) {
         ptx::wgmma_wait_group<0>();
