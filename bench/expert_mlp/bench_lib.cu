@@ -230,10 +230,11 @@ int pb_set_problem(const int32_t* row_offsets_E, const int32_t* row_counts_E, in
   static int32_t* tile_counters = nullptr;
   if (!tile_counters) {
     int32_t* counters = nullptr;
-    if (cudaMalloc(&counters, 2 * sizeof(int32_t)) != cudaSuccess ||
-        cudaMemset(counters, 0, 2 * sizeof(int32_t)) != cudaSuccess) {
+    cudaError_t e = cudaMalloc(&counters, 2 * sizeof(int32_t));
+    if (e == cudaSuccess) e = cudaMemset(counters, 0, 2 * sizeof(int32_t));
+    if (e != cudaSuccess) {
       if (counters) cudaFree(counters);
-      g_last_error = std::string("pb_set_problem: tile counters: ") + cudaGetErrorString(cudaGetLastError());
+      g_last_error = std::string("pb_set_problem: tile counters: ") + cudaGetErrorString(e);
       return -1;
     }
     tile_counters = counters;

@@ -28,8 +28,9 @@ __device__ __forceinline__ void consumer_warpgroup_sync(int consumer) {
 }
 
 // The 128-byte swizzle of the staging buffers (TMA's SWIZZLE_128B): 16-byte unit u (0..7) of row r
-// sits at unit u ^ (r % 8) of that row. byte_col < 128 (a byte of the row).
+// sits at unit u ^ (r % 8) of that row.
 __device__ __forceinline__ int swizzled_unit_offset(int row, int unit) { return row * 128 + ((unit ^ (row & 7)) << 4); }
+// Byte byte_col (< 128) of row `row`.
 __device__ __forceinline__ int staging_offset(int row, int byte_col) {
   return swizzled_unit_offset(row, byte_col >> 4) + (byte_col & 15);
 }
