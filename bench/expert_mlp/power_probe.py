@@ -11,7 +11,8 @@ cycle = 540.7 TFLOP/s per GHz: the cycle efficiency) and TFLOP per kJ (the energ
 
 SHAPES: comma-separated keys of bench_expert_mlp.SHAPES (default: all); NAME_FILTER: only the
 workloads whose name contains one of its comma-separated parts (dense cuBLAS always runs, as the
-reference).
+reference); a part containing "accumulate" adds WGRAD W13 accumulating into an fp32 and a bf16
+gradient buffer.
 """
 import datetime
 import json
@@ -95,6 +96,17 @@ def main() -> int:
             (f"{tag} poise dgrad_w13", w13_flops, c.gemm_calls["dgrad_w13"], prepare),
             (f"{tag} poise wgrad_w13", w13_flops, c.gemm_calls["wgrad_w13"], prepare),
         ]
+        if any("accumulate" in k for k in (sys.argv[5].split(",") if len(sys.argv) > 5 else [])):
+            # Gradient accumulation into an existing buffer (Megatron's fp32 main_grad, or bf16): only
+            # when asked for, the fp32 buffer is E x 2F x D x 4 bytes (3.8 GB at DeepSeek-V3).
+            c.g13_fp32 = torch.zeros(c.E, 2 * c.F, c.D, device=dev, dtype=torch.float32)
+            blk = c.blk
+            workloads += [
+                (f"{tag} poise wgrad_w13 fp32 accumulate", w13_flops,
+                 lambda blk=blk, g=c.g13_fp32: P.wgrad_w13(blk.gh13, blk.x_rows, g, 1, 1), prepare),
+                (f"{tag} poise wgrad_w13 bf16 accumulate", w13_flops,
+                 lambda blk=blk, g=c.g13: P.wgrad_w13(blk.gh13, blk.x_rows, g, 0, 1), prepare),
+            ]
 
     if len(sys.argv) > 5:
         keys = sys.argv[5].split(",")

@@ -96,15 +96,18 @@ __device__ __forceinline__ void staged_combine_out(const uint8_t* buf, int threa
 
 // Emits a fully written buffer: by TMA store of the 64 x 128-byte box at (col, row) of `map` when
 // `whole` (all 64 rows may be written), else by copying rows out. Ends the warpgroup's use of the
-// buffer for writing; the next writer calls acquire_staging first.
+// buffer for writing; the next writer calls acquire_staging first. reduce_add: the box is added
+// to what the target holds (TMA reduce; `whole` only).
 template <class RowDst>
 __device__ __forceinline__ void emit_staged(const uint8_t* buf, int consumer, int thread, bool whole,
-                                            const CUtensorMap* map, int32_t col, int64_t row, RowDst&& row_dst) {
+                                            const CUtensorMap* map, int32_t col, int64_t row, RowDst&& row_dst,
+                                            bool reduce_add = false) {
   if (whole) {
     ptx::fence_async_shared();  // this thread's staging writes -> visible to the TMA engine
     consumer_warpgroup_sync(consumer);
     if (thread == 0) {
-      ptx::tma_store_2d(map, buf, col, static_cast<int32_t>(row));
+      if (reduce_add) ptx::tma_reduce_add_2d(map, buf, col, static_cast<int32_t>(row));
+      else ptx::tma_store_2d(map, buf, col, static_cast<int32_t>(row));
       ptx::tma_store_commit();
     }
   } else {

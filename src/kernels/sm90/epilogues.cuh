@@ -25,6 +25,13 @@ namespace poise::sm90 {
 #define POISE_DIRECT_STORES 1
 #endif
 
+// Accumulating wgrad targets (fp32 or bf16) take each whole staged box by TMA reduce-add, done in
+// the memory system, instead of row copies that read the old values back into the SM (0: those
+// row copies, for A/B).
+#ifndef POISE_WGRAD_TMA_REDUCE
+#define POISE_WGRAD_TMA_REDUCE 1
+#endif
+
 // Parts the deferred wgrad stores are spread over (one per K block of the next tile; 0: none).
 #ifndef POISE_WGRAD_DEFERRED_PARTS
 #define POISE_WGRAD_DEFERRED_PARTS 4
@@ -552,7 +559,9 @@ struct WgradStoreEpilogue {
             stage_put_f32x2(buf, fr.row + 8 * h, (8 * jj + 2 * fr.quad) * 4, d[4 * j + 2 * h], d[4 * j + 2 * h + 1]);
         }
         auto dst = [&](int r) { return r < valid ? reinterpret_cast<uint8_t*>(out + (first + r) * N + n0) : nullptr; };
-        if (accumulate) {
+        if (accumulate && POISE_WGRAD_TMA_REDUCE && valid >= 64) {
+          emit_staged(buf, consumer, thread, true, map, n0, first, dst, /*reduce_add=*/true);
+        } else if (accumulate) {
           consumer_warpgroup_sync(consumer);
           staged_combine_out(buf, thread, dst, [](uint4 v, uint4 o) {
             return make_uint4(__float_as_uint(__uint_as_float(v.x) + __uint_as_float(o.x)),
@@ -587,7 +596,9 @@ struct WgradStoreEpilogue {
             stage_put_u32(buf, fr.row + 8 * h, (8 * jj + 2 * fr.quad) * 2, bf16x2_bits(d[4 * j + 2 * h], d[4 * j + 2 * h + 1]));
         }
         auto dst = [&](int r) { return r < valid ? reinterpret_cast<uint8_t*>(out + (first + r) * N + n0) : nullptr; };
-        if (accumulate) {
+        if (accumulate && POISE_WGRAD_TMA_REDUCE && valid >= 64) {
+          emit_staged(buf, consumer, thread, true, map, n0, first, dst, /*reduce_add=*/true);
+        } else if (accumulate) {
           consumer_warpgroup_sync(consumer);
           staged_combine_out(buf, thread, dst, [](uint4 v, uint4 o) {
             uint32_t in[4] = {v.x, v.y, v.z, v.w}, old[4] = {o.x, o.y, o.z, o.w}, res[4];

@@ -23,6 +23,14 @@ __device__ __forceinline__ void tma_store_2d(const CUtensorMap* map, const void*
   const int32_t coords[2] = {inner, outer};
   cuda::ptx::cp_async_bulk_tensor(cuda::ptx::space_global, cuda::ptx::space_shared, map, coords, smem_src);
 }
+// Adds one 2D box from shared memory into global memory at (inner, outer), element-wise in the
+// map's type, done by the memory system (no read back to the SM); a bulk group like a store.
+__device__ __forceinline__ void tma_reduce_add_2d(const CUtensorMap* map, const void* smem_src, int32_t inner,
+                                                  int32_t outer) {
+  const int32_t coords[2] = {inner, outer};
+  cuda::ptx::cp_reduce_async_bulk_tensor(cuda::ptx::space_global, cuda::ptx::space_shared, cuda::ptx::op_add, map,
+                                         coords, smem_src);
+}
 __device__ __forceinline__ void tma_store_commit() { cuda::ptx::cp_async_bulk_commit_group(); }
 // The issuing thread's stores but the kPending most recent groups have finished reading shared
 // memory (their buffers may be rewritten).
