@@ -15,6 +15,7 @@ import argparse
 import ctypes
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -179,8 +180,12 @@ class PoiseBlock:
                             scores_R=torch.zeros(R, device=dev, dtype=torch.float32))
         L = self.lay
         self.P.routing_layout(ids, scores, TK, E, L["counts"], L["offsets"], L["row_of_tk"], L["scores_R"])
-        if self.P.lib.pb_set_problem(L["offsets"].data_ptr(), L["counts"].data_ptr(), E, R, self.D, self.F, 0, 0,
-                                     1.702, 7.0) != 0:
+        # POISE_BENCH_W13_LAYOUT=interleaved / POISE_BENCH_ACTIVATION=clamped (timing probes only: the
+        # bench's weights and baseline are blocked W13 with plain SwiGLU, so outputs then differ).
+        interleaved = int(os.environ.get("POISE_BENCH_W13_LAYOUT", "blocked") == "interleaved")
+        clamped = int(os.environ.get("POISE_BENCH_ACTIVATION", "swiglu") == "clamped")
+        if self.P.lib.pb_set_problem(L["offsets"].data_ptr(), L["counts"].data_ptr(), E, R, self.D, self.F,
+                                     interleaved, clamped, 1.702, 7.0) != 0:
             raise RuntimeError(self.P.lib.pb_last_error().decode())
 
     def gather_x(self, x):
