@@ -14,7 +14,6 @@
 #include "kernels/sm90/epilogue_direct.cuh"
 #include "kernels/sm90/epilogue_staging.cuh"
 #include "kernels/sm90/phase_profile.cuh"
-#include "kernels/sm90/ptx/global_memory.cuh"
 #include "kernels/sm90/ptx/mbarrier.cuh"
 #include "kernels/sm90/tile_scheduler.cuh"
 
@@ -31,12 +30,6 @@ namespace poise::sm90 {
 // row copies, for A/B).
 #ifndef POISE_WGRAD_TMA_REDUCE
 #define POISE_WGRAD_TMA_REDUCE 1
-#endif
-
-// A/B: accumulating fp32 wgrad targets add straight from registers by global reductions
-// (red.global.add.v2.f32) instead of staged boxes and TMA reduce.
-#ifndef POISE_WGRAD_FP32_RED
-#define POISE_WGRAD_FP32_RED 0
 #endif
 
 // Parts the deferred wgrad stores are spread over (one per K block of the next tile; 0: none).
@@ -551,22 +544,7 @@ struct WgradStoreEpilogue {
     const bool accumulate = replica ? false : this->accumulate != 0;
     const int64_t first = sl.first;
     const int32_t valid = sl.valid;
-    if (POISE_WGRAD_FP32_RED && accumulate && out_fp32) {
-      // fp32 accumulation straight from the fragment: each lane adds its two adjacent columns of a
-      // row (a quad covers 32 bytes, one sector) by a global reduction; no staging buffer.
-      float* const out = static_cast<float*>(target);
-      const int32_t n_first = tile.n_block * kBlockN;
-#pragma unroll
-      for (int j = 0; j < kBlockN / 8; ++j) {
-        if (8 * j >= N - n_first) break;  // N - n_first is a multiple of 64: uniform
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int r = fr.row + 8 * h;
-          if (r < valid)
-            ptx::red_add_v2_f32(out + (first + r) * N + n_first + 8 * j + 2 * fr.quad, d[4 * j + 2 * h], d[4 * j + 2 * h + 1]);
-        }
-      }
-    } else if (replica ? replica_fp32 : out_fp32) {
+    if (replica ? replica_fp32 : out_fp32) {
       float* out = static_cast<float*>(target);
 #pragma unroll 1
       for (int c = 0; c < kBlockN / 32; ++c) {  // 32 fp32 columns = 128 bytes per chunk; d[0..15]
