@@ -64,10 +64,16 @@ part_mlp() {
     --out "$OUT/expert_mlp_h200.json" --commit "$commit" > "$OUT/mlp.log" 2>&1
   echo "mlp rc=$?"; tail -16 "$OUT/mlp.log"
 }
+# The carried bench libraries built for timing (not the phases / timeline profiling builds).
+timing_libs() {
+  local lib
+  for lib in .carry/libpoise_expert_mlp_bench*.so; do
+    [[ "$lib" == *phases* || "$lib" == *timeline* ]] || echo "$lib"
+  done
+}
 part_gemm_only() {
   for round in $(seq "${ROUNDS:-1}"); do
-  for lib in .carry/libpoise_expert_mlp_bench*.so; do
-    [[ "$lib" == *phases* || "$lib" == *timeline* ]] && continue
+  for lib in $(timing_libs); do
     for cluster in ${CLUSTERS:-default}; do
       local label; label="$(basename "$lib" .so) cluster=$cluster"
       [ "$cluster" = default ] && cluster=""
@@ -121,8 +127,7 @@ part_ncu_mem() {
 part_probe() {
   # power probe of every .carry/libpoise_expert_mlp_bench*.so ($PROBE_SHAPES, $PROBE_FILTER), $ROUNDS rounds
   for round in $(seq "${ROUNDS:-1}"); do
-    for lib in .carry/libpoise_expert_mlp_bench*.so; do
-      [[ "$lib" == *phases* || "$lib" == *timeline* ]] && continue
+    for lib in $(timing_libs); do
       echo "[$(basename "$lib" .so) round $round]"
       PYTHONUNBUFFERED=1 timeout 200 python3 bench/expert_mlp/power_probe.py "$lib" /dev/null "${PROBE_SECONDS:-2.0}" \
         "${PROBE_SHAPES:-qwen3_30b_a3b,deepseek_v3_ep8_rank}" ${PROBE_FILTER:-poise} 2>&1 | grep -v "^$"

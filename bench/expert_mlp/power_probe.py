@@ -81,6 +81,7 @@ def main() -> int:
     # and shape are global state, last set by the last layout() call).
     workloads.append(("dense torch.matmul 8192^3", 2.0 * n**3, lambda: torch.matmul(a, b), lambda: None))
     shapes = sys.argv[4].split(",") if len(sys.argv) > 4 else list(bench.SHAPES)
+    keys = sys.argv[5].split(",") if len(sys.argv) > 5 else None  # NAME_FILTER's parts
     for shape in shapes:
         c = bench.ready_block(P, shape, 1.0)
         xs, offs = bench.grouped_mm_operands(c.x, c.ids, c.E, c.K)
@@ -96,7 +97,7 @@ def main() -> int:
             (f"{tag} poise dgrad_w13", w13_flops, c.gemm_calls["dgrad_w13"], prepare),
             (f"{tag} poise wgrad_w13", w13_flops, c.gemm_calls["wgrad_w13"], prepare),
         ]
-        if any("accumulate" in k for k in (sys.argv[5].split(",") if len(sys.argv) > 5 else [])):
+        if keys and any("accumulate" in k for k in keys):
             # Gradient accumulation into an existing buffer (Megatron's fp32 main_grad, or bf16): only
             # when asked for, the fp32 buffer is E x 2F x D x 4 bytes (3.8 GB at DeepSeek-V3).
             c.g13_fp32 = torch.zeros(c.E, 2 * c.F, c.D, device=dev, dtype=torch.float32)
@@ -108,8 +109,7 @@ def main() -> int:
                  lambda blk=blk, g=c.g13: P.wgrad_w13(blk.gh13, blk.x_rows, g, 0, 1), prepare),
             ]
 
-    if len(sys.argv) > 5:
-        keys = sys.argv[5].split(",")
+    if keys:
         workloads = [w for w in workloads if w[0].startswith("dense") or any(k in w[0] for k in keys)]
     log = tempfile.NamedTemporaryFile(prefix="smi", suffix=".csv", delete=False).name
     smi = subprocess.Popen(["nvidia-smi", "--query-gpu=timestamp,clocks.sm,power.draw,clocks_event_reasons.active",
