@@ -116,6 +116,23 @@ __device__ __forceinline__ void emit_staged(const uint8_t* buf, int consumer, in
   }
 }
 
+// Emits a fully written buffer into a target that may hold values to add to: plain emit_staged
+// when not `accumulate`; else TMA reduce-add of the whole box (`tma_reduce` and all 64 rows below
+// M), or row copies that read the target back and write `combine(new, old)` per 16-byte unit.
+template <class RowDst, class Combine>
+__device__ __forceinline__ void emit_staged_add(const uint8_t* buf, int consumer, int thread, bool accumulate,
+                                                bool tma_reduce, int32_t valid, const CUtensorMap* map, int32_t col,
+                                                int64_t row, RowDst&& row_dst, Combine&& combine) {
+  if (accumulate && tma_reduce && valid >= 64) {
+    emit_staged(buf, consumer, thread, true, map, col, row, row_dst, /*reduce_add=*/true);
+  } else if (accumulate) {
+    consumer_warpgroup_sync(consumer);
+    staged_combine_out(buf, thread, row_dst, combine);
+  } else {
+    emit_staged(buf, consumer, thread, valid >= 64, map, col, row, row_dst);
+  }
+}
+
 // Epilogues that stage in ring stages (grouped_gemm.cuh, Epilogue::kRingStages): a warp releases a
 // stage once done with it, except the warpgroup's first warp when its thread 0 issued TMA stores
 // from the stage: it releases the stage after the next chunk's stores were issued and all but

@@ -559,19 +559,13 @@ struct WgradStoreEpilogue {
             stage_put_f32x2(buf, fr.row + 8 * h, (8 * jj + 2 * fr.quad) * 4, d[4 * j + 2 * h], d[4 * j + 2 * h + 1]);
         }
         auto dst = [&](int r) { return r < valid ? reinterpret_cast<uint8_t*>(out + (first + r) * N + n0) : nullptr; };
-        if (accumulate && POISE_WGRAD_TMA_REDUCE && valid >= 64) {
-          emit_staged(buf, consumer, thread, true, map, n0, first, dst, /*reduce_add=*/true);
-        } else if (accumulate) {
-          consumer_warpgroup_sync(consumer);
-          staged_combine_out(buf, thread, dst, [](uint4 v, uint4 o) {
-            return make_uint4(__float_as_uint(__uint_as_float(v.x) + __uint_as_float(o.x)),
-                              __float_as_uint(__uint_as_float(v.y) + __uint_as_float(o.y)),
-                              __float_as_uint(__uint_as_float(v.z) + __uint_as_float(o.z)),
-                              __float_as_uint(__uint_as_float(v.w) + __uint_as_float(o.w)));
-          });
-        } else {
-          emit_staged(buf, consumer, thread, valid >= 64, map, n0, first, dst);
-        }
+        emit_staged_add(buf, consumer, thread, accumulate, POISE_WGRAD_TMA_REDUCE, valid, map, n0, first, dst,
+                        [](uint4 v, uint4 o) {
+                          return make_uint4(__float_as_uint(__uint_as_float(v.x) + __uint_as_float(o.x)),
+                                            __float_as_uint(__uint_as_float(v.y) + __uint_as_float(o.y)),
+                                            __float_as_uint(__uint_as_float(v.z) + __uint_as_float(o.z)),
+                                            __float_as_uint(__uint_as_float(v.w) + __uint_as_float(o.w)));
+                        });
         move_accumulators<0, 16, kBlockN / 2 - 16>(d);
       }
     } else if (POISE_DIRECT_STORES && !accumulate) {
@@ -596,20 +590,14 @@ struct WgradStoreEpilogue {
             stage_put_u32(buf, fr.row + 8 * h, (8 * jj + 2 * fr.quad) * 2, bf16x2_bits(d[4 * j + 2 * h], d[4 * j + 2 * h + 1]));
         }
         auto dst = [&](int r) { return r < valid ? reinterpret_cast<uint8_t*>(out + (first + r) * N + n0) : nullptr; };
-        if (accumulate && POISE_WGRAD_TMA_REDUCE && valid >= 64) {
-          emit_staged(buf, consumer, thread, true, map, n0, first, dst, /*reduce_add=*/true);
-        } else if (accumulate) {
-          consumer_warpgroup_sync(consumer);
-          staged_combine_out(buf, thread, dst, [](uint4 v, uint4 o) {
-            uint32_t in[4] = {v.x, v.y, v.z, v.w}, old[4] = {o.x, o.y, o.z, o.w}, res[4];
+        emit_staged_add(buf, consumer, thread, accumulate, POISE_WGRAD_TMA_REDUCE, valid, map, n0, first, dst,
+                        [](uint4 v, uint4 o) {
+                          uint32_t in[4] = {v.x, v.y, v.z, v.w}, old[4] = {o.x, o.y, o.z, o.w}, res[4];
 #pragma unroll
-            for (int i = 0; i < 4; ++i)
-              res[i] = bf16x2_bits(bf16_lo(in[i]) + bf16_lo(old[i]), bf16_hi(in[i]) + bf16_hi(old[i]));
-            return make_uint4(res[0], res[1], res[2], res[3]);
-          });
-        } else {
-          emit_staged(buf, consumer, thread, valid >= 64, map, n0, first, dst);
-        }
+                          for (int i = 0; i < 4; ++i)
+                            res[i] = bf16x2_bits(bf16_lo(in[i]) + bf16_lo(old[i]), bf16_hi(in[i]) + bf16_hi(old[i]));
+                          return make_uint4(res[0], res[1], res[2], res[3]);
+                        });
         move_accumulators<0, 32, kBlockN / 2 - 32>(d);
       }
     }
