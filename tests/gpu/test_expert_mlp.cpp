@@ -342,7 +342,10 @@ INSTANTIATE_TEST_SUITE_P(
         Case{"interleaved_clamped_F64x3", {77, 250, 0, 64}, 384, 192, W13Layout::gate_up_interleaved, true, 14},
         Case{"interleaved_swiglu", {200, 3}, 320, 128, W13Layout::gate_up_interleaved, false, 15},
         Case{"many_tiles_per_cta", random_counts(32, 600, 16), 512, 256, W13Layout::gate_up_blocked, false, 16},
-        Case{"no_rows_at_all", {0, 0}, 128, 64, W13Layout::gate_up_blocked, false, 17}),
+        Case{"no_rows_at_all", {0, 0}, 128, 64, W13Layout::gate_up_blocked, false, 17},
+        // wgrad's last K block of each expert: rows past 64 ending on and between its k16 slices
+        Case{"wgrad_tail_slices", {16, 17, 96, 33, 112, 49, 63, 64, 1}, 128, 192, W13Layout::gate_up_blocked, false,
+             18}),
     [](const ::testing::TestParamInfo<Case>& info) { return std::string(info.param.name); });
 
 }  // namespace

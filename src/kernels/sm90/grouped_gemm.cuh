@@ -55,6 +55,14 @@ inline constexpr uint32_t kConsumerThreads = kConsumerWarps * 32;
 static_assert((kThreadsPerCta - kConsumerThreads) * kProducerRegisters + kConsumerThreads * kConsumerRegisters <=
                   kThreadsPerCta * kLaunchRegisters,
               "producer + consumer registers must fit the launch's allocation");
+// Rows as K (wgrad): how finely an expert's last, partial K block is cut into k16 slices that are
+// computed or skipped: 4 (each slice), 2 (halves) or 0 (the whole block, its tail zeroed; A/B).
+#ifndef POISE_WGRAD_TAIL_SLICES
+#define POISE_WGRAD_TAIL_SLICES 2
+#endif
+inline constexpr int kTailSlices = POISE_WGRAD_TAIL_SLICES;
+static_assert(kTailSlices == 0 || kTailSlices == 2 || kTailSlices == 4, "POISE_WGRAD_TAIL_SLICES: 0, 2 or 4");
+
 // wgmma groups a consumer leaves in flight when it moves to the next stage (0 or 1); a build
 // option so both pipelines can be measured against each other.
 #ifndef POISE_WGMMA_GROUPS_IN_FLIGHT
@@ -115,19 +123,19 @@ struct GroupedGemmSmem {
   static constexpr uint32_t kTotalBytes = kTileQueueOffset + kTileQueueBytes + 1024;
 };
 
-// Zeroes rows [valid_rows, 64) of every 64-row MN-major chunk of this stage: kAChunks of A, then
-// B's kBlockN / 64, by `kThreads` threads that then meet at named barrier `barrier_id`.
+// Zeroes rows [valid_rows, end_row) of every 64-row MN-major chunk of this stage: kAChunks of A,
+// then B's kBlockN / 64, by `kThreads` threads that then meet at named barrier `barrier_id`.
 // Whole 128-byte rows are zeroed, so the swizzle (which permutes 16 B units within a row) is moot.
 template <int kAChunks, int kBlockN, int kThreads>
-__device__ __forceinline__ void zero_k_tail(uint8_t* stage_a, uint8_t* stage_b, int valid_rows, int thread,
-                                            uint32_t barrier_id) {
+__device__ __forceinline__ void zero_k_tail(uint8_t* stage_a, uint8_t* stage_b, int valid_rows, int end_row,
+                                            int thread, uint32_t barrier_id) {
   constexpr int kChunks = kAChunks + kBlockN / 64;
   static_assert(kThreads % 8 == 0, "8 threads per 128-byte row");
   // Thread t zeroes 16-byte unit t % 8 of rows valid_rows + t / 8, + kThreads / 8, ... of every
   // chunk (no divisions: this runs on every expert's last K block).
   const uint32_t a = ptx::shared_address(stage_a), b = ptx::shared_address(stage_b);
   const uint32_t unit = 16 * (thread % 8);
-  for (int row = valid_rows + thread / 8; row < kTileK; row += kThreads / 8) {
+  for (int row = valid_rows + thread / 8; row < end_row; row += kThreads / 8) {
 #pragma unroll
     for (int c = 0; c < kChunks; ++c) {
       const uint32_t chunk = c < kAChunks ? a + c * ptx::kMnChunkBytes : b + (c - kAChunks) * ptx::kMnChunkBytes;
@@ -137,6 +145,23 @@ __device__ __forceinline__ void zero_k_tail(uint8_t* stage_a, uint8_t* stage_b, 
   ptx::fence_async_shared();
   ptx::named_barrier_sync(barrier_id, kThreads);
 }
+
+// One wgmma group: kSlices k16 steps of this warpgroup's A and the tile's B from one stage.
+template <int kBlockN, bool kAMnMajor, bool kBMnMajor>
+struct WgmmaGroup {
+  template <int kSlices>
+  __device__ __forceinline__ static void issue(float (&acc)[kBlockN / 2], uint64_t desc_a, uint64_t desc_b) {
+    ptx::fence_accumulators(acc);
+    ptx::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kSlices; ++kk) {
+      ptx::wgmma_k16<kBlockN, kAMnMajor ? 1 : 0, kBMnMajor ? 1 : 0>(
+          acc, ptx::desc_advance(desc_a, kk * ptx::k16_slice_bytes<kAMnMajor>()),
+          ptx::desc_advance(desc_b, kk * ptx::k16_slice_bytes<kBMnMajor>()), 1);
+    }
+    ptx::wgmma_commit_group();
+  }
+};
 
 // CTAs of a cluster that load into one CTA's stages (itself included): every CTA of a pair; in a
 // quad the CTA, its B partner (rank ^ 1) and its A partner (rank ^ 2), not the diagonal one.
@@ -449,23 +474,33 @@ __global__ void __launch_bounds__(kThreadsPerCta, 1)
         uint8_t* const a_smem = ring.wait(it);  // the stage: A, then B at kABytes
         uint8_t* const b_smem = a_smem + Smem::kABytes;
         POISE_PHASE(c_wait += clock64() - w0;)
+        // Rows as K: an expert's last K block holds the remainder of its rows. Only the k16 slices
+        // that hold rows are computed (POISE_WGRAD_TAIL_SLICES), and only the rows past the count
+        // within the last of them are zeroed. Each slice count is a whole wgmma group on its own
+        // path: a wgmma under a condition inside a group makes ptxas serialize the kernel's wgmmas.
+        int slices = kTileK / 16;
         if constexpr (kRows == RowsAre::K) {
           const int valid = tile.row_count - kb * kTileK;
-          if (valid < kTileK) zero_k_tail<kTileM / 64, kBlockN, 256>(a_smem, b_smem, valid, consumer_thread, 1);
+          if (valid < kTileK) {
+            constexpr int kTailRows = kTailSlices > 0 ? kTileK / kTailSlices : kTileK;  // a power of 2
+            const int covered = kTailSlices == 0 ? kTileK : (valid + kTailRows - 1) & ~(kTailRows - 1);
+            if (valid < covered)
+              zero_k_tail<kTileM / 64, kBlockN, 256>(a_smem, b_smem, valid, covered, consumer_thread, 1);
+            slices = covered >> 4;
+          }
         }
         // A: this warpgroup's 64 rows; K-major rows are 128 B, MN-major chunks are 64 M wide.
         const uint64_t desc_a = kAMnMajor ? ptx::make_mn_major_desc(a_smem + consumer * ptx::kMnChunkBytes)
                                           : ptx::make_k_major_desc(a_smem + consumer * 64 * 128);
         const uint64_t desc_b = kBMnMajor ? ptx::make_mn_major_desc(b_smem) : ptx::make_k_major_desc(b_smem);
-        ptx::fence_accumulators(acc);
-        ptx::wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < kTileK / 16; ++kk) {
-          ptx::wgmma_k16<kBlockN, kAMnMajor ? 1 : 0, kBMnMajor ? 1 : 0>(
-              acc, ptx::desc_advance(desc_a, kk * ptx::k16_slice_bytes<kAMnMajor>()),
-              ptx::desc_advance(desc_b, kk * ptx::k16_slice_bytes<kBMnMajor>()), 1);
+        using Group = WgmmaGroup<kBlockN, kAMnMajor, kBMnMajor>;
+        if (kRows == RowsAre::K && kTailSlices > 0 && slices < kTileK / 16) {
+          if (kTailSlices == 4 && slices == 1) Group::template issue<1>(acc, desc_a, desc_b);
+          else if (kTailSlices == 2 || slices == 2) Group::template issue<2>(acc, desc_a, desc_b);
+          else Group::template issue<3>(acc, desc_a, desc_b);
+        } else {
+          Group::template issue<kTileK / 16>(acc, desc_a, desc_b);
         }
-        ptx::wgmma_commit_group();
         ptx::fence_accumulators(acc);
         if constexpr (kDeferredParts > 0) pending.template flush_part<kDeferredParts>(kb, lane);
         if constexpr (kInFlight == 0) {
