@@ -95,6 +95,7 @@ def main() -> int:
             (f"{tag} poise fprop_w2", w13_flops / 2, c.gemm_calls["fprop_w2"], prepare),
             (f"{tag} poise dgrad_w2", w13_flops / 2, c.gemm_calls["dgrad_w2"], prepare),
             (f"{tag} poise dgrad_w13", w13_flops, c.gemm_calls["dgrad_w13"], prepare),
+            (f"{tag} poise wgrad_w2", w13_flops / 2, c.gemm_calls["wgrad_w2"], prepare),
             (f"{tag} poise wgrad_w13", w13_flops, c.gemm_calls["wgrad_w13"], prepare),
         ]
         if keys and any("accumulate" in k for k in keys):

@@ -56,7 +56,8 @@ static_assert((kThreadsPerCta - kConsumerThreads) * kProducerRegisters + kConsum
                   kThreadsPerCta * kLaunchRegisters,
               "producer + consumer registers must fit the launch's allocation");
 // Rows as K (wgrad): how finely an expert's last, partial K block is cut into k16 slices that are
-// computed or skipped: 4 (each slice), 2 (halves) or 0 (the whole block, its tail zeroed; A/B).
+// computed or skipped: 4 (1, 2 or 4 slices: a 3-slice group made the paired bf16 kernel spill),
+// 2 (halves) or 0 (the whole block, its tail zeroed; A/B).
 #ifndef POISE_WGRAD_TAIL_SLICES
 #define POISE_WGRAD_TAIL_SLICES 2
 #endif
@@ -483,7 +484,8 @@ __global__ void __launch_bounds__(kThreadsPerCta, 1)
           const int valid = tile.row_count - kb * kTileK;
           if (valid < kTileK) {
             constexpr int kTailRows = kTailSlices > 0 ? kTileK / kTailSlices : kTileK;  // a power of 2
-            const int covered = kTailSlices == 0 ? kTileK : (valid + kTailRows - 1) & ~(kTailRows - 1);
+            int covered = kTailSlices == 0 ? kTileK : (valid + kTailRows - 1) & ~(kTailRows - 1);
+            if (covered > kTileK / 2) covered = kTileK;  // 3 slices: the whole block (a 3-wgmma group spills)
             if (valid < covered)
               zero_k_tail<kTileM / 64, kBlockN, 256>(a_smem, b_smem, valid, covered, consumer_thread, 1);
             slices = covered >> 4;
@@ -494,12 +496,10 @@ __global__ void __launch_bounds__(kThreadsPerCta, 1)
                                           : ptx::make_k_major_desc(a_smem + consumer * 64 * 128);
         const uint64_t desc_b = kBMnMajor ? ptx::make_mn_major_desc(b_smem) : ptx::make_k_major_desc(b_smem);
         using Group = WgmmaGroup<kBlockN, kAMnMajor, kBMnMajor>;
-        if (kRows == RowsAre::K && kTailSlices > 0 && slices < kTileK / 16) {
-          if (kTailSlices == 4 && slices == 1) Group::template issue<1>(acc, desc_a, desc_b);
-          else if (kTailSlices == 2 || slices == 2) Group::template issue<2>(acc, desc_a, desc_b);
-          else Group::template issue<3>(acc, desc_a, desc_b);
-        } else {
-          Group::template issue<kTileK / 16>(acc, desc_a, desc_b);
+        switch (kRows == RowsAre::K && kTailSlices > 0 ? slices : kTileK / 16) {
+          case 1: if constexpr (kTailSlices == 4) { Group::template issue<1>(acc, desc_a, desc_b); break; }
+          case 2: Group::template issue<2>(acc, desc_a, desc_b); break;
+          default: Group::template issue<kTileK / 16>(acc, desc_a, desc_b);
         }
         ptx::fence_accumulators(acc);
         if constexpr (kDeferredParts > 0) pending.template flush_part<kDeferredParts>(kb, lane);
