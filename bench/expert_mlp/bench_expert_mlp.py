@@ -47,12 +47,16 @@ def load_lib(path):
         "pb_dgrad_w13": [c_void_p] * 4,
         "pb_wgrad_w2": [c_void_p, c_void_p, c_void_p, c_int, c_int, c_void_p],
         "pb_wgrad_w13": [c_void_p, c_void_p, c_void_p, c_int, c_int, c_void_p],
+        "pb_wgrad_w13_combine": [c_void_p, c_void_p, c_void_p, c_int, c_int, c_void_p, c_int64, c_int64, c_void_p,
+                                 c_void_p, c_void_p, c_int64, c_void_p, c_void_p],
         "pb_routing_layout": [c_void_p, c_void_p, c_int64, c_int64, c_void_p, c_void_p, c_void_p, c_void_p, c_void_p],
         "pb_scatter_rows": [c_void_p, c_int64, c_int64, c_int64, c_void_p, c_void_p, c_void_p],
         "pb_combine_rows": [c_void_p, c_int64, c_int64, c_int64, c_void_p, c_void_p, c_void_p],
         "pb_gather_scalars": [c_void_p, c_int64, c_void_p, c_int64, c_void_p, c_void_p],
     }
     for name, args in sigs.items():
+        if name == "pb_wgrad_w13_combine" and not hasattr(lib, name):
+            continue  # libraries before the combine side job
         fn = getattr(lib, name)
         fn.argtypes = args
         fn.restype = c_int
@@ -167,6 +171,9 @@ class PoiseBlock:
         # The routing score's gradient per row, in DGRAD W2's per-tile pieces (summed in order).
         self.score_parts = P.lib.pb_score_partials(F)
         self.grad_score_partials = torch.empty(R, self.score_parts, device=dev, dtype=torch.float32)
+        # The backward's grad_x combine and score sums as WGRAD W13's side job (POISE_BENCH_SIDE_COMBINE=0:
+        # separate glue kernels, for A/B runs; libraries without it: separate).
+        self.side_combine = hasattr(P.lib, "pb_wgrad_w13_combine") and os.environ.get("POISE_BENCH_SIDE_COMBINE") != "0"
 
     def layout(self, ids, scores):
         """Routing layout on the device in one kernel (stand-in for Poise's route stage)."""
@@ -208,6 +215,11 @@ class PoiseBlock:
         P.dgrad_w2(self.gy_rows, w2, self.h13, L["scores_R"], self.gh13, self.a, self.grad_score_partials)
         P.wgrad_w2(self.gy_rows, self.a, grad_w2, 0, 0)
         P.dgrad_w13(self.gh13, w13, self.gx_rows)
+        if self.side_combine:
+            # grad_x and grad_scores from WGRAD W13's idle producer warps, while it computes.
+            P.wgrad_w13_combine(self.gh13, self.x_rows, grad_w13, 0, 0, L["row_of_tk"], self.T, self.K, self.gx_rows,
+                                grad_x, self.grad_score_partials, self.score_parts, grad_scores_TK)
+            return
         P.wgrad_w13(self.gh13, self.x_rows, grad_w13, 0, 0)
         P.combine_rows(L["row_of_tk"], self.T, self.K, self.D, self.gx_rows, grad_x)
         P.gather_scalars(L["row_of_tk"], self.T * self.K, self.grad_score_partials, self.score_parts, grad_scores_TK)
@@ -416,11 +428,21 @@ def ready_block(P, name, skew_target):
 def gemm_only(P, name, skew_target, label):
     """Times the six Poise GEMMs alone (no baseline): for comparing two builds of the kernels."""
     c = ready_block(P, name, skew_target)
-    g = {k: time_ms(call) for k, call in c.gemm_calls.items()}
+    calls = dict(c.gemm_calls)
+    if c.blk.side_combine:  # WGRAD W13 carrying the grad_x combine, next to the glue it replaces
+        b, L = c.blk, c.blk.lay
+        calls["wgrad_w13+combine"] = lambda: P.wgrad_w13_combine(
+            b.gh13, b.x_rows, c.g13, 0, 0, L["row_of_tk"], c.T, c.K, b.gx_rows, c.gx, b.grad_score_partials,
+            b.score_parts, c.gs)
+        calls["combine_glue"] = lambda: (
+            P.combine_rows(L["row_of_tk"], c.T, c.K, c.D, b.gx_rows, c.gx),
+            P.gather_scalars(L["row_of_tk"], c.T * c.K, b.grad_score_partials, b.score_parts, c.gs))
+    g = {k: time_ms(call) for k, call in calls.items()}
     fwdbwd = time_ms(lambda: (c.forward(), c.backward()))
     TK = c.T * c.K
-    tf = {k: (4.0 if "w13" in k else 2.0) * TK * c.D * c.F / v / 1e9 for k, v in g.items()}
-    print(f"[{label}] {name} skew {c.skew:.2f}: fwdbwd {fwdbwd:.2f} ms; TF/s " + ", ".join(f"{k} {v:.0f}" for k, v in tf.items()), flush=True)
+    tf = {k: (4.0 if "w13" in k else 2.0) * TK * c.D * c.F / v / 1e9 for k, v in g.items() if "glue" not in k}
+    print(f"[{label}] {name} skew {c.skew:.2f}: fwdbwd {fwdbwd:.2f} ms; TF/s " + ", ".join(f"{k} {v:.0f}" for k, v in tf.items())
+          + "".join(f"; {k} {v * 1e3:.0f} us" for k, v in g.items() if "combine" in k), flush=True)
 
 
 def main():

@@ -281,6 +281,19 @@ int pb_wgrad_w13(const void* grad_h13, const void* x, void* grad_w13, int fp32, 
   });
 }
 
+// WGRAD W13 with the backward's last glue as its side job (sm90::TokenCombine): grad_x = the top-k
+// combine of DGRAD W13's rows, grad_scores = the sums of DGRAD W2's score pieces.
+int pb_wgrad_w13_combine(const void* grad_h13, const void* x, void* grad_w13, int fp32, int accumulate,
+                         const int32_t* row_of_tk, int64_t tokens, int64_t top_k, const void* rows_RD, void* out_TD,
+                         const float* partials_RP, int64_t partials, float* sums_TK, void* stream) {
+  return guarded([&] {
+    const poise::sm90::TokenCombine combine{row_of_tk, tokens, top_k, rows_RD, out_TD, partials_RP, partials, sums_TK};
+    poise::sm90::expert_mlp_wgrad_w13(g_rows, g_shape, grad_h13, x,
+                                      {grad_w13, fp32 ? poise::DType::fp32 : poise::DType::bf16, accumulate != 0},
+                                      as_stream(stream), combine);
+  });
+}
+
 int pb_routing_layout(const int64_t* ids_TK, const float* scores_TK, int64_t tk, int64_t num_experts,
                       int32_t* counts_E, int32_t* offsets_E, int32_t* row_of_tk, float* scores_R, void* stream) {
   if (num_experts > kLayoutThreads) {

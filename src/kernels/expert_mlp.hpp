@@ -121,14 +121,32 @@ struct WgradOutput {
   void* replica_grad_w = nullptr;  // with GroupedRows::first_replica: [E - first_replica, ...]
   DType replica_dtype = DType::fp32;
 };
+// The top-k combine of grouped rows into token rows, run by a WGRAD's idle producer warps while it
+// computes (the grad_x combine after DGRAD W13 then costs the backward no pass of its own):
+//   out_TD[t] = sum over k of rows_RD[row_of_tk[t * K + k]]  (fp32 in k order, bf16 out), and with
+//   partials_RP also sums_TK[t * K + k] = sum over p of partials_RP[row][p]  (p in order; DGRAD W2's
+//   routing-score gradient pieces).
+// The same bits as summing in that order anywhere else. Its inputs must be complete before the
+// WGRAD starts (written by earlier kernels in the stream); rows_RD is [R][hidden_dim].
+struct TokenCombine {
+  const int32_t* row_of_tk = nullptr;  // device int32 [T * K]: valid rows, each at most once
+  int64_t tokens = 0;                  // T
+  int64_t top_k = 0;                   // K: 1..16
+  const void* rows_RD = nullptr;       // bf16
+  void* out_TD = nullptr;              // bf16 [T][hidden_dim]; nullptr: no combine
+  const float* partials_RP = nullptr;  // nullable: fp32 [R][partials]
+  int64_t partials = 0;
+  float* sums_TK = nullptr;            // fp32 [T * K], with partials_RP
+};
+
 // grad_W2[e] = grad_y[e]^T . a[e]   (a as written by expert_mlp_dgrad_w2: already score-scaled)
 void expert_mlp_wgrad_w2(const GroupedRows& rows, const ExpertMlpShape& shape,
                          const void* grad_y_RD, const void* a_RF, const WgradOutput& out,
-                         cudaStream_t stream);
+                         cudaStream_t stream, const TokenCombine& combine = {});
 // grad_W13[e] = grad_h13[e]^T . x[e]
 void expert_mlp_wgrad_w13(const GroupedRows& rows, const ExpertMlpShape& shape,
                           const void* grad_h13_R2F, const void* x_RD, const WgradOutput& out,
-                          cudaStream_t stream);
+                          cudaStream_t stream, const TokenCombine& combine = {});
 
 // Whether the grouped GEMMs are launched with programmatic dependent launch (they set up while the
 // previous kernel in the stream finishes, then wait for it: ptx/grid_dependency.cuh); false with

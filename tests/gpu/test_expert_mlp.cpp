@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <random>
 #include <string>
 #include <tuple>
 #include <cuda_runtime_api.h>
@@ -773,6 +774,66 @@ TEST(ExpertMlpWatchdog, StalledStageIsReportedAndTheNextLaunchIsCorrect) {
   expect_close(compare_rows_bf16(dy.download(), y_ref, fx.l, D), kBf16Tolerance, "y_RD after the fault");
 }
 
+// The top-k combine as WGRAD's side job (sm90::TokenCombine): the weight gradient is the same bits
+// as without it, and out_TD / sums_TK are the fp32 sums in k / p order, bit for bit, at every
+// shape (tokens of K = 3 distinct valid rows, and of K = 8 / 16 where there are rows enough: row
+// chunks of 256 / 128 bytes, several per row; none at all where no expert has rows).
+TEST_P(ExpertMlpKernels, WgradSideCombineMatchesSumsInOrder) {
+  Fixture fx(GetParam());
+  const int64_t R = fx.l.rows, D = fx.cs.D, F = fx.cs.F, E = fx.E();
+  std::vector<int32_t> valid;
+  for (int64_t r = 0; r < R; ++r)
+    if (fx.l.is_row_valid(r)) valid.push_back(static_cast<int32_t>(r));
+  const auto gh = [&] {
+    Rng rng(GetParam().seed + 700);
+    return random_rows(rng, fx.l, 2 * F, 1.0f);
+  }();
+  Rng rng(GetParam().seed + 701);
+  const auto x = random_rows(rng, fx.l, D, 1.0f);
+  DeviceBuffer<uint16_t> dgh(gh), dx(x);
+  DeviceBuffer<float> gw_plain(std::vector<float>(E * 2 * F * D, fp32_poison()));
+  sm90::expert_mlp_wgrad_w13(fx.rows, fx.shape, dgh.ptr, dx.ptr, {gw_plain.ptr, DType::fp32, false}, nullptr);
+  cuda_ok(cudaDeviceSynchronize(), "wgrad");
+  const auto plain = gw_plain.download();
+  for (const int64_t K : {int64_t{3}, int64_t{8}, int64_t{16}}) {
+    const int64_t T = static_cast<int64_t>(valid.size()) / K;
+    if (K > 3 && T == 0) continue;
+    constexpr int64_t P = 3;
+    std::vector<int32_t> shuffled = valid;
+    std::mt19937 shuffle_rng(static_cast<uint32_t>(GetParam().seed + K));
+    std::shuffle(shuffled.begin(), shuffled.end(), shuffle_rng);
+    const std::vector<int32_t> row_of_tk(shuffled.begin(), shuffled.begin() + T * K);
+    const auto rows = random_rows(rng, fx.l, D, 1.0f);
+    const auto partials = rng.uniform(R * P, -1.0f, 1.0f);
+    DeviceBuffer<int32_t> drow(row_of_tk);
+    DeviceBuffer<uint16_t> drows(rows), dout(std::vector<uint16_t>(T * D, kBf16Poison));
+    DeviceBuffer<float> dpart(partials), dsums(std::vector<float>(T * K, fp32_poison()));
+    DeviceBuffer<float> gw_side(std::vector<float>(E * 2 * F * D, fp32_poison()));
+    const sm90::TokenCombine combine{drow.ptr, T, K, drows.ptr, dout.ptr, dpart.ptr, P, dsums.ptr};
+    sm90::expert_mlp_wgrad_w13(fx.rows, fx.shape, dgh.ptr, dx.ptr, {gw_side.ptr, DType::fp32, false}, nullptr, combine);
+    cuda_ok(cudaDeviceSynchronize(), "wgrad with combine");
+    const auto side = gw_side.download();
+    EXPECT_EQ(std::memcmp(plain.data(), side.data(), plain.size() * sizeof(float)), 0) << "grad_w13 changed, K " << K;
+    const auto out = dout.download();
+    const auto sums = dsums.download();
+    int64_t out_wrong = 0, sums_wrong = 0;
+    for (int64_t t = 0; t < T; ++t) {
+      for (int64_t d = 0; d < D; ++d) {
+        float acc = 0.0f;
+        for (int64_t k = 0; k < K; ++k) acc += from_bf16(rows[row_of_tk[t * K + k] * D + d]);
+        out_wrong += out[t * D + d] != to_bf16(acc);
+      }
+      for (int64_t k = 0; k < K; ++k) {
+        float s = 0.0f;
+        for (int64_t p = 0; p < P; ++p) s += partials[row_of_tk[t * K + k] * P + p];
+        sums_wrong += std::memcmp(&s, &sums[t * K + k], sizeof(float)) != 0;
+      }
+    }
+    EXPECT_EQ(out_wrong, 0) << "of " << T * D << " combined elements, K " << K;
+    EXPECT_EQ(sums_wrong, 0) << "of " << T * K << " score sums, K " << K;
+  }
+}
+
 // Host validation names the argument and launches nothing, before any TMA descriptor is encoded
 // (runs without a GPU too: ctest's test_expert_mlp_validation, label cpu).
 TEST(ExpertMlpValidation, RejectsBadArgumentsByName) {
@@ -825,6 +886,24 @@ TEST(ExpertMlpValidation, RejectsBadArgumentsByName) {
   sm90::DgradW2Args dgrad_split{fake, fake, fake, nullptr, fake, nullptr, nullptr};
   dgrad_split.h13_split = {128, nullptr};
   EXPECT_EQ(name_of([&] { sm90::expert_mlp_dgrad_w2(rows, shape, dgrad_split, nullptr); }), "h13_split.hi_R2F");
+  auto wgrad_combine = [&](const sm90::TokenCombine& c) {
+    return name_of([&] { sm90::expert_mlp_wgrad_w13(rows, shape, fake, fake, {fake, DType::fp32, false}, nullptr, c); });
+  };
+  float* fake_f = reinterpret_cast<float*>(fake);
+  EXPECT_EQ(wgrad_combine({fake, 4, 0, fake, fake}), "combine.top_k");
+  EXPECT_EQ(wgrad_combine({fake, 4, 17, fake, fake}), "combine.top_k");
+  EXPECT_EQ(wgrad_combine({nullptr, 4, 8, fake, fake}), "combine.row_of_tk");
+  EXPECT_EQ(wgrad_combine({fake, 4, 8, nullptr, fake}), "combine.rows_RD");
+  EXPECT_EQ(wgrad_combine({fake, -1, 8, fake, fake}), "combine.tokens");
+  EXPECT_EQ(wgrad_combine({fake, int64_t{1} << 28, 8, fake, fake}), "combine.tokens");
+  EXPECT_EQ(wgrad_combine({fake, 4, 8, fake, fake, fake_f, 3, nullptr}), "combine.sums_TK");
+  EXPECT_EQ(wgrad_combine({fake, 4, 8, fake, fake, fake_f, 0, fake_f}), "combine.partials");
+  const GroupedRows no_rows{fake, fake, 4, 0};
+  EXPECT_EQ(name_of([&] {
+              sm90::expert_mlp_wgrad_w13(no_rows, shape, fake, fake, {fake, DType::fp32, false}, nullptr,
+                                         {fake, 4, 8, fake, fake});
+            }),
+            "combine.tokens");
 }
 
 // The SwiGLU-backward GEMM loads h13 by TMA: a buffer TMA cannot read is named before any launch.

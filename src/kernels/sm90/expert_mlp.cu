@@ -3,6 +3,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -151,7 +152,8 @@ void launch_clustered(const CUtensorMap& map_a, const WeightMaps& map_b, const G
                       const Epilogue& epilogue, cudaStream_t stream) {
   static_assert(Epilogue::kStagingBuffers <= 1, "4 stages leave room for one staging buffer per consumer");
   auto kernel = grouped_gemm_kernel<kBlockN, kStages, kRows, kBMnMajor, Epilogue, kCluster>;
-  constexpr uint32_t smem = GroupedGemmSmem<kBlockN, kStages, Epilogue::kStagingBuffers>::kTotalBytes;
+  constexpr uint32_t smem =
+      GroupedGemmSmem<kBlockN, kStages, Epilogue::kStagingBuffers, kRows == RowsAre::K ? kSideBytes : 0>::kTotalBytes;
   check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
              "cudaFuncSetAttribute(grouped_gemm_kernel)");
   cudaLaunchConfig_t config{};
@@ -338,13 +340,46 @@ void expert_mlp_dgrad_w13(const GroupedRows& rows, const ExpertMlpShape& shape,
 
 namespace {
 
+// The side job's device form (validated: the names are TokenCombine's fields).
+TokenCombineJob combine_job(const GroupedRows& rows, const ExpertMlpShape& shape, const TokenCombine& c) {
+  TokenCombineJob job;
+  if (c.out_TD == nullptr) return job;
+  require_ptr(c.row_of_tk, "combine.row_of_tk");
+  require_ptr(c.rows_RD, "combine.rows_RD");
+  require(c.top_k >= 1 && c.top_k <= 16, "combine.top_k", "must be in [1, 16]");
+  const int64_t row_bytes = 2 * shape.hidden_dim;
+  // A slot holds K pieces of a chunk: multiples of 128 bytes (rows are), at least one.
+  const int64_t chunk = std::min<int64_t>(row_bytes, kSideSlotBytes / c.top_k / 128 * 128);
+  const int64_t chunks = ceil_div(row_bytes, chunk);
+  require(c.tokens >= 0 && c.tokens * std::max<int64_t>(c.top_k, chunks) < (int64_t{1} << 31), "combine.tokens",
+          "must be in [0, 2^31 / max(top_k, row chunks))");
+  require(c.tokens == 0 || rows.max_rows > 0, "combine.tokens", "must be 0 when there are no rows");
+  if (c.partials_RP != nullptr) {
+    require(c.partials >= 1 && c.partials < 1024, "combine.partials", "must be in [1, 1024) with partials_RP");
+    require_ptr(c.sums_TK, "combine.sums_TK");
+  }
+  job.row_of_tk = c.row_of_tk;
+  job.rows_RD = static_cast<const uint8_t*>(c.rows_RD);
+  job.out_TD = static_cast<uint8_t*>(c.out_TD);
+  job.partials_RP = c.partials_RP;
+  job.sums_TK = c.sums_TK;
+  job.tokens = static_cast<int32_t>(c.tokens);
+  job.top_k = static_cast<int32_t>(c.top_k);
+  job.row_bytes = static_cast<int32_t>(row_bytes);
+  job.partials = static_cast<int32_t>(c.partials);
+  job.chunk_bytes = static_cast<int32_t>(chunk);
+  job.chunks = static_cast<int32_t>(chunks);
+  return job;
+}
+
 // grad_W[e] (M x N) = A[e]^T . B[e], A = [R][M] rows, B = [R][N] rows, K = the expert's rows.
-void wgrad(const GroupedRows& rows, const void* a_RM, const char* a_name, int64_t M,
-           const void* b_RN, const char* b_name, int64_t N, const WgradOutput& out,
+void wgrad(const GroupedRows& rows, const ExpertMlpShape& shape, const void* a_RM, const char* a_name, int64_t M,
+           const void* b_RN, const char* b_name, int64_t N, const WgradOutput& out, const TokenCombine& combine,
            cudaStream_t stream) {
   require_ptr(a_RM, a_name);
   require_ptr(b_RN, b_name);
   require_ptr(out.grad_w, "grad_w");
+  const TokenCombineJob side = combine_job(rows, shape, combine);
   const int64_t own = own_experts(rows), replicas = replica_experts(rows);
   require_replica_ptr(rows, out.replica_grad_w, "replica_grad_w");
   if (rows.max_rows == 0) {  // no rows anywhere: own experts get zeros (or keep theirs), replicas nothing
@@ -359,6 +394,7 @@ void wgrad(const GroupedRows& rows, const void* a_RM, const char* a_name, int64_
   GroupedGemmShape s = base_shape(rows);
   s.m_blocks = ceil_div(M, kTileM);
   s.n_blocks = ceil_div(N, kBlockN);
+  s.combine = side;
   const bool fp32 = out.dtype == DType::fp32, replica_fp32 = out.replica_dtype == DType::fp32;
   auto run = [&](auto epi) {
     epi.out_map = make_store_tensor_map(own > 0 ? out.grad_w : nullptr, fp32, own * M, N, "grad_w");
@@ -384,18 +420,18 @@ void wgrad(const GroupedRows& rows, const void* a_RM, const char* a_name, int64_
 
 void expert_mlp_wgrad_w2(const GroupedRows& rows, const ExpertMlpShape& shape,
                          const void* grad_y_RD, const void* a_RF, const WgradOutput& out,
-                         cudaStream_t stream) {
+                         cudaStream_t stream, const TokenCombine& combine) {
   validate(rows, shape);
-  wgrad(rows, grad_y_RD, "grad_y_RD", shape.hidden_dim, a_RF, "a_RF", shape.intermediate_dim, out,
+  wgrad(rows, shape, grad_y_RD, "grad_y_RD", shape.hidden_dim, a_RF, "a_RF", shape.intermediate_dim, out, combine,
         stream);
 }
 
 void expert_mlp_wgrad_w13(const GroupedRows& rows, const ExpertMlpShape& shape,
                           const void* grad_h13_R2F, const void* x_RD, const WgradOutput& out,
-                          cudaStream_t stream) {
+                          cudaStream_t stream, const TokenCombine& combine) {
   validate(rows, shape);
-  wgrad(rows, grad_h13_R2F, "grad_h13_R2F", 2 * shape.intermediate_dim, x_RD, "x_RD",
-        shape.hidden_dim, out, stream);
+  wgrad(rows, shape, grad_h13_R2F, "grad_h13_R2F", 2 * shape.intermediate_dim, x_RD, "x_RD", shape.hidden_dim, out,
+        combine, stream);
 }
 
 bool dependent_launch_allowed() {

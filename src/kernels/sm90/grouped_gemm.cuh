@@ -106,7 +106,8 @@ inline constexpr int kTileQueue = 4;
 // Tests only (drop_first_stage_for_tests, expert_mlp.cu): CTA 0's producer skips its first stage.
 static __device__ int32_t g_drop_first_stage_for_tests = 0;
 
-template <int kBlockN, int kStages, int kStagingBuffers>
+// kSideBytes: the WGRAD kernels' side-job buffer (token_combine.cuh), after everything else.
+template <int kBlockN, int kStages, int kStagingBuffers, uint32_t kSideBytes = 0>
 struct GroupedGemmSmem {
   static constexpr uint32_t kABytes = kTileM * kTileK * 2;   // 16 KiB
   static constexpr uint32_t kBBytes = kBlockN * kTileK * 2;  // 32 KiB at kBlockN = 256
@@ -120,8 +121,10 @@ struct GroupedGemmSmem {
   static constexpr uint32_t kTileQueueOffset = (kSchedulerOffset + sizeof(SchedulerStorage) + 7) / 8 * 8;
   // [tile full][tile empty][mail full][mail empty] barriers, then [tile queue][mailbox] indices.
   static constexpr uint32_t kTileQueueBytes = kTileQueue * (4 * sizeof(uint64_t) + 2 * sizeof(int32_t));
+  static constexpr uint32_t kSideOffset = (kTileQueueOffset + kTileQueueBytes + 127) / 128 * 128;
   // + 1024 so the kernel can round the dynamic smem base up to the swizzle atom.
-  static constexpr uint32_t kTotalBytes = kTileQueueOffset + kTileQueueBytes + 1024;
+  static constexpr uint32_t kTotalBytes = kSideOffset + kSideBytes + 1024;
+  static_assert(kTotalBytes <= 227 * 1024, "the SM90 shared-memory limit per CTA");
 };
 
 // Zeroes rows [valid_rows, end_row) of every 64-row MN-major chunk of this stage: kAChunks of A,
@@ -218,7 +221,7 @@ __global__ void __launch_bounds__(kThreadsPerCta, 1)
                         const GroupedGemmShape shape,
                         const __grid_constant__ Epilogue epilogue) {  // holds the output TMA maps
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  using Smem = GroupedGemmSmem<kBlockN, kStages, Epilogue::kStagingBuffers>;
+  using Smem = GroupedGemmSmem<kBlockN, kStages, Epilogue::kStagingBuffers, kRows == RowsAre::K ? kSideBytes : 0>;
   constexpr bool kAMnMajor = kRows == RowsAre::K;
   // With 3 stages, release each stage as soon as it is read (one more stage of TMA prefetch).
   constexpr int kInFlight = kStages >= 4 ? kWgmmaGroupsInFlight : 0;
@@ -263,6 +266,7 @@ __global__ void __launch_bounds__(kThreadsPerCta, 1)
         ptx::mbarrier_init(&mail_empty[q], 1);
       }
     }
+    if (kRows == RowsAre::K) init_token_combine(smem + Smem::kSideOffset);
     ptx::fence_barrier_init();
   }
   // Programmatic dependent launch: everything above overlapped the previous kernel's last tiles;
@@ -342,6 +346,12 @@ __global__ void __launch_bounds__(kThreadsPerCta, 1)
   if (warpgroup == 0) {
     // ---------------- TMA producer ----------------
     ptx::warpgroup_release_registers<kProducerRegisters>();
+    if constexpr (kRows == RowsAre::K) {
+      // Warps 1-3: the launch's side job, if it carries one (its inputs are complete: every thread
+      // waited for the previous grid above).
+      if (threadIdx.x >= 32 && shape.combine.out_TD != nullptr)
+        run_token_combine(shape.combine, smem + Smem::kSideOffset, threadIdx.x / 32, lane);
+    }
     if (threadIdx.x == 0) {
       ptx::tma_prefetch_descriptor(&map_a);
       ptx::tma_prefetch_descriptor(&map_b);

@@ -24,6 +24,7 @@
 #include <cstdint>
 
 #include "kernels/sm90/ptx/shared_memory.cuh"
+#include "kernels/sm90/token_combine.cuh"
 
 namespace poise::sm90 {
 
@@ -52,6 +53,9 @@ struct GroupedGemmShape {
   // between launches; tiles are then taken in order by whichever cluster is free (grouped_gemm.cuh).
   // Null: the static order.
   int32_t* tile_counters = nullptr;
+  // Rows as K (WGRAD): a top-k combine the producer warpgroup's idle warps run alongside
+  // (token_combine.cuh); combine.out_TD = nullptr: none.
+  TokenCombineJob combine;
 };
 
 struct TileInfo {
