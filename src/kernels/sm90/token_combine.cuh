@@ -8,7 +8,8 @@
 // barrier counts the bytes), so the bytes in flight hold no registers: the producer warpgroup runs
 // on 40, and v18c, which loaded rows into registers from these warps, kept only ~3 KiB per SM in
 // flight and outlasted the GEMM. Warps 2-3 sum the pieces, fp32 in k order from 0 (the standalone
-// combine's order: the same bits), store the token's chunk and free the slot.
+// combine's order: the same bits), store the token's chunk and free the slot. The WGRAD kernel's
+// shared memory leaves room for 2 slots of 2 KiB only.
 #pragma once
 
 #include <cuda/ptx>
@@ -47,51 +48,68 @@ __device__ __forceinline__ void init_token_combine(uint8_t* side) {
   }
 }
 
-// Run by producer warps 1-3 (`warp` 1..3) of every CTA; items blockIdx.x, + gridDim.x, ...
+// Run by producer warps 1-3 (`warp` 1..3) of every CTA, on a contiguous share of the tokens: warp
+// 1 reads a token's K row indices once for all its chunks (the next token's while this one's are
+// copied: an index read in front of every copy doubled the slots' round trip, v23b), and sums
+// its score pieces while the slots are busy; warps 2-3 sum the pieces of each chunk.
 __device__ __forceinline__ void run_token_combine(const TokenCombineJob& job, uint8_t* side, int warp, int lane) {
   uint64_t* full = reinterpret_cast<uint64_t*>(side + kSideSlots * kSideSlotBytes);
   uint64_t* empty = full + kSideSlots;
-  const int32_t items = job.tokens * job.chunks;
-  uint32_t j = 0;
-  for (int32_t item = blockIdx.x; item < items; item += gridDim.x, ++j) {
-    const int32_t t = item / job.chunks, c = item - t * job.chunks;
-    const int s = j % kSideSlots;
-    const uint32_t parity = (j / kSideSlots) & 1;
-    uint8_t* const slot = side + s * kSideSlotBytes;
-    const int32_t offset = c * job.chunk_bytes;
-    const uint32_t bytes = static_cast<uint32_t>(min(job.chunk_bytes, job.row_bytes - offset));
-    if (warp == 1) {
-      ptx::mbarrier_wait(&empty[s], parity ^ 1);  // the summers freed the slot (at once the first time)
-      if (lane == 0) ptx::mbarrier_arrive_expect_tx(&full[s], job.top_k * bytes);
-      if (lane < job.top_k) {
-        const int64_t row = job.row_of_tk[static_cast<int64_t>(t) * job.top_k + lane];
-        cuda::ptx::cp_async_bulk(cuda::ptx::space_cluster, cuda::ptx::space_global, slot + lane * job.chunk_bytes,
-                                 job.rows_RD + row * job.row_bytes + offset, bytes, &full[s]);
+  const int32_t share = (job.tokens + gridDim.x - 1) / gridDim.x;
+  const int32_t t_begin = min(job.tokens, static_cast<int32_t>(blockIdx.x) * share);
+  const int32_t t_end = min(job.tokens, t_begin + share);
+  uint32_t j = 0;  // items (token, chunk) of this CTA so far
+  if (warp == 1) {
+    const bool copies = lane < job.top_k;
+    auto row_of = [&](int32_t t) -> int64_t {
+      return copies && t < t_end ? job.row_of_tk[static_cast<int64_t>(t) * job.top_k + lane] : 0;
+    };
+    int64_t next_row = row_of(t_begin);
+    for (int32_t t = t_begin; t < t_end; ++t) {
+      const int64_t row = next_row;
+      next_row = row_of(t + 1);
+      for (int32_t c = 0; c < job.chunks; ++c, ++j) {
+        const int s = j % kSideSlots;
+        const int32_t offset = c * job.chunk_bytes;
+        const uint32_t bytes = static_cast<uint32_t>(min(job.chunk_bytes, job.row_bytes - offset));
+        ptx::mbarrier_wait(&empty[s], ((j / kSideSlots) & 1) ^ 1);  // freed (at once the first time)
+        if (lane == 0) ptx::mbarrier_arrive_expect_tx(&full[s], job.top_k * bytes);
+        if (copies)
+          cuda::ptx::cp_async_bulk(cuda::ptx::space_cluster, cuda::ptx::space_global,
+                                   side + s * kSideSlotBytes + lane * job.chunk_bytes,
+                                   job.rows_RD + row * job.row_bytes + offset, bytes, &full[s]);
+        if (c == 0 && copies && job.partials_RP != nullptr) {
+          float sum = 0.0f;
+#pragma unroll 4
+          for (int32_t p = 0; p < job.partials; ++p) sum += job.partials_RP[row * job.partials + p];
+          job.sums_TK[static_cast<int64_t>(t) * job.top_k + lane] = sum;
+        }
       }
-      continue;
     }
-    const int summer = (warp - 2) * 32 + lane;
-    if (c == 0 && job.partials_RP != nullptr && summer < job.top_k) {
-      const int64_t row = job.row_of_tk[static_cast<int64_t>(t) * job.top_k + summer];
-      float sum = 0.0f;
-      for (int32_t p = 0; p < job.partials; ++p) sum += job.partials_RP[row * job.partials + p];
-      job.sums_TK[static_cast<int64_t>(t) * job.top_k + summer] = sum;
-    }
-    ptx::mbarrier_wait(&full[s], parity);
-    const uint32_t base = ptx::shared_address(slot);
-    for (uint32_t u = 4 * summer; u < bytes; u += 4 * kSideSummers) {  // 2 columns per step
-      float lo = 0.0f, hi = 0.0f;
-      for (int32_t k = 0; k < job.top_k; ++k) {
-        const uint32_t v = ptx::ld_shared_b32(base + k * job.chunk_bytes + u);
-        const __nv_bfloat162 pair = *reinterpret_cast<const __nv_bfloat162*>(&v);
-        lo += __low2float(pair);
-        hi += __high2float(pair);
+    return;
+  }
+  const uint32_t summer = (warp - 2) * 32 + lane;
+  for (int32_t t = t_begin; t < t_end; ++t) {
+    for (int32_t c = 0; c < job.chunks; ++c, ++j) {
+      const int s = j % kSideSlots;
+      const int32_t offset = c * job.chunk_bytes;
+      const uint32_t bytes = static_cast<uint32_t>(min(job.chunk_bytes, job.row_bytes - offset));
+      ptx::mbarrier_wait(&full[s], (j / kSideSlots) & 1);
+      const uint32_t base = ptx::shared_address(side + s * kSideSlotBytes);
+      for (uint32_t u = 4 * summer; u < bytes; u += 4 * kSideSummers) {  // 2 columns per step
+        float lo = 0.0f, hi = 0.0f;
+        for (int32_t k = 0; k < job.top_k; ++k) {
+          const uint32_t v = ptx::ld_shared_b32(base + k * job.chunk_bytes + u);
+          const __nv_bfloat162 pair = *reinterpret_cast<const __nv_bfloat162*>(&v);
+          lo += __low2float(pair);
+          hi += __high2float(pair);
+        }
+        const __nv_bfloat162 out = __floats2bfloat162_rn(lo, hi);
+        *reinterpret_cast<__nv_bfloat162*>(job.out_TD + static_cast<int64_t>(t) * job.row_bytes + offset + u) = out;
       }
-      const __nv_bfloat162 out = __floats2bfloat162_rn(lo, hi);
-      *reinterpret_cast<__nv_bfloat162*>(job.out_TD + static_cast<int64_t>(t) * job.row_bytes + offset + u) = out;
+      __syncwarp();
+      if (lane == 0) ptx::mbarrier_arrive(&empty[s]);
     }
-    __syncwarp();
-    if (lane == 0) ptx::mbarrier_arrive(&empty[s]);
   }
 }
 
