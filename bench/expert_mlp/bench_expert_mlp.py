@@ -47,6 +47,8 @@ def load_lib(path):
         "pb_dgrad_w13": [c_void_p] * 4,
         "pb_wgrad_w2": [c_void_p, c_void_p, c_void_p, c_int, c_int, c_void_p],
         "pb_wgrad_w13": [c_void_p, c_void_p, c_void_p, c_int, c_int, c_void_p],
+        "pb_wgrad_w2_combine": [c_void_p, c_void_p, c_void_p, c_int, c_int, c_void_p, c_int64, c_int64, c_void_p,
+                                c_void_p, c_void_p, c_int64, c_void_p, c_void_p],
         "pb_wgrad_w13_combine": [c_void_p, c_void_p, c_void_p, c_int, c_int, c_void_p, c_int64, c_int64, c_void_p,
                                  c_void_p, c_void_p, c_int64, c_void_p, c_void_p],
         "pb_routing_layout": [c_void_p, c_void_p, c_int64, c_int64, c_void_p, c_void_p, c_void_p, c_void_p, c_void_p],
@@ -55,7 +57,7 @@ def load_lib(path):
         "pb_gather_scalars": [c_void_p, c_int64, c_void_p, c_int64, c_void_p, c_void_p],
     }
     for name, args in sigs.items():
-        if name == "pb_wgrad_w13_combine" and not hasattr(lib, name):
+        if name.endswith("_combine") and not hasattr(lib, name):
             continue  # libraries before the combine side job
         fn = getattr(lib, name)
         fn.argtypes = args
@@ -213,13 +215,19 @@ class PoiseBlock:
         P, L = self.P, self.lay
         P.scatter_rows(L["row_of_tk"], self.T * self.K, self.K, self.D, grad_out, self.gy_rows)
         P.dgrad_w2(self.gy_rows, w2, self.h13, L["scores_R"], self.gh13, self.a, self.grad_score_partials)
+        if self.side_combine:
+            # grad_x and grad_scores from the WGRADs' idle producer warps while they compute: DGRAD W13
+            # first, then a third of the tokens (WGRAD W2's share of the two WGRADs' FLOPs) rides in
+            # WGRAD W2 and the rest in WGRAD W13.
+            P.dgrad_w13(self.gh13, w13, self.gx_rows)
+            T1, K, parts = self.T // 3, self.K, self.score_parts
+            P.wgrad_w2_combine(self.gy_rows, self.a, grad_w2, 0, 0, L["row_of_tk"], T1, K, self.gx_rows, grad_x,
+                               self.grad_score_partials, parts, grad_scores_TK)
+            P.wgrad_w13_combine(self.gh13, self.x_rows, grad_w13, 0, 0, L["row_of_tk"][T1 * K:], self.T - T1, K,
+                                self.gx_rows, grad_x[T1:], self.grad_score_partials, parts, grad_scores_TK[T1:])
+            return
         P.wgrad_w2(self.gy_rows, self.a, grad_w2, 0, 0)
         P.dgrad_w13(self.gh13, w13, self.gx_rows)
-        if self.side_combine:
-            # grad_x and grad_scores from WGRAD W13's idle producer warps, while it computes.
-            P.wgrad_w13_combine(self.gh13, self.x_rows, grad_w13, 0, 0, L["row_of_tk"], self.T, self.K, self.gx_rows,
-                                grad_x, self.grad_score_partials, self.score_parts, grad_scores_TK)
-            return
         P.wgrad_w13(self.gh13, self.x_rows, grad_w13, 0, 0)
         P.combine_rows(L["row_of_tk"], self.T, self.K, self.D, self.gx_rows, grad_x)
         P.gather_scalars(L["row_of_tk"], self.T * self.K, self.grad_score_partials, self.score_parts, grad_scores_TK)
@@ -434,13 +442,19 @@ def gemm_only(P, name, skew_target, label):
         calls["wgrad_w13+combine"] = lambda: P.wgrad_w13_combine(
             b.gh13, b.x_rows, c.g13, 0, 0, L["row_of_tk"], c.T, c.K, b.gx_rows, c.gx, b.grad_score_partials,
             b.score_parts, c.gs)
+        T1 = c.T // 3  # the split backward() uses
+        calls["wgrads+combine"] = lambda: (
+            P.wgrad_w2_combine(b.gy_rows, b.a, c.g2, 0, 0, L["row_of_tk"], T1, c.K, b.gx_rows, c.gx,
+                               b.grad_score_partials, b.score_parts, c.gs),
+            P.wgrad_w13_combine(b.gh13, b.x_rows, c.g13, 0, 0, L["row_of_tk"][T1 * c.K:], c.T - T1, c.K, b.gx_rows,
+                                c.gx[T1:], b.grad_score_partials, b.score_parts, c.gs[T1:]))
         calls["combine_glue"] = lambda: (
             P.combine_rows(L["row_of_tk"], c.T, c.K, c.D, b.gx_rows, c.gx),
             P.gather_scalars(L["row_of_tk"], c.T * c.K, b.grad_score_partials, b.score_parts, c.gs))
     g = {k: time_ms(call) for k, call in calls.items()}
     fwdbwd = time_ms(lambda: (c.forward(), c.backward()))
     TK = c.T * c.K
-    tf = {k: (4.0 if "w13" in k else 2.0) * TK * c.D * c.F / v / 1e9 for k, v in g.items() if "glue" not in k}
+    tf = {k: (4.0 if "w13" in k else 2.0) * TK * c.D * c.F / v / 1e9 for k, v in g.items() if "combine" not in k}
     print(f"[{label}] {name} skew {c.skew:.2f}: fwdbwd {fwdbwd:.2f} ms; TF/s " + ", ".join(f"{k} {v:.0f}" for k, v in tf.items())
           + "".join(f"; {k} {v * 1e3:.0f} us" for k, v in g.items() if "combine" in k), flush=True)
 
