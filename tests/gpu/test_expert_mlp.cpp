@@ -776,8 +776,9 @@ TEST(ExpertMlpWatchdog, StalledStageIsReportedAndTheNextLaunchIsCorrect) {
 
 // The top-k combine as WGRAD's side job (sm90::TokenCombine): the weight gradient is the same bits
 // as without it, and out_TD / sums_TK are the fp32 sums in k / p order, bit for bit, at every
-// shape (tokens of K = 3 distinct valid rows, and of K = 8 / 16 where there are rows enough: row
-// chunks of 256 / 128 bytes, several per row; none at all where no expert has rows).
+// shape (tokens of K = 3 distinct valid rows on WGRAD W13, and where there are rows enough K = 8
+// on WGRAD W2 and K = 16 on W13: row chunks of 640 / 256 / 128 bytes, several per row at most
+// shapes; none at all where no expert has rows).
 TEST_P(ExpertMlpKernels, WgradSideCombineMatchesSumsInOrder) {
   Fixture fx(GetParam());
   const int64_t R = fx.l.rows, D = fx.cs.D, F = fx.cs.F, E = fx.E();
@@ -795,9 +796,20 @@ TEST_P(ExpertMlpKernels, WgradSideCombineMatchesSumsInOrder) {
   sm90::expert_mlp_wgrad_w13(fx.rows, fx.shape, dgh.ptr, dx.ptr, {gw_plain.ptr, DType::fp32, false}, nullptr);
   cuda_ok(cudaDeviceSynchronize(), "wgrad");
   const auto plain = gw_plain.download();
+  // WGRAD W2 carries the same side job: grad_y = the x rows' stand-in, a = the first F columns of gh.
+  DeviceBuffer<float> gw2_plain(std::vector<float>(E * D * F, fp32_poison()));
+  const auto a_rows = [&] {
+    Rng a_rng(GetParam().seed + 702);
+    return random_rows(a_rng, fx.l, F, 1.0f);
+  }();
+  DeviceBuffer<uint16_t> da(a_rows);
+  sm90::expert_mlp_wgrad_w2(fx.rows, fx.shape, dx.ptr, da.ptr, {gw2_plain.ptr, DType::fp32, false}, nullptr);
+  cuda_ok(cudaDeviceSynchronize(), "wgrad w2");
+  const auto plain_w2 = gw2_plain.download();
   for (const int64_t K : {int64_t{3}, int64_t{8}, int64_t{16}}) {
     const int64_t T = static_cast<int64_t>(valid.size()) / K;
     if (K > 3 && T == 0) continue;
+    const bool on_w2 = K == 8;  // which WGRAD carries the combine
     constexpr int64_t P = 3;
     std::vector<int32_t> shuffled = valid;
     std::mt19937 shuffle_rng(static_cast<uint32_t>(GetParam().seed + K));
@@ -808,12 +820,18 @@ TEST_P(ExpertMlpKernels, WgradSideCombineMatchesSumsInOrder) {
     DeviceBuffer<int32_t> drow(row_of_tk);
     DeviceBuffer<uint16_t> drows(rows), dout(std::vector<uint16_t>(T * D, kBf16Poison));
     DeviceBuffer<float> dpart(partials), dsums(std::vector<float>(T * K, fp32_poison()));
-    DeviceBuffer<float> gw_side(std::vector<float>(E * 2 * F * D, fp32_poison()));
+    const std::vector<float>& expected = on_w2 ? plain_w2 : plain;
+    DeviceBuffer<float> gw_side(std::vector<float>(expected.size(), fp32_poison()));
     const sm90::TokenCombine combine{drow.ptr, T, K, drows.ptr, dout.ptr, dpart.ptr, P, dsums.ptr};
-    sm90::expert_mlp_wgrad_w13(fx.rows, fx.shape, dgh.ptr, dx.ptr, {gw_side.ptr, DType::fp32, false}, nullptr, combine);
+    if (on_w2)
+      sm90::expert_mlp_wgrad_w2(fx.rows, fx.shape, dx.ptr, da.ptr, {gw_side.ptr, DType::fp32, false}, nullptr, combine);
+    else
+      sm90::expert_mlp_wgrad_w13(fx.rows, fx.shape, dgh.ptr, dx.ptr, {gw_side.ptr, DType::fp32, false}, nullptr,
+                                 combine);
     cuda_ok(cudaDeviceSynchronize(), "wgrad with combine");
     const auto side = gw_side.download();
-    EXPECT_EQ(std::memcmp(plain.data(), side.data(), plain.size() * sizeof(float)), 0) << "grad_w13 changed, K " << K;
+    EXPECT_EQ(std::memcmp(expected.data(), side.data(), expected.size() * sizeof(float)), 0)
+        << (on_w2 ? "grad_w2" : "grad_w13") << " changed, K " << K;
     const auto out = dout.download();
     const auto sums = dsums.download();
     int64_t out_wrong = 0, sums_wrong = 0;
