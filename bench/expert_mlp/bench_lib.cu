@@ -283,25 +283,27 @@ int pb_wgrad_w13(const void* grad_h13, const void* x, void* grad_w13, int fp32, 
 
 // WGRAD W2 / W13 with (part of) the backward's last glue as their side job (sm90::TokenCombine):
 // grad_x = the top-k combine of DGRAD W13's rows, grad_scores = the sums of DGRAD W2's score pieces.
+using WgradCall = void (*)(const poise::sm90::GroupedRows&, const poise::sm90::ExpertMlpShape&, const void*,
+                          const void*, const poise::sm90::WgradOutput&, cudaStream_t,
+                          const poise::sm90::TokenCombine&);
+static int wgrad_with_combine(WgradCall wgrad, const void* a, const void* b, void* grad_w, int fp32, int accumulate,
+                              const poise::sm90::TokenCombine& combine, void* stream) {
+  return guarded([&] {
+    wgrad(g_rows, g_shape, a, b, {grad_w, fp32 ? poise::DType::fp32 : poise::DType::bf16, accumulate != 0},
+          as_stream(stream), combine);
+  });
+}
 int pb_wgrad_w2_combine(const void* grad_y, const void* a, void* grad_w2, int fp32, int accumulate,
                         const int32_t* row_of_tk, int64_t tokens, int64_t top_k, const void* rows_RD, void* out_TD,
                         const float* partials_RP, int64_t partials, float* sums_TK, void* stream) {
-  return guarded([&] {
-    const poise::sm90::TokenCombine combine{row_of_tk, tokens, top_k, rows_RD, out_TD, partials_RP, partials, sums_TK};
-    poise::sm90::expert_mlp_wgrad_w2(g_rows, g_shape, grad_y, a,
-                                     {grad_w2, fp32 ? poise::DType::fp32 : poise::DType::bf16, accumulate != 0},
-                                     as_stream(stream), combine);
-  });
+  return wgrad_with_combine(poise::sm90::expert_mlp_wgrad_w2, grad_y, a, grad_w2, fp32, accumulate,
+                            {row_of_tk, tokens, top_k, rows_RD, out_TD, partials_RP, partials, sums_TK}, stream);
 }
 int pb_wgrad_w13_combine(const void* grad_h13, const void* x, void* grad_w13, int fp32, int accumulate,
                          const int32_t* row_of_tk, int64_t tokens, int64_t top_k, const void* rows_RD, void* out_TD,
                          const float* partials_RP, int64_t partials, float* sums_TK, void* stream) {
-  return guarded([&] {
-    const poise::sm90::TokenCombine combine{row_of_tk, tokens, top_k, rows_RD, out_TD, partials_RP, partials, sums_TK};
-    poise::sm90::expert_mlp_wgrad_w13(g_rows, g_shape, grad_h13, x,
-                                      {grad_w13, fp32 ? poise::DType::fp32 : poise::DType::bf16, accumulate != 0},
-                                      as_stream(stream), combine);
-  });
+  return wgrad_with_combine(poise::sm90::expert_mlp_wgrad_w13, grad_h13, x, grad_w13, fp32, accumulate,
+                            {row_of_tk, tokens, top_k, rows_RD, out_TD, partials_RP, partials, sums_TK}, stream);
 }
 
 int pb_routing_layout(const int64_t* ids_TK, const float* scores_TK, int64_t tk, int64_t num_experts,
