@@ -2,6 +2,8 @@
 //
 //   warpgroup 0 (one elected thread): TMA producer. Walks the tile schedule and fills a ring of
 //     kStages shared-memory stages; each stage's "full" mbarrier completes when its bytes land.
+//     In the WGRAD kernels its warps 1-3 may run a side job meanwhile: a top-k combine of rows an
+//     earlier kernel wrote (GroupedGemmShape::combine, token_combine.cuh).
 //   warpgroups 1, 2: wgmma consumers. Each owns 64 of the tile's 128 rows and all kBlockN columns,
 //     accumulates in fp32 registers, releases a stage through its "empty" mbarrier as soon as the
 //     wgmma reading it retired, then hands its accumulators to the epilogue.
@@ -12,7 +14,8 @@
 //     experts (EP exact balance, e >= first_replica) read a second weight map at e - first_replica.
 //   rows as K (wgrad): A = grouped rows [R][M], MN-major; B = grouped rows [R][N], MN-major.
 //     Rows of a K block past the expert's count are zeroed in shared memory before the wgmma
-//     (they hold padding or the next expert's rows), so they never contribute.
+//     (they hold padding or the next expert's rows), so they never contribute; k16 slices of the
+//     expert's last K block wholly past the count are not computed (POISE_WGRAD_TAIL_SLICES).
 //
 // Epilogues may use ring stages too (Epilogue::kRingStages per tile, after the tile's K blocks):
 // the producer fills each through Epilogue::load_ring_stage (operands the epilogue reads, e.g.
