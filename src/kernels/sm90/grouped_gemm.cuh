@@ -509,7 +509,7 @@ __global__ void __launch_bounds__(kThreadsPerCta, 1)
                                           : ptx::make_k_major_desc(a_smem + consumer * 64 * 128);
         const uint64_t desc_b = kBMnMajor ? ptx::make_mn_major_desc(b_smem) : ptx::make_k_major_desc(b_smem);
         using Group = WgmmaGroup<kBlockN, kAMnMajor, kBMnMajor>;
-        switch (kRows == RowsAre::K && kTailSlices > 0 ? slices : kTileK / 16) {
+        switch (slices) {
           case 1: if constexpr (kTailSlices == 4) { Group::template issue<1>(acc, desc_a, desc_b); break; }
           case 2: Group::template issue<2>(acc, desc_a, desc_b); break;
           default: Group::template issue<kTileK / 16>(acc, desc_a, desc_b);
