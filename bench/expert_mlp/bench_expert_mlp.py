@@ -173,7 +173,7 @@ class PoiseBlock:
         # The routing score's gradient per row, in DGRAD W2's per-tile pieces (summed in order).
         self.score_parts = P.lib.pb_score_partials(F)
         self.grad_score_partials = torch.empty(R, self.score_parts, device=dev, dtype=torch.float32)
-        # The backward's grad_x combine and score sums as WGRAD W13's side job (POISE_BENCH_SIDE_COMBINE=0:
+        # The backward's grad_x combine and score sums as the WGRADs' side job (POISE_BENCH_SIDE_COMBINE=0:
         # separate glue kernels, for A/B runs; libraries without it: separate).
         self.side_combine = hasattr(P.lib, "pb_wgrad_w13_combine") and os.environ.get("POISE_BENCH_SIDE_COMBINE") != "0"
 
@@ -216,21 +216,30 @@ class PoiseBlock:
         P.scatter_rows(L["row_of_tk"], self.T * self.K, self.K, self.D, grad_out, self.gy_rows)
         P.dgrad_w2(self.gy_rows, w2, self.h13, L["scores_R"], self.gh13, self.a, self.grad_score_partials)
         if self.side_combine:
-            # grad_x and grad_scores from the WGRADs' idle producer warps while they compute: DGRAD W13
-            # first, then a third of the tokens (WGRAD W2's share of the two WGRADs' FLOPs) rides in
-            # WGRAD W2 and the rest in WGRAD W13.
             P.dgrad_w13(self.gh13, w13, self.gx_rows)
-            T1, K, parts = self.T // 3, self.K, self.score_parts
-            P.wgrad_w2_combine(self.gy_rows, self.a, grad_w2, 0, 0, L["row_of_tk"], T1, K, self.gx_rows, grad_x,
-                               self.grad_score_partials, parts, grad_scores_TK)
-            P.wgrad_w13_combine(self.gh13, self.x_rows, grad_w13, 0, 0, L["row_of_tk"][T1 * K:], self.T - T1, K,
-                                self.gx_rows, grad_x[T1:], self.grad_score_partials, parts, grad_scores_TK[T1:])
+            self.wgrads_with_combine(grad_w13, grad_w2, grad_x, grad_scores_TK)
             return
         P.wgrad_w2(self.gy_rows, self.a, grad_w2, 0, 0)
         P.dgrad_w13(self.gh13, w13, self.gx_rows)
         P.wgrad_w13(self.gh13, self.x_rows, grad_w13, 0, 0)
+        self.combine_glue(grad_x, grad_scores_TK)
+
+    def combine_glue(self, grad_x, grad_scores_TK):
+        """grad_x and grad_scores as separate glue kernels (DGRAD W13 and DGRAD W2 must have run)."""
+        P, L = self.P, self.lay
         P.combine_rows(L["row_of_tk"], self.T, self.K, self.D, self.gx_rows, grad_x)
         P.gather_scalars(L["row_of_tk"], self.T * self.K, self.grad_score_partials, self.score_parts, grad_scores_TK)
+
+    def wgrads_with_combine(self, grad_w13, grad_w2, grad_x, grad_scores_TK):
+        """The two WGRADs, with grad_x and grad_scores from their idle producer warps while they compute
+        (DGRAD W13 must have run): a third of the tokens (WGRAD W2's share of the two WGRADs' FLOPs)
+        ride in WGRAD W2, the rest in WGRAD W13."""
+        P, L = self.P, self.lay
+        T1, K, parts = self.T // 3, self.K, self.score_parts
+        P.wgrad_w2_combine(self.gy_rows, self.a, grad_w2, 0, 0, L["row_of_tk"], T1, K, self.gx_rows, grad_x,
+                           self.grad_score_partials, parts, grad_scores_TK)
+        P.wgrad_w13_combine(self.gh13, self.x_rows, grad_w13, 0, 0, L["row_of_tk"][T1 * K:], self.T - T1, K,
+                            self.gx_rows, grad_x[T1:], self.grad_score_partials, parts, grad_scores_TK[T1:])
 
     def gemm_calls(self, w13, w2, grad_w13, grad_w2):
         """The six GEMMs on this block's buffers (a forward and backward filled them), name -> call."""
@@ -437,20 +446,13 @@ def gemm_only(P, name, skew_target, label):
     """Times the six Poise GEMMs alone (no baseline): for comparing two builds of the kernels."""
     c = ready_block(P, name, skew_target)
     calls = dict(c.gemm_calls)
-    if c.blk.side_combine:  # WGRAD W13 carrying the grad_x combine, next to the glue it replaces
+    if c.blk.side_combine:  # the WGRADs carrying the grad_x combine, next to the glue it replaces
         b, L = c.blk, c.blk.lay
-        calls["wgrad_w13+combine"] = lambda: P.wgrad_w13_combine(
+        calls["wgrad_w13+combine"] = lambda: P.wgrad_w13_combine(  # all of it in WGRAD W13
             b.gh13, b.x_rows, c.g13, 0, 0, L["row_of_tk"], c.T, c.K, b.gx_rows, c.gx, b.grad_score_partials,
             b.score_parts, c.gs)
-        T1 = c.T // 3  # the split backward() uses
-        calls["wgrads+combine"] = lambda: (
-            P.wgrad_w2_combine(b.gy_rows, b.a, c.g2, 0, 0, L["row_of_tk"], T1, c.K, b.gx_rows, c.gx,
-                               b.grad_score_partials, b.score_parts, c.gs),
-            P.wgrad_w13_combine(b.gh13, b.x_rows, c.g13, 0, 0, L["row_of_tk"][T1 * c.K:], c.T - T1, c.K, b.gx_rows,
-                                c.gx[T1:], b.grad_score_partials, b.score_parts, c.gs[T1:]))
-        calls["combine_glue"] = lambda: (
-            P.combine_rows(L["row_of_tk"], c.T, c.K, c.D, b.gx_rows, c.gx),
-            P.gather_scalars(L["row_of_tk"], c.T * c.K, b.grad_score_partials, b.score_parts, c.gs))
+        calls["wgrads+combine"] = lambda: b.wgrads_with_combine(c.g13, c.g2, c.gx, c.gs)
+        calls["combine_glue"] = lambda: b.combine_glue(c.gx, c.gs)
     g = {k: time_ms(call) for k, call in calls.items()}
     fwdbwd = time_ms(lambda: (c.forward(), c.backward()))
     TK = c.T * c.K

@@ -785,27 +785,19 @@ TEST_P(ExpertMlpKernels, WgradSideCombineMatchesSumsInOrder) {
   std::vector<int32_t> valid;
   for (int64_t r = 0; r < R; ++r)
     if (fx.l.is_row_valid(r)) valid.push_back(static_cast<int32_t>(r));
-  const auto gh = [&] {
-    Rng rng(GetParam().seed + 700);
-    return random_rows(rng, fx.l, 2 * F, 1.0f);
-  }();
-  Rng rng(GetParam().seed + 701);
-  const auto x = random_rows(rng, fx.l, D, 1.0f);
-  DeviceBuffer<uint16_t> dgh(gh), dx(x);
-  DeviceBuffer<float> gw_plain(std::vector<float>(E * 2 * F * D, fp32_poison()));
-  sm90::expert_mlp_wgrad_w13(fx.rows, fx.shape, dgh.ptr, dx.ptr, {gw_plain.ptr, DType::fp32, false}, nullptr);
-  cuda_ok(cudaDeviceSynchronize(), "wgrad");
-  const auto plain = gw_plain.download();
-  // WGRAD W2 carries the same side job: grad_y = the x rows' stand-in, a = the first F columns of gh.
-  DeviceBuffer<float> gw2_plain(std::vector<float>(E * D * F, fp32_poison()));
-  const auto a_rows = [&] {
-    Rng a_rng(GetParam().seed + 702);
-    return random_rows(a_rng, fx.l, F, 1.0f);
-  }();
-  DeviceBuffer<uint16_t> da(a_rows);
-  sm90::expert_mlp_wgrad_w2(fx.rows, fx.shape, dx.ptr, da.ptr, {gw2_plain.ptr, DType::fp32, false}, nullptr);
-  cuda_ok(cudaDeviceSynchronize(), "wgrad w2");
-  const auto plain_w2 = gw2_plain.download();
+  Rng rng(GetParam().seed + 700);
+  DeviceBuffer<uint16_t> dgh(random_rows(rng, fx.l, 2 * F, 1.0f)), dx(random_rows(rng, fx.l, D, 1.0f));
+  // WGRAD W2 carries the same side job: x's rows stand in for grad_y, a is random rows of F.
+  DeviceBuffer<uint16_t> da(random_rows(rng, fx.l, F, 1.0f));
+  // An fp32 weight gradient into a poisoned buffer, with or without a combine riding along.
+  auto wgrad_fp32 = [&](bool w2, const sm90::TokenCombine& combine) {
+    DeviceBuffer<float> gw(std::vector<float>(E * (w2 ? D * F : 2 * F * D), fp32_poison()));
+    if (w2) sm90::expert_mlp_wgrad_w2(fx.rows, fx.shape, dx.ptr, da.ptr, {gw.ptr, DType::fp32, false}, nullptr, combine);
+    else sm90::expert_mlp_wgrad_w13(fx.rows, fx.shape, dgh.ptr, dx.ptr, {gw.ptr, DType::fp32, false}, nullptr, combine);
+    cuda_ok(cudaDeviceSynchronize(), w2 ? "wgrad w2" : "wgrad w13");
+    return gw.download();
+  };
+  const auto plain = wgrad_fp32(false, {}), plain_w2 = wgrad_fp32(true, {});
   for (const int64_t K : {int64_t{3}, int64_t{8}, int64_t{16}}) {
     const int64_t T = static_cast<int64_t>(valid.size()) / K;
     if (K > 3 && T == 0) continue;
@@ -821,15 +813,7 @@ TEST_P(ExpertMlpKernels, WgradSideCombineMatchesSumsInOrder) {
     DeviceBuffer<uint16_t> drows(rows), dout(std::vector<uint16_t>(T * D, kBf16Poison));
     DeviceBuffer<float> dpart(partials), dsums(std::vector<float>(T * K, fp32_poison()));
     const std::vector<float>& expected = on_w2 ? plain_w2 : plain;
-    DeviceBuffer<float> gw_side(std::vector<float>(expected.size(), fp32_poison()));
-    const sm90::TokenCombine combine{drow.ptr, T, K, drows.ptr, dout.ptr, dpart.ptr, P, dsums.ptr};
-    if (on_w2)
-      sm90::expert_mlp_wgrad_w2(fx.rows, fx.shape, dx.ptr, da.ptr, {gw_side.ptr, DType::fp32, false}, nullptr, combine);
-    else
-      sm90::expert_mlp_wgrad_w13(fx.rows, fx.shape, dgh.ptr, dx.ptr, {gw_side.ptr, DType::fp32, false}, nullptr,
-                                 combine);
-    cuda_ok(cudaDeviceSynchronize(), "wgrad with combine");
-    const auto side = gw_side.download();
+    const auto side = wgrad_fp32(on_w2, {drow.ptr, T, K, drows.ptr, dout.ptr, dpart.ptr, P, dsums.ptr});
     EXPECT_EQ(std::memcmp(expected.data(), side.data(), expected.size() * sizeof(float)), 0)
         << (on_w2 ? "grad_w2" : "grad_w13") << " changed, K " << K;
     const auto out = dout.download();
