@@ -29,6 +29,12 @@ SHAPES = {
     "deepseek_v3_ep8_rank": (4096, 7168, 2048, 32, 8),
     "qwen3_30b_a3b": (8192, 2048, 768, 128, 8),
 }
+# Diagnostics only (power_probe.py, profile_gemm.py; never in the bench's records): one expert holding
+# 8192 rows, D = F = 8192, so FPROP W2 is cuBLAS's dense 8192^3 problem (dense_8192x2048: D = 2048,
+# FPROP W2 = 8192 x 2048 x 8192, whose weights stay in L2; dense_2048x8192: 2048 rows, whose 32 MB stay
+# in L2 while the tile order streams each weight slice once).
+DIAGNOSTIC_SHAPES = {"dense_8192": (8192, 8192, 8192, 1, 1), "dense_8192x2048": (8192, 2048, 8192, 1, 1),
+                     "dense_2048x8192": (2048, 8192, 8192, 1, 1)}
 
 c_void_p, c_int64, c_int, c_float = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 
@@ -426,7 +432,7 @@ def grouped_mm_operands(x, ids, E, K):
 def ready_block(P, name, skew_target):
     """A case's inputs and a PoiseBlock whose buffers one forward and backward filled, with the
     output and gradient tensors those wrote (the GEMM-only timings and the profiling scripts)."""
-    T, D, F, E, K = SHAPES[name]
+    T, D, F, E, K = SHAPES[name] if name in SHAPES else DIAGNOSTIC_SHAPES[name]
     dev = "cuda"
     ids, skew, x, scores, w13, w2, grad_out = make_inputs(T, D, F, E, K, skew_target)
     c = types.SimpleNamespace(name=name, T=T, D=D, F=F, E=E, K=K, ids=ids, skew=skew, x=x, scores=scores,

@@ -9,7 +9,9 @@ cycle = 540.7 TFLOP/s per GHz: the cycle efficiency) and TFLOP per kJ (the energ
 
     python3 bench/expert_mlp/power_probe.py LIB [OUT.json] [SECONDS] [SHAPES] [NAME_FILTER]
 
-SHAPES: comma-separated keys of bench_expert_mlp.SHAPES (default: all); NAME_FILTER: only the
+SHAPES: comma-separated keys of bench_expert_mlp.SHAPES (default: all) or DIAGNOSTIC_SHAPES
+("dense_8192": FPROP W2 is then cuBLAS's 8192^3 problem, Poise's GEMM core next to cuBLAS on the
+same work); NAME_FILTER: only the
 workloads whose name contains one of its comma-separated parts (dense cuBLAS always runs, as the
 reference); a part containing "accumulate" adds WGRAD W13 accumulating into an fp32 and a bf16
 gradient buffer.
@@ -85,7 +87,7 @@ def main() -> int:
     for shape in shapes:
         c = bench.ready_block(P, shape, 1.0)
         xs, offs = bench.grouped_mm_operands(c.x, c.ids, c.E, c.K)
-        tag = "DeepSeek-V3" if shape.startswith("deepseek") else "Qwen3"
+        tag = {"deepseek_v3_ep8_rank": "DeepSeek-V3", "qwen3_30b_a3b": "Qwen3"}.get(shape, shape)
         w13_flops = 4.0 * c.T * c.K * c.D * c.F
         prepare = lambda c=c: c.blk.layout(c.ids, c.scores)  # noqa: E731
         grouped_mm = lambda xs=xs, w13=c.w13, offs=offs: torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs)  # noqa: E731
