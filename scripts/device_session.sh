@@ -40,12 +40,6 @@ part_tests() {
     POISE_SM90_CLUSTER=$cluster timeout 150 .carry/test_expert_mlp >> "$log" 2>&1
     echo "test_expert_mlp (POISE_SM90_CLUSTER=$cluster) rc=$? $(grep -E '^\[  (PASSED|FAILED) ' "$log" | tail -1)"
   done
-  # K rotation forced onto the tests' small problems (3 clusters to a wave), in every launch mode.
-  for cluster in 1 2 4; do
-    echo "== .carry/test_expert_mlp with POISE_SM90_K_ROTATION=3 POISE_SM90_CLUSTER=$cluster" >> "$log"
-    POISE_SM90_K_ROTATION=3 POISE_SM90_CLUSTER=$cluster timeout 150 .carry/test_expert_mlp >> "$log" 2>&1
-    echo "test_expert_mlp (K rotation 3, cluster $cluster) rc=$? $(grep -E '^\[  (PASSED|FAILED) ' "$log" | tail -1)"
-  done
   grep -E '^\[  FAILED  \]' "$log" | head -20
   echo "HGMMA instructions in test_expert_mlp: $(cuobjdump --dump-sass .carry/test_expert_mlp | grep -c HGMMA)" | tee -a "$log"
 }

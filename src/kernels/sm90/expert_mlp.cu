@@ -64,17 +64,6 @@ bool dynamic_tile_order() {
   return dynamic;
 }
 
-// GroupedGemmShape::k_rotation_clusters: the SM count / 2 (a wave of pairs). POISE_SM90_K_ROTATION=0:
-// every rows-as-M tile runs its K blocks from 0 (A/B measurements); =N: N clusters to a wave (tests:
-// a small N rotates the few tiles of a small problem too).
-int32_t k_rotation_clusters(int sms) {
-  static const int32_t forced = [] {
-    const char* v = std::getenv("POISE_SM90_K_ROTATION");
-    return v ? std::max(0, std::atoi(v)) : -1;
-  }();
-  return forced >= 0 ? forced : std::max(1, sms / 2);
-}
-
 // Experts whose weights come from the main pointers, and replica experts after them.
 int64_t own_experts(const GroupedRows& rows) { return rows.first_replica < 0 ? rows.num_experts : rows.first_replica; }
 int64_t replica_experts(const GroupedRows& rows) { return rows.num_experts - own_experts(rows); }
@@ -222,7 +211,6 @@ GroupedGemmShape rows_gemm_shape(const GroupedRows& rows, int64_t K, int64_t b_r
                                  int64_t n_tile) {
   GroupedGemmShape s = base_shape(rows);
   s.k_blocks = static_cast<int32_t>(K / kTileK);
-  s.k_rotation_clusters = k_rotation_clusters(sm_count());
   s.n_blocks = ceil_div(N, n_tile);
   s.b_rows_per_expert = static_cast<int32_t>(b_rows_per_expert);
   return s;

@@ -106,22 +106,6 @@ static __device__ float g_skipped_epilogue_sink;
 // resets the counters.
 inline constexpr int kTileQueue = 4;
 
-// K rotation (rows as M). Tiles are claimed in expert-major order, M-block pairs fastest, one claim
-// per cluster about every tile time / clusters, so an expert's tiles all run at once but started up to
-// a tile apart: from K block 0, the tiles sharing a row block read each K slice of it up to a tile
-// apart, longer than L2 keeps it at DeepSeek-V3 (DRAM read 1.6x the operands, performance.md v24).
-// A tile claimed c claims after its expert's first starts c * k_blocks / clusters blocks into K and
-// wraps, so at any moment the expert's tiles read about the same K slice of its rows and weights.
-// c is computed from the tile's coordinates (the same in every launch mode and for every CTA of a
-// cluster, whose stages are multicast): M blocks in pairs, N blocks rounded down to even (an odd
-// last M block pairs N blocks, and so do quads). The sums' order changes, not their terms.
-__device__ __forceinline__ int32_t k_rotation(const TileInfo& tile, int32_t k_blocks, int32_t clusters) {
-  if (clusters <= 0) return 0;
-  const int32_t m_pairs = (tile.row_count + 2 * kTileM - 1) / (2 * kTileM);
-  const int32_t claim = (tile.n_block & ~1) * m_pairs + (tile.m_block >> 1);
-  return claim * k_blocks / clusters % k_blocks;
-}
-
 // Tests only (drop_first_stage_for_tests, expert_mlp.cu): CTA 0's producer skips its first stage.
 static __device__ int32_t g_drop_first_stage_for_tests = 0;
 
@@ -389,12 +373,7 @@ __global__ void __launch_bounds__(kThreadsPerCta, 1)
         const CUtensorMap* weights = replica ? &map_b_replicas : &map_b;
         const int32_t b_row0 =
             kSameWeightsForTiming ? 0 : (tile.expert - (replica ? shape.first_replica : 0)) * shape.b_rows_per_expert;
-        // The stage's K block: rows as M from the tile's rotation, wrapping at shape.k_blocks (every
-        // tile's count; read from the parameter bank, as the loop runs to it_end: the producer's
-        // 40 registers hold no more loop state than before, see kProducerRegisters).
-        int32_t k_block = kRows == RowsAre::M ? k_rotation(tile, k_blocks, shape.k_rotation_clusters) : 0;
-        const uint32_t it_end = it + static_cast<uint32_t>(k_blocks);
-        for (; it != it_end; ++it, k_block = kRows == RowsAre::M && k_block + 1 == shape.k_blocks ? 0 : k_block + 1) {
+        for (int32_t kb = 0; kb < k_blocks; ++kb, ++it) {
           const int s = it % kStages;
           POISE_PHASE(const long long w0 = clock64();)
           ptx::mbarrier_wait(&empty_bar[s], ((it / kStages) & 1) ^ 1);
@@ -408,7 +387,7 @@ __global__ void __launch_bounds__(kThreadsPerCta, 1)
           box_range(share_a, a_half(), kABoxes, a_first, a_end);
           box_range(share_b, b_half(), kBBoxes, b_first, b_end);
           if constexpr (kRows == RowsAre::M) {
-            const int32_t k0 = k_block * kTileK;
+            const int32_t k0 = kb * kTileK;
             for (int j = a_first; j < a_end; ++j)
               load_box(share_a, a_mask(), stage_a(s) + j * 64 * 128, &map_a, k0,
                        tile.row_begin + tile.m_block * kTileM + 64 * j, &full_bar[s]);
@@ -425,7 +404,7 @@ __global__ void __launch_bounds__(kThreadsPerCta, 1)
                          &full_bar[s]);
             }
           } else {
-            const int32_t r0 = tile.row_begin + k_block * kTileK;
+            const int32_t r0 = tile.row_begin + kb * kTileK;
             for (int j = a_first; j < a_end; ++j)
               load_box(share_a, a_mask(), stage_a(s) + j * ptx::kMnChunkBytes, &map_a, tile.m_block * kTileM + 64 * j, r0,
                        &full_bar[s]);

@@ -53,9 +53,6 @@ struct GroupedGemmShape {
   // between launches; tiles are then taken in order by whichever cluster is free (grouped_gemm.cuh).
   // Null: the static order.
   int32_t* tile_counters = nullptr;
-  // Rows as M: each tile starts its K loop at K block k_rotation(tile) instead of 0 (grouped_gemm.cuh),
-  // this many clusters to a wave (the SM count / 2, the same in every launch mode); 0: no rotation.
-  int32_t k_rotation_clusters = 0;
   // Rows as K (WGRAD): a top-k combine the producer warpgroup's idle warps run alongside
   // (token_combine.cuh); combine.out_TD = nullptr: none.
   TokenCombineJob combine;
