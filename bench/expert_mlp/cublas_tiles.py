@@ -5,17 +5,15 @@ reference's efficiency depends on.
 
     python3 bench/expert_mlp/cublas_tiles.py [SECONDS] [M,N,K ...]
 """
+import os
 import pathlib
 import statistics
-import subprocess
 import sys
-import tempfile
-import time
 
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from power_probe import PEAK_TFLOPS_PER_GHZ, run_for, samples_between  # noqa: E402
+from power_probe import PEAK_TFLOPS_PER_GHZ, run_sampled, samples_between  # noqa: E402
 
 DEFAULT = ["8192,8192,8192", "8192,7168,2048", "8192,4096,7168", "8192,2048,8192", "16384,2048,768", "8192,1536,2048"]
 
@@ -38,20 +36,9 @@ def main() -> int:
         fn = lambda a=a, b=b: torch.matmul(a, b)  # noqa: E731
         fn()
         work.append((f"{m}x{n}x{k}", 2.0 * m * n * k, fn, kernel_name(fn)))
-    log = tempfile.NamedTemporaryFile(prefix="smi", suffix=".csv", delete=False).name
-    smi = subprocess.Popen(["nvidia-smi", "--query-gpu=timestamp,clocks.sm,power.draw,clocks_event_reasons.active",
-                            "--format=csv,noheader,nounits", "-lms", "50", "-f", log])
-    time.sleep(1.0)
-    rows = []
-    try:
-        for name, flops, fn, kernel in work:
-            time.sleep(1.0)
-            calls, ms, start, end = run_for(fn, seconds)
-            rows.append((name, flops / ms / 1e9, start, end, kernel))
-    finally:
-        time.sleep(0.3)
-        smi.terminate()
-        smi.wait()
+    runs, log = run_sampled([(name, fn, lambda: None) for name, _, fn, _ in work], seconds)
+    rows = [(name, flops / ms / 1e9, start, end, kernel)
+            for (name, _, ms, start, end), (_, flops, _, kernel) in zip(runs, work)]
     print(f"{'M x N x K':<18} {'TFLOP/s':>8} {'MHz':>6} {'W':>5} {'of peak/clk':>11} {'TFLOP/kJ':>9}  kernel")
     for name, tflops, start, end, kernel in rows:
         s = samples_between(log, start, end)
@@ -59,6 +46,7 @@ def main() -> int:
         watts = statistics.median(v[1] for v in s)
         print(f"{name:<18} {tflops:8.0f} {mhz:6.0f} {watts:5.0f} {tflops / (mhz / 1e3) / PEAK_TFLOPS_PER_GHZ:11.1%} "
               f"{tflops / watts * 1e3:9.0f}  {kernel[:90]}")
+    os.unlink(log)
     return 0
 
 

@@ -53,6 +53,27 @@ def run_for(fn, seconds):
     return calls, s.elapsed_time(e) / calls, start, time.time()
 
 
+def run_sampled(workloads, seconds):
+    """Runs each (name, fn, prepare) back to back for `seconds`, after prepare() and 1 s idle (the same
+    start for each), while nvidia-smi samples the SM clock and board power every 50 ms. Returns
+    [(name, calls, ms per call, start, end)] and the samples' log (samples_between reads it)."""
+    log = tempfile.NamedTemporaryFile(prefix="smi", suffix=".csv", delete=False).name
+    smi = subprocess.Popen(["nvidia-smi", "--query-gpu=timestamp,clocks.sm,power.draw,clocks_event_reasons.active",
+                            "--format=csv,noheader,nounits", "-lms", "50", "-f", log])
+    time.sleep(1.0)
+    runs = []
+    try:
+        for name, fn, prepare in workloads:
+            prepare()
+            time.sleep(1.0)
+            runs.append((name, *run_for(fn, seconds)))
+    finally:
+        time.sleep(0.3)
+        smi.terminate()
+        smi.wait()
+    return runs, log
+
+
 def samples_between(path, start, end):
     """(clock MHz, power W, throttle reasons) samples of nvidia-smi's log inside [start, end]."""
     out = []
@@ -114,21 +135,9 @@ def main() -> int:
 
     if keys:
         workloads = [w for w in workloads if w[0].startswith("dense") or any(k in w[0] for k in keys)]
-    log = tempfile.NamedTemporaryFile(prefix="smi", suffix=".csv", delete=False).name
-    smi = subprocess.Popen(["nvidia-smi", "--query-gpu=timestamp,clocks.sm,power.draw,clocks_event_reasons.active",
-                            "--format=csv,noheader,nounits", "-lms", "50", "-f", log])
-    time.sleep(1.0)
-    records = []
-    try:
-        for name, flops, fn, prepare in workloads:
-            prepare()
-            time.sleep(1.0)  # the same idle start for each
-            calls, ms, start, end = run_for(fn, seconds)
-            records.append(dict(name=name, calls=calls, ms=ms, tflops=flops / ms / 1e9, start=start, end=end))
-    finally:
-        time.sleep(0.3)
-        smi.terminate()
-        smi.wait()
+    runs, log = run_sampled([(name, fn, prepare) for name, _, fn, prepare in workloads], seconds)
+    records = [dict(name=name, calls=calls, ms=ms, tflops=flops / ms / 1e9, start=start, end=end)
+               for (name, calls, ms, start, end), (_, flops, _, _) in zip(runs, workloads)]
     print(f"{'workload':<34} {'TFLOP/s':>8} {'MHz':>6} {'W':>6} {'TF/s per GHz':>13} {'of peak':>8} {'TFLOP/kJ':>9}  reasons")
     for r in records:
         s = samples_between(log, r["start"], r["end"])
