@@ -134,7 +134,7 @@ def main() -> int:
             ]
 
     if keys:
-        workloads = [w for w in workloads if w[0].startswith("dense") or any(k in w[0] for k in keys)]
+        workloads = [w for w in workloads if w[0].startswith("dense torch.matmul") or any(k in w[0] for k in keys)]
     runs, log = run_sampled([(name, fn, prepare) for name, _, fn, prepare in workloads], seconds)
     records = [dict(name=name, calls=calls, ms=ms, tflops=flops / ms / 1e9, start=start, end=end)
                for (name, calls, ms, start, end), (_, flops, _, _) in zip(runs, workloads)]
