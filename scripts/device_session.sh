@@ -10,6 +10,7 @@
 #     balance    .carry/balance_bench -> $OUT/balance_h200.json
 #     ep         .carry/ep_bench -> $OUT/ep_h200.json
 #     mlp        bench/expert_mlp/bench_expert_mlp.py with .carry/libpoise_expert_mlp_bench.so
+#                ($MLP_REPEATS: time each case's four blocks that many times, medians recorded)
 #     multigpu   torchrun, one process per GPU: bench/multigpu/multigpu_bench.py -> $OUT/multigpu_h200.json
 #                ($MULTIGPU_ARGS, e.g. --quick; needs python first)
 #     gemm_only  the six GEMMs alone, .carry/libpoise_expert_mlp_bench*.so (one line per build and
@@ -60,9 +61,9 @@ part_balance() {
 }
 part_ep() { timeout 120 .carry/ep_bench "$OUT/ep_h200.json" > "$OUT/ep.log" 2>&1; echo "ep rc=$?"; tail -5 "$OUT/ep.log"; }
 part_mlp() {
-  PYTHONUNBUFFERED=1 timeout 300 python3 bench/expert_mlp/bench_expert_mlp.py --lib .carry/libpoise_expert_mlp_bench.so \
-    --out "$OUT/expert_mlp_h200.json" --commit "$commit" > "$OUT/mlp.log" 2>&1
-  echo "mlp rc=$?"; tail -16 "$OUT/mlp.log"
+  PYTHONUNBUFFERED=1 timeout $((240 + 160 * ${MLP_REPEATS:-1})) python3 bench/expert_mlp/bench_expert_mlp.py --lib .carry/libpoise_expert_mlp_bench.so \
+    --out "$OUT/expert_mlp_h200.json" --commit "$commit" --repeats "${MLP_REPEATS:-1}" > "$OUT/mlp.log" 2>&1
+  echo "mlp rc=$?"; tail -20 "$OUT/mlp.log"
 }
 # The carried bench libraries built for timing (not the phases / timeline profiling builds).
 timing_libs() {
