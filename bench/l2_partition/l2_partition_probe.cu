@@ -1,0 +1,135 @@
+// Which L2 partition is near which SM, and does a partition keep copies of lines homed in the other?
+//
+// The H100/H200 L2 is two partitions joined by a fabric; ncu shows the expert GEMMs keeping that
+// fabric 45-96% busy (performance.md, session 15). Whether placing the tiles that share an operand on
+// one partition's SMs could cut that traffic depends on two facts this probe measures:
+//   1. the SM -> partition map: one CTA per SM, one at a time, times an atomic on each of a fixed set
+//      of lines (atomics are performed where a line lives, so the near/far pattern over the set
+//      splits the SMs into two groups with complementary patterns);
+//   2. copies: each SM then loads lines of its own (warmed by atomics from another SM) twice; if the
+//      second load of a far line is as fast as a near one, the near partition kept a copy.
+// Writes one CSV row per SM: smid, then the atomic latencies (cycles) over the shared lines, then the
+// first and second load latencies over its own lines.
+//
+//   l2_partition_probe OUT.csv
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <vector>
+
+namespace {
+
+constexpr int kSharedLines = 64;   // the pattern that sorts SMs by partition
+constexpr int kOwnLines = 32;      // per SM: first vs second load
+constexpr int kTrials = 3;         // minimum over trials (atomics)
+constexpr size_t kLineStride = (1u << 20) + 384;  // spread lines over slices
+
+__device__ unsigned int g_turn = 0;
+
+__device__ __forceinline__ unsigned int smid() {
+  unsigned int id;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(id));
+  return id;
+}
+
+__device__ __forceinline__ long long clock_now() {
+  long long t;
+  asm volatile("mov.u64 %0, %%clock64;" : "=l"(t) :: "memory");
+  return t;
+}
+// The clock after `v` has arrived: a volatile shared-memory store of v issues only once v is there,
+// and the clock read is issued after it.
+__device__ __forceinline__ long long clock_after(unsigned int v, unsigned int slot) {
+  asm volatile("st.volatile.shared.u32 [%0], %1;" ::"r"(slot), "r"(v) : "memory");
+  return clock_now();
+}
+
+__device__ __forceinline__ long long timed_atomic(unsigned int* p, unsigned int slot) {
+  const long long t0 = clock_now();
+  unsigned int v;
+  asm volatile("atom.global.add.u32 %0, [%1], 1;" : "=r"(v) : "l"(p) : "memory");
+  return clock_after(v, slot) - t0;
+}
+
+__device__ __forceinline__ long long timed_load(const unsigned int* p, unsigned int slot) {
+  const long long t0 = clock_now();
+  unsigned int v;
+  asm volatile("ld.global.cg.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return clock_after(v, slot) - t0;
+}
+
+// Warms every SM's own lines by atomics from block 0's SM, so they are in L2 at home and, if atomics
+// leave no copies, nowhere else.
+__global__ void warm(unsigned char* buf, int ctas) {
+  for (int i = threadIdx.x; i < ctas * kOwnLines; i += blockDim.x)
+    atomicAdd(reinterpret_cast<unsigned int*>(buf + (kSharedLines + i) * kLineStride), 1u);
+}
+
+__global__ void probe(unsigned char* buf, long long* out) {
+  extern __shared__ unsigned int one_cta_per_sm[];  // its first word: the timing stores' slot
+  if (threadIdx.x != 0) return;
+  const unsigned int slot = static_cast<unsigned int>(__cvta_generic_to_shared(one_cta_per_sm));
+  // One CTA at a time: the others poll (slowly) for their turn.
+  while (*reinterpret_cast<volatile unsigned int*>(&g_turn) != blockIdx.x) __nanosleep(2000);
+  __threadfence();
+  long long* row = out + blockIdx.x * (1 + kSharedLines + 2 * kOwnLines);
+  row[0] = smid();
+  for (int i = 0; i < kSharedLines; ++i) {
+    unsigned int* p = reinterpret_cast<unsigned int*>(buf + i * kLineStride);
+    long long best = 1ll << 40;
+    for (int t = 0; t < kTrials; ++t) {
+      const long long c = timed_atomic(p, slot);
+      best = c < best ? c : best;
+    }
+    row[1 + i] = best;
+  }
+  for (int i = 0; i < kOwnLines; ++i) {
+    const unsigned int* p =
+        reinterpret_cast<const unsigned int*>(buf + (kSharedLines + blockIdx.x * kOwnLines + i) * kLineStride);
+    row[1 + kSharedLines + i] = timed_load(p, slot);
+    row[1 + kSharedLines + kOwnLines + i] = timed_load(p, slot);
+  }
+  __threadfence();
+  atomicAdd(&g_turn, 1u);
+}
+
+bool ok(cudaError_t e, const char* what) {
+  if (e == cudaSuccess) return true;
+  std::fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(e));
+  return false;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2) {
+    std::fprintf(stderr, "usage: %s OUT.csv\n", argv[0]);
+    return 2;
+  }
+  int sms = 0;
+  if (!ok(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), "attribute")) return 1;
+  const size_t bytes = (kSharedLines + size_t(sms) * kOwnLines + 1) * kLineStride;
+  unsigned char* buf = nullptr;
+  long long* out = nullptr;
+  const int row = 1 + kSharedLines + 2 * kOwnLines;
+  if (!ok(cudaMalloc(&buf, bytes), "cudaMalloc") || !ok(cudaMalloc(&out, sizeof(long long) * sms * row), "cudaMalloc") ||
+      !ok(cudaMemset(buf, 0, bytes), "memset"))
+    return 1;
+  // Enough shared memory per CTA that two cannot share an SM: the grid covers every SM once.
+  const int smem = 120 * 1024;
+  if (!ok(cudaFuncSetAttribute(probe, cudaFuncAttributeMaxDynamicSharedMemorySize, smem), "smem attribute")) return 1;
+  warm<<<1, 256>>>(buf, sms);
+  probe<<<sms, 32, smem>>>(buf, out);
+  if (!ok(cudaDeviceSynchronize(), "probe")) return 1;
+  std::vector<long long> host(size_t(sms) * row);
+  if (!ok(cudaMemcpy(host.data(), out, sizeof(long long) * host.size(), cudaMemcpyDeviceToHost), "copy")) return 1;
+  FILE* f = std::fopen(argv[1], "w");
+  if (!f) return 1;
+  for (int b = 0; b < sms; ++b) {
+    for (int j = 0; j < row; ++j) std::fprintf(f, "%lld%c", host[size_t(b) * row + j], j + 1 < row ? ',' : '\n');
+  }
+  std::fclose(f);
+  std::printf("%d SMs probed: %s\n", sms, argv[1]);
+  return 0;
+}
