@@ -10,10 +10,14 @@
 //      second load of a far line is as fast as a near one, the near partition kept a copy.
 // Writes one CSV row per SM: smid, then the atomic latencies (cycles) over the shared lines, then the
 // first and second load latencies over its own lines.
+//   3. then the test the placement idea needs: SMs all reading one buffer (as the tiles sharing an
+//      operand do), as many SMs either from one group or half from each, buffers from 8 to 40 MB.
+//      If one group's SMs read it faster, same-partition placement saves fabric traffic.
 //
 //   l2_partition_probe OUT.csv
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <vector>
@@ -94,6 +98,28 @@ __global__ void probe(unsigned char* buf, long long* out) {
   atomicAdd(&g_turn, 1u);
 }
 
+// Every active CTA (its SM's bit set in active_sm) reads the whole buffer `passes` times by 16-byte
+// L2 loads, starting at its own offset; returns a sum so the loads stay.
+__global__ void shared_stream(const uint4* buf, size_t n, int passes, const unsigned char* active_sm,
+                              unsigned int* sum_out) {
+  extern __shared__ unsigned int one_cta_per_sm[];
+  if (!active_sm[smid()]) return;
+  if (threadIdx.x == 0) one_cta_per_sm[0] = 0;
+  unsigned int acc = 0;
+  const size_t start = (static_cast<size_t>(blockIdx.x) * 7919 * blockDim.x) % n;
+  for (int pass = 0; pass < passes; ++pass) {
+    for (size_t i = threadIdx.x; i < n; i += blockDim.x) {
+      size_t j = start + i;
+      if (j >= n) j -= n;
+      uint4 v;
+      asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];"
+                   : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(buf + j));
+      acc += v.x ^ v.y ^ v.z ^ v.w;
+    }
+  }
+  atomicAdd(sum_out, acc);
+}
+
 bool ok(cudaError_t e, const char* what) {
   if (e == cudaSuccess) return true;
   std::fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(e));
@@ -131,5 +157,61 @@ int main(int argc, char** argv) {
   }
   std::fclose(f);
   std::printf("%d SMs probed: %s\n", sms, argv[1]);
+
+  // Groups: an SM's pattern of slower-than-its-median atomics, against the first SM's (analyze.py
+  // prints the full split and the latencies).
+  std::vector<int> group(sms), smid_of(sms);
+  std::vector<std::vector<bool>> far(sms, std::vector<bool>(kSharedLines));
+  for (int b = 0; b < sms; ++b) {
+    const long long* r = &host[size_t(b) * row];
+    std::vector<long long> lat(r + 1, r + 1 + kSharedLines);
+    std::vector<long long> sorted = lat;
+    std::nth_element(sorted.begin(), sorted.begin() + kSharedLines / 2, sorted.end());
+    for (int i = 0; i < kSharedLines; ++i) far[b][i] = lat[i] > sorted[kSharedLines / 2];
+    smid_of[b] = static_cast<int>(r[0]);
+  }
+  for (int b = 0; b < sms; ++b) {
+    int d = 0;
+    for (int i = 0; i < kSharedLines; ++i) d += far[b][i] != far[0][i];
+    group[b] = d < kSharedLines / 2 ? 0 : 1;
+  }
+  std::vector<int> members[2];
+  for (int b = 0; b < sms; ++b) members[group[b]].push_back(smid_of[b]);
+  std::printf("groups: %zu and %zu SMs\n", members[0].size(), members[1].size());
+  const size_t half = std::min(members[0].size(), members[1].size());
+  if (half < 8) return 0;
+  // Active sets of `half` SMs each: one group's, and half from each.
+  const int max_smid = *std::max_element(smid_of.begin(), smid_of.end()) + 1;
+  std::vector<unsigned char> one_group(max_smid, 0), mixed(max_smid, 0);
+  for (size_t i = 0; i < half; ++i) one_group[members[0][i]] = 1;
+  for (size_t i = 0; i < half; ++i) mixed[members[i % 2][i / 2]] = 1;
+  unsigned char* active = nullptr;
+  unsigned int* sum = nullptr;
+  if (!ok(cudaMalloc(&active, max_smid), "cudaMalloc") || !ok(cudaMalloc(&sum, sizeof(unsigned int)), "cudaMalloc"))
+    return 1;
+  if (!ok(cudaFuncSetAttribute(shared_stream, cudaFuncAttributeMaxDynamicSharedMemorySize, smem), "smem attribute"))
+    return 1;
+  cudaEvent_t e0, e1;
+  cudaEventCreate(&e0);
+  cudaEventCreate(&e1);
+  std::printf("%zu SMs reading one buffer, L2 -> SM GB/s (all of them together):\n", half);
+  std::printf("%8s %12s %12s\n", "MB", "one group", "both groups");
+  for (size_t mb : {8, 16, 24, 32, 40}) {
+    const size_t n = mb * (1u << 20) / sizeof(uint4);
+    const int passes = 8;
+    double gbs[2];
+    for (int mode = 0; mode < 2; ++mode) {
+      cudaMemcpy(active, mode == 0 ? one_group.data() : mixed.data(), max_smid, cudaMemcpyHostToDevice);
+      shared_stream<<<sms, 512, smem>>>(reinterpret_cast<const uint4*>(buf), n, 1, active, sum);  // warm L2
+      cudaEventRecord(e0);
+      shared_stream<<<sms, 512, smem>>>(reinterpret_cast<const uint4*>(buf), n, passes, active, sum);
+      cudaEventRecord(e1);
+      if (!ok(cudaEventSynchronize(e1), "shared_stream")) return 1;
+      float ms = 0;
+      cudaEventElapsedTime(&ms, e0, e1);
+      gbs[mode] = double(half) * passes * n * sizeof(uint4) / (ms * 1e-3) / 1e9;
+    }
+    std::printf("%8zu %12.0f %12.0f\n", mb, gbs[0], gbs[1]);
+  }
   return 0;
 }
