@@ -7,12 +7,13 @@
 //      of lines (atomics are performed where a line lives, so the near/far pattern over the set
 //      splits the SMs into two groups with complementary patterns);
 //   2. copies: each SM then loads lines of its own (warmed by atomics from another SM) twice; if the
-//      second load of a far line is as fast as a near one, the near partition kept a copy.
-// Writes one CSV row per SM: smid, then the atomic latencies (cycles) over the shared lines, then the
-// first and second load latencies over its own lines.
-//   3. then the test the placement idea needs: SMs all reading one buffer (as the tiles sharing an
+//      second load of a far line is as fast as a near one, the near partition kept a copy;
+//   3. the test the placement idea needs: SMs all reading one buffer (as the tiles sharing an
 //      operand do), as many SMs either from one group or half from each, buffers from 8 to 40 MB.
 //      If one group's SMs read it faster, same-partition placement saves fabric traffic.
+// Writes one CSV row per SM for 1 and 2 (smid, the atomic latencies in cycles over the shared
+// lines, the first and the second load latencies over its own lines; analyze.py reads it) and
+// prints the groups' sizes and the GB/s of 3.
 //
 //   l2_partition_probe OUT.csv
 #include <cuda_runtime.h>
