@@ -15,8 +15,13 @@ def main() -> int:
     atom = [r[1:1 + SHARED] for r in rows]
     ld1 = [r[1 + SHARED:1 + SHARED + OWN] for r in rows]
     ld2 = [r[1 + SHARED + OWN:] for r in rows]
-    # Near/far pattern of each SM over the shared lines: slower than its own median = far.
-    pattern = [[a > statistics.median(lat) for a in lat] for lat in atom]
+    # Near/far pattern of each SM over the shared lines: slower than the midpoint of its own 10th and
+    # 90th percentiles = far (the lines need not split evenly between the partitions).
+    def threshold(lat):
+        s = sorted(lat)
+        return (s[len(s) // 10] + s[9 * len(s) // 10]) / 2
+
+    pattern = [[a > threshold(lat) for a in lat] for lat in atom]
     ref = pattern[0]
     dist = [sum(x != y for x, y in zip(p, ref)) for p in pattern]
     group = [0 if d < SHARED / 2 else 1 for d in dist]

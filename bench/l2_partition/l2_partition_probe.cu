@@ -159,16 +159,17 @@ int main(int argc, char** argv) {
   std::fclose(f);
   std::printf("%d SMs probed: %s\n", sms, argv[1]);
 
-  // Groups: an SM's pattern of slower-than-its-median atomics, against the first SM's (analyze.py
-  // prints the full split and the latencies).
+  // Groups: an SM's pattern of atomics slower than the midpoint of its 10th and 90th percentiles,
+  // against the first SM's (analyze.py prints the full split and the latencies).
   std::vector<int> group(sms), smid_of(sms);
   std::vector<std::vector<bool>> far(sms, std::vector<bool>(kSharedLines));
   for (int b = 0; b < sms; ++b) {
     const long long* r = &host[size_t(b) * row];
     std::vector<long long> lat(r + 1, r + 1 + kSharedLines);
     std::vector<long long> sorted = lat;
-    std::nth_element(sorted.begin(), sorted.begin() + kSharedLines / 2, sorted.end());
-    for (int i = 0; i < kSharedLines; ++i) far[b][i] = lat[i] > sorted[kSharedLines / 2];
+    std::sort(sorted.begin(), sorted.end());
+    const long long mid = (sorted[kSharedLines / 10] + sorted[9 * kSharedLines / 10]) / 2;
+    for (int i = 0; i < kSharedLines; ++i) far[b][i] = lat[i] > mid;
     smid_of[b] = static_cast<int>(r[0]);
   }
   for (int b = 0; b < sms; ++b) {
