@@ -20,6 +20,8 @@
 #     ncu_mem    ncu DRAM / L2 metrics of single GEMM launches (see part_ncu_mem)
 #     probe      power_probe.py A/B of every carried bench library (see part_probe)
 #     timeline   profile_gemm.py timeline: start spread of operand-sharing tiles (see part_timeline)
+#     l2probe    .carry/l2_partition_probe (build-lead/bench/l2_partition_probe): the SM -> L2 partition
+#                map, copies of far lines, one group's SMs vs both groups reading one buffer -> $OUT
 #     phases     profile_gemm.py phases for every .carry/libpoise_expert_mlp_bench*phases*.so
 #                (scripts/build_bench_variant.sh NAME -DPOISE_PHASE_PROFILE=1) at both shapes
 set -uo pipefail
@@ -146,6 +148,14 @@ part_timeline() {
       done
     done
   done | tee -a "$OUT/timeline.log"
+}
+part_l2probe() {
+  local run
+  for run in 1 2; do
+    timeout 120 .carry/l2_partition_probe "$OUT/l2_partition_$run.csv" > "$OUT/l2_partition_$run.log" 2>&1
+    echo "l2probe run $run rc=$?"; cat "$OUT/l2_partition_$run.log"
+    python3 bench/l2_partition/analyze.py "$OUT/l2_partition_$run.csv" 2>&1 | grep -v "^group" | tail -6
+  done
 }
 part_multigpu() {
   local n; n=$(nvidia-smi -L | wc -l)
