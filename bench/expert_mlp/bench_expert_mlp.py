@@ -244,8 +244,14 @@ class PoiseBlock:
         T1, K, parts = self.T // 3, self.K, self.score_parts
         P.wgrad_w2_combine(self.gy_rows, self.a, grad_w2, 0, 0, L["row_of_tk"], T1, K, self.gx_rows, grad_x,
                            self.grad_score_partials, parts, grad_scores_TK)
-        P.wgrad_w13_combine(self.gh13, self.x_rows, grad_w13, 0, 0, L["row_of_tk"][T1 * K:], self.T - T1, K,
-                            self.gx_rows, grad_x[T1:], self.grad_score_partials, parts, grad_scores_TK[T1:])
+        self.wgrad_w13_with_combine(grad_w13, grad_x, grad_scores_TK, T1)
+
+    def wgrad_w13_with_combine(self, grad_w13, grad_x, grad_scores_TK, first_token=0):
+        """WGRAD W13 with the combine of tokens [first_token, T) as its side job (DGRAD W13 must have run)."""
+        t0, K = first_token, self.K
+        self.P.wgrad_w13_combine(self.gh13, self.x_rows, grad_w13, 0, 0, self.lay["row_of_tk"][t0 * K:], self.T - t0,
+                                 K, self.gx_rows, grad_x[t0:], self.grad_score_partials, self.score_parts,
+                                 grad_scores_TK[t0:])
 
     def gemm_calls(self, w13, w2, grad_w13, grad_w2):
         """The six GEMMs on this block's buffers (a forward and backward filled them), name -> call."""
@@ -444,7 +450,7 @@ def grouped_mm_operands(x, ids, E, K):
 def ready_block(P, name, skew_target):
     """A case's inputs and a PoiseBlock whose buffers one forward and backward filled, with the
     output and gradient tensors those wrote (the GEMM-only timings and the profiling scripts)."""
-    T, D, F, E, K = SHAPES[name] if name in SHAPES else DIAGNOSTIC_SHAPES[name]
+    T, D, F, E, K = {**SHAPES, **DIAGNOSTIC_SHAPES}[name]
     dev = "cuda"
     ids, skew, x, scores, w13, w2, grad_out = make_inputs(T, D, F, E, K, skew_target)
     c = types.SimpleNamespace(name=name, T=T, D=D, F=F, E=E, K=K, ids=ids, skew=skew, x=x, scores=scores,
@@ -465,10 +471,8 @@ def gemm_only(P, name, skew_target, label):
     c = ready_block(P, name, skew_target)
     calls = dict(c.gemm_calls)
     if c.blk.side_combine:  # the WGRADs carrying the grad_x combine, next to the glue it replaces
-        b, L = c.blk, c.blk.lay
-        calls["wgrad_w13+combine"] = lambda: P.wgrad_w13_combine(  # all of it in WGRAD W13
-            b.gh13, b.x_rows, c.g13, 0, 0, L["row_of_tk"], c.T, c.K, b.gx_rows, c.gx, b.grad_score_partials,
-            b.score_parts, c.gs)
+        b = c.blk
+        calls["wgrad_w13+combine"] = lambda: b.wgrad_w13_with_combine(c.g13, c.gx, c.gs)  # all of it in WGRAD W13
         calls["wgrads+combine"] = lambda: b.wgrads_with_combine(c.g13, c.g2, c.gx, c.gs)
         calls["combine_glue"] = lambda: b.combine_glue(c.gx, c.gs)
     g = {k: time_ms(call) for k, call in calls.items()}

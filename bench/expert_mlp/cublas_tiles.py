@@ -7,13 +7,12 @@ reference's efficiency depends on.
 """
 import os
 import pathlib
-import statistics
 import sys
 
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from power_probe import PEAK_TFLOPS_PER_GHZ, run_sampled, samples_between  # noqa: E402
+from power_probe import PEAK_TFLOPS_PER_GHZ, median_clock_power, run_sampled  # noqa: E402
 
 DEFAULT = ["8192,8192,8192", "8192,7168,2048", "8192,4096,7168", "8192,2048,8192", "16384,2048,768", "8192,1536,2048"]
 
@@ -41,9 +40,11 @@ def main() -> int:
             for (name, _, ms, start, end), (_, flops, _, kernel) in zip(runs, work)]
     print(f"{'M x N x K':<18} {'TFLOP/s':>8} {'MHz':>6} {'W':>5} {'of peak/clk':>11} {'TFLOP/kJ':>9}  kernel")
     for name, tflops, start, end, kernel in rows:
-        s = samples_between(log, start, end)
-        mhz = statistics.median(v[0] for v in s)
-        watts = statistics.median(v[1] for v in s)
+        sampled = median_clock_power(log, start, end)
+        if sampled is None:
+            print(f"{name:<18} {tflops:8.0f}  (no clock samples)  {kernel[:90]}")
+            continue
+        mhz, watts, _, _ = sampled
         print(f"{name:<18} {tflops:8.0f} {mhz:6.0f} {watts:5.0f} {tflops / (mhz / 1e3) / PEAK_TFLOPS_PER_GHZ:11.1%} "
               f"{tflops / watts * 1e3:9.0f}  {kernel[:90]}")
     os.unlink(log)

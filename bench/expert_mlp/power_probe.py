@@ -56,7 +56,7 @@ def run_for(fn, seconds):
 def run_sampled(workloads, seconds):
     """Runs each (name, fn, prepare) back to back for `seconds`, after prepare() and 1 s idle (the same
     start for each), while nvidia-smi samples the SM clock and board power every 50 ms. Returns
-    [(name, calls, ms per call, start, end)] and the samples' log (samples_between reads it)."""
+    [(name, calls, ms per call, start, end)] and the samples' log (median_clock_power reads it)."""
     log = tempfile.NamedTemporaryFile(prefix="smi", suffix=".csv", delete=False).name
     smi = subprocess.Popen(["nvidia-smi", "--query-gpu=timestamp,clocks.sm,power.draw,clocks_event_reasons.active",
                             "--format=csv,noheader,nounits", "-lms", "50", "-f", log])
@@ -88,6 +88,15 @@ def samples_between(path, start, end):
         except ValueError:
             continue
     return out
+
+
+def median_clock_power(path, start, end):
+    """(median clock MHz, median power W, the throttle reasons seen, samples) inside [start, end];
+    None without samples."""
+    s = samples_between(path, start, end)
+    if not s:
+        return None
+    return statistics.median(v[0] for v in s), statistics.median(v[1] for v in s), sorted({v[2] for v in s}), len(s)
 
 
 def main() -> int:
@@ -140,15 +149,13 @@ def main() -> int:
                for (name, calls, ms, start, end), (_, flops, _, _) in zip(runs, workloads)]
     print(f"{'workload':<34} {'TFLOP/s':>8} {'MHz':>6} {'W':>6} {'TF/s per GHz':>13} {'of peak':>8} {'TFLOP/kJ':>9}  reasons")
     for r in records:
-        s = samples_between(log, r["start"], r["end"])
-        if not s:
+        sampled = median_clock_power(log, r["start"], r["end"])
+        if sampled is None:
             print(f"{r['name']:<34} {r['tflops']:8.0f}  (no clock samples)")
             continue
-        mhz = statistics.median(v[0] for v in s)
-        watts = statistics.median(v[1] for v in s)
-        reasons = sorted({v[2] for v in s})
+        mhz, watts, reasons, samples = sampled
         per_ghz = r["tflops"] / (mhz / 1e3)
-        r.update(sm_mhz=mhz, power_w=watts, samples=len(s), tflops_per_ghz=per_ghz,
+        r.update(sm_mhz=mhz, power_w=watts, samples=samples, tflops_per_ghz=per_ghz,
                  cycle_efficiency=per_ghz / PEAK_TFLOPS_PER_GHZ, tflop_per_kj=r["tflops"] / watts * 1e3,
                  clock_event_reasons=reasons)
         print(f"{r['name']:<34} {r['tflops']:8.0f} {mhz:6.0f} {watts:6.0f} {per_ghz:13.0f} {per_ghz / PEAK_TFLOPS_PER_GHZ:8.1%} "
