@@ -493,6 +493,8 @@ def main():
     ap.add_argument("--gemm-only", default="", help="label: only time the Poise GEMMs of this build")
     ap.add_argument("--repeats", type=int, default=1, help="time the four blocks this many times; record medians")
     args = ap.parse_args()
+    if args.repeats < 1:
+        ap.error(f"--repeats must be at least 1, got {args.repeats}")
     P = Poise(load_lib(args.lib))
     if args.gemm_only:
         for name in args.shapes.split(","):
