@@ -81,7 +81,7 @@ part_gemm_only() {
       local label; label="$(basename "$lib" .so) cluster=$cluster"
       [ "$cluster" = default ] && cluster=""
       POISE_SM90_CLUSTER=$cluster PYTHONUNBUFFERED=1 timeout 120 python3 bench/expert_mlp/bench_expert_mlp.py --lib "$lib" \
-        --out /dev/null --skews 1 --gemm-only "$label" 2>&1 | tee -a "$OUT/gemm_only.log" | grep -v "^$"
+        --out /dev/null --skews "${GEMM_SKEWS:-1}" --gemm-only "$label" 2>&1 | tee -a "$OUT/gemm_only.log" | grep -v "^$"
     done
   done
   done

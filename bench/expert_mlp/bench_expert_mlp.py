@@ -100,8 +100,16 @@ class Poise:
 
 # ---------------------------------------------------------------- routing
 def make_routing(T, E, K, target_skew, gen):
-    """ids [T, K] (distinct experts per token) with peak/mean rows per expert ~ target_skew."""
+    """ids [T, K] (distinct experts per token) with peak/mean rows per expert ~ target_skew.
+    target_skew 0 (a diagnostic, not a benchmark case): every expert exactly T*K/E rows, token t on
+    experts t*K .. t*K + K - 1 (mod E), so no expert's rows end inside a 128-row block when T*K/E is
+    a multiple of 128: the padding's cost is the difference to the balanced case."""
     dev = "cuda"
+    if target_skew == 0.0:
+        if E % K or (T * K) % E:
+            raise ValueError(f"aligned routing (skew 0) needs K | E and E | T*K, got T={T} E={E} K={K}")
+        t = torch.arange(T, device=dev, dtype=torch.int64)[:, None]
+        return (t * K + torch.arange(K, device=dev, dtype=torch.int64)[None, :]) % E, 1.0
 
     def sample(s):
         w = (torch.arange(E, device=dev, dtype=torch.float64) + 1.0) ** (-s)
@@ -479,7 +487,8 @@ def gemm_only(P, name, skew_target, label):
     fwdbwd = time_ms(lambda: (c.forward(), c.backward()))
     TK = c.T * c.K
     tf = {k: (4.0 if "w13" in k else 2.0) * TK * c.D * c.F / v / 1e9 for k, v in g.items() if "combine" not in k}
-    print(f"[{label}] {name} skew {c.skew:.2f}: fwdbwd {fwdbwd:.2f} ms; TF/s " + ", ".join(f"{k} {v:.0f}" for k, v in tf.items())
+    routing = "aligned" if skew_target == 0.0 else f"skew {c.skew:.2f}"
+    print(f"[{label}] {name} {routing}: fwdbwd {fwdbwd:.2f} ms; TF/s " + ", ".join(f"{k} {v:.0f}" for k, v in tf.items())
           + "".join(f"; {k} {v * 1e3:.0f} us" for k, v in g.items() if "combine" in k), flush=True)
 
 

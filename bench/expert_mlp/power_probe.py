@@ -114,10 +114,15 @@ def main() -> int:
     workloads.append(("dense torch.matmul 8192^3", 2.0 * n**3, lambda: torch.matmul(a, b), lambda: None))
     shapes = sys.argv[4].split(",") if len(sys.argv) > 4 else list(bench.SHAPES)
     keys = sys.argv[5].split(",") if len(sys.argv) > 5 else None  # NAME_FILTER's parts
-    for shape in shapes:
-        c = bench.ready_block(P, shape, 1.0)
+    # PROBE_SKEWS: routings per shape (bench.make_routing's target; 0 = every expert a whole number
+    # of 128-row blocks, the padding's diagnostic); default the balanced one.
+    skews = [float(s) for s in os.environ.get("PROBE_SKEWS", "1").split(",")]
+    for shape, skew in [(shape, skew) for shape in shapes for skew in skews]:
+        c = bench.ready_block(P, shape, skew)
         xs, offs = bench.grouped_mm_operands(c.x, c.ids, c.E, c.K)
         tag = {"deepseek_v3_ep8_rank": "DeepSeek-V3", "qwen3_30b_a3b": "Qwen3"}.get(shape, shape)
+        if len(skews) > 1:
+            tag += " aligned" if skew == 0.0 else f" skew{skew:g}"
         w13_flops = 4.0 * c.T * c.K * c.D * c.F
         prepare = lambda c=c: c.blk.layout(c.ids, c.scores)  # noqa: E731
         grouped_mm = lambda xs=xs, w13=c.w13, offs=offs: torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs)  # noqa: E731
