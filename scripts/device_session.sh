@@ -43,6 +43,9 @@ part_tests() {
     POISE_SM90_CLUSTER=$cluster timeout 150 .carry/test_expert_mlp >> "$log" 2>&1
     echo "test_expert_mlp (POISE_SM90_CLUSTER=$cluster) rc=$? $(grep -E '^\[  (PASSED|FAILED) ' "$log" | tail -1)"
   done
+  echo "== .carry/test_expert_mlp with POISE_SM90_L2_SIDES=0" >> "$log"
+  POISE_SM90_L2_SIDES=0 timeout 150 .carry/test_expert_mlp >> "$log" 2>&1
+  echo "test_expert_mlp (POISE_SM90_L2_SIDES=0) rc=$? $(grep -E '^\[  (PASSED|FAILED) ' "$log" | tail -1)"
   grep -E '^\[  FAILED  \]' "$log" | head -20
   echo "HGMMA instructions in test_expert_mlp: $(cuobjdump --dump-sass .carry/test_expert_mlp | grep -c HGMMA)" | tee -a "$log"
 }
@@ -129,11 +132,16 @@ part_ncu_mem() {
 }
 part_probe() {
   # power probe of every .carry/libpoise_expert_mlp_bench*.so ($PROBE_SHAPES, $PROBE_FILTER), $ROUNDS rounds
+  # $PROBE_ENVS: space-separated VAR=value settings, each run in turn ("_": none), e.g. A/B of a knob.
+  local spec
   for round in $(seq "${ROUNDS:-1}"); do
     for lib in $(timing_libs); do
-      echo "[$(basename "$lib" .so) round $round]"
-      PYTHONUNBUFFERED=1 timeout 200 python3 bench/expert_mlp/power_probe.py "$lib" /dev/null "${PROBE_SECONDS:-2.0}" \
-        "${PROBE_SHAPES:-qwen3_30b_a3b,deepseek_v3_ep8_rank}" ${PROBE_FILTER:-poise} 2>&1 | grep -v "^$"
+      for spec in ${PROBE_ENVS:-_}; do
+        echo "[$(basename "$lib" .so) round $round${PROBE_ENVS:+ env $spec}]"
+        [ "$spec" = _ ] && spec=""
+        env $spec PYTHONUNBUFFERED=1 timeout 200 python3 bench/expert_mlp/power_probe.py "$lib" /dev/null "${PROBE_SECONDS:-2.0}" \
+          "${PROBE_SHAPES:-qwen3_30b_a3b,deepseek_v3_ep8_rank}" ${PROBE_FILTER:-poise} 2>&1 | grep -v "^$"
+      done
     done
   done | tee -a "$OUT/probe.log"
 }
