@@ -230,21 +230,14 @@ int pb_set_problem(const int32_t* row_offsets_E, const int32_t* row_counts_E, in
   static int32_t* tile_counters = nullptr;
   if (!tile_counters) {
     int32_t* counters = nullptr;
-    cudaError_t e = cudaMalloc(&counters, poise::sm90::kTileCounterWords * sizeof(int32_t));
-    if (e == cudaSuccess) e = cudaMemset(counters, 0, poise::sm90::kTileCounterWords * sizeof(int32_t));
+    cudaError_t e = cudaMalloc(&counters, 2 * sizeof(int32_t));
+    if (e == cudaSuccess) e = cudaMemset(counters, 0, 2 * sizeof(int32_t));
     if (e != cudaSuccess) {
       if (counters) cudaFree(counters);
       g_last_error = std::string("pb_set_problem: tile counters: ") + cudaGetErrorString(e);
       return -1;
     }
     tile_counters = counters;
-    // As a Context does at creation: the SM -> L2 side map, so the GEMMs split their tiles by side.
-    try {
-      std::fprintf(stderr, "poise bench: L2 sides %s\n", poise::sm90::prepare_l2_sides() ? "measured" : "not usable");
-    } catch (const std::exception& err) {
-      g_last_error = std::string("pb_set_problem: ") + err.what();
-      return -1;
-    }
   }
   g_rows = {row_offsets_E, row_counts_E, num_experts, max_rows};
   g_rows.tile_counters = tile_counters;

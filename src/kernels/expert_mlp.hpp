@@ -32,23 +32,13 @@ struct GroupedRows {
   // overwritten; a replica without rows gets no weight-gradient tiles (its target is left as is).
   // -1: no replicas, every expert uses the main pointers.
   int64_t first_replica = -1;
-  // Optional device workspace, int32 [kTileCounterWords], zero-initialised: the fprop and dgrad
-  // GEMMs then take their tiles in order from it, so tiles that read the same weights or rows run
-  // together and L2 serves them (DeepSeek-V3's fprop W13 read 5.8 instead of 3.8 GB from DRAM
-  // without it); after prepare_l2_sides, split between the two L2 partitions' SMs. Every launch
-  // leaves it zero again; launches that share one must be ordered (one stream, or events).
+  // Optional device workspace, int32 [2], zero-initialised: the fprop and dgrad GEMMs then take
+  // their tiles in order from it, so tiles that read the same weights or rows run together and L2
+  // serves them (DeepSeek-V3's fprop W13 read 5.8 instead of 3.8 GB from DRAM without it). Every
+  // launch leaves it zero again; launches that share one must be ordered (one stream, or events).
   // Null: the static tile order. POISE_SM90_TILE_ORDER=static ignores it (A/B measurements).
   int32_t* tile_counters = nullptr;
 };
-inline constexpr int kTileCounterWords = 4;
-
-// Measures which of the two L2 partitions each SM of the current device is near, once per device
-// and process (a probe kernel; synchronous, ~10 ms; not while a stream captures). From then on the
-// fprop and dgrad GEMMs given tile_counters split each expert's tiles between the two partitions'
-// SMs, so each side's L2 holds its own half of the weights instead of a copy of all of them.
-// Returns whether the device gave a clean map (otherwise the tiles are not split).
-// POISE_SM90_L2_SIDES=0 keeps the GEMMs from splitting (A/B measurements).
-bool prepare_l2_sides();
 
 struct ExpertMlpShape {
   int64_t hidden_dim = 0;        // D: multiple of 64

@@ -5,7 +5,6 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <random>
@@ -136,7 +135,7 @@ struct Fixture {
   Act act;
   ExpertMlpShape shape;
   DeviceBuffer<int32_t> offsets, counts;
-  DeviceBuffer<int32_t> tile_counters{std::vector<int32_t>(sm90::kTileCounterWords, 0)};  // the dynamic tile order, as a Context runs it
+  DeviceBuffer<int32_t> tile_counters{std::vector<int32_t>{0, 0}};  // the dynamic tile order, as a Context runs it
   GroupedRows rows;
 
   explicit Fixture(const Case& c) : cs(c), l(make_layout(c.counts)), offsets(l.offsets), counts(l.counts) {
@@ -438,23 +437,6 @@ struct DeviceInputs {
         P(sm90::dgrad_w2_score_partials(fx.shape)) {}
 };
 
-// The SM -> L2 side map, measured once for the whole binary as a Context does at creation: from
-// then on every dynamic-order launch below splits its tiles between the two sides (the static
-// order, tile_counters null, does not). POISE_SM90_L2_SIDES=0 runs them without the split.
-class L2SidesEnvironment : public ::testing::Environment {
- public:
-  void SetUp() override {
-    if (have_sm90()) std::printf("L2 side map: %s\n", sm90::prepare_l2_sides() ? "measured" : "not usable");
-  }
-};
-const auto* const g_l2_sides_environment = ::testing::AddGlobalTestEnvironment(new L2SidesEnvironment);
-
-// Every SM90 part has two L2 partitions: the probe must find a clean split of the SMs.
-TEST(ExpertMlpTileOrder, L2SideMapIsMeasured) {
-  if (!have_sm90()) GTEST_SKIP() << "needs an SM90 GPU";
-  EXPECT_TRUE(sm90::prepare_l2_sides());
-}
-
 // The fprop and dgrad GEMMs take their tiles in order from GroupedRows::tile_counters (the
 // dynamic order) or walk the static blockIdx + k * gridDim sequence (null). The order must not
 // change a single bit of any output, the counters must be zero again after every launch, and a
@@ -499,7 +481,7 @@ TEST(ExpertMlpTileOrder, DynamicOrderEqualsStaticOrderBitwise) {
     EXPECT_TRUE(dynamic.gx == reference.gx) << "grad_x_RD, round " << round;
     EXPECT_TRUE(std::memcmp(dynamic.gs.data(), reference.gs.data(), dynamic.gs.size() * sizeof(float)) == 0)
         << "grad_score_partials_RP, round " << round;
-    EXPECT_EQ(fx.tile_counters.download(), (std::vector<int32_t>(sm90::kTileCounterWords, 0))) << "counters after round " << round;
+    EXPECT_EQ(fx.tile_counters.download(), (std::vector<int32_t>{0, 0})) << "counters after round " << round;
   }
   // The reference must itself be real output: every valid row of y written (no poison left).
   int64_t poisoned_rows = 0;
@@ -711,7 +693,7 @@ TEST(ExpertMlpGraph, ReplaysWithNewRoutingWithoutRecapture) {
   const auto w2 = rng.bf16_normal(E * D * F, 1.0f / std::sqrt(float(F)));
   auto a = rng.bf16_normal(R * F, 1.0f);
   DeviceBuffer<uint16_t> da(a), dw(w2), dy(R * D);
-  DeviceBuffer<int32_t> offsets(3), counts(3), tile_counters(std::vector<int32_t>(sm90::kTileCounterWords, 0));
+  DeviceBuffer<int32_t> offsets(3), counts(3), tile_counters(std::vector<int32_t>{0, 0});
   ExpertMlpShape shape;
   shape.hidden_dim = D;
   shape.intermediate_dim = F;
@@ -749,7 +731,7 @@ TEST(ExpertMlpGraph, ReplaysWithNewRoutingWithoutRecapture) {
     auto c = acc.finish();
     c.poison_lost = written_padding;
     expect_close(c, kBf16Tolerance, "y_RD after graph replay");
-    EXPECT_EQ(tile_counters.download(), (std::vector<int32_t>(sm90::kTileCounterWords, 0))) << "tile counters after a replay";
+    EXPECT_EQ(tile_counters.download(), (std::vector<int32_t>{0, 0})) << "tile counters after a replay";
   }
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
@@ -782,7 +764,7 @@ TEST(ExpertMlpWatchdog, StalledStageIsReportedAndTheNextLaunchIsCorrect) {
   const char* cluster = std::getenv("POISE_SM90_CLUSTER");
   EXPECT_LT(fault.block, cluster && std::string(cluster) == "4" ? 4 : 2) << "only CTA 0 dropped a stage";
   EXPECT_FALSE(sm90::take_pipeline_fault(nullptr).occurred) << "the record is cleared once read";
-  EXPECT_EQ(fx.tile_counters.download(), (std::vector<int32_t>(sm90::kTileCounterWords, 0))) << "the drained launch reset its counters";
+  EXPECT_EQ(fx.tile_counters.download(), (std::vector<int32_t>{0, 0})) << "the drained launch reset its counters";
 
   dy.upload(std::vector<uint16_t>(R * D, kBf16Poison));
   sm90::expert_mlp_fprop_w2(fx.rows, fx.shape, {da.ptr, dw.ptr, nullptr, dy.ptr}, nullptr);

@@ -143,7 +143,7 @@ struct EpLaunch {
   WorkspaceOffsets ws;
   LaunchScratch scratch;
   int num_sms = 0;  // of the device the pipeline runs on (persistent grid sizing)
-  // The SM90 expert GEMMs' tile counters (sm90::GroupedRows::tile_counters), int32 [4], zero
+  // The SM90 expert GEMMs' tile counters (sm90::GroupedRows::tile_counters), int32 [2], zero
   // between launches; one for the pipeline, whose GEMMs run one after another on its stream.
   int32_t* gemm_tile_counters = nullptr;
 };

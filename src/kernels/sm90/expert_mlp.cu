@@ -11,7 +11,6 @@
 
 #include "kernels/sm90/epilogues.cuh"
 #include "kernels/sm90/grouped_gemm.cuh"
-#include "kernels/sm90/l2_sides.hpp"
 #include "kernels/sm90/tensor_map.hpp"
 #include "poise/errors.hpp"
 
@@ -65,15 +64,6 @@ bool dynamic_tile_order() {
   return dynamic;
 }
 
-// POISE_SM90_L2_SIDES=0: do not split tiles by L2 side (A/B measurements).
-bool l2_sides_allowed() {
-  static const bool allowed = [] {
-    const char* v = std::getenv("POISE_SM90_L2_SIDES");
-    return !(v && std::strcmp(v, "0") == 0);
-  }();
-  return allowed;
-}
-
 // Experts whose weights come from the main pointers, and replica experts after them.
 int64_t own_experts(const GroupedRows& rows) { return rows.first_replica < 0 ? rows.num_experts : rows.first_replica; }
 int64_t replica_experts(const GroupedRows& rows) { return rows.num_experts - own_experts(rows); }
@@ -117,8 +107,6 @@ GroupedGemmShape base_shape(const GroupedRows& rows) {
   s.num_experts = static_cast<int32_t>(rows.num_experts);
   s.first_replica = static_cast<int32_t>(own_experts(rows));
   s.tile_counters = dynamic_tile_order() ? rows.tile_counters : nullptr;  // used by rows-as-M GEMMs
-  const L2SideMap* sides = l2_sides_allowed() ? cached_l2_sides() : nullptr;
-  if (s.tile_counters != nullptr && sides != nullptr && sides->valid) s.l2_sides = 1;
   return s;
 }
 
@@ -236,14 +224,6 @@ RowsStoreEpilogue rows_store_epilogue(void* out_RN, const char* name, const floa
 }
 
 }  // namespace
-
-bool prepare_l2_sides() {
-  const L2SideMap& map = measure_l2_sides();
-  // The kernels' copy on this device (cached_l2_sides, which base_shape reads, is set only once
-  // this has run on the device too).
-  if (map.valid) check_cuda(cudaMemcpyToSymbol(g_l2_side_bits, map.bits, sizeof(map.bits)), "cudaMemcpyToSymbol");
-  return map.valid;
-}
 
 void expert_mlp_fprop_w13(const GroupedRows& rows, const ExpertMlpShape& shape,
                           const FpropW13Args& args, cudaStream_t stream) {

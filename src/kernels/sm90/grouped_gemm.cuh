@@ -276,10 +276,7 @@ __global__ void __launch_bounds__(kThreadsPerCta, 1)
   // the row offsets and counts the scheduler reads, and every operand, may be its outputs.
   ptx::wait_for_prerequisite_grids();
   ptx::allow_dependent_grids();
-  // L2 sides: split the tiles between the two L2 partitions' SMs (tile_scheduler.cuh;
-  // scheduler.split says whether it did).
-  const auto scheduler =
-      TileScheduler<kRows, kCluster>::build(sched_storage, shape, dynamic_tiles && shape.l2_sides != 0);  // syncs the CTA
+  const auto scheduler = TileScheduler<kRows, kCluster>::build(sched_storage, shape);  // syncs the CTA
   // Clusters: the peer's barriers are initialised before anyone multicasts or arrives remotely.
   const int32_t cluster_rank = kCluster > 1 ? static_cast<int32_t>(ptx::cluster_cta_rank()) : 0;
   if constexpr (kCluster > 1) ptx::cluster_sync();
@@ -295,23 +292,7 @@ __global__ void __launch_bounds__(kThreadsPerCta, 1)
   auto claim_tile = [&](uint32_t m) -> int32_t {
     const uint32_t slot = m % kTileQueue, parity = (m / kTileQueue) & 1;
     if (cluster_rank == 0) {
-      int32_t t;
-      if (!scheduler.split) {
-        t = tile_stride + atomicAdd(&shape.tile_counters[0], 1);  // after the static first tiles
-      } else {
-        // This SM's side first; once it has none left, the other side's (a side with fewer free
-        // clusters does not hold the launch back).
-        const int own = l2_side_of(ptx::sm_id());
-        const int32_t own_base = own == 0 ? 0 : scheduler.side0_tiles;
-        const int32_t own_tiles = own == 0 ? scheduler.side0_tiles : scheduler.total_tiles - scheduler.side0_tiles;
-        t = own_base + atomicAdd(&shape.tile_counters[own], 1);
-        if (t >= own_base + own_tiles) {
-          const int32_t other_base = own == 0 ? scheduler.side0_tiles : 0;
-          const int32_t other_tiles = scheduler.total_tiles - own_tiles;
-          t = other_tiles == 0 ? scheduler.total_tiles : other_base + atomicAdd(&shape.tile_counters[own ^ 1], 1);
-          if (t >= other_base + other_tiles) t = scheduler.total_tiles;
-        }
-      }
+      const int32_t t = tile_stride + atomicAdd(&shape.tile_counters[0], 1);
       if constexpr (kCluster == 2) {
         ptx::mbarrier_wait(&mail_empty[slot], parity ^ 1);
         ptx::st_shared_cluster_b32(&mailbox[slot], 1, static_cast<uint32_t>(t));
@@ -382,9 +363,8 @@ __global__ void __launch_bounds__(kThreadsPerCta, 1)
       // Fault injection (tests): this stage's load is never issued, its consumers' wait times out.
       const bool drop_first = blockIdx.x == 0 && g_drop_first_stage_for_tests != 0;
       POISE_PHASE(long long p_begin = clock64(), p_wait = 0;)
-      uint32_t queued = 0, claims = 0;
-      // Split sides: the first tile is claimed too (how many clusters each side has is not known).
-      int32_t t = scheduler.split ? claim_tile(claims++) : first_tile;
+      uint32_t queued = 0;
+      int32_t t = first_tile;
       if (dynamic_tiles) publish_tile(queued++, t);
       for (; t < scheduler.total_tiles;) {
         const TileInfo tile = scheduler.tile(t, cluster_rank);
@@ -442,17 +422,16 @@ __global__ void __launch_bounds__(kThreadsPerCta, 1)
           }
         }
         if (dynamic_tiles) {
-          t = claim_tile(claims++);
+          t = claim_tile(queued - 1);
           publish_tile(queued++, t);
         } else {
           t += tile_stride;
         }
       }
-      // Every claimer has made its last claim once all have counted in: the last resets them.
-      if (dynamic_tiles && cluster_rank == 0 && atomicAdd(&shape.tile_counters[2], 1) == tile_stride - 1) {
+      // Every claimer has made its last claim once all have counted in: the last resets the pair.
+      if (dynamic_tiles && cluster_rank == 0 && atomicAdd(&shape.tile_counters[1], 1) == tile_stride - 1) {
         shape.tile_counters[0] = 0;
         shape.tile_counters[1] = 0;
-        shape.tile_counters[2] = 0;
       }
       POISE_PHASE(atomicAdd(&g_phase_cycles[4], (unsigned long long)p_wait);
                   atomicAdd(&g_phase_cycles[5], (unsigned long long)(clock64() - p_begin));)

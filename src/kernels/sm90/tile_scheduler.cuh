@@ -18,12 +18,6 @@
 //    2j + (r >> 1), sharing A with CTA r ^ 2 (same M block) and B with CTA r ^ 1 (same N block).
 //    An odd last M block is walked in units of 4 N blocks, as two A-sharing pairs {0, 2} and
 //    {1, 3}. CTAs past the last N block are fillers as above.
-//  - L2 sides (GroupedGemmShape::l2_sides, dynamic order only): the H200's L2 is two partitions,
-//    and one keeps its own copy of every line its SMs read that lives in the other (l2_sides.hpp),
-//    so an operand read from both sides takes L2 capacity twice and crosses the fabric. The tiles
-//    are then split in two sequences, one per side: each expert's N blocks (and the A-sharing units
-//    of its odd M block) in two halves, side 1 after side 0 in the tile numbering. The clusters of
-//    a side claim its sequence first, so an expert's weights are read by one side only.
 #pragma once
 
 #include <cub/block/block_scan.cuh>
@@ -38,7 +32,6 @@ inline constexpr int kMaxExperts = 1024;
 inline constexpr int kTileM = 128;       // rows of a tile: two consumer warpgroups x 64
 inline constexpr int kTileK = 64;        // K elements per pipeline stage
 inline constexpr int kThreadsPerCta = 384;  // producer warpgroup + two consumer warpgroups
-inline constexpr int kL2SideWords = 5;       // SM side bits for up to 160 SMs
 
 enum class RowsAre { M, K };
 
@@ -56,25 +49,14 @@ struct GroupedGemmShape {
   // kernel's second map at index e - first_replica; rows-as-K GEMMs give a replica without rows
   // no tiles (nobody reads its gradient). num_experts when there are none.
   int32_t first_replica = 0;
-  // Rows-as-M GEMMs on 1-CTA or pair launches: device int32 [kTileCounterWords] (next tile of
-  // side 0, of side 1, claimers done), zero between launches; tiles are then taken in order by
-  // whichever cluster is free (grouped_gemm.cuh). Null: the static order.
+  // Rows-as-M GEMMs on 1-CTA or pair launches: device int32 [2] (next tile, claimers done), zero
+  // between launches; tiles are then taken in order by whichever cluster is free (grouped_gemm.cuh).
+  // Null: the static order.
   int32_t* tile_counters = nullptr;
-  // With tile_counters: split the tiles between the two L2 sides (1) or not (0); each SM's side is
-  // in g_l2_side_bits (prepare_l2_sides sets it).
-  int32_t l2_sides = 0;
   // Rows as K (WGRAD): a top-k combine the producer warpgroup's idle warps run alongside
   // (token_combine.cuh); combine.out_TD = nullptr: none.
   TokenCombineJob combine;
 };
-
-// Bit s: SM s is on L2 side 1 (l2_sides.hpp). A device variable, not a kernel parameter: 20 more
-// bytes of GroupedGemmShape made the bf16 wgrad kernel spill 24 bytes more.
-static __device__ uint32_t g_l2_side_bits[kL2SideWords];
-
-__device__ inline int l2_side_of(uint32_t sm) {
-  return static_cast<int>((g_l2_side_bits[(sm >> 5) % kL2SideWords] >> (sm & 31)) & 1u);
-}
 
 struct TileInfo {
   int32_t expert;
@@ -89,26 +71,9 @@ struct TileInfo {
 };
 
 struct SchedulerStorage {
-  // First tile of each expert; split between L2 sides: side 0's in the low and side 1's in the
-  // high 16 bits (shared memory has no room for two arrays next to the 4 stages).
-  int32_t tile_prefix[kMaxExperts + 1];
-  int2 rows[kMaxExperts];  // (offset, count) per expert
+  int32_t tile_prefix[kMaxExperts + 1];  // rows-as-M: first tile index of each expert
+  int2 rows[kMaxExperts];                // (offset, count) per expert
 };
-inline constexpr int32_t kMaxSideTiles = 1 << 16;  // per side when split; more: not split
-
-// What of an expert's tiles one L2 side takes: N blocks [n_begin, n_begin + n_count) of its
-// B-sharing part (all of its M blocks on 1-CTA launches), and the odd M block's A-sharing units
-// [a_begin, a_begin + a_count) (pairs: unit u is N blocks 2u, 2u + 1). Not split: side 0 takes all.
-struct SideShare {
-  int32_t n_begin, n_count, a_begin, a_count;
-};
-__device__ inline SideShare side_share(int32_t expert, int32_t n_blocks, int side, bool split) {
-  const int32_t units = (n_blocks + 1) / 2;
-  if (!split) return side == 0 ? SideShare{0, n_blocks, 0, units} : SideShare{n_blocks, 0, units, 0};
-  // Odd counts: the extra block goes to side 0 on even experts, to side 1 on odd ones.
-  const int32_t n0 = (n_blocks + ((expert & 1) ^ 1)) / 2, a0 = (units + ((expert & 1) ^ 1)) / 2;
-  return side == 0 ? SideShare{0, n0, 0, a0} : SideShare{n0, n_blocks - n0, a0, units - a0};
-}
 
 template <RowsAre kRows, int kCluster = 1>
 struct TileScheduler {
@@ -121,99 +86,56 @@ struct TileScheduler {
     return m_blocks / 2 * ((n_blocks + 1) / 2) + m_blocks % 2 * ((n_blocks + 3) / 4);
   }
 
-  // Groups of an expert that one L2 side takes (tiles_split: the sides split the tiles).
-  __device__ static int32_t side_groups(int32_t expert, int32_t m_blocks, int32_t n_blocks, int side, bool split) {
-    if constexpr (kCluster == 4) return side == 0 ? groups_of(m_blocks, n_blocks) : 0;
-    const SideShare share = side_share(expert, n_blocks, side, split);
-    if constexpr (kCluster == 1) return m_blocks * share.n_count;
-    return m_blocks / 2 * share.n_count + m_blocks % 2 * share.a_count;
-  }
-
-  // What tile() needs of the GroupedGemmShape (a copy of all of it made the wgrad kernels spill).
-  struct Dims {
-    int32_t num_experts, m_blocks, n_blocks, k_blocks;
-  };
   const SchedulerStorage* storage;
-  Dims shape;
+  GroupedGemmShape shape;
   int32_t total_tiles;
-  int32_t side0_tiles;  // tiles [0, side0_tiles) are side 0's, the rest side 1's
-  bool split;
 
-  // Called by all threads of the CTA; ends with __syncthreads(). split: the two L2 sides take an
-  // expert's tiles in two halves (rows-as-M GEMMs on the dynamic order only), unless a side would
-  // have kMaxSideTiles or more.
-  // Only rows-as-M GEMMs on 1-CTA or pair launches split (compile-time: the others keep no side code).
-  static constexpr bool kCanSplit = kRows == RowsAre::M && kCluster <= 2;
-
-  __device__ static TileScheduler build(SchedulerStorage& s, const GroupedGemmShape& shape, bool split) {
-    split = kCanSplit && split;
+  // Called by all threads of the CTA; ends with __syncthreads().
+  __device__ static TileScheduler build(SchedulerStorage& s, const GroupedGemmShape& shape) {
     constexpr int kItems = (kMaxExperts + kThreadsPerCta - 1) / kThreadsPerCta;
     using Scan = cub::BlockScan<int32_t, kThreadsPerCta>;
     __shared__ typename Scan::TempStorage scan_storage;
-    int32_t tiles[2][kItems], whole[kItems];
+    int32_t tiles[kItems];
 #pragma unroll
     for (int i = 0; i < kItems; ++i) {
       const int e = threadIdx.x * kItems + i;
-      tiles[0][i] = tiles[1][i] = whole[i] = 0;
+      tiles[i] = 0;
       if (e < shape.num_experts) {
         const int32_t offset = shape.row_offsets_E[e];
         const int32_t count = shape.row_counts_E[e];
         s.rows[e] = make_int2(offset, count);
         const int32_t m_blocks = kRows == RowsAre::M ? (count + kTileM - 1) / kTileM : shape.m_blocks;
-        if (!(kRows == RowsAre::K && count == 0 && e >= shape.first_replica)) {
-          whole[i] = side_groups(e, m_blocks, shape.n_blocks, 0, false);
-          tiles[0][i] = split ? side_groups(e, m_blocks, shape.n_blocks, 0, true) : whole[i];
-          tiles[1][i] = split ? side_groups(e, m_blocks, shape.n_blocks, 1, true) : 0;
-        }
+        tiles[i] = kRows == RowsAre::K && count == 0 && e >= shape.first_replica ? 0
+                                                                                : groups_of(m_blocks, shape.n_blocks);
       }
     }
-    int32_t totals[2] = {0, 0};
-    Scan(scan_storage).ExclusiveSum(tiles[0], tiles[0], totals[0]);
-    if (split) {
-      __syncthreads();  // the scan's temporary storage is reused
-      Scan(scan_storage).ExclusiveSum(tiles[1], tiles[1], totals[1]);
-      // The same in every thread (block-wide totals). Too many tiles to split: one sequence.
-      if (totals[0] >= kMaxSideTiles || totals[1] >= kMaxSideTiles) {
-        split = false;
-        __syncthreads();
-        Scan(scan_storage).ExclusiveSum(whole, tiles[0], totals[0]);
-        totals[1] = 0;
-      }
-    }
+    int32_t total = 0;
+    Scan(scan_storage).ExclusiveSum(tiles, tiles, total);
 #pragma unroll
     for (int i = 0; i < kItems; ++i) {
       const int e = threadIdx.x * kItems + i;
-      if (e < shape.num_experts) s.tile_prefix[e] = split ? tiles[0][i] | tiles[1][i] << 16 : tiles[0][i];
+      if (e < shape.num_experts) s.tile_prefix[e] = tiles[i];
     }
-    if (threadIdx.x == 0) s.tile_prefix[shape.num_experts] = split ? totals[0] | totals[1] << 16 : totals[0];
+    if (threadIdx.x == 0) s.tile_prefix[shape.num_experts] = total;
     __syncthreads();
-    return TileScheduler{&s, Dims{shape.num_experts, shape.m_blocks, shape.n_blocks, shape.k_blocks},
-                         totals[0] + totals[1], totals[0], split};
-  }
-
-  // Side `side`'s first tile of expert e (prefix word w).
-  __device__ int32_t side_prefix(uint32_t w, int side) const {
-    return kCanSplit && split ? static_cast<int32_t>(side == 0 ? w & 0xffffu : w >> 16) : static_cast<int32_t>(w);
+    return TileScheduler{&s, shape, total};
   }
 
   // Tile (group) t as CTA `cluster_rank` of its cluster computes it.
   __device__ TileInfo tile(int32_t t, int32_t cluster_rank = 0) const {
-    const int side = kCanSplit && t >= side0_tiles ? 1 : 0;
-    if (side == 1) t -= side0_tiles;
-    // Largest e with side_prefix(tile_prefix[e]) <= t (experts without tiles have equal prefixes).
-    // Shared-space loads: through the generic pointer each step of this search was a generic
-    // 64-bit load.
+    // Largest e with tile_prefix[e] <= t (experts without tiles have equal prefixes). Shared-space
+    // loads: through the generic pointer each step of this search was a generic 64-bit load.
     const uint32_t prefix = ptx::shared_address(storage->tile_prefix);
     int lo = 0, hi = shape.num_experts - 1;
     while (lo < hi) {
       const int mid = (lo + hi + 1) >> 1;
-      if (side_prefix(ptx::ld_shared_b32(prefix + 4 * mid), side) <= t) lo = mid; else hi = mid - 1;
+      if (static_cast<int32_t>(ptx::ld_shared_b32(prefix + 4 * mid)) <= t) lo = mid; else hi = mid - 1;
     }
     const uint32_t rows_at = ptx::shared_address(&storage->rows[lo]);
     const int2 rows = make_int2(static_cast<int32_t>(ptx::ld_shared_b32(rows_at)),
                                 static_cast<int32_t>(ptx::ld_shared_b32(rows_at + 4)));
     const int32_t m_blocks = kRows == RowsAre::M ? (rows.y + kTileM - 1) / kTileM : shape.m_blocks;
-    const int32_t local = t - side_prefix(ptx::ld_shared_b32(prefix + 4 * lo), side);
+    const int32_t local = t - static_cast<int32_t>(ptx::ld_shared_b32(prefix + 4 * lo));
     TileInfo info;
     info.expert = lo;
     info.row_begin = rows.x;
@@ -223,7 +145,7 @@ struct TileScheduler {
     info.shares_b = kCluster > 1;
     if constexpr (kCluster == 1) {
       info.m_block = local % m_blocks;
-      info.n_block = side_share(lo, shape.n_blocks, side, kCanSplit && split).n_begin + local / m_blocks;
+      info.n_block = local / m_blocks;
     } else if constexpr (kCluster == 4) {
       const int32_t m_pairs = m_blocks / 2, n_pairs = (shape.n_blocks + 1) / 2;
       if (local < m_pairs * n_pairs) {  // M blocks 2i, 2i + 1 x N blocks 2j, 2j + 1
@@ -239,15 +161,14 @@ struct TileScheduler {
       info.valid = info.n_block < shape.n_blocks;
     } else {
       const int32_t m_pairs = m_blocks / 2;
-      const SideShare share = side_share(lo, shape.n_blocks, side, kCanSplit && split);
-      if (local < m_pairs * share.n_count) {  // M blocks 2i, 2i + 1 of one N block
+      if (local < m_pairs * shape.n_blocks) {  // M blocks 2i, 2i + 1 of one N block
         info.m_block = 2 * (local % m_pairs) + cluster_rank;
-        info.n_block = share.n_begin + local / m_pairs;
+        info.n_block = local / m_pairs;
       } else {  // the odd last M block: N blocks 2j, 2j + 1
         info.shares_a = true;
         info.shares_b = false;
         info.m_block = m_blocks - 1;
-        info.n_block = 2 * (share.a_begin + local - m_pairs * share.n_count) + cluster_rank;
+        info.n_block = 2 * (local - m_pairs * shape.n_blocks) + cluster_rank;
         info.valid = info.n_block < shape.n_blocks;
       }
     }

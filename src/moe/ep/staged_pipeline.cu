@@ -296,11 +296,8 @@ StagedPipeline::StagedPipeline(const Config& config, std::unique_ptr<comm::Trans
         rs.grad_h13_R2F = static_cast<bf16*>(alloc(sizeof(bf16) * cap * 2 * d.F));
       }
     }
-    launch_.gemm_tile_counters = static_cast<int32_t*>(alloc(sm90::kTileCounterWords * sizeof(int32_t)));
-    cuda_check(cudaMemset(launch_.gemm_tile_counters, 0, sm90::kTileCounterWords * sizeof(int32_t)), "cudaMemset");
-    // The GEMMs split their tiles between the two L2 partitions' SMs once the map is measured
-    // (once per device and process; synchronous, so here and not inside a captured launch).
-    if (expert_kernels_ == ExpertKernels::sm90) sm90::prepare_l2_sides();
+    launch_.gemm_tile_counters = static_cast<int32_t*>(alloc(2 * sizeof(int32_t)));
+    cuda_check(cudaMemset(launch_.gemm_tile_counters, 0, 2 * sizeof(int32_t)), "cudaMemset");
     launch_ = launch_for(0);
     if (d.balanced) configure_balance_plan(launch_);
   } catch (...) {

@@ -9,13 +9,6 @@
 
 namespace poise::sm90::ptx {
 
-// The SM this thread runs on (its L2 side: tile_scheduler.cuh).
-__device__ __forceinline__ uint32_t sm_id() {
-  uint32_t id;
-  asm volatile("mov.u32 %0, %%smid;" : "=r"(id));
-  return id;
-}
-
 __device__ __forceinline__ uint32_t cluster_cta_rank() {
   uint32_t rank;
   asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
