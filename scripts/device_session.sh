@@ -137,7 +137,7 @@ part_probe() {
         echo "[$(basename "$lib" .so) round $round${PROBE_ENVS:+ env $spec}]"
         [ "$spec" = _ ] && spec=""
         env $spec PYTHONUNBUFFERED=1 timeout 200 python3 bench/expert_mlp/power_probe.py "$lib" /dev/null "${PROBE_SECONDS:-2.0}" \
-          "${PROBE_SHAPES:-qwen3_30b_a3b,deepseek_v3_ep8_rank}" ${PROBE_FILTER:-poise} 2>&1 | grep -v "^$"
+          "${PROBE_SHAPES:-qwen3_30b_a3b,deepseek_v3_ep8_rank}" "${PROBE_FILTER:-poise}" 2>&1 | grep -v "^$"
       done
     done
   done | tee -a "$OUT/probe.log"

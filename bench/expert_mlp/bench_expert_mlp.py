@@ -134,6 +134,13 @@ def make_routing(T, E, K, target_skew, gen):
     return best
 
 
+def routing_name(target_skew):
+    """How records and logs name make_routing's target: 0 the aligned diagnostic, <= 1 balanced."""
+    if target_skew == 0.0:
+        return "aligned"
+    return "balanced" if target_skew <= 1 else f"peak/mean~{target_skew}"
+
+
 # ---------------------------------------------------------------- baseline
 def baseline_forward(x, ids, scores, w13, w2):
     """Eager PyTorch: sort-permute + _grouped_mm + SwiGLU + _grouped_mm + score multiply + index_add_."""
@@ -408,7 +415,7 @@ def run_case(P, name, skew_target, dense, commit, gemm_detail, repeats=1):
 
     rec = {
         "shape": name, "T": T, "D": D, "F": F, "E_local": E, "K": K,
-        "skew": round(skew, 3), "routing": "balanced" if skew_target <= 1 else f"peak/mean~{skew_target}",
+        "skew": round(skew, 3), "routing": routing_name(skew_target),
         "fwd_ms": fwd_ms, "fwd_kernels_ms": fwd_kernels_ms, "fwdbwd_ms": fwdbwd_ms,
         "baseline_fwd_ms": base_fwd_ms, "baseline_fwdbwd_ms": base_fwdbwd_ms,
         "fwd_tflops": flops_fwd / fwd_ms / 1e9, "fwd_kernels_tflops": flops_fwd / fwd_kernels_ms / 1e9,
@@ -487,8 +494,7 @@ def gemm_only(P, name, skew_target, label):
     fwdbwd = time_ms(lambda: (c.forward(), c.backward()))
     TK = c.T * c.K
     tf = {k: (4.0 if "w13" in k else 2.0) * TK * c.D * c.F / v / 1e9 for k, v in g.items() if "combine" not in k}
-    routing = "aligned" if skew_target == 0.0 else f"skew {c.skew:.2f}"
-    print(f"[{label}] {name} {routing}: fwdbwd {fwdbwd:.2f} ms; TF/s " + ", ".join(f"{k} {v:.0f}" for k, v in tf.items())
+    print(f"[{label}] {name} {routing_name(skew_target)} (skew {c.skew:.2f}): fwdbwd {fwdbwd:.2f} ms; TF/s " + ", ".join(f"{k} {v:.0f}" for k, v in tf.items())
           + "".join(f"; {k} {v * 1e3:.0f} us" for k, v in g.items() if "combine" in k), flush=True)
 
 

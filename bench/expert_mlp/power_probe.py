@@ -122,7 +122,7 @@ def main() -> int:
         xs, offs = bench.grouped_mm_operands(c.x, c.ids, c.E, c.K)
         tag = {"deepseek_v3_ep8_rank": "DeepSeek-V3", "qwen3_30b_a3b": "Qwen3"}.get(shape, shape)
         if len(skews) > 1:
-            tag += " aligned" if skew == 0.0 else f" skew{skew:g}"
+            tag += f" {bench.routing_name(skew)}"
         w13_flops = 4.0 * c.T * c.K * c.D * c.F
         prepare = lambda c=c: c.blk.layout(c.ids, c.scores)  # noqa: E731
         grouped_mm = lambda xs=xs, w13=c.w13, offs=offs: torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs)  # noqa: E731

@@ -36,11 +36,12 @@ def main() -> int:
     # Own lines: first load (home near or far) vs second (a copy in the near partition or not).
     first = [v for r in ld1 for v in r]
     second = [v for r in ld2 for v in r]
-    print(f"own lines, first load: median {statistics.median(first)}, p10 {sorted(first)[len(first) // 10]}, "
+    first_median = statistics.median(first)
+    print(f"own lines, first load: median {first_median}, p10 {sorted(first)[len(first) // 10]}, "
           f"p90 {sorted(first)[9 * len(first) // 10]}")
     print(f"own lines, second load: median {statistics.median(second)}, p10 {sorted(second)[len(second) // 10]}, "
           f"p90 {sorted(second)[9 * len(second) // 10]}")
-    slow_first = [(a, b) for r1, r2 in zip(ld1, ld2) for a, b in zip(r1, r2) if a > statistics.median(first)]
+    slow_first = [(a, b) for r1, r2 in zip(ld1, ld2) for a, b in zip(r1, r2) if a > first_median]
     print(f"lines whose first load was slower than the median: second load median "
           f"{statistics.median(b for _, b in slow_first)} (first {statistics.median(a for a, _ in slow_first)})")
     return 0
