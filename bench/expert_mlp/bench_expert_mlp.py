@@ -57,14 +57,17 @@ def load_lib(path):
                                 c_void_p, c_void_p, c_int64, c_void_p, c_void_p],
         "pb_wgrad_w13_combine": [c_void_p, c_void_p, c_void_p, c_int, c_int, c_void_p, c_int64, c_int64, c_void_p,
                                  c_void_p, c_void_p, c_int64, c_void_p, c_void_p],
-        "pb_routing_layout": [c_void_p, c_void_p, c_int64, c_int64, c_void_p, c_void_p, c_void_p, c_void_p, c_void_p],
+        "pb_routing_layout": [c_void_p, c_void_p, c_int64, c_int64, c_void_p, c_void_p, c_void_p, c_void_p, c_int64,
+                              c_void_p, c_void_p],
+        "pb_fprop_w2_combine": [c_void_p, c_void_p, c_void_p, c_void_p, c_int64, c_void_p, c_void_p],
+        "pb_dgrad_w13_combine": [c_void_p, c_void_p, c_void_p, c_int64, c_void_p, c_void_p],
         "pb_scatter_rows": [c_void_p, c_int64, c_int64, c_int64, c_void_p, c_void_p, c_void_p],
         "pb_combine_rows": [c_void_p, c_int64, c_int64, c_int64, c_void_p, c_void_p, c_void_p],
         "pb_gather_scalars": [c_void_p, c_int64, c_void_p, c_int64, c_void_p, c_void_p],
     }
     for name, args in sigs.items():
         if name.endswith("_combine") and not hasattr(lib, name):
-            continue  # libraries before the combine side job
+            continue  # libraries before the combine side job / the fused forward combine
         fn = getattr(lib, name)
         fn.argtypes = args
         fn.restype = c_int
@@ -197,6 +200,9 @@ class PoiseBlock:
         # The backward's grad_x combine and score sums as the WGRADs' side job (POISE_BENCH_SIDE_COMBINE=0:
         # separate glue kernels, for A/B runs; libraries without it: separate).
         self.side_combine = hasattr(P.lib, "pb_wgrad_w13_combine") and os.environ.get("POISE_BENCH_SIDE_COMBINE") != "0"
+        # The top-k combines fused into FPROP W2 (out) and DGRAD W13 (grad_x): bf16 additions by token
+        # in L2, not bitwise reproducible. Off by default; the bench times both (run_case).
+        self.fused_combine = False
 
     def layout(self, ids, scores):
         """Routing layout on the device in one kernel (stand-in for Poise's route stage)."""
@@ -207,9 +213,11 @@ class PoiseBlock:
             self.lay = dict(offsets=torch.empty(E, device=dev, dtype=torch.int32),
                             counts=torch.empty(E, device=dev, dtype=torch.int32),
                             row_of_tk=torch.empty(TK, device=dev, dtype=torch.int32),
-                            scores_R=torch.zeros(R, device=dev, dtype=torch.float32))
+                            scores_R=torch.zeros(R, device=dev, dtype=torch.float32),
+                            token_of_row=torch.zeros(R, device=dev, dtype=torch.int32))
         L = self.lay
-        self.P.routing_layout(ids, scores, TK, E, L["counts"], L["offsets"], L["row_of_tk"], L["scores_R"])
+        self.P.routing_layout(ids, scores, TK, E, L["counts"], L["offsets"], L["row_of_tk"], L["scores_R"], K,
+                              L["token_of_row"])
         # POISE_BENCH_W13_LAYOUT=interleaved / POISE_BENCH_ACTIVATION=clamped (timing probes only: the
         # bench's weights and baseline are blocked W13 with plain SwiGLU, so outputs then differ).
         interleaved = int(os.environ.get("POISE_BENCH_W13_LAYOUT", "blocked") == "interleaved")
@@ -224,6 +232,10 @@ class PoiseBlock:
     def forward_kernels(self, w13, w2, out, save_h13=True):
         P, L = self.P, self.lay
         P.fprop_w13(self.x_rows, w13, self.a, self.h13 if save_h13 else None)
+        if self.fused_combine:
+            out.zero_()
+            P.fprop_w2_combine(self.a, w2, L["scores_R"], L["token_of_row"], self.T, out)
+            return
         P.fprop_w2(self.a, w2, L["scores_R"], self.y_rows)
         P.combine_rows(L["row_of_tk"], self.T, self.K, self.D, self.y_rows, out)
 
@@ -236,6 +248,14 @@ class PoiseBlock:
         P, L = self.P, self.lay
         P.scatter_rows(L["row_of_tk"], self.T * self.K, self.K, self.D, grad_out, self.gy_rows)
         P.dgrad_w2(self.gy_rows, w2, self.h13, L["scores_R"], self.gh13, self.a, self.grad_score_partials)
+        if self.fused_combine:
+            grad_x.zero_()
+            P.dgrad_w13_combine(self.gh13, w13, L["token_of_row"], self.T, grad_x)
+            P.wgrad_w2(self.gy_rows, self.a, grad_w2, 0, 0)
+            P.wgrad_w13(self.gh13, self.x_rows, grad_w13, 0, 0)
+            P.gather_scalars(L["row_of_tk"], self.T * self.K, self.grad_score_partials, self.score_parts,
+                             grad_scores_TK)
+            return
         if self.side_combine:
             P.dgrad_w13(self.gh13, w13, self.gx_rows)
             self.wgrads_with_combine(grad_w13, grad_w2, grad_x, grad_scores_TK)
@@ -393,6 +413,27 @@ def run_case(P, name, skew_target, dense, commit, gemm_detail, repeats=1):
         blk.forward(x, ids, scores, w13, w2, out)
         blk.backward(grad_out, w13, w2, grad_x, grad_w13, grad_w2, grad_scores)
 
+    # The top-k combines fused into FPROP W2 and DGRAD W13 (libraries that have them), same buffers.
+    fused = hasattr(P.lib, "pb_fprop_w2_combine") and hasattr(P.lib, "pb_dgrad_w13_combine")
+
+    def with_fused_combine(fn):
+        def run():
+            blk.fused_combine = True
+            try:
+                fn()
+            finally:
+                blk.fused_combine = False
+        return run
+
+    fused_errors = {}
+    if fused:
+        for t in (out, grad_x, grad_scores):
+            t.fill_(float("nan"))
+        with_fused_combine(poise_fwdbwd)()
+        torch.cuda.synchronize()
+        fused_errors = {"out_fused_combine": rel_err(out, out_base.detach()),
+                        "grad_x_fused_combine": rel_err(grad_x, xb.grad),
+                        "grad_scores_fused_combine": rel_err(grad_scores, sb.grad)}
     poise_fwdbwd()
     torch.cuda.synchronize()
     errors = {
@@ -402,15 +443,20 @@ def run_case(P, name, skew_target, dense, commit, gemm_detail, repeats=1):
         "grad_w2": rel_err(grad_w2, w2b.grad),
         "grad_scores": rel_err(grad_scores, sb.grad),
     }
+    errors.update(fused_errors)
     # The four block timings in this order, `repeats` times over (the card drifts 2-4% between device
     # calls and within one; the record holds each block's median and every repeat).
     blocks = {"baseline_fwd_ms": base_fwd, "baseline_fwdbwd_ms": base_fwdbwd, "fwd_ms": poise_fwd,
               "fwdbwd_ms": poise_fwdbwd}
+    if fused:
+        blocks["fwd_fused_combine_ms"] = with_fused_combine(poise_fwd)
+        blocks["fwdbwd_fused_combine_ms"] = with_fused_combine(poise_fwdbwd)
     times = {k: [] for k in blocks}
     for _ in range(repeats):
         for k, fn in blocks.items():
             times[k].append(time_ms(fn, **BLOCK_TIMING))
-    base_fwd_ms, base_fwdbwd_ms, fwd_ms, fwdbwd_ms = (statistics.median(times[k]) for k in blocks)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    base_fwd_ms, base_fwdbwd_ms, fwd_ms, fwdbwd_ms = (med[k] for k in list(blocks)[:4])
     fwd_kernels_ms = time_ms(lambda: blk.forward_kernels(w13, w2, out))
 
     rec = {
@@ -425,10 +471,18 @@ def run_case(P, name, skew_target, dense, commit, gemm_detail, repeats=1):
         "speedup_fwd": base_fwd_ms / fwd_ms, "speedup_fwdbwd": base_fwdbwd_ms / fwdbwd_ms,
         "dense_tflops": dense,
         "timing": "sequential, each block after 1 s idle and 300 ms of warm-up"
-                  + (f"; medians of {repeats} repeats of the four blocks" if repeats > 1 else ""),
+                  + (f"; medians of {repeats} repeats of the {len(blocks)} blocks" if repeats > 1 else ""),
         "saved_bytes": blk.saved_bytes(), "baseline_saved_bytes": base_saved,
         "rel_err_vs_baseline": errors, "commit": commit,
     }
+    if fused:
+        # FPROP W2 / DGRAD W13 adding their rows into out / grad_x by token (bf16, no fixed order)
+        # instead of grouped rows + a combine.
+        f_ms, fb_ms = med["fwd_fused_combine_ms"], med["fwdbwd_fused_combine_ms"]
+        rec.update({"fwd_fused_combine_ms": f_ms, "fwdbwd_fused_combine_ms": fb_ms,
+                    "fwd_fused_combine_tflops": flops_fwd / f_ms / 1e9,
+                    "speedup_fwd_fused_combine": base_fwd_ms / f_ms,
+                    "speedup_fwdbwd_fused_combine": base_fwdbwd_ms / fb_ms})
     if repeats > 1:
         rec["repeats"] = times
         rec["speedup_fwdbwd_repeats"] = [b / p for b, p in zip(times["baseline_fwdbwd_ms"], times["fwdbwd_ms"])]
@@ -437,6 +491,11 @@ def run_case(P, name, skew_target, dense, commit, gemm_detail, repeats=1):
         g = {k: time_ms(call) for k, call in blk.gemm_calls(w13, w2, grad_w13, grad_w2).items()}
         g["gather_x"] = time_ms(lambda: blk.gather_x(x))
         g["combine"] = time_ms(lambda: P.combine_rows(L["row_of_tk"], T, K, D, blk.y_rows, out))
+        if fused:  # zeroing the target + the GEMM with the combine, against the GEMM + combine above
+            g["fprop_w2_fused_combine"] = time_ms(
+                lambda: (out.zero_(), P.fprop_w2_combine(blk.a, w2, L["scores_R"], L["token_of_row"], T, out)))
+            g["dgrad_w13_fused_combine"] = time_ms(
+                lambda: (grad_x.zero_(), P.dgrad_w13_combine(blk.gh13, w13, L["token_of_row"], T, grad_x)))
         # torch._grouped_mm on the same (unpadded) problem, GEMM for GEMM.
         xs, offs = grouped_mm_operands(x, ids, E, K)
         a_t = torch.randn(TK, F, device=dev, dtype=bf)
@@ -536,6 +595,10 @@ def main():
             print("   gemm ms:", {k: round(v, 3) for k, v in r["gemm_ms"].items()})
             print("   gemm TF/s:", {k: round(v) for k, v in r["gemm_tflops"].items()})
             print("   rel err vs baseline:", {k: f"{v:.1e}" for k, v in r["rel_err_vs_baseline"].items()})
+        if "fwd_fused_combine_ms" in r:
+            print(f"   fused combine: fwd {r['fwd_fused_combine_ms']:.2f} ms ({r['fwd_fused_combine_tflops']:.0f} TF/s, "
+                  f"x{r['speedup_fwd_fused_combine']:.2f}), fwdbwd {r['fwdbwd_fused_combine_ms']:.2f} ms "
+                  f"(x{r['speedup_fwdbwd_fused_combine']:.3f})")
         if "speedup_fwdbwd_repeats" in r:
             print("   x fwdbwd per repeat:", [round(v, 3) for v in r["speedup_fwdbwd_repeats"]])
 

@@ -85,12 +85,14 @@ __global__ void __launch_bounds__(kLayoutThreads) expert_histogram_kernel(const 
 }
 
 // Every CTA scans the counts into padded offsets (CTA 0 writes them), claims a range of each
-// expert's rows for its chunk (cursor_E zeroed before) and places its entries there.
+// expert's rows for its chunk (cursor_E zeroed before) and places its entries there; with
+// token_of_row_R set it also writes each row's token (entry / top_k), for the fused combine.
 __global__ void __launch_bounds__(kLayoutThreads) routing_rows_kernel(const int64_t* ids_TK, const float* scores_TK,
                                                                      int64_t tk, int num_experts,
                                                                      const int32_t* counts_E, int32_t* cursor_E,
                                                                      int32_t* offsets_E, int32_t* row_of_tk,
-                                                                     float* scores_R) {
+                                                                     float* scores_R, int64_t top_k,
+                                                                     int32_t* token_of_row_R) {
   __shared__ int32_t hist[kLayoutThreads];
   glue_kernel_begin();
   __shared__ int32_t base[kLayoutThreads];
@@ -108,6 +110,7 @@ __global__ void __launch_bounds__(kLayoutThreads) routing_rows_kernel(const int6
     const int32_t row = atomicAdd(&base[ids_TK[i]], 1);
     row_of_tk[i] = row;
     scores_R[row] = scores_TK[i];
+    if (token_of_row_R) token_of_row_R[row] = static_cast<int32_t>(i / top_k);
   }
 }
 
@@ -256,6 +259,24 @@ int pb_fprop_w13(const void* x, const void* w13, void* a, void* h13, void* strea
 int pb_fprop_w2(const void* a, const void* w2, const float* scores, void* y, void* stream) {
   return guarded([&] { poise::sm90::expert_mlp_fprop_w2(g_rows, g_shape, {a, w2, scores, y}, as_stream(stream)); });
 }
+// FPROP W2 / DGRAD W13 with the top-k combine fused: out_TD += the rows' results, added by token
+// (sm90::FusedCombine).
+int pb_fprop_w2_combine(const void* a, const void* w2, const float* scores, const int32_t* token_of_row,
+                        int64_t tokens, void* out_TD, void* stream) {
+  return guarded([&] {
+    poise::sm90::FpropW2Args args{a, w2, scores, nullptr};
+    args.combine = {out_TD, token_of_row, tokens};
+    poise::sm90::expert_mlp_fprop_w2(g_rows, g_shape, args, as_stream(stream));
+  });
+}
+int pb_dgrad_w13_combine(const void* grad_h13, const void* w13, const int32_t* token_of_row, int64_t tokens,
+                         void* grad_x_TD, void* stream) {
+  return guarded([&] {
+    poise::sm90::DgradW13Args args{grad_h13, w13, nullptr};
+    args.combine = {grad_x_TD, token_of_row, tokens};
+    poise::sm90::expert_mlp_dgrad_w13(g_rows, g_shape, args, as_stream(stream));
+  });
+}
 int pb_dgrad_w2(const void* grad_y, const void* w2, const void* h13, const float* scores, void* grad_h13,
                 void* a, float* grad_score_partials, void* stream) {
   return guarded([&] {
@@ -306,10 +327,16 @@ int pb_wgrad_w13_combine(const void* grad_h13, const void* x, void* grad_w13, in
                             {row_of_tk, tokens, top_k, rows_RD, out_TD, partials_RP, partials, sums_TK}, stream);
 }
 
+// token_of_row_R: nullable, int32 [R] (rows no entry lands on are not written).
 int pb_routing_layout(const int64_t* ids_TK, const float* scores_TK, int64_t tk, int64_t num_experts,
-                      int32_t* counts_E, int32_t* offsets_E, int32_t* row_of_tk, float* scores_R, void* stream) {
+                      int32_t* counts_E, int32_t* offsets_E, int32_t* row_of_tk, float* scores_R, int64_t top_k,
+                      int32_t* token_of_row_R, void* stream) {
   if (num_experts > kLayoutThreads) {
     g_last_error = "pb_routing_layout: at most 1024 experts";
+    return -1;
+  }
+  if (top_k < 1 || tk % top_k != 0) {
+    g_last_error = "pb_routing_layout: top_k must be positive and divide tk";
     return -1;
   }
   static int32_t* cursor_E = nullptr;  // scratch, kLayoutThreads entries, allocated once
@@ -322,7 +349,7 @@ int pb_routing_layout(const int64_t* ids_TK, const float* scores_TK, int64_t tk,
   if (chunks > 0) {
     launch_glue(expert_histogram_kernel, chunks, kLayoutThreads, s, ids_TK, tk, experts, counts_E);
     launch_glue(routing_rows_kernel, chunks, kLayoutThreads, s, ids_TK, scores_TK, tk, experts, counts_E, cursor_E,
-                offsets_E, row_of_tk, scores_R);
+                offsets_E, row_of_tk, scores_R, top_k, token_of_row_R);
   } else {
     cudaMemsetAsync(offsets_E, 0, num_experts * sizeof(int32_t), s);
   }

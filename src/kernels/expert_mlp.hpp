@@ -69,13 +69,28 @@ struct FpropW13Args {
 void expert_mlp_fprop_w13(const GroupedRows& rows, const ExpertMlpShape& shape,
                           const FpropW13Args& args, cudaStream_t stream);
 
-// y = (a . W2[e]^T) * score (per row, when scores_R is set).
+// A top-k combine fused into a rows GEMM's epilogue (FPROP W2: the layer's output; DGRAD W13:
+// grad_x). With out_TD set, the GEMM stores no grouped rows: every valid row's result is added into
+// out_TD[token_of_row_R[row]] (bf16 [tokens][D]) by bf16 reductions in L2, so out_TD = what it held +
+// the sum over a token's rows. Zero it first for the plain combine, or pass a sum to add to (a
+// shared expert's output). A token's additions land in no fixed order and each rounds to bf16 (as
+// torch's index_add_ on bf16 does): results are not bitwise reproducible from run to run; the
+// separate combine (fp32 sums in k order, e.g. TokenCombine) is.
+// Contract (not checkable on the host): every valid row's token is in [0, tokens).
+struct FusedCombine {
+  void* out_TD = nullptr;                   // bf16 [tokens][D], 16-byte aligned; null: no fused combine
+  const int32_t* token_of_row_R = nullptr;  // device int32 [R]
+  int64_t tokens = 0;                       // T
+};
+
+// y = (a . W2[e]^T) * score (per row, when scores_R is set), into y_RD or combined by token.
 struct FpropW2Args {
   const void* a_RF = nullptr;
   const void* w2_EDF = nullptr;
   const float* scores_R = nullptr;  // nullable
-  void* y_RD = nullptr;
+  void* y_RD = nullptr;             // null when combine.out_TD is set
   const void* replica_w2_EDF = nullptr;  // with GroupedRows::first_replica
+  FusedCombine combine;
 };
 void expert_mlp_fprop_w2(const GroupedRows& rows, const ExpertMlpShape& shape,
                          const FpropW2Args& args, cudaStream_t stream);
@@ -106,8 +121,9 @@ int64_t dgrad_w2_score_partials(const ExpertMlpShape& shape);
 struct DgradW13Args {
   const void* grad_h13_R2F = nullptr;
   const void* w13_E2FD = nullptr;
-  void* grad_x_RD = nullptr;
+  void* grad_x_RD = nullptr;  // null when combine.out_TD is set
   const void* replica_w13_E2FD = nullptr;  // with GroupedRows::first_replica
+  FusedCombine combine;       // grad_x_TD += the rows' grad_x, by token
 };
 void expert_mlp_dgrad_w13(const GroupedRows& rows, const ExpertMlpShape& shape,
                           const DgradW13Args& args, cudaStream_t stream);

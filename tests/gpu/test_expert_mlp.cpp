@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <random>
 #include <string>
 #include <tuple>
@@ -205,13 +206,78 @@ TEST_P(ExpertMlpKernels, FpropW2ScoredMatchesFloat64) {
   expect_close(compare_rows_bf16(dy.download(), y_ref, fx.l, D), kBf16Tolerance, "y_RD (scores)");
 }
 
+// A top-k combine fused into a rows GEMM (sm90::FusedCombine): every valid row's result is added
+// into its token's row of out_TD, which starts with random contents (the additions keep them). Rows
+// land on random tokens, several per token and some tokens none; padding rows point at a guard token
+// row that must keep its poison. run(combine) launches the GEMM; rows_ref: its float64 rows [R][D].
+void check_fused_combine(const Fixture& fx, uint64_t seed, const std::vector<double>& rows_ref,
+                         const std::function<void(const sm90::FusedCombine&)>& run, const char* what) {
+  const int64_t R = fx.l.rows, D = fx.cs.D;
+  int64_t valid_rows = 0;
+  for (int32_t c : fx.cs.counts) valid_rows += c;
+  const int64_t T = std::max<int64_t>(1, valid_rows / 3);  // the guard token row is T
+  std::vector<int32_t> token(R, static_cast<int32_t>(T));
+  std::mt19937_64 pick(seed);
+  for (int64_t r = 0; r < R; ++r)
+    if (fx.l.is_row_valid(r)) token[r] = static_cast<int32_t>(pick() % T);
+  Rng rng(seed + 1);
+  auto out = rng.bf16_normal(T * D, 1.0f);
+  out.resize((T + 1) * D, kBf16Poison);
+  DeviceBuffer<uint16_t> dout(out);
+  DeviceBuffer<int32_t> dtok(token);
+  run({dout.ptr, dtok.ptr, T});
+  cuda_ok(cudaDeviceSynchronize(), what);
+
+  std::vector<double> out_ref(T * D);
+  for (int64_t i = 0; i < T * D; ++i) out_ref[i] = from_bf16(out[i]);
+  for (int64_t r = 0; r < R; ++r)
+    if (fx.l.is_row_valid(r))
+      for (int64_t d = 0; d < D; ++d) out_ref[token[r] * D + d] += rows_ref[r * D + d];
+  auto got = dout.download();
+  int64_t guard_lost = 0;
+  for (int64_t d = 0; d < D; ++d) guard_lost += got[T * D + d] != kBf16Poison;
+  EXPECT_EQ(guard_lost, 0) << what << ": the guard token row (padding rows' token) was written";
+  got.resize(T * D);
+  expect_close(compare_all(got, out_ref), kBf16Tolerance, what);
+}
+
+TEST_P(ExpertMlpKernels, FusedCombineMatchesFloat64) {
+  Fixture fx(GetParam());
+  const int64_t R = fx.l.rows, D = fx.cs.D, F = fx.cs.F, E = fx.E();
+  Rng rng(fx.cs.seed + 7);
+  // FPROP W2, score-scaled rows.
+  const auto a = random_rows(rng, fx.l, F, 1.0f);
+  const auto w2 = rng.bf16_normal(E * D * F, 1.0f / std::sqrt(float(F)));
+  const auto scores = rng.uniform(R, 0.1f, 1.0f);
+  DeviceBuffer<uint16_t> da(a), dw2(w2);
+  DeviceBuffer<float> ds(scores);
+  auto y_ref = ref_rows_gemm(fx.l, to_double(a), F, to_double(w2), D, true);
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t d = 0; d < D; ++d) y_ref[r * D + d] *= scores[r];
+  check_fused_combine(fx, fx.cs.seed + 8, y_ref, [&](const sm90::FusedCombine& c) {
+    sm90::FpropW2Args args{da.ptr, dw2.ptr, ds.ptr, nullptr};
+    args.combine = c;
+    sm90::expert_mlp_fprop_w2(fx.rows, fx.shape, args, nullptr);
+  }, "out_TD (FPROP W2 fused combine)");
+  // DGRAD W13 (grad_x).
+  const auto gh = random_rows(rng, fx.l, 2 * F, 1.0f);
+  const auto w13 = rng.bf16_normal(E * 2 * F * D, 1.0f / std::sqrt(float(2 * F)));
+  DeviceBuffer<uint16_t> dgh(gh), dw13(w13);
+  const auto gx_ref = ref_rows_gemm(fx.l, to_double(gh), 2 * F, to_double(w13), D, false);
+  check_fused_combine(fx, fx.cs.seed + 9, gx_ref, [&](const sm90::FusedCombine& c) {
+    sm90::DgradW13Args args{dgh.ptr, dw13.ptr, nullptr};
+    args.combine = c;
+    sm90::expert_mlp_dgrad_w13(fx.rows, fx.shape, args, nullptr);
+  }, "grad_x_TD (DGRAD W13 fused combine)");
+}
+
 TEST_P(ExpertMlpKernels, DgradW2SwigluBackwardMatchesFloat64) {
   Fixture fx(GetParam());
   const int64_t R = fx.l.rows, D = fx.cs.D, F = fx.cs.F, E = fx.E();
   Rng rng(fx.cs.seed + 2);
   auto gy = random_rows(rng, fx.l, D, 1.0f);
   auto h13 = random_rows(rng, fx.l, 2 * F, 2.0f);
-  const auto w2 = rng.bf16_normal(E * D * F, 1.0f / std::sqrt(float(D)));
+  const auto w2 = rng.bf16_normal(E * D * F, 1.0f / std::sqrt(float(F)));
   const auto scores = rng.uniform(R, 0.1f, 1.0f);
   DeviceBuffer<uint16_t> dgy(gy), dh(h13), dw(w2), dgh(std::vector<uint16_t>(R * 2 * F, kBf16Poison)),
       da(std::vector<uint16_t>(R * F, kBf16Poison));
@@ -888,6 +954,19 @@ TEST(ExpertMlpValidation, RejectsBadArgumentsByName) {
   sm90::DgradW2Args dgrad_split{fake, fake, fake, nullptr, fake, nullptr, nullptr};
   dgrad_split.h13_split = {128, nullptr};
   EXPECT_EQ(name_of([&] { sm90::expert_mlp_dgrad_w2(rows, shape, dgrad_split, nullptr); }), "h13_split.hi_R2F");
+  auto fused_combine = [&](void* y, void* out, const int32_t* token_of_row, int64_t tokens) {
+    sm90::FpropW2Args f{fake, fake, nullptr, y};
+    f.combine = {out, token_of_row, tokens};
+    return name_of([&] { sm90::expert_mlp_fprop_w2(rows, shape, f, nullptr); });
+  };
+  EXPECT_EQ(fused_combine(nullptr, nullptr, fake, 4), "y_RD");
+  EXPECT_EQ(fused_combine(fake, fake, fake, 4), "y_RD");
+  EXPECT_EQ(fused_combine(nullptr, reinterpret_cast<uint8_t*>(fake) + 8, fake, 4), "combine.out_TD");
+  EXPECT_EQ(fused_combine(nullptr, fake, nullptr, 4), "combine.token_of_row_R");
+  EXPECT_EQ(fused_combine(nullptr, fake, fake, 0), "combine.tokens");
+  sm90::DgradW13Args dgrad_combine{fake, fake, fake};
+  dgrad_combine.combine = {fake, fake, 4};
+  EXPECT_EQ(name_of([&] { sm90::expert_mlp_dgrad_w13(rows, shape, dgrad_combine, nullptr); }), "grad_x_RD");
   auto wgrad_combine = [&](const sm90::TokenCombine& c) {
     return name_of([&] { sm90::expert_mlp_wgrad_w13(rows, shape, fake, fake, {fake, DType::fp32, false}, nullptr, c); });
   };

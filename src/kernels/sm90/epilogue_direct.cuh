@@ -20,6 +20,7 @@
 #include <utility>
 
 #include "kernels/sm90/epilogue_staging.cuh"
+#include "kernels/sm90/ptx/global_reduce.cuh"
 #include "kernels/sm90/ptx/shared_memory.cuh"
 
 namespace poise::sm90 {
@@ -72,7 +73,8 @@ __device__ __forceinline__ uint32_t warp_staging(uint8_t* warpgroup_buf, int thr
 // Stores d (a 64 x kBlockN fragment) as bf16, scaled per fragment row half by scale[h], through the
 // warp's part of the warpgroup's staging buffer `buf`; row(r): column 0 of the tile in slab row r
 // (nullptr: the row is not written); only the first `columns` columns are stored (a multiple of 64).
-template <int kBlockN, class RowPtr>
+// kAdd: each 16-byte piece is added to what the row holds, in the L2 (ptx::red_add_bf16x8).
+template <int kBlockN, bool kAdd = false, class RowPtr>
 __device__ __forceinline__ void store_bf16_rows_direct(const float (&d)[kBlockN / 2], int thread, uint8_t* buf,
                                                        RowPtr&& row, const float (&scale)[2], int columns) {
   const int lane = thread % 32, warp_row = 16 * (thread / 32);
@@ -86,8 +88,12 @@ __device__ __forceinline__ void store_bf16_rows_direct(const float (&d)[kBlockN 
     uint4 seg[4];
     warp_stage_chunk(d, c, scale, wbuf, lane, seg);
 #pragma unroll
-    for (int p = 0; p < 4; ++p)
-      if (row_ptr[p]) *reinterpret_cast<uint4*>(row_ptr[p] + 64 * c + 8 * warp_staged_unit(lane)) = seg[p];
+    for (int p = 0; p < 4; ++p) {
+      if (!row_ptr[p]) continue;
+      __nv_bfloat16* at = row_ptr[p] + 64 * c + 8 * warp_staged_unit(lane);
+      if constexpr (kAdd) ptx::red_add_bf16x8(at, seg[p]);
+      else *reinterpret_cast<uint4*>(at) = seg[p];
+    }
   }
 }
 

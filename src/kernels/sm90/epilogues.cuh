@@ -243,17 +243,22 @@ struct RowsStoreEpilogue {
   const float* scores_R;  // nullable
   int32_t N;
 
+  // The score of this thread's two fragment rows (1 without scores or past the expert's rows).
+  __device__ __forceinline__ void row_scales(const Fragment& fr, const GroupedRowAddress& rows, float (&scale)[2]) const {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = fr.row + 8 * h;
+      scale[h] = (scores_R && r < rows.valid) ? scores_R[rows.first_row + r] : 1.0f;
+    }
+  }
+
   template <int kBlockN>
   __device__ __forceinline__ void store(float (&d)[kBlockN / 2], const TileInfo& tile, int consumer,
                                         int thread, uint8_t* buf) const {
     const Fragment fr(thread);
     const GroupedRowAddress rows(tile, consumer);
     float scale[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int r = fr.row + 8 * h;
-      scale[h] = (scores_R && r < rows.valid) ? scores_R[rows.first_row + r] : 1.0f;
-    }
+    row_scales(fr, rows, scale);
     if constexpr (POISE_DIRECT_STORES) {
       const int32_t n_first = tile.n_block * kBlockN;
       auto row = [&](int r) {
@@ -285,6 +290,29 @@ struct RowsStoreEpilogue {
       emit_staged(buf, consumer, thread, rows.whole(), &out_map, n0, rows.first_row,
                   [&](int r) { return rows.at(out_RN, N, n0, r); });
     }
+  }
+};
+
+// FPROP W2 with the top-k combine fused: each row's (score-scaled) y is added into token row
+// token_of_row_R[row] of out_RN ([tokens][N], bf16) by reductions in L2 instead of being stored as
+// a grouped row, so neither the y rows nor a combine pass over them exist. A token's K additions
+// land in no fixed order, each rounded to bf16 (FpropW2Args::out_TD).
+struct RowsCombineEpilogue : RowsStoreEpilogue {
+  const int32_t* token_of_row_R;
+
+  template <int kBlockN>
+  __device__ __forceinline__ void store(float (&d)[kBlockN / 2], const TileInfo& tile, int consumer,
+                                        int thread, uint8_t* buf) const {
+    const Fragment fr(thread);
+    const GroupedRowAddress rows(tile, consumer);
+    float scale[2];
+    row_scales(fr, rows, scale);
+    const int32_t n_first = tile.n_block * kBlockN;
+    auto row = [&](int r) -> __nv_bfloat16* {
+      if (r >= rows.valid) return nullptr;
+      return out_RN + int64_t(token_of_row_R[rows.first_row + r]) * N + n_first;
+    };
+    store_bf16_rows_direct<kBlockN, true>(d, thread, buf, row, scale, min(kBlockN, N - n_first));
   }
 };
 
@@ -342,11 +370,12 @@ struct SwigluDgradEpilogue {
       ptx::mbarrier_arrive(full_bar);
       return;
     }
-    ptx::mbarrier_arrive_expect_tx(full_bar, 2 * kPieceBytes);
+    // A 64-row half wholly past the expert's rows is not loaded (as its A box, grouped_gemm.cuh).
+    const int halves = kSkipPaddingBoxes && tile.row_count - tile.m_block * kTileM <= 64 ? 1 : 2;
+    ptx::mbarrier_arrive_expect_tx(full_bar, halves * kPieceBytes);
     const int32_t row0 = tile.row_begin + tile.m_block * kTileM;
     const CUtensorMap* map = row0 >= h13_split ? &h13_hi_map : &h13_map;
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
+    for (int half = 0; half < halves; ++half) {
       ptx::tma_load_2d(stage + half * kStagingBytes, map, first_col(fc), row0 + 64 * half, full_bar);
       ptx::tma_load_2d(stage + kPieceBytes + half * kStagingBytes, map, second_col(fc), row0 + 64 * half, full_bar);
     }

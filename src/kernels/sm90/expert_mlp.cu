@@ -223,6 +223,28 @@ RowsStoreEpilogue rows_store_epilogue(void* out_RN, const char* name, const floa
                            bf16(out_RN), scores_R, static_cast<int32_t>(N)};
 }
 
+// The rows output of FPROP W2 / DGRAD W13: grouped rows, or (combine.out_TD set) added by token.
+void validate_rows_output(const void* rows_RD, const char* rows_name, const FusedCombine& combine) {
+  if (!combine.out_TD) {
+    require_ptr(rows_RD, rows_name);
+    return;
+  }
+  require(rows_RD == nullptr, rows_name, "must be null when combine.out_TD is set (the fused combine stores no rows)");
+  require(reinterpret_cast<uintptr_t>(combine.out_TD) % 16 == 0, "combine.out_TD", "must be 16-byte aligned");
+  require_ptr(combine.token_of_row_R, "combine.token_of_row_R");
+  require(combine.tokens >= 1 && combine.tokens < (int64_t{1} << 31), "combine.tokens",
+          "must be in [1, 2^31) with combine.out_TD");
+}
+
+RowsCombineEpilogue rows_combine_epilogue(const FusedCombine& combine, const float* scores_R, int64_t N) {
+  RowsCombineEpilogue epi{};
+  epi.out_RN = bf16(combine.out_TD);  // token rows; the base's TMA map is not used
+  epi.scores_R = scores_R;
+  epi.N = static_cast<int32_t>(N);
+  epi.token_of_row_R = combine.token_of_row_R;
+  return epi;
+}
+
 }  // namespace
 
 void expert_mlp_fprop_w13(const GroupedRows& rows, const ExpertMlpShape& shape,
@@ -270,7 +292,7 @@ void expert_mlp_fprop_w2(const GroupedRows& rows, const ExpertMlpShape& shape,
   validate(rows, shape);
   require_ptr(args.a_RF, "a_RF");
   require_ptr(args.w2_EDF, "w2_EDF");
-  require_ptr(args.y_RD, "y_RD");
+  validate_rows_output(args.y_RD, "y_RD", args.combine);
   require_replica_ptr(rows, args.replica_w2_EDF, "replica_w2_EDF");
   if (rows.max_rows == 0) return;
   const int64_t D = shape.hidden_dim, F = shape.intermediate_dim;
@@ -278,7 +300,11 @@ void expert_mlp_fprop_w2(const GroupedRows& rows, const ExpertMlpShape& shape,
   const WeightMaps map_b =
       weight_maps(rows, args.w2_EDF, "w2_EDF", args.replica_w2_EDF, "replica_w2_EDF", D, F, kBlockN / 2);
   const GroupedGemmShape s = rows_gemm_shape(rows, F, D, D, kBlockN);
-  launch<RowsAre::M, false>(map_a, map_b, s, rows_store_epilogue(args.y_RD, "y_RD", args.scores_R, rows, D), stream);
+  if (args.combine.out_TD) {
+    launch<RowsAre::M, false>(map_a, map_b, s, rows_combine_epilogue(args.combine, args.scores_R, D), stream);
+  } else {
+    launch<RowsAre::M, false>(map_a, map_b, s, rows_store_epilogue(args.y_RD, "y_RD", args.scores_R, rows, D), stream);
+  }
 }
 
 void expert_mlp_dgrad_w2(const GroupedRows& rows, const ExpertMlpShape& shape,
@@ -326,7 +352,7 @@ void expert_mlp_dgrad_w13(const GroupedRows& rows, const ExpertMlpShape& shape,
   validate(rows, shape);
   require_ptr(args.grad_h13_R2F, "grad_h13_R2F");
   require_ptr(args.w13_E2FD, "w13_E2FD");
-  require_ptr(args.grad_x_RD, "grad_x_RD");
+  validate_rows_output(args.grad_x_RD, "grad_x_RD", args.combine);
   require_replica_ptr(rows, args.replica_w13_E2FD, "replica_w13_E2FD");
   if (rows.max_rows == 0) return;
   const int64_t D = shape.hidden_dim, F = shape.intermediate_dim;
@@ -335,7 +361,11 @@ void expert_mlp_dgrad_w13(const GroupedRows& rows, const ExpertMlpShape& shape,
   const WeightMaps map_b =
       weight_maps(rows, args.w13_E2FD, "w13_E2FD", args.replica_w13_E2FD, "replica_w13_E2FD", 2 * F, D, 64);
   const GroupedGemmShape s = rows_gemm_shape(rows, 2 * F, 2 * F, D, kBlockN);
-  launch<RowsAre::M, true>(map_a, map_b, s, rows_store_epilogue(args.grad_x_RD, "grad_x_RD", nullptr, rows, D), stream);
+  if (args.combine.out_TD) {
+    launch<RowsAre::M, true>(map_a, map_b, s, rows_combine_epilogue(args.combine, nullptr, D), stream);
+  } else {
+    launch<RowsAre::M, true>(map_a, map_b, s, rows_store_epilogue(args.grad_x_RD, "grad_x_RD", nullptr, rows, D), stream);
+  }
 }
 
 namespace {

@@ -105,6 +105,9 @@ static __device__ float g_skipped_epilogue_sink;
 // and hands it to its consumers through a small shared-memory queue. The launch's last claimer
 // resets the counters.
 inline constexpr int kTileQueue = 4;
+// A box row coordinate wholly outside every rows operand: TMA fills such a box with zeros and reads
+// no memory.
+inline constexpr int32_t kOutOfBoundsRow = -64;
 
 // Tests only (drop_first_stage_for_tests, expert_mlp.cu): CTA 0's producer skips its first stage.
 static __device__ int32_t g_drop_first_stage_for_tests = 0;
@@ -373,6 +376,16 @@ __global__ void __launch_bounds__(kThreadsPerCta, 1)
         const CUtensorMap* weights = replica ? &map_b_replicas : &map_b;
         const int32_t b_row0 =
             kSameWeightsForTiming ? 0 : (tile.expert - (replica ? shape.first_replica : 0)) * shape.b_rows_per_expert;
+        // Rows as M: in an expert's last M block, an A box (64 rows) wholly past its rows holds only
+        // padding. It is loaded from outside the rows operand instead, so TMA zero-fills it without
+        // reading memory (the stage's byte count stays); that warpgroup skips its wgmmas
+        // (Epilogue::kSkipsEmptySlabs) or computes zero rows nobody stores. The tile's first A row is
+        // a multiple of 64, so bit 0 carries "box 1 is padding": the producer runs on 40 registers, and
+        // a separate count (fewer boxes, fewer bytes expected) made the pair kernels spill (8 -> 32
+        // bytes of stack).
+        const int32_t a_row0_one_box =
+            (tile.row_begin + tile.m_block * kTileM) |
+            (kSkipPaddingBoxes && kRows == RowsAre::M && tile.row_count - tile.m_block * kTileM <= 64 ? 1 : 0);
         for (int32_t kb = 0; kb < k_blocks; ++kb, ++it) {
           const int s = it % kStages;
           POISE_PHASE(const long long w0 = clock64();)
@@ -390,7 +403,7 @@ __global__ void __launch_bounds__(kThreadsPerCta, 1)
             const int32_t k0 = kb * kTileK;
             for (int j = a_first; j < a_end; ++j)
               load_box(share_a, a_mask(), stage_a(s) + j * 64 * 128, &map_a, k0,
-                       tile.row_begin + tile.m_block * kTileM + 64 * j, &full_bar[s]);
+                       j == 1 && (a_row0_one_box & 1) ? kOutOfBoundsRow : (a_row0_one_box & ~1) + 64 * j, &full_bar[s]);
             if constexpr (kBMnMajor) {
               for (int j = b_first; j < b_end; ++j)
                 load_box(share_b, b_mask(), stage_b(s) + j * ptx::kMnChunkBytes, weights, tile.n_block * kBlockN + 64 * j,

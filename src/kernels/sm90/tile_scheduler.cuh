@@ -35,6 +35,13 @@ inline constexpr int kThreadsPerCta = 384;  // producer warpgroup + two consumer
 
 enum class RowsAre { M, K };
 
+// Rows as M: an expert's last M block loads only the A boxes (and SwiGLU-backward h13 halves) that
+// hold rows; 0 loads the all-padding 64-row box too (the behaviour before session 17, for A/B).
+#ifndef POISE_SKIP_PADDING_BOXES
+#define POISE_SKIP_PADDING_BOXES 1
+#endif
+inline constexpr bool kSkipPaddingBoxes = POISE_SKIP_PADDING_BOXES;
+
 // What the scheduler and the producer need to know about one grouped GEMM.
 struct GroupedGemmShape {
   const int32_t* row_offsets_E = nullptr;  // device [E]: first row of each expert (multiple of 128)
