@@ -255,19 +255,31 @@ struct RowsStoreEpilogue {
   template <int kBlockN>
   __device__ __forceinline__ void store(float (&d)[kBlockN / 2], const TileInfo& tile, int consumer,
                                         int thread, uint8_t* buf) const {
+    if constexpr (POISE_DIRECT_STORES) {
+      store_direct<kBlockN, false>(d, tile, consumer, thread, buf, [&](const GroupedRowAddress& rows, int32_t n_first, int r) {
+        return timing_store_target(reinterpret_cast<__nv_bfloat16*>(rows.at(out_RN, N, n_first, r)), out_RN, N, n_first, r);
+      });
+    } else {
+      const Fragment fr(thread);
+      const GroupedRowAddress rows(tile, consumer);
+      float scale[2];
+      row_scales(fr, rows, scale);
+      store_staged<kBlockN>(d, tile, consumer, thread, buf, fr, rows, scale);
+    }
+  }
+
+  // The tile's scored rows from registers (epilogue_direct.cuh): row_at(rows, n_first, r) is the
+  // address of column n_first in slab row r (nullptr: not written); kAdd: added there, not stored.
+  template <int kBlockN, bool kAdd, class RowAt>
+  __device__ __forceinline__ void store_direct(float (&d)[kBlockN / 2], const TileInfo& tile, int consumer,
+                                               int thread, uint8_t* buf, RowAt&& row_at) const {
     const Fragment fr(thread);
     const GroupedRowAddress rows(tile, consumer);
     float scale[2];
     row_scales(fr, rows, scale);
-    if constexpr (POISE_DIRECT_STORES) {
-      const int32_t n_first = tile.n_block * kBlockN;
-      auto row = [&](int r) {
-        return timing_store_target(reinterpret_cast<__nv_bfloat16*>(rows.at(out_RN, N, n_first, r)), out_RN, N, n_first, r);
-      };
-      store_bf16_rows_direct<kBlockN>(d, thread, buf, row, scale, min(kBlockN, N - n_first));
-    } else {
-      store_staged<kBlockN>(d, tile, consumer, thread, buf, fr, rows, scale);
-    }
+    const int32_t n_first = tile.n_block * kBlockN;
+    store_bf16_rows_direct<kBlockN, kAdd>(d, thread, buf, [&](int r) { return row_at(rows, n_first, r); }, scale,
+                                          min(kBlockN, N - n_first));
   }
 
   template <int kBlockN>
@@ -295,24 +307,19 @@ struct RowsStoreEpilogue {
 
 // FPROP W2 with the top-k combine fused: each row's (score-scaled) y is added into token row
 // token_of_row_R[row] of out_RN ([tokens][N], bf16) by reductions in L2 instead of being stored as
-// a grouped row, so neither the y rows nor a combine pass over them exist. A token's K additions
-// land in no fixed order, each rounded to bf16 (FpropW2Args::out_TD).
+// a grouped row, so neither the y rows nor a combine pass over them exist (DGRAD W13 likewise for
+// grad_x). A token's additions land in no fixed order, each rounded to bf16 (sm90::FusedCombine).
 struct RowsCombineEpilogue : RowsStoreEpilogue {
   const int32_t* token_of_row_R;
 
   template <int kBlockN>
   __device__ __forceinline__ void store(float (&d)[kBlockN / 2], const TileInfo& tile, int consumer,
                                         int thread, uint8_t* buf) const {
-    const Fragment fr(thread);
-    const GroupedRowAddress rows(tile, consumer);
-    float scale[2];
-    row_scales(fr, rows, scale);
-    const int32_t n_first = tile.n_block * kBlockN;
-    auto row = [&](int r) -> __nv_bfloat16* {
-      if (r >= rows.valid) return nullptr;
-      return out_RN + int64_t(token_of_row_R[rows.first_row + r]) * N + n_first;
-    };
-    store_bf16_rows_direct<kBlockN, true>(d, thread, buf, row, scale, min(kBlockN, N - n_first));
+    store_direct<kBlockN, true>(d, tile, consumer, thread, buf,
+                                [&](const GroupedRowAddress& rows, int32_t n_first, int r) -> __nv_bfloat16* {
+                                  if (r >= rows.valid) return nullptr;
+                                  return out_RN + int64_t(token_of_row_R[rows.first_row + r]) * N + n_first;
+                                });
   }
 };
 
