@@ -137,7 +137,7 @@ def main() -> int:
         ]
         if hasattr(P.lib, "pb_fprop_w2_combine"):
             # FPROP W2 / DGRAD W13 with the top-k combine: the separate glue kernel after the GEMM, or
-            # fused into it (zeroing the target first); POISE_SM90_COMBINE_CHUNK varies the fused tile order.
+            # fused into it (zeroing the target first).
             blk, L = c.blk, c.blk.lay
             gemm = c.gemm_calls
             workloads += [

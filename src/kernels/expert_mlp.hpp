@@ -192,8 +192,5 @@ PipelineFault take_pipeline_fault(cudaStream_t stream);
 // never completes. Both stay set until changed.
 void set_pipeline_wait_timeout_for_tests(uint32_t timeout_ns);
 void drop_first_stage_for_tests(bool drop);
-// Tests only: the fused-combine GEMMs' N blocks per chunk of their tile order (a divisor of the N
-// block count; 0: one chunk; -1: the built-in choice, the default).
-void set_combine_chunk_for_tests(int n_blocks);
 
 }  // namespace poise::sm90

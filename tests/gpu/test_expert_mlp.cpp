@@ -241,21 +241,8 @@ void check_fused_combine(const Fixture& fx, uint64_t seed, const std::vector<dou
   expect_close(compare_all(got, out_ref), kBf16Tolerance, what);
 }
 
-void check_fused_combines(const Case& cs);
-
-// Both fused combines, in the built-in tile order and in chunks of one N block (the chunked order
-// the large shapes take: every chunk re-walks the experts).
 TEST_P(ExpertMlpKernels, FusedCombineMatchesFloat64) {
-  for (int chunk : {-1, 1}) {
-    SCOPED_TRACE(chunk < 0 ? "built-in tile order" : "chunks of one N block");
-    sm90::set_combine_chunk_for_tests(chunk);
-    check_fused_combines(GetParam());
-  }
-  sm90::set_combine_chunk_for_tests(-1);
-}
-
-void check_fused_combines(const Case& cs) {
-  Fixture fx(cs);
+  Fixture fx(GetParam());
   const int64_t R = fx.l.rows, D = fx.cs.D, F = fx.cs.F, E = fx.E();
   Rng rng(fx.cs.seed + 7);
   // FPROP W2, score-scaled rows.

@@ -310,9 +310,6 @@ struct RowsStoreEpilogue {
 // a grouped row, so neither the y rows nor a combine pass over them exist (DGRAD W13 likewise for
 // grad_x). A token's additions land in no fixed order, each rounded to bf16 (sm90::FusedCombine).
 struct RowsCombineEpilogue : RowsStoreEpilogue {
-  // Tiles in chunks of N blocks (GroupedGemmShape::n_chunk_blocks), so the token rows being added
-  // into stay in L2 when out_TD is larger than it.
-  static constexpr bool kChunkedN = true;
   const int32_t* token_of_row_R;
 
   template <int kBlockN>

@@ -213,33 +213,7 @@ GroupedGemmShape rows_gemm_shape(const GroupedRows& rows, int64_t K, int64_t b_r
   s.k_blocks = static_cast<int32_t>(K / kTileK);
   s.n_blocks = ceil_div(N, n_tile);
   s.b_rows_per_expert = static_cast<int32_t>(b_rows_per_expert);
-  s.n_chunk_blocks = s.n_blocks;
   return s;
-}
-
-// N blocks per chunk of a fused-combine GEMM's tile order: all of them while the token rows it
-// adds into (tokens x N bf16) fit in about 2/3 of the L2, else the largest even divisor of the N
-// block count whose chunk of token rows does. POISE_SM90_COMBINE_CHUNK=n (a divisor; 0: none) for A/B.
-int g_combine_chunk_for_tests = -1;  // set_combine_chunk_for_tests
-
-int32_t combine_chunk_blocks(int64_t tokens, int32_t n_blocks) {
-  static const int from_env = [] {
-    const char* v = std::getenv("POISE_SM90_COMBINE_CHUNK");
-    return v ? std::atoi(v) : -1;
-  }();
-  const int forced = g_combine_chunk_for_tests >= 0 ? g_combine_chunk_for_tests : from_env;
-  if (forced == 0) return n_blocks;
-  if (forced > 0) {
-    require(n_blocks % forced == 0, "POISE_SM90_COMBINE_CHUNK", "must divide the GEMM's N block count");
-    return forced;
-  }
-  constexpr int64_t kTargetBytes = 32ll << 20;  // of the H200's 50 MiB L2
-  const int64_t block_bytes = tokens * kBlockN * 2;
-  if (block_bytes * n_blocks <= kTargetBytes) return n_blocks;
-  int32_t best = n_blocks;
-  for (int32_t d = 2; d < n_blocks; d += 2)
-    if (n_blocks % d == 0 && d * block_bytes <= kTargetBytes) best = d;
-  return best;
 }
 
 // Rows output [R][N] (bf16), optionally scaled by a per-row score.
@@ -327,9 +301,7 @@ void expert_mlp_fprop_w2(const GroupedRows& rows, const ExpertMlpShape& shape,
       weight_maps(rows, args.w2_EDF, "w2_EDF", args.replica_w2_EDF, "replica_w2_EDF", D, F, kBlockN / 2);
   const GroupedGemmShape s = rows_gemm_shape(rows, F, D, D, kBlockN);
   if (args.combine.out_TD) {
-    GroupedGemmShape chunked = s;
-    chunked.n_chunk_blocks = combine_chunk_blocks(args.combine.tokens, s.n_blocks);
-    launch<RowsAre::M, false>(map_a, map_b, chunked, rows_combine_epilogue(args.combine, args.scores_R, D), stream);
+    launch<RowsAre::M, false>(map_a, map_b, s, rows_combine_epilogue(args.combine, args.scores_R, D), stream);
   } else {
     launch<RowsAre::M, false>(map_a, map_b, s, rows_store_epilogue(args.y_RD, "y_RD", args.scores_R, rows, D), stream);
   }
@@ -390,9 +362,7 @@ void expert_mlp_dgrad_w13(const GroupedRows& rows, const ExpertMlpShape& shape,
       weight_maps(rows, args.w13_E2FD, "w13_E2FD", args.replica_w13_E2FD, "replica_w13_E2FD", 2 * F, D, 64);
   const GroupedGemmShape s = rows_gemm_shape(rows, 2 * F, 2 * F, D, kBlockN);
   if (args.combine.out_TD) {
-    GroupedGemmShape chunked = s;
-    chunked.n_chunk_blocks = combine_chunk_blocks(args.combine.tokens, s.n_blocks);
-    launch<RowsAre::M, true>(map_a, map_b, chunked, rows_combine_epilogue(args.combine, nullptr, D), stream);
+    launch<RowsAre::M, true>(map_a, map_b, s, rows_combine_epilogue(args.combine, nullptr, D), stream);
   } else {
     launch<RowsAre::M, true>(map_a, map_b, s, rows_store_epilogue(args.grad_x_RD, "grad_x_RD", nullptr, rows, D), stream);
   }
@@ -533,8 +503,6 @@ void set_pipeline_wait_timeout_for_tests(uint32_t timeout_ns) {
   check_cuda(cudaMemcpyToSymbol(ptx::g_mbarrier_timeout_ns, &timeout_ns, sizeof(timeout_ns)),
              "set_pipeline_wait_timeout_for_tests");
 }
-
-void set_combine_chunk_for_tests(int n_blocks) { g_combine_chunk_for_tests = n_blocks; }
 
 void drop_first_stage_for_tests(bool drop) {
   const int32_t v = drop ? 1 : 0;

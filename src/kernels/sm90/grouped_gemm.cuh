@@ -30,7 +30,6 @@
 
 #include <cuda.h>
 #include <cstdint>
-#include <type_traits>
 
 #include "kernels/sm90/ptx/cluster.cuh"
 #include "kernels/sm90/ptx/grid_dependency.cuh"
@@ -109,13 +108,6 @@ inline constexpr int kTileQueue = 4;
 // A box row coordinate wholly outside every rows operand: TMA fills such a box with zeros and reads
 // no memory.
 inline constexpr int32_t kOutOfBoundsRow = -64;
-
-// Epilogue::kChunkedN (optional, false when absent): the tiles run in chunks of N blocks
-// (TileScheduler, GroupedGemmShape::n_chunk_blocks).
-template <class Epilogue, class = void>
-inline constexpr bool chunked_n = false;
-template <class Epilogue>
-inline constexpr bool chunked_n<Epilogue, std::void_t<decltype(Epilogue::kChunkedN)>> = Epilogue::kChunkedN;
 
 // Tests only (drop_first_stage_for_tests, expert_mlp.cu): CTA 0's producer skips its first stage.
 static __device__ int32_t g_drop_first_stage_for_tests = 0;
@@ -287,7 +279,7 @@ __global__ void __launch_bounds__(kThreadsPerCta, 1)
   // the row offsets and counts the scheduler reads, and every operand, may be its outputs.
   ptx::wait_for_prerequisite_grids();
   ptx::allow_dependent_grids();
-  const auto scheduler = TileScheduler<kRows, kCluster, chunked_n<Epilogue>>::build(sched_storage, shape);  // syncs the CTA
+  const auto scheduler = TileScheduler<kRows, kCluster>::build(sched_storage, shape);  // syncs the CTA
   // Clusters: the peer's barriers are initialised before anyone multicasts or arrives remotely.
   const int32_t cluster_rank = kCluster > 1 ? static_cast<int32_t>(ptx::cluster_cta_rank()) : 0;
   if constexpr (kCluster > 1) ptx::cluster_sync();

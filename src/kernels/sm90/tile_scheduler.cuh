@@ -14,9 +14,6 @@
 //    of one N block (they share B), and for an odd M block count the last M block's N blocks
 //    2j, 2j + 1 (they share A). With an odd N block count too, the last pair's second CTA has no
 //    tile: it loads its share of A for its peer and computes nothing (TileInfo::valid).
-//  - Chunked N (kChunkedN, the fused-combine GEMMs): the same order within chunks of
-//    shape.n_chunk_blocks N blocks, chunk after chunk, so the token rows the epilogue adds into
-//    (tokens x chunk columns) stay in L2 while an expert's row block is re-read once per chunk.
 //  - Clusters of 4 CTAs (rows as M only) walk quads: CTA r computes M block 2i + (r & 1) of N block
 //    2j + (r >> 1), sharing A with CTA r ^ 2 (same M block) and B with CTA r ^ 1 (same N block).
 //    An odd last M block is walked in units of 4 N blocks, as two A-sharing pairs {0, 2} and
@@ -52,7 +49,6 @@ struct GroupedGemmShape {
   int32_t num_experts = 0;
   int32_t m_blocks = 0;          // rows-as-K: ceil(M / 128)
   int32_t n_blocks = 0;          // tiles along N
-  int32_t n_chunk_blocks = 0;    // kChunkedN schedulers: N blocks per chunk (divides n_blocks)
   int32_t k_blocks = 0;          // rows-as-M: K / 64
   int32_t b_rows_per_expert = 0; // rows-as-M: rows of B's 2D view that belong to one expert
   int32_t b_split_rows = 0;      // fprop blocked SwiGLU: gate-to-up row distance in B (F); 0 = one box
@@ -86,9 +82,8 @@ struct SchedulerStorage {
   int2 rows[kMaxExperts];                // (offset, count) per expert
 };
 
-template <RowsAre kRows, int kCluster = 1, bool kChunkedN = false>
+template <RowsAre kRows, int kCluster = 1>
 struct TileScheduler {
-  static_assert(!kChunkedN || kRows == RowsAre::M, "chunked N: rows-as-M GEMMs");
   static_assert(kCluster == 1 || kCluster == 2 || (kCluster == 4 && kRows == RowsAre::M),
                 "tile pairs, or quads over rows-as-M GEMMs");
   // Tiles (kCluster 1), tile pairs (2) or quads (4) of an expert with m_blocks x n_blocks tiles.
@@ -101,9 +96,6 @@ struct TileScheduler {
   const SchedulerStorage* storage;
   GroupedGemmShape shape;
   int32_t total_tiles;
-
-  // N blocks the order walks at a time: a chunk, or all of them.
-  __device__ int32_t n_span() const { return kChunkedN ? shape.n_chunk_blocks : shape.n_blocks; }
 
   // Called by all threads of the CTA; ends with __syncthreads().
   __device__ static TileScheduler build(SchedulerStorage& s, const GroupedGemmShape& shape) {
@@ -120,8 +112,8 @@ struct TileScheduler {
         const int32_t count = shape.row_counts_E[e];
         s.rows[e] = make_int2(offset, count);
         const int32_t m_blocks = kRows == RowsAre::M ? (count + kTileM - 1) / kTileM : shape.m_blocks;
-        const int32_t n_span = kChunkedN ? shape.n_chunk_blocks : shape.n_blocks;
-        tiles[i] = kRows == RowsAre::K && count == 0 && e >= shape.first_replica ? 0 : groups_of(m_blocks, n_span);
+        tiles[i] = kRows == RowsAre::K && count == 0 && e >= shape.first_replica ? 0
+                                                                                : groups_of(m_blocks, shape.n_blocks);
       }
     }
     int32_t total = 0;
@@ -131,24 +123,16 @@ struct TileScheduler {
       const int e = threadIdx.x * kItems + i;
       if (e < shape.num_experts) s.tile_prefix[e] = tiles[i];
     }
-    if (threadIdx.x == 0) s.tile_prefix[shape.num_experts] = total;  // per chunk when chunked
+    if (threadIdx.x == 0) s.tile_prefix[shape.num_experts] = total;
     __syncthreads();
-    return TileScheduler{&s, shape, kChunkedN ? total * (shape.n_blocks / shape.n_chunk_blocks) : total};
+    return TileScheduler{&s, shape, total};
   }
 
   // Tile (group) t as CTA `cluster_rank` of its cluster computes it.
   __device__ TileInfo tile(int32_t t, int32_t cluster_rank = 0) const {
-    const uint32_t prefix = ptx::shared_address(storage->tile_prefix);
-    int32_t n_base = 0;
-    if constexpr (kChunkedN) {  // chunk c holds tiles [c * per_chunk, (c + 1) * per_chunk)
-      const int32_t per_chunk = static_cast<int32_t>(ptx::ld_shared_b32(prefix + 4 * shape.num_experts));
-      const int32_t c = t / per_chunk;
-      t -= c * per_chunk;
-      n_base = c * shape.n_chunk_blocks;
-    }
-    const int32_t n_blocks = n_span();
     // Largest e with tile_prefix[e] <= t (experts without tiles have equal prefixes). Shared-space
     // loads: through the generic pointer each step of this search was a generic 64-bit load.
+    const uint32_t prefix = ptx::shared_address(storage->tile_prefix);
     int lo = 0, hi = shape.num_experts - 1;
     while (lo < hi) {
       const int mid = (lo + hi + 1) >> 1;
@@ -170,7 +154,7 @@ struct TileScheduler {
       info.m_block = local % m_blocks;
       info.n_block = local / m_blocks;
     } else if constexpr (kCluster == 4) {
-      const int32_t m_pairs = m_blocks / 2, n_pairs = (n_blocks + 1) / 2;
+      const int32_t m_pairs = m_blocks / 2, n_pairs = (shape.n_blocks + 1) / 2;
       if (local < m_pairs * n_pairs) {  // M blocks 2i, 2i + 1 x N blocks 2j, 2j + 1
         info.shares_a = true;
         info.m_block = 2 * (local % m_pairs) + (cluster_rank & 1);
@@ -181,21 +165,20 @@ struct TileScheduler {
         info.m_block = m_blocks - 1;
         info.n_block = 4 * (local - m_pairs * n_pairs) + 2 * (cluster_rank & 1) + (cluster_rank >> 1);
       }
-      info.valid = info.n_block < n_blocks;
+      info.valid = info.n_block < shape.n_blocks;
     } else {
       const int32_t m_pairs = m_blocks / 2;
-      if (local < m_pairs * n_blocks) {  // M blocks 2i, 2i + 1 of one N block
+      if (local < m_pairs * shape.n_blocks) {  // M blocks 2i, 2i + 1 of one N block
         info.m_block = 2 * (local % m_pairs) + cluster_rank;
         info.n_block = local / m_pairs;
       } else {  // the odd last M block: N blocks 2j, 2j + 1
         info.shares_a = true;
         info.shares_b = false;
         info.m_block = m_blocks - 1;
-        info.n_block = 2 * (local - m_pairs * n_blocks) + cluster_rank;
-        info.valid = info.n_block < n_blocks;
+        info.n_block = 2 * (local - m_pairs * shape.n_blocks) + cluster_rank;
+        info.valid = info.n_block < shape.n_blocks;
       }
     }
-    info.n_block += n_base;
     return info;
   }
 
