@@ -35,8 +35,9 @@ inline constexpr int kThreadsPerCta = 384;  // producer warpgroup + two consumer
 
 enum class RowsAre { M, K };
 
-// Rows as M: an expert's last M block loads only the A boxes (and SwiGLU-backward h13 halves) that
-// hold rows; 0 loads the all-padding 64-row box too (the behaviour before session 17, for A/B).
+// Rows as M: an expert's last M block does not fetch an all-padding 64-row A box (TMA zero-fills it
+// from out of bounds) nor, in the SwiGLU backward, that half's h13 (grouped_gemm.cuh); 0 fetches
+// them as before session 17 (A/B).
 #ifndef POISE_SKIP_PADDING_BOXES
 #define POISE_SKIP_PADDING_BOXES 1
 #endif
