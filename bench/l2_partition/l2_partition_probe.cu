@@ -31,6 +31,16 @@ constexpr int kTrials = 3;         // minimum over trials (atomics)
 constexpr size_t kLineStride = (1u << 20) + 384;  // spread lines over slices
 
 __device__ unsigned int g_turn = 0;
+// Set by a CTA that waited longer than kTurnTimeoutNs for its turn (the grid was not resident at
+// once, so a CTA before it may never run): the host reports it instead of the launch hanging.
+__device__ unsigned int g_turn_timed_out = 0;
+constexpr unsigned long long kTurnTimeoutNs = 10'000'000'000ull;
+
+__device__ __forceinline__ unsigned long long global_timer_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
 
 __device__ __forceinline__ unsigned int smid() {
   unsigned int id;
@@ -75,8 +85,15 @@ __global__ void probe(unsigned char* buf, long long* out) {
   extern __shared__ unsigned int one_cta_per_sm[];  // its first word: the timing stores' slot
   if (threadIdx.x != 0) return;
   const unsigned int slot = static_cast<unsigned int>(__cvta_generic_to_shared(one_cta_per_sm));
-  // One CTA at a time: the others poll (slowly) for their turn.
-  while (*reinterpret_cast<volatile unsigned int*>(&g_turn) != blockIdx.x) __nanosleep(2000);
+  // One CTA at a time: the others poll (slowly) for their turn, for at most kTurnTimeoutNs.
+  const unsigned long long wait_start = global_timer_ns();
+  while (*reinterpret_cast<volatile unsigned int*>(&g_turn) != blockIdx.x) {
+    if (global_timer_ns() - wait_start > kTurnTimeoutNs) {
+      atomicExch(&g_turn_timed_out, 1u);
+      return;
+    }
+    __nanosleep(2000);
+  }
   __threadfence();
   long long* row = out + blockIdx.x * (1 + kSharedLines + 2 * kOwnLines);
   row[0] = smid();
@@ -149,6 +166,13 @@ int main(int argc, char** argv) {
   warm<<<1, 256>>>(buf, sms);
   probe<<<sms, 32, smem>>>(buf, out);
   if (!ok(cudaDeviceSynchronize(), "probe")) return 1;
+  unsigned int timed_out = 0;
+  if (!ok(cudaMemcpyFromSymbol(&timed_out, g_turn_timed_out, sizeof(timed_out)), "copy")) return 1;
+  if (timed_out) {
+    std::fprintf(stderr, "probe: a CTA waited over %llu s for its turn: the %d CTAs were not resident at once "
+                 "(another process on the GPU?); no map written\n", kTurnTimeoutNs / 1'000'000'000ull, sms);
+    return 1;
+  }
   std::vector<long long> host(size_t(sms) * row);
   if (!ok(cudaMemcpy(host.data(), out, sizeof(long long) * host.size(), cudaMemcpyDeviceToHost), "copy")) return 1;
   FILE* f = std::fopen(argv[1], "w");
