@@ -76,7 +76,8 @@ void expert_mlp_fprop_w13(const GroupedRows& rows, const ExpertMlpShape& shape,
 // shared expert's output). A token's additions land in no fixed order and each rounds to bf16 (as
 // torch's index_add_ on bf16 does): results are not bitwise reproducible from run to run; the
 // separate combine (fp32 sums in k order, e.g. TokenCombine) is.
-// Contract (not checkable on the host): every valid row's token is in [0, tokens).
+// Every valid row's token must be in [0, tokens): a row whose token is not is added nowhere and
+// recorded as a device fault (take_pipeline_fault: bad_token).
 struct FusedCombine {
   void* out_TD = nullptr;                   // bf16 [tokens][D], 16-byte aligned; null: no fused combine
   const int32_t* token_of_row_R = nullptr;  // device int32 [R]
@@ -176,10 +177,13 @@ inline constexpr uint32_t kPipelineWaitTimeoutNs = 4'000'000'000u;
 
 // A pipeline wait of a grouped GEMM that ran past its bound (ptx/mbarrier.cuh): the launch
 // gave up on it and drained instead of hanging, its outputs are garbage, the CUDA context stays
-// usable. The first since the last call; one record per device, whichever caller reads it.
+// usable. Or (bad_token) a fused combine's row named a token outside [0, tokens): that row was not
+// added anywhere, the others were. The first since the last call; one record per device, whichever
+// caller reads it.
 struct PipelineFault {
   bool occurred = false;
-  int32_t block = 0;        // CTA of the wait
+  bool bad_token = false;   // FusedCombine::token_of_row_R out of range (no barrier: barrier, parity 0)
+  int32_t block = 0;        // CTA of the wait / the row
   int32_t thread = 0;       // its thread
   uint32_t barrier = 0;     // the barrier's shared-memory offset
   uint32_t parity = 0;      // the phase parity it waited for

@@ -840,6 +840,47 @@ TEST(ExpertMlpWatchdog, StalledStageIsReportedAndTheNextLaunchIsCorrect) {
   expect_close(compare_rows_bf16(dy.download(), y_ref, fx.l, D), kBf16Tolerance, "y_RD after the fault");
 }
 
+// A fused combine's row whose token is out of range (past the end, negative) is added nowhere and
+// reported (take_pipeline_fault: bad_token); every other row lands, and nothing outside out_TD's
+// token rows is written (a guard row after them keeps its poison).
+TEST(ExpertMlpFusedCombine, TokenOutOfRangeIsReportedAndSkipped) {
+  if (!have_sm90()) GTEST_SKIP() << "needs an SM90 GPU";
+  Fixture fx(Case{"bad_token", {300, 0, 129}, 192, 128, W13Layout::gate_up_blocked, false, 51});
+  const int64_t R = fx.l.rows, D = fx.cs.D, F = fx.cs.F, E = fx.E(), T = 100;
+  Rng rng(52);
+  const auto a = random_rows(rng, fx.l, F, 1.0f);
+  const auto w2 = rng.bf16_normal(E * D * F, 1.0f / std::sqrt(float(F)));
+  std::vector<int32_t> token(R, 0);
+  for (int64_t r = 0; r < R; ++r) token[r] = static_cast<int32_t>(r % T);
+  const int64_t bad_rows[2] = {5, fx.l.offsets[2] + 7};  // valid rows of experts 0 and 2
+  token[bad_rows[0]] = static_cast<int32_t>(T);
+  token[bad_rows[1]] = -3;
+  auto out = rng.bf16_normal(T * D, 1.0f);
+  out.resize((T + 1) * D, kBf16Poison);
+  DeviceBuffer<uint16_t> da(a), dw(w2), dout(out);
+  DeviceBuffer<int32_t> dtok(token);
+  ASSERT_FALSE(sm90::take_pipeline_fault(nullptr).occurred) << "a fault left over from an earlier test";
+  sm90::FpropW2Args args{da.ptr, dw.ptr, nullptr, nullptr};
+  args.combine = {dout.ptr, dtok.ptr, T};
+  sm90::expert_mlp_fprop_w2(fx.rows, fx.shape, args, nullptr);
+  const sm90::PipelineFault fault = sm90::take_pipeline_fault(nullptr);
+  EXPECT_TRUE(fault.occurred && fault.bad_token) << "the out-of-range tokens are reported";
+  EXPECT_FALSE(sm90::take_pipeline_fault(nullptr).occurred) << "the record is cleared once read";
+
+  const auto y_ref = ref_rows_gemm(fx.l, to_double(a), F, to_double(w2), D, true);
+  std::vector<double> out_ref(T * D);
+  for (int64_t i = 0; i < T * D; ++i) out_ref[i] = from_bf16(out[i]);
+  for (int64_t r = 0; r < R; ++r)
+    if (fx.l.is_row_valid(r) && r != bad_rows[0] && r != bad_rows[1])
+      for (int64_t d = 0; d < D; ++d) out_ref[token[r] * D + d] += y_ref[r * D + d];
+  auto got = dout.download();
+  int64_t guard_lost = 0;
+  for (int64_t d = 0; d < D; ++d) guard_lost += got[T * D + d] != kBf16Poison;
+  EXPECT_EQ(guard_lost, 0) << "a row past the token rows was written";
+  got.resize(T * D);
+  expect_close(compare_all(got, out_ref), kBf16Tolerance, "out_TD without the bad rows");
+}
+
 // The top-k combine as WGRAD's side job (sm90::TokenCombine): the weight gradient is the same bits
 // as without it, and out_TD / sums_TK are the fp32 sums in k / p order, bit for bit, at every
 // shape (tokens of K = 3 distinct valid rows on WGRAD W13, and where there are rows enough K = 8

@@ -311,6 +311,7 @@ struct RowsStoreEpilogue {
 // grad_x). A token's additions land in no fixed order, each rounded to bf16 (sm90::FusedCombine).
 struct RowsCombineEpilogue : RowsStoreEpilogue {
   const int32_t* token_of_row_R;
+  int32_t tokens;  // a row whose token is outside [0, tokens) is added nowhere and recorded as a fault
 
   template <int kBlockN>
   __device__ __forceinline__ void store(float (&d)[kBlockN / 2], const TileInfo& tile, int consumer,
@@ -318,8 +319,19 @@ struct RowsCombineEpilogue : RowsStoreEpilogue {
     store_direct<kBlockN, true>(d, tile, consumer, thread, buf,
                                 [&](const GroupedRowAddress& rows, int32_t n_first, int r) -> __nv_bfloat16* {
                                   if (r >= rows.valid) return nullptr;
-                                  return out_RN + int64_t(token_of_row_R[rows.first_row + r]) * N + n_first;
+                                  const int32_t token = token_of_row_R[rows.first_row + r];
+                                  if (static_cast<uint32_t>(token) >= static_cast<uint32_t>(tokens)) {
+                                    report_bad_token();
+                                    return nullptr;
+                                  }
+                                  return out_RN + int64_t(token) * N + n_first;
                                 });
+  }
+
+  // The first fault of the launch wins (the host reads it: take_pipeline_fault, bad_token).
+  __device__ static void report_bad_token() {
+    using Word = ptx::PipelineFaultWord;
+    atomicCAS(&ptx::g_pipeline_fault, 0ull, Word::pack(blockIdx.x, threadIdx.x, Word::kBadToken, 0));
   }
 };
 

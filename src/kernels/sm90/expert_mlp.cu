@@ -242,6 +242,7 @@ RowsCombineEpilogue rows_combine_epilogue(const FusedCombine& combine, const flo
   epi.scores_R = scores_R;
   epi.N = static_cast<int32_t>(N);
   epi.token_of_row_R = combine.token_of_row_R;
+  epi.tokens = static_cast<int32_t>(combine.tokens);
   return epi;
 }
 
@@ -492,8 +493,9 @@ PipelineFault take_pipeline_fault(cudaStream_t stream) {
   f.occurred = true;
   f.block = static_cast<int32_t>(Word::block(word));
   f.thread = static_cast<int32_t>(Word::thread(word));
-  f.barrier = Word::barrier(word);
-  f.parity = Word::parity(word);
+  f.bad_token = Word::barrier(word) == Word::kBadToken;
+  f.barrier = f.bad_token ? 0 : Word::barrier(word);
+  f.parity = f.bad_token ? 0 : Word::parity(word);
   return f;
 }
 

@@ -49,6 +49,9 @@ static __device__ unsigned int g_mbarrier_timeout_ns = kDefaultWaitTimeoutNs;
 // barrier shared-memory offset (18 bits) << 1 | parity. Packed on the device, unpacked on the host.
 struct PipelineFaultWord {
   static constexpr unsigned long long kValid = 1ull << 63;
+  // Barrier field of a fault that is no wait: a fused combine's row with a token out of range (no
+  // barrier lives at this offset: shared memory ends below 0x3ffff).
+  static constexpr unsigned kBadToken = 0x3ffffu;
   __host__ __device__ static constexpr unsigned long long pack(unsigned block, unsigned thread, unsigned barrier,
                                                                unsigned parity) {
     return kValid | (static_cast<unsigned long long>(block) << 32) | (static_cast<unsigned long long>(thread) << 20) |
