@@ -233,11 +233,24 @@ class PoiseBlock:
         P, L = self.P, self.lay
         P.fprop_w13(self.x_rows, w13, self.a, self.h13 if save_h13 else None)
         if self.fused_combine:
-            out.zero_()
-            P.fprop_w2_combine(self.a, w2, L["scores_R"], L["token_of_row"], self.T, out)
+            self.fprop_w2_fused_combine(w2, out)
             return
         P.fprop_w2(self.a, w2, L["scores_R"], self.y_rows)
-        P.combine_rows(L["row_of_tk"], self.T, self.K, self.D, self.y_rows, out)
+        self.combine(self.y_rows, out)
+
+    def combine(self, rows_RD, out_TD):
+        """The top-k combine of grouped rows into token rows (glue kernel: fp32 sums in k order)."""
+        self.P.combine_rows(self.lay["row_of_tk"], self.T, self.K, self.D, rows_RD, out_TD)
+
+    def fprop_w2_fused_combine(self, w2, out):
+        """FPROP W2 adding its scored rows into out by token (bf16, no fixed order), out zeroed first."""
+        out.zero_()
+        self.P.fprop_w2_combine(self.a, w2, self.lay["scores_R"], self.lay["token_of_row"], self.T, out)
+
+    def dgrad_w13_fused_combine(self, w13, grad_x):
+        """DGRAD W13 adding its rows into grad_x by token (bf16, no fixed order), grad_x zeroed first."""
+        grad_x.zero_()
+        self.P.dgrad_w13_combine(self.gh13, w13, self.lay["token_of_row"], self.T, grad_x)
 
     def forward(self, x, ids, scores, w13, w2, out):
         self.layout(ids, scores)
@@ -249,12 +262,10 @@ class PoiseBlock:
         P.scatter_rows(L["row_of_tk"], self.T * self.K, self.K, self.D, grad_out, self.gy_rows)
         P.dgrad_w2(self.gy_rows, w2, self.h13, L["scores_R"], self.gh13, self.a, self.grad_score_partials)
         if self.fused_combine:
-            grad_x.zero_()
-            P.dgrad_w13_combine(self.gh13, w13, L["token_of_row"], self.T, grad_x)
+            self.dgrad_w13_fused_combine(w13, grad_x)
             P.wgrad_w2(self.gy_rows, self.a, grad_w2, 0, 0)
             P.wgrad_w13(self.gh13, self.x_rows, grad_w13, 0, 0)
-            P.gather_scalars(L["row_of_tk"], self.T * self.K, self.grad_score_partials, self.score_parts,
-                             grad_scores_TK)
+            self.score_sums(grad_scores_TK)
             return
         if self.side_combine:
             P.dgrad_w13(self.gh13, w13, self.gx_rows)
@@ -267,9 +278,13 @@ class PoiseBlock:
 
     def combine_glue(self, grad_x, grad_scores_TK):
         """grad_x and grad_scores as separate glue kernels (DGRAD W13 and DGRAD W2 must have run)."""
-        P, L = self.P, self.lay
-        P.combine_rows(L["row_of_tk"], self.T, self.K, self.D, self.gx_rows, grad_x)
-        P.gather_scalars(L["row_of_tk"], self.T * self.K, self.grad_score_partials, self.score_parts, grad_scores_TK)
+        self.combine(self.gx_rows, grad_x)
+        self.score_sums(grad_scores_TK)
+
+    def score_sums(self, grad_scores_TK):
+        """grad_scores of every (token, k): its row's DGRAD W2 score pieces summed in order (glue kernel)."""
+        self.P.gather_scalars(self.lay["row_of_tk"], self.T * self.K, self.grad_score_partials, self.score_parts,
+                              grad_scores_TK)
 
     def wgrads_with_combine(self, grad_w13, grad_w2, grad_x, grad_scores_TK):
         """The two WGRADs, with grad_x and grad_scores from their idle producer warps while they compute
@@ -487,15 +502,12 @@ def run_case(P, name, skew_target, dense, commit, gemm_detail, repeats=1):
         rec["repeats"] = times
         rec["speedup_fwdbwd_repeats"] = [b / p for b, p in zip(times["baseline_fwdbwd_ms"], times["fwdbwd_ms"])]
     if gemm_detail:
-        L = blk.lay
         g = {k: time_ms(call) for k, call in blk.gemm_calls(w13, w2, grad_w13, grad_w2).items()}
         g["gather_x"] = time_ms(lambda: blk.gather_x(x))
-        g["combine"] = time_ms(lambda: P.combine_rows(L["row_of_tk"], T, K, D, blk.y_rows, out))
+        g["combine"] = time_ms(lambda: blk.combine(blk.y_rows, out))
         if fused:  # zeroing the target + the GEMM with the combine, against the GEMM + combine above
-            g["fprop_w2_fused_combine"] = time_ms(
-                lambda: (out.zero_(), P.fprop_w2_combine(blk.a, w2, L["scores_R"], L["token_of_row"], T, out)))
-            g["dgrad_w13_fused_combine"] = time_ms(
-                lambda: (grad_x.zero_(), P.dgrad_w13_combine(blk.gh13, w13, L["token_of_row"], T, grad_x)))
+            g["fprop_w2_fused_combine"] = time_ms(lambda: blk.fprop_w2_fused_combine(w2, out))
+            g["dgrad_w13_fused_combine"] = time_ms(lambda: blk.dgrad_w13_fused_combine(w13, grad_x))
         # torch._grouped_mm on the same (unpadded) problem, GEMM for GEMM.
         xs, offs = grouped_mm_operands(x, ids, E, K)
         a_t = torch.randn(TK, F, device=dev, dtype=bf)

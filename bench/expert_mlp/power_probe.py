@@ -138,25 +138,16 @@ def main() -> int:
         if hasattr(P.lib, "pb_fprop_w2_combine"):
             # FPROP W2 / DGRAD W13 with the top-k combine: the separate glue kernel after the GEMM, or
             # fused into it (zeroing the target first).
-            blk, L = c.blk, c.blk.lay
-            gemm = c.gemm_calls
+            blk, gemm = c.blk, c.gemm_calls
             workloads += [
                 (f"{tag} poise fprop_w2+combine", w13_flops / 2,
-                 lambda gemm=gemm, blk=blk, L=L, c=c: (gemm["fprop_w2"](),
-                                                       P.combine_rows(L["row_of_tk"], c.T, c.K, c.D, blk.y_rows, c.out)),
-                 prepare),
+                 lambda blk=blk, gemm=gemm, c=c: (gemm["fprop_w2"](), blk.combine(blk.y_rows, c.out)), prepare),
                 (f"{tag} poise fprop_w2 fused combine", w13_flops / 2,
-                 lambda blk=blk, L=L, c=c: (c.out.zero_(), P.fprop_w2_combine(blk.a, c.w2, L["scores_R"],
-                                                                             L["token_of_row"], c.T, c.out)),
-                 prepare),
+                 lambda blk=blk, c=c: blk.fprop_w2_fused_combine(c.w2, c.out), prepare),
                 (f"{tag} poise dgrad_w13+combine", w13_flops,
-                 lambda gemm=gemm, blk=blk, L=L, c=c: (gemm["dgrad_w13"](),
-                                                       P.combine_rows(L["row_of_tk"], c.T, c.K, c.D, blk.gx_rows, c.gx)),
-                 prepare),
+                 lambda blk=blk, gemm=gemm, c=c: (gemm["dgrad_w13"](), blk.combine(blk.gx_rows, c.gx)), prepare),
                 (f"{tag} poise dgrad_w13 fused combine", w13_flops,
-                 lambda blk=blk, L=L, c=c: (c.gx.zero_(), P.dgrad_w13_combine(blk.gh13, c.w13, L["token_of_row"],
-                                                                             c.T, c.gx)),
-                 prepare),
+                 lambda blk=blk, c=c: blk.dgrad_w13_fused_combine(c.w13, c.gx), prepare),
             ]
         if keys and any("accumulate" in k for k in keys):
             # Gradient accumulation into an existing buffer (Megatron's fp32 main_grad, or bf16): only

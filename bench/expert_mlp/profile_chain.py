@@ -30,15 +30,14 @@ def main() -> int:
             yield "gather_x", lambda: blk.gather_x(c.x)
             yield "fprop_w13", gemm["fprop_w13"]
             yield "fprop_w2", gemm["fprop_w2"]
-            yield "combine", lambda: P.combine_rows(L["row_of_tk"], T, K, D, blk.y_rows, c.out)
+            yield "combine", lambda: blk.combine(blk.y_rows, c.out)
             yield "scatter_grad", lambda: P.scatter_rows(L["row_of_tk"], T * K, K, D, c.grad_out, blk.gy_rows)
             yield "dgrad_w2", gemm["dgrad_w2"]
             yield "wgrad_w2", gemm["wgrad_w2"]
             yield "dgrad_w13", gemm["dgrad_w13"]
             yield "wgrad_w13", gemm["wgrad_w13"]
-            yield "combine_grad", lambda: P.combine_rows(L["row_of_tk"], T, K, D, blk.gx_rows, c.gx)
-            yield "gather_scalars", lambda: P.gather_scalars(L["row_of_tk"], T * K, blk.grad_score_partials,
-                                                             blk.score_parts, c.gs)
+            yield "combine_grad", lambda: blk.combine(blk.gx_rows, c.gx)
+            yield "gather_scalars", lambda: blk.score_sums(c.gs)
 
         times = {}
         for r in range(reps + 2):
