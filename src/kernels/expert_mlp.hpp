@@ -146,7 +146,9 @@ struct WgradOutput {
 // The same bits as summing in that order anywhere else. Its inputs must be complete before the
 // WGRAD starts (written by earlier kernels in the stream); rows_RD is [R][hidden_dim].
 struct TokenCombine {
-  const int32_t* row_of_tk = nullptr;  // device int32 [T * K]: valid rows, each at most once
+  // device int32 [T * K]: valid rows, each at most once. An index outside [0, R) is read nowhere (the
+  // piece counts as zeros, its sum as 0) and recorded as a device fault (take_pipeline_fault: bad_row).
+  const int32_t* row_of_tk = nullptr;
   int64_t tokens = 0;                  // T
   int64_t top_k = 0;                   // K: 1..16
   const void* rows_RD = nullptr;       // bf16
@@ -178,11 +180,13 @@ inline constexpr uint32_t kPipelineWaitTimeoutNs = 4'000'000'000u;
 // A pipeline wait of a grouped GEMM that ran past its bound (ptx/mbarrier.cuh): the launch
 // gave up on it and drained instead of hanging, its outputs are garbage, the CUDA context stays
 // usable. Or (bad_token) a fused combine's row named a token outside [0, tokens): that row was not
-// added anywhere, the others were. The first since the last call; one record per device, whichever
+// added anywhere, the others were. Or (bad_row) a WGRAD side combine's row_of_tk named a row outside
+// [0, R): that piece was read as zeros, the rest combined. The first since the last call; one record per device, whichever
 // caller reads it.
 struct PipelineFault {
   bool occurred = false;
   bool bad_token = false;   // FusedCombine::token_of_row_R out of range (no barrier: barrier, parity 0)
+  bool bad_row = false;     // TokenCombine::row_of_tk out of range (no barrier: barrier, parity 0)
   int32_t block = 0;        // CTA of the wait / the row
   int32_t thread = 0;       // its thread
   uint32_t barrier = 0;     // the barrier's shared-memory offset

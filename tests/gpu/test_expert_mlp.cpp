@@ -206,6 +206,26 @@ TEST_P(ExpertMlpKernels, FpropW2ScoredMatchesFloat64) {
   expect_close(compare_rows_bf16(dy.download(), y_ref, fx.l, D), kBf16Tolerance, "y_RD (scores)");
 }
 
+// What a fused combine (sm90::FusedCombine) must leave in `got` ([T + 1][D]: T token rows, then a
+// guard row): the token rows' contents before (`before`, same shape) plus rows_ref[r] ([R][D],
+// float64) in token[r]'s row for every valid row r but those in `skipped`, and the guard row's
+// poison untouched.
+void expect_fused_combine_result(const Fixture& fx, const std::vector<uint16_t>& before, int64_t T,
+                                 const std::vector<int32_t>& token, const std::vector<double>& rows_ref,
+                                 std::vector<uint16_t> got, const std::vector<int64_t>& skipped, const char* what) {
+  const int64_t R = fx.l.rows, D = fx.cs.D;
+  std::vector<double> out_ref(T * D);
+  for (int64_t i = 0; i < T * D; ++i) out_ref[i] = from_bf16(before[i]);
+  for (int64_t r = 0; r < R; ++r)
+    if (fx.l.is_row_valid(r) && std::find(skipped.begin(), skipped.end(), r) == skipped.end())
+      for (int64_t d = 0; d < D; ++d) out_ref[token[r] * D + d] += rows_ref[r * D + d];
+  int64_t guard_lost = 0;
+  for (int64_t d = 0; d < D; ++d) guard_lost += got[T * D + d] != kBf16Poison;
+  EXPECT_EQ(guard_lost, 0) << what << ": the guard row after the token rows was written";
+  got.resize(T * D);
+  expect_close(compare_all(got, out_ref), kBf16Tolerance, what);
+}
+
 // A top-k combine fused into a rows GEMM (sm90::FusedCombine): every valid row's result is added
 // into its token's row of out_TD, which starts with random contents (the additions keep them). Rows
 // land on random tokens, several per token and some tokens none; padding rows point at a guard token
@@ -227,18 +247,7 @@ void check_fused_combine(const Fixture& fx, uint64_t seed, const std::vector<dou
   DeviceBuffer<int32_t> dtok(token);
   run({dout.ptr, dtok.ptr, T});
   cuda_ok(cudaDeviceSynchronize(), what);
-
-  std::vector<double> out_ref(T * D);
-  for (int64_t i = 0; i < T * D; ++i) out_ref[i] = from_bf16(out[i]);
-  for (int64_t r = 0; r < R; ++r)
-    if (fx.l.is_row_valid(r))
-      for (int64_t d = 0; d < D; ++d) out_ref[token[r] * D + d] += rows_ref[r * D + d];
-  auto got = dout.download();
-  int64_t guard_lost = 0;
-  for (int64_t d = 0; d < D; ++d) guard_lost += got[T * D + d] != kBf16Poison;
-  EXPECT_EQ(guard_lost, 0) << what << ": the guard token row (padding rows' token) was written";
-  got.resize(T * D);
-  expect_close(compare_all(got, out_ref), kBf16Tolerance, what);
+  expect_fused_combine_result(fx, out, T, token, rows_ref, dout.download(), {}, what);
 }
 
 TEST_P(ExpertMlpKernels, FusedCombineMatchesFloat64) {
@@ -867,18 +876,8 @@ TEST(ExpertMlpFusedCombine, TokenOutOfRangeIsReportedAndSkipped) {
   EXPECT_TRUE(fault.occurred && fault.bad_token) << "the out-of-range tokens are reported";
   EXPECT_FALSE(sm90::take_pipeline_fault(nullptr).occurred) << "the record is cleared once read";
 
-  const auto y_ref = ref_rows_gemm(fx.l, to_double(a), F, to_double(w2), D, true);
-  std::vector<double> out_ref(T * D);
-  for (int64_t i = 0; i < T * D; ++i) out_ref[i] = from_bf16(out[i]);
-  for (int64_t r = 0; r < R; ++r)
-    if (fx.l.is_row_valid(r) && r != bad_rows[0] && r != bad_rows[1])
-      for (int64_t d = 0; d < D; ++d) out_ref[token[r] * D + d] += y_ref[r * D + d];
-  auto got = dout.download();
-  int64_t guard_lost = 0;
-  for (int64_t d = 0; d < D; ++d) guard_lost += got[T * D + d] != kBf16Poison;
-  EXPECT_EQ(guard_lost, 0) << "a row past the token rows was written";
-  got.resize(T * D);
-  expect_close(compare_all(got, out_ref), kBf16Tolerance, "out_TD without the bad rows");
+  expect_fused_combine_result(fx, out, T, token, ref_rows_gemm(fx.l, to_double(a), F, to_double(w2), D, true),
+                              dout.download(), {bad_rows[0], bad_rows[1]}, "out_TD without the bad rows");
 }
 
 // The top-k combine as WGRAD's side job (sm90::TokenCombine): the weight gradient is the same bits
@@ -941,6 +940,61 @@ TEST_P(ExpertMlpKernels, WgradSideCombineMatchesSumsInOrder) {
     EXPECT_EQ(out_wrong, 0) << "of " << T * D << " combined elements, K " << K;
     EXPECT_EQ(sums_wrong, 0) << "of " << T * K << " score sums, K " << K;
   }
+}
+
+// A WGRAD side combine's row index outside [0, R) (past the end, negative) is read nowhere: its piece
+// counts as zeros and its score sum as 0, it is reported (take_pipeline_fault: bad_row), and the
+// weight gradient and every other token are as without it.
+TEST(ExpertMlpWgradSideCombine, RowOutOfRangeIsReportedAndReadAsZero) {
+  if (!have_sm90()) GTEST_SKIP() << "needs an SM90 GPU";
+  Fixture fx(Case{"bad_row", {300, 0, 129}, 192, 128, W13Layout::gate_up_blocked, false, 53});
+  const int64_t R = fx.l.rows, D = fx.cs.D, F = fx.cs.F, E = fx.E(), K = 4, P = 2;
+  std::vector<int32_t> row_of_tk;
+  for (int64_t r = 0; r < R; ++r)
+    if (fx.l.is_row_valid(r)) row_of_tk.push_back(static_cast<int32_t>(r));
+  std::shuffle(row_of_tk.begin(), row_of_tk.end(), std::mt19937(54));
+  const int64_t T = static_cast<int64_t>(row_of_tk.size()) / K;
+  row_of_tk.resize(T * K);
+  row_of_tk[1] = static_cast<int32_t>(R);   // token 0
+  row_of_tk[(T - 1) * K + 3] = -2;          // the last token
+  Rng rng(55);
+  const auto rows = random_rows(rng, fx.l, D, 1.0f);
+  const auto partials = rng.uniform(R * P, -1.0f, 1.0f);
+  DeviceBuffer<uint16_t> dgh(random_rows(rng, fx.l, 2 * F, 1.0f)), dx(random_rows(rng, fx.l, D, 1.0f)), drows(rows),
+      dout(std::vector<uint16_t>(T * D, kBf16Poison));
+  DeviceBuffer<int32_t> drow(row_of_tk);
+  DeviceBuffer<float> dpart(partials), dsums(std::vector<float>(T * K, fp32_poison()));
+  auto wgrad = [&](const sm90::TokenCombine& combine) {
+    DeviceBuffer<float> gw(std::vector<float>(E * 2 * F * D, fp32_poison()));
+    sm90::expert_mlp_wgrad_w13(fx.rows, fx.shape, dgh.ptr, dx.ptr, {gw.ptr, DType::fp32, false}, nullptr, combine);
+    cuda_ok(cudaDeviceSynchronize(), "wgrad w13");
+    return gw.download();
+  };
+  const auto plain = wgrad({});
+  ASSERT_FALSE(sm90::take_pipeline_fault(nullptr).occurred) << "a fault left over from an earlier test";
+  const auto side = wgrad({drow.ptr, T, K, drows.ptr, dout.ptr, dpart.ptr, P, dsums.ptr});
+  const sm90::PipelineFault fault = sm90::take_pipeline_fault(nullptr);
+  EXPECT_TRUE(fault.occurred && fault.bad_row && !fault.bad_token) << "the out-of-range rows are reported";
+  EXPECT_EQ(std::memcmp(plain.data(), side.data(), plain.size() * sizeof(float)), 0) << "grad_w13 changed";
+
+  const auto out = dout.download();
+  const auto sums = dsums.download();
+  auto bad = [&](int64_t i) { return row_of_tk[i] < 0 || row_of_tk[i] >= R; };
+  int64_t out_wrong = 0, sums_wrong = 0;
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t d = 0; d < D; ++d) {
+      float acc = 0.0f;
+      for (int64_t k = 0; k < K; ++k) acc += bad(t * K + k) ? 0.0f : from_bf16(rows[row_of_tk[t * K + k] * D + d]);
+      out_wrong += out[t * D + d] != to_bf16(acc);
+    }
+    for (int64_t k = 0; k < K; ++k) {
+      float sum = 0.0f;
+      for (int64_t p = 0; p < P && !bad(t * K + k); ++p) sum += partials[row_of_tk[t * K + k] * P + p];
+      sums_wrong += std::memcmp(&sum, &sums[t * K + k], sizeof(float)) != 0;
+    }
+  }
+  EXPECT_EQ(out_wrong, 0) << "of " << T * D << " combined elements";
+  EXPECT_EQ(sums_wrong, 0) << "of " << T * K << " score sums";
 }
 
 // Host validation names the argument and launches nothing, before any TMA descriptor is encoded

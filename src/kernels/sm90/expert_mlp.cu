@@ -400,6 +400,7 @@ TokenCombineJob combine_job(const GroupedRows& rows, const ExpertMlpShape& shape
   job.partials = static_cast<int32_t>(c.partials);
   job.chunk_bytes = static_cast<int32_t>(chunk);
   job.chunks = static_cast<int32_t>(chunks);
+  job.rows = static_cast<int32_t>(rows.max_rows);
   return job;
 }
 
@@ -494,8 +495,10 @@ PipelineFault take_pipeline_fault(cudaStream_t stream) {
   f.block = static_cast<int32_t>(Word::block(word));
   f.thread = static_cast<int32_t>(Word::thread(word));
   f.bad_token = Word::barrier(word) == Word::kBadToken;
-  f.barrier = f.bad_token ? 0 : Word::barrier(word);
-  f.parity = f.bad_token ? 0 : Word::parity(word);
+  f.bad_row = Word::barrier(word) == Word::kBadRow;
+  const bool wait = !f.bad_token && !f.bad_row;
+  f.barrier = wait ? Word::barrier(word) : 0;
+  f.parity = wait ? Word::parity(word) : 0;
   return f;
 }
 

@@ -30,11 +30,15 @@ struct TokenCombineJob {
   int32_t tokens = 0, top_k = 0, row_bytes = 0, partials = 0;
   int32_t chunk_bytes = 0;  // a multiple of 128 with top_k * chunk_bytes <= kSideSlotBytes
   int32_t chunks = 0;       // ceil(row_bytes / chunk_bytes)
+  int32_t rows = 0;         // R: a row index outside [0, rows) is read nowhere and recorded as a fault
 };
 
 inline constexpr int kSideSlots = 2;
 inline constexpr uint32_t kSideSlotBytes = 2048;
 inline constexpr int kSideSummers = 64;  // warps 2-3 of the producer warpgroup
+
+// What a piece of a row index out of range is copied from.
+static __device__ __align__(128) uint8_t g_zero_piece[kSideSlotBytes];
 
 // The side job's shared memory: kSideSlots slots of kSideSlotBytes, then [full][empty] barriers.
 inline constexpr uint32_t kSideBytes = kSideSlots * kSideSlotBytes + 2 * kSideSlots * sizeof(uint64_t);
@@ -61,13 +65,21 @@ __device__ __forceinline__ void run_token_combine(const TokenCombineJob& job, ui
   uint32_t j = 0;  // items (token, chunk) of this CTA so far
   if (warp == 1) {
     const bool copies = lane < job.top_k;
-    auto row_of = [&](int32_t t) -> int64_t {
-      return copies && t < t_end ? job.row_of_tk[static_cast<int64_t>(t) * job.top_k + lane] : 0;
+    // Row -1 stands for an index outside [0, rows): that piece is copied from zeros instead and
+    // its score sum is 0; the first such index of the launch is recorded (take_pipeline_fault).
+    auto row_of = [&](int32_t t) -> int32_t {
+      if (!copies || t >= t_end) return 0;
+      const int32_t row = job.row_of_tk[static_cast<int64_t>(t) * job.top_k + lane];
+      if (static_cast<uint32_t>(row) < static_cast<uint32_t>(job.rows)) return row;
+      using Word = ptx::PipelineFaultWord;
+      atomicCAS(&ptx::g_pipeline_fault, 0ull, Word::pack(blockIdx.x, threadIdx.x, Word::kBadRow, 0));
+      return -1;
     };
-    int64_t next_row = row_of(t_begin);
+    int32_t next_row = row_of(t_begin);
     for (int32_t t = t_begin; t < t_end; ++t) {
-      const int64_t row = next_row;
+      const int32_t row = next_row;
       next_row = row_of(t + 1);
+      const bool reads = copies && row >= 0;
       for (int32_t c = 0; c < job.chunks; ++c, ++j) {
         const int s = j % kSideSlots;
         const int32_t offset = c * job.chunk_bytes;
@@ -77,11 +89,14 @@ __device__ __forceinline__ void run_token_combine(const TokenCombineJob& job, ui
         if (copies)
           cuda::ptx::cp_async_bulk(cuda::ptx::space_cluster, cuda::ptx::space_global,
                                    side + s * kSideSlotBytes + lane * job.chunk_bytes,
-                                   job.rows_RD + row * job.row_bytes + offset, bytes, &full[s]);
+                                   reads ? job.rows_RD + static_cast<int64_t>(row) * job.row_bytes + offset : g_zero_piece,
+                                   bytes, &full[s]);
         if (c == 0 && copies && job.partials_RP != nullptr) {
           float sum = 0.0f;
+          if (reads) {
 #pragma unroll 4
-          for (int32_t p = 0; p < job.partials; ++p) sum += job.partials_RP[row * job.partials + p];
+            for (int32_t p = 0; p < job.partials; ++p) sum += job.partials_RP[static_cast<int64_t>(row) * job.partials + p];
+          }
           job.sums_TK[static_cast<int64_t>(t) * job.top_k + lane] = sum;
         }
       }

@@ -52,6 +52,8 @@ struct PipelineFaultWord {
   // Barrier field of a fault that is no wait: a fused combine's row with a token out of range (no
   // barrier lives at this offset: shared memory ends below 0x3ffff).
   static constexpr unsigned kBadToken = 0x3ffffu;
+  // A WGRAD side combine's row index outside the grouped rows (token_combine.cuh).
+  static constexpr unsigned kBadRow = 0x3fffeu;
   __host__ __device__ static constexpr unsigned long long pack(unsigned block, unsigned thread, unsigned barrier,
                                                                unsigned parity) {
     return kValid | (static_cast<unsigned long long>(block) << 32) | (static_cast<unsigned long long>(thread) << 20) |
