@@ -11,6 +11,8 @@
 #     ep         .carry/ep_bench -> $OUT/ep_h200.json
 #     mlp        bench/expert_mlp/bench_expert_mlp.py with .carry/libpoise_expert_mlp_bench.so
 #                ($MLP_REPEATS: time each case's four blocks that many times, medians recorded)
+#     chain      bench/expert_mlp/profile_chain.py: each step of the default and the fused chain
+#                ($CHAIN_SHAPES, default both shapes) -> $OUT/chain.log
 #     multigpu   torchrun, one process per GPU: bench/multigpu/multigpu_bench.py -> $OUT/multigpu_h200.json
 #                ($MULTIGPU_ARGS, e.g. --quick; needs python first)
 #     gemm_only  the six GEMMs alone, .carry/libpoise_expert_mlp_bench*.so (one line per build and
@@ -66,6 +68,12 @@ part_mlp() {
   PYTHONUNBUFFERED=1 timeout $((240 + 160 * ${MLP_REPEATS:-1})) python3 bench/expert_mlp/bench_expert_mlp.py --lib .carry/libpoise_expert_mlp_bench.so \
     --out "$OUT/expert_mlp_h200.json" --commit "$commit" --repeats "${MLP_REPEATS:-1}" > "$OUT/mlp.log" 2>&1
   echo "mlp rc=$?"; tail -20 "$OUT/mlp.log"
+}
+part_chain() {
+  local shape
+  for shape in ${CHAIN_SHAPES:-deepseek_v3_ep8_rank qwen3_30b_a3b}; do
+    PYTHONUNBUFFERED=1 timeout 150 python3 bench/expert_mlp/profile_chain.py .carry/libpoise_expert_mlp_bench.so "$shape" 2>&1
+  done | tee -a "$OUT/chain.log"
 }
 # The carried bench libraries built for timing (not the phases / timeline profiling builds).
 timing_libs() {

@@ -290,11 +290,14 @@ class PoiseBlock:
         """The two WGRADs, with grad_x and grad_scores from their idle producer warps while they compute
         (DGRAD W13 must have run): a third of the tokens (WGRAD W2's share of the two WGRADs' FLOPs)
         ride in WGRAD W2, the rest in WGRAD W13."""
-        P, L = self.P, self.lay
-        T1, K, parts = self.T // 3, self.K, self.score_parts
-        P.wgrad_w2_combine(self.gy_rows, self.a, grad_w2, 0, 0, L["row_of_tk"], T1, K, self.gx_rows, grad_x,
-                           self.grad_score_partials, parts, grad_scores_TK)
+        T1 = self.T // 3
+        self.wgrad_w2_with_combine(grad_w2, grad_x, grad_scores_TK, T1)
         self.wgrad_w13_with_combine(grad_w13, grad_x, grad_scores_TK, T1)
+
+    def wgrad_w2_with_combine(self, grad_w2, grad_x, grad_scores_TK, tokens):
+        """WGRAD W2 with the combine of tokens [0, tokens) as its side job (DGRAD W13 must have run)."""
+        self.P.wgrad_w2_combine(self.gy_rows, self.a, grad_w2, 0, 0, self.lay["row_of_tk"], tokens, self.K,
+                                self.gx_rows, grad_x, self.grad_score_partials, self.score_parts, grad_scores_TK)
 
     def wgrad_w13_with_combine(self, grad_w13, grad_x, grad_scores_TK, first_token=0):
         """WGRAD W13 with the combine of tokens [first_token, T) as its side job (DGRAD W13 must have run)."""

@@ -1,12 +1,20 @@
 #!/usr/bin/env python3
-"""Times every step of the benchmark's Poise forward+backward chain, in chain order, with CUDA
-events (median of REPS chains): where the chain's time goes, e.g. balanced against skewed routing.
+"""Times every step of the benchmark's two Poise forward+backward chains, in chain order, with CUDA
+events (median of REPS chains after WARM_MS of the same chain): where each chain's time goes.
 
-    python3 bench/expert_mlp/profile_chain.py LIB [SHAPE] [REPS]
+  default: the in-order combines (forward: a glue kernel; backward: the WGRADs' side job), as
+           PoiseBlock runs it by default;
+  fused:   the combines fused into FPROP W2 and DGRAD W13 (PoiseBlock.fused_combine).
+
+The events between steps cost the chain its programmatic-dependent-launch overlap, so the chain
+total here is a little above the bench's block timing.
+
+    python3 bench/expert_mlp/profile_chain.py LIB [SHAPE] [REPS] [WARM_MS]
 """
 import pathlib
 import statistics
 import sys
+import time
 
 import torch
 
@@ -14,51 +22,75 @@ sys.path.insert(0, str(pathlib.Path(__file__).parent))
 import bench_expert_mlp as bench  # noqa: E402
 
 
+def chain_steps(c, fused):
+    """(name, call) of one forward+backward, the calls PoiseBlock.forward / backward make."""
+    blk, L, gemm, P = c.blk, c.blk.lay, c.gemm_calls, c.blk.P
+    T, K, D = c.T, c.K, c.D
+    yield "layout", lambda: blk.layout(c.ids, c.scores)
+    yield "gather_x", lambda: blk.gather_x(c.x)
+    yield "fprop_w13", gemm["fprop_w13"]
+    if fused:
+        yield "fprop_w2_fused_combine", lambda: blk.fprop_w2_fused_combine(c.w2, c.out)
+    else:
+        yield "fprop_w2", gemm["fprop_w2"]
+        yield "combine", lambda: blk.combine(blk.y_rows, c.out)
+    yield "scatter_grad", lambda: P.scatter_rows(L["row_of_tk"], T * K, K, D, c.grad_out, blk.gy_rows)
+    yield "dgrad_w2", gemm["dgrad_w2"]
+    if fused:
+        yield "dgrad_w13_fused_combine", lambda: blk.dgrad_w13_fused_combine(c.w13, c.gx)
+        yield "wgrad_w2", gemm["wgrad_w2"]
+        yield "wgrad_w13", gemm["wgrad_w13"]
+        yield "score_sums", lambda: blk.score_sums(c.gs)
+    elif blk.side_combine:
+        yield "dgrad_w13", gemm["dgrad_w13"]
+        T1 = T // 3  # PoiseBlock.wgrads_with_combine's split
+        yield "wgrad_w2+combine", lambda: blk.wgrad_w2_with_combine(c.g2, c.gx, c.gs, T1)
+        yield "wgrad_w13+combine", lambda: blk.wgrad_w13_with_combine(c.g13, c.gx, c.gs, T1)
+    else:
+        yield "wgrad_w2", gemm["wgrad_w2"]
+        yield "dgrad_w13", gemm["dgrad_w13"]
+        yield "wgrad_w13", gemm["wgrad_w13"]
+        yield "combine_grad", lambda: blk.combine(blk.gx_rows, c.gx)
+        yield "score_sums", lambda: blk.score_sums(c.gs)
+
+
+def profile(c, fused, reps, warm_ms):
+    start = time.perf_counter()
+    while (time.perf_counter() - start) * 1e3 < warm_ms:
+        for _, fn in chain_steps(c, fused):
+            fn()
+        torch.cuda.synchronize()
+    times = {}
+    for _ in range(reps):
+        events = []
+        for name, fn in chain_steps(c, fused):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            fn()
+            e.record()
+            events.append((name, s, e))
+        torch.cuda.synchronize()
+        for name, s, e in events:
+            times.setdefault(name, []).append(s.elapsed_time(e))
+        times.setdefault("chain", []).append(events[0][1].elapsed_time(events[-1][2]))
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
 def main() -> int:
     lib_path = sys.argv[1]
     shape = sys.argv[2] if len(sys.argv) > 2 else "deepseek_v3_ep8_rank"
-    reps = int(sys.argv[3]) if len(sys.argv) > 3 else 10
+    reps = int(sys.argv[3]) if len(sys.argv) > 3 else 15
+    warm_ms = float(sys.argv[4]) if len(sys.argv) > 4 else 300.0
     P = bench.open_poise(lib_path)
-    T, D, F, E, K = bench.SHAPES[shape]
     for skew_target in (1, 3):
         c = bench.ready_block(P, shape, skew_target)
-        blk, L, gemm = c.blk, c.blk.lay, c.gemm_calls
-        skew = c.skew
-
-        def steps():
-            yield "layout", lambda: blk.layout(c.ids, c.scores)
-            yield "gather_x", lambda: blk.gather_x(c.x)
-            yield "fprop_w13", gemm["fprop_w13"]
-            yield "fprop_w2", gemm["fprop_w2"]
-            yield "combine", lambda: blk.combine(blk.y_rows, c.out)
-            yield "scatter_grad", lambda: P.scatter_rows(L["row_of_tk"], T * K, K, D, c.grad_out, blk.gy_rows)
-            yield "dgrad_w2", gemm["dgrad_w2"]
-            yield "wgrad_w2", gemm["wgrad_w2"]
-            yield "dgrad_w13", gemm["dgrad_w13"]
-            yield "wgrad_w13", gemm["wgrad_w13"]
-            yield "combine_grad", lambda: blk.combine(blk.gx_rows, c.gx)
-            yield "gather_scalars", lambda: blk.score_sums(c.gs)
-
-        times = {}
-        for r in range(reps + 2):
-            events = []
-            for name, fn in steps():
-                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                s.record()
-                fn()
-                e.record()
-                events.append((name, s, e))
-            first, last = events[0][1], events[-1][2]
-            torch.cuda.synchronize()
-            if r < 2:
-                continue
-            for name, s, e in events:
-                times.setdefault(name, []).append(s.elapsed_time(e))
-            times.setdefault("chain", []).append(first.elapsed_time(last))
-        med = {k: statistics.median(v) for k, v in times.items()}
-        steps_sum = sum(v for k, v in med.items() if k != "chain")
-        print(f"{shape} skew {skew:.2f}: chain {med['chain']:.2f} ms, steps {steps_sum:.2f} ms: " +
-              ", ".join(f"{k} {v:.3f}" for k, v in med.items() if k != "chain"), flush=True)
+        for fused in (False, True):
+            time.sleep(1.0)  # each chain from the same cool start, as the bench's blocks
+            med = profile(c, fused, reps, warm_ms)
+            steps_sum = sum(v for k, v in med.items() if k != "chain")
+            print(f"{shape} skew {c.skew:.2f} {'fused' if fused else 'default'}: chain {med['chain']:.2f} ms, "
+                  f"steps {steps_sum:.2f} ms: " + ", ".join(f"{k} {v:.3f}" for k, v in med.items() if k != "chain"),
+                  flush=True)
     return 0
 
 
