@@ -60,20 +60,25 @@ def profile(c, fused, reps, warm_ms):
         for _, fn in chain_steps(c, fused):
             fn()
         torch.cuda.synchronize()
-    times = {}
+    times, host_us = {}, {}
     for _ in range(reps):
         events = []
         for name, fn in chain_steps(c, fused):
             s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             s.record()
+            t0 = time.perf_counter()
             fn()
+            host_us.setdefault(name, []).append((time.perf_counter() - t0) * 1e6)
             e.record()
             events.append((name, s, e))
         torch.cuda.synchronize()
         for name, s, e in events:
             times.setdefault(name, []).append(s.elapsed_time(e))
         times.setdefault("chain", []).append(events[0][1].elapsed_time(events[-1][2]))
-    return {k: statistics.median(v) for k, v in times.items()}
+    # Host time of each step's Python call (its launches): the chain starts on an idle GPU, so its
+    # first steps wait for the host.
+    return ({k: statistics.median(v) for k, v in times.items()},
+            {k: statistics.median(v) for k, v in host_us.items()})
 
 
 def main() -> int:
@@ -86,11 +91,13 @@ def main() -> int:
         c = bench.ready_block(P, shape, skew_target)
         for fused in (False, True):
             time.sleep(1.0)  # each chain from the same cool start, as the bench's blocks
-            med = profile(c, fused, reps, warm_ms)
+            med, host = profile(c, fused, reps, warm_ms)
             steps_sum = sum(v for k, v in med.items() if k != "chain")
             print(f"{shape} skew {c.skew:.2f} {'fused' if fused else 'default'}: chain {med['chain']:.2f} ms, "
                   f"steps {steps_sum:.2f} ms: " + ", ".join(f"{k} {v:.3f}" for k, v in med.items() if k != "chain"),
                   flush=True)
+            print(f"   host us per step: " + ", ".join(f"{k} {v:.0f}" for k, v in host.items()) +
+                  f" (all {sum(host.values()):.0f})", flush=True)
     return 0
 
 
