@@ -367,6 +367,24 @@ def time_ms(fn, warmup=3, reps=15, settle_s=0.0, warm_ms=0.0):
 BLOCK_TIMING = {"settle_s": 1.0, "warm_ms": 300.0}
 
 
+def time_ms_back_to_back(fn, reps=15, settle_s=1.0, warm_ms=300.0):
+    """Median ms of reps calls enqueued back to back (no synchronize between them), after the same
+    settle and warm-up as the block timings: each call's span on the GPU with the host ahead of it,
+    as inside a model, where the next layer's launches are queued while this one runs. A call that
+    synchronizes inside (the baseline's bincount) still pays its host stall; what goes is the launch
+    latency a block pays when it starts on an idle GPU."""
+    time_ms(fn, warmup=3, reps=1, settle_s=settle_s, warm_ms=warm_ms)
+    events = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        events.append((s, e))
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in events)
+
+
 def rel_err(a, b):
     a, b = a.double(), b.double()
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
@@ -475,10 +493,19 @@ def run_case(P, name, skew_target, dense, commit, gemm_detail, repeats=1):
     if fused:
         blocks["fwd_fused_combine_ms"] = with_fused_combine(poise_fwd)
         blocks["fwdbwd_fused_combine_ms"] = with_fused_combine(poise_fwdbwd)
-    times = {k: [] for k in blocks}
+    # The same blocks enqueued back to back (time_ms_back_to_back): the baseline's and Poise's forward
+    # and forward+backward with the host ahead, next to the headline timings from an idle GPU.
+    back_to_back = {"baseline_fwd_back_to_back_ms": base_fwd, "baseline_fwdbwd_back_to_back_ms": base_fwdbwd,
+                    "fwdbwd_back_to_back_ms": poise_fwdbwd}
+    if fused:
+        back_to_back["fwd_fused_combine_back_to_back_ms"] = with_fused_combine(poise_fwd)
+        back_to_back["fwdbwd_fused_combine_back_to_back_ms"] = with_fused_combine(poise_fwdbwd)
+    times = {k: [] for k in {**blocks, **back_to_back}}
     for _ in range(repeats):
         for k, fn in blocks.items():
             times[k].append(time_ms(fn, **BLOCK_TIMING))
+        for k, fn in back_to_back.items():
+            times[k].append(time_ms_back_to_back(fn, **BLOCK_TIMING))
     med = {k: statistics.median(v) for k, v in times.items()}
     base_fwd_ms, base_fwdbwd_ms, fwd_ms, fwdbwd_ms = (med[k] for k in list(blocks)[:4])
     fwd_kernels_ms = time_ms(lambda: blk.forward_kernels(w13, w2, out))
@@ -495,7 +522,8 @@ def run_case(P, name, skew_target, dense, commit, gemm_detail, repeats=1):
         "speedup_fwd": base_fwd_ms / fwd_ms, "speedup_fwdbwd": base_fwdbwd_ms / fwdbwd_ms,
         "dense_tflops": dense,
         "timing": "sequential, each block after 1 s idle and 300 ms of warm-up"
-                  + (f"; medians of {repeats} repeats of the {len(blocks)} blocks" if repeats > 1 else ""),
+                  + (f"; medians of {repeats} repeats of the {len(blocks)} blocks" if repeats > 1 else "")
+                  + "; *_back_to_back_ms: the same block's calls enqueued without a synchronize between them",
         "saved_bytes": blk.saved_bytes(), "baseline_saved_bytes": base_saved,
         "rel_err_vs_baseline": errors, "commit": commit,
     }
@@ -507,6 +535,16 @@ def run_case(P, name, skew_target, dense, commit, gemm_detail, repeats=1):
                     "fwd_fused_combine_tflops": flops_fwd / f_ms / 1e9,
                     "speedup_fwd_fused_combine": base_fwd_ms / f_ms,
                     "speedup_fwdbwd_fused_combine": base_fwdbwd_ms / fb_ms})
+    b2b_base_fwd, b2b_base = med["baseline_fwd_back_to_back_ms"], med["baseline_fwdbwd_back_to_back_ms"]
+    rec.update({"baseline_fwd_back_to_back_ms": b2b_base_fwd, "baseline_fwdbwd_back_to_back_ms": b2b_base,
+                "fwdbwd_back_to_back_ms": med["fwdbwd_back_to_back_ms"],
+                "speedup_fwdbwd_back_to_back": b2b_base / med["fwdbwd_back_to_back_ms"]})
+    if fused:
+        f_ms, fb_ms = med["fwd_fused_combine_back_to_back_ms"], med["fwdbwd_fused_combine_back_to_back_ms"]
+        rec.update({"fwd_fused_combine_back_to_back_ms": f_ms, "fwdbwd_fused_combine_back_to_back_ms": fb_ms,
+                    "fwd_fused_combine_back_to_back_tflops": flops_fwd / f_ms / 1e9,
+                    "speedup_fwd_fused_combine_back_to_back": b2b_base_fwd / f_ms,
+                    "speedup_fwdbwd_fused_combine_back_to_back": b2b_base / fb_ms})
     if repeats > 1:
         rec["repeats"] = times
         rec["speedup_fwdbwd_repeats"] = [b / p for b, p in zip(times["baseline_fwdbwd_ms"], times["fwdbwd_ms"])]
@@ -622,6 +660,15 @@ def main():
                   f"(x{r['speedup_fwdbwd_fused_combine']:.3f})")
         if "speedup_fwdbwd_repeats" in r:
             print("   x fwdbwd per repeat:", [round(v, 3) for v in r["speedup_fwdbwd_repeats"]])
+        if "fwdbwd_back_to_back_ms" in r:
+            line = (f"   back to back: fwdbwd {r['fwdbwd_back_to_back_ms']:.2f} ms ({r['baseline_fwdbwd_back_to_back_ms']:.2f}) "
+                    f"x{r['speedup_fwdbwd_back_to_back']:.3f}")
+            if "fwdbwd_fused_combine_back_to_back_ms" in r:
+                line += (f"; fused: fwd {r['fwd_fused_combine_back_to_back_ms']:.2f} ms "
+                         f"({r['baseline_fwd_back_to_back_ms']:.2f}, {r['fwd_fused_combine_back_to_back_tflops']:.0f} TF/s), "
+                         f"fwdbwd {r['fwdbwd_fused_combine_back_to_back_ms']:.2f} ms "
+                         f"x{r['speedup_fwdbwd_fused_combine_back_to_back']:.3f}")
+            print(line)
 
 
 if __name__ == "__main__":

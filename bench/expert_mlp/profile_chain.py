@@ -81,6 +81,29 @@ def profile(c, fused, reps, warm_ms):
             {k: statistics.median(v) for k, v in host_us.items()})
 
 
+def first_call_host_us(c, trials=20):
+    """Host us of the layout step right after a synchronize, then of the same step again at once, and
+    of one 4-byte memset after a synchronize: what the chain's first launch pays for starting from an
+    idle stream, against the step itself."""
+    scratch = torch.zeros(1, device="cuda", dtype=torch.int32)
+    firsts, seconds, memsets = [], [], []
+    for _ in range(trials):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        c.blk.layout(c.ids, c.scores)
+        t1 = time.perf_counter()
+        c.blk.layout(c.ids, c.scores)
+        t2 = time.perf_counter()
+        torch.cuda.synchronize()
+        t3 = time.perf_counter()
+        scratch.zero_()
+        t4 = time.perf_counter()
+        firsts.append((t1 - t0) * 1e6)
+        seconds.append((t2 - t1) * 1e6)
+        memsets.append((t4 - t3) * 1e6)
+    return statistics.median(firsts), statistics.median(seconds), statistics.median(memsets)
+
+
 def main() -> int:
     lib_path = sys.argv[1]
     shape = sys.argv[2] if len(sys.argv) > 2 else "deepseek_v3_ep8_rank"
@@ -89,6 +112,9 @@ def main() -> int:
     P = bench.open_poise(lib_path)
     for skew_target in (1, 3):
         c = bench.ready_block(P, shape, skew_target)
+        first, second, memset = first_call_host_us(c)
+        print(f"{shape} skew {c.skew:.2f}: layout host us after a sync {first:.0f}, right after another {second:.0f}; "
+              f"a torch zero_ after a sync {memset:.0f}", flush=True)
         for fused in (False, True):
             time.sleep(1.0)  # each chain from the same cool start, as the bench's blocks
             med, host = profile(c, fused, reps, warm_ms)
