@@ -10,7 +10,8 @@
 #     balance    .carry/balance_bench -> $OUT/balance_h200.json
 #     ep         .carry/ep_bench -> $OUT/ep_h200.json
 #     mlp        bench/expert_mlp/bench_expert_mlp.py with .carry/libpoise_expert_mlp_bench.so
-#                ($MLP_REPEATS: time each case's four blocks that many times, medians recorded)
+#                ($MLP_REPEATS: time each case's four blocks that many times, medians recorded;
+#                $MLP_ARGS: more arguments, e.g. --back-to-back)
 #     chain      bench/expert_mlp/profile_chain.py: each step of the default and the fused chain
 #                ($CHAIN_SHAPES, default both shapes) -> $OUT/chain.log
 #     multigpu   torchrun, one process per GPU: bench/multigpu/multigpu_bench.py -> $OUT/multigpu_h200.json
@@ -66,7 +67,7 @@ part_balance() {
 part_ep() { timeout 120 .carry/ep_bench "$OUT/ep_h200.json" > "$OUT/ep.log" 2>&1; echo "ep rc=$?"; tail -5 "$OUT/ep.log"; }
 part_mlp() {
   PYTHONUNBUFFERED=1 timeout $((240 + 160 * ${MLP_REPEATS:-1})) python3 bench/expert_mlp/bench_expert_mlp.py --lib .carry/libpoise_expert_mlp_bench.so \
-    --out "$OUT/expert_mlp_h200.json" --commit "$commit" --repeats "${MLP_REPEATS:-1}" > "$OUT/mlp.log" 2>&1
+    --out "$OUT/expert_mlp_h200.json" --commit "$commit" --repeats "${MLP_REPEATS:-1}" ${MLP_ARGS:-} > "$OUT/mlp.log" 2>&1
   echo "mlp rc=$?"; tail -20 "$OUT/mlp.log"
 }
 part_chain() {

@@ -413,7 +413,7 @@ def make_inputs(T, D, F, E, K, skew_target):
     return ids, skew, x, scores, w13, w2, grad_out
 
 
-def run_case(P, name, skew_target, dense, commit, gemm_detail, repeats=1):
+def run_case(P, name, skew_target, dense, commit, gemm_detail, repeats=1, back_to_back_blocks=False):
     T, D, F, E, K = SHAPES[name]
     dev, bf = "cuda", torch.bfloat16
     ids, skew, x, scores, w13, w2, grad_out = make_inputs(T, D, F, E, K, skew_target)
@@ -493,11 +493,12 @@ def run_case(P, name, skew_target, dense, commit, gemm_detail, repeats=1):
     if fused:
         blocks["fwd_fused_combine_ms"] = with_fused_combine(poise_fwd)
         blocks["fwdbwd_fused_combine_ms"] = with_fused_combine(poise_fwdbwd)
-    # The same blocks enqueued back to back (time_ms_back_to_back): the baseline's and Poise's forward
-    # and forward+backward with the host ahead, next to the headline timings from an idle GPU.
+    # --back-to-back: the same blocks enqueued back to back (time_ms_back_to_back), the baseline's and
+    # Poise's forward and forward+backward with the host ahead, next to the headline timings from an
+    # idle GPU (session 18: the baseline gains as much, performance.md).
     back_to_back = {"baseline_fwd_back_to_back_ms": base_fwd, "baseline_fwdbwd_back_to_back_ms": base_fwdbwd,
-                    "fwdbwd_back_to_back_ms": poise_fwdbwd}
-    if fused:
+                    "fwdbwd_back_to_back_ms": poise_fwdbwd} if back_to_back_blocks else {}
+    if fused and back_to_back_blocks:
         back_to_back["fwd_fused_combine_back_to_back_ms"] = with_fused_combine(poise_fwd)
         back_to_back["fwdbwd_fused_combine_back_to_back_ms"] = with_fused_combine(poise_fwdbwd)
     times = {k: [] for k in {**blocks, **back_to_back}}
@@ -523,7 +524,8 @@ def run_case(P, name, skew_target, dense, commit, gemm_detail, repeats=1):
         "dense_tflops": dense,
         "timing": "sequential, each block after 1 s idle and 300 ms of warm-up"
                   + (f"; medians of {repeats} repeats of the {len(blocks)} blocks" if repeats > 1 else "")
-                  + "; *_back_to_back_ms: the same block's calls enqueued without a synchronize between them",
+                  + ("; *_back_to_back_ms: the same block's calls enqueued without a synchronize between them"
+                     if back_to_back_blocks else ""),
         "saved_bytes": blk.saved_bytes(), "baseline_saved_bytes": base_saved,
         "rel_err_vs_baseline": errors, "commit": commit,
     }
@@ -535,11 +537,12 @@ def run_case(P, name, skew_target, dense, commit, gemm_detail, repeats=1):
                     "fwd_fused_combine_tflops": flops_fwd / f_ms / 1e9,
                     "speedup_fwd_fused_combine": base_fwd_ms / f_ms,
                     "speedup_fwdbwd_fused_combine": base_fwdbwd_ms / fb_ms})
-    b2b_base_fwd, b2b_base = med["baseline_fwd_back_to_back_ms"], med["baseline_fwdbwd_back_to_back_ms"]
-    rec.update({"baseline_fwd_back_to_back_ms": b2b_base_fwd, "baseline_fwdbwd_back_to_back_ms": b2b_base,
-                "fwdbwd_back_to_back_ms": med["fwdbwd_back_to_back_ms"],
-                "speedup_fwdbwd_back_to_back": b2b_base / med["fwdbwd_back_to_back_ms"]})
-    if fused:
+    if back_to_back_blocks:
+        b2b_base_fwd, b2b_base = med["baseline_fwd_back_to_back_ms"], med["baseline_fwdbwd_back_to_back_ms"]
+        rec.update({"baseline_fwd_back_to_back_ms": b2b_base_fwd, "baseline_fwdbwd_back_to_back_ms": b2b_base,
+                    "fwdbwd_back_to_back_ms": med["fwdbwd_back_to_back_ms"],
+                    "speedup_fwdbwd_back_to_back": b2b_base / med["fwdbwd_back_to_back_ms"]})
+    if fused and back_to_back_blocks:
         f_ms, fb_ms = med["fwd_fused_combine_back_to_back_ms"], med["fwdbwd_fused_combine_back_to_back_ms"]
         rec.update({"fwd_fused_combine_back_to_back_ms": f_ms, "fwdbwd_fused_combine_back_to_back_ms": fb_ms,
                     "fwd_fused_combine_back_to_back_tflops": flops_fwd / f_ms / 1e9,
@@ -625,6 +628,8 @@ def main():
     ap.add_argument("--skews", default="1,3")
     ap.add_argument("--gemm-only", default="", help="label: only time the Poise GEMMs of this build")
     ap.add_argument("--repeats", type=int, default=1, help="time the four blocks this many times; record medians")
+    ap.add_argument("--back-to-back", action="store_true",
+                    help="also time the blocks enqueued back to back (no synchronize between calls)")
     args = ap.parse_args()
     if args.repeats < 1:
         ap.error(f"--repeats must be at least 1, got {args.repeats}")
@@ -639,7 +644,8 @@ def main():
     records = []
     for name in args.shapes.split(","):
         for skew in [float(s) for s in args.skews.split(",")]:
-            rec = run_case(P, name, skew, dense, args.commit, gemm_detail=True, repeats=args.repeats)
+            rec = run_case(P, name, skew, dense, args.commit, gemm_detail=True, repeats=args.repeats,
+                           back_to_back_blocks=args.back_to_back)
             records.append(rec)
             print(json.dumps(rec), flush=True)
             with open(args.out, "w") as f:
