@@ -15,6 +15,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <string>
 
 #include "poise/config.hpp"
 #include "poise/context.hpp"
@@ -194,6 +195,9 @@ struct PipelineFault {
 };
 // Waits for `stream`, returns and clears the current device's record.
 PipelineFault take_pipeline_fault(cudaStream_t stream);
+// The fault in words, by kind (a timed-out wait, a fused combine's bad token, a side combine's bad
+// row), with where it was recorded; "" when none occurred.
+std::string describe(const PipelineFault& fault);
 
 // Fault injection for tests only: the bound of every wait (ns; default kPipelineWaitTimeoutNs), and a
 // stage whose load CTA 0 skips once (its first), so that its consumers wait for a phase that

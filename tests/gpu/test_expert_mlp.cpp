@@ -997,6 +997,27 @@ TEST(ExpertMlpWgradSideCombine, RowOutOfRangeIsReportedAndReadAsZero) {
   EXPECT_EQ(sums_wrong, 0) << "of " << T * K << " score sums";
 }
 
+// Each kind of device fault reads as what it is (runs without a GPU: ctest's test_expert_mlp_validation).
+TEST(ExpertMlpValidation, PipelineFaultsAreDescribedByKind) {
+  sm90::PipelineFault f;
+  EXPECT_EQ(sm90::describe(f), "");
+  f.occurred = true;
+  f.block = 3;
+  f.thread = 130;
+  f.barrier = 0x1c040;
+  f.parity = 1;
+  EXPECT_EQ(sm90::describe(f), "a pipeline wait timed out (block 3, thread 130, barrier at shared offset 114752, "
+                               "parity 1); that launch's outputs are invalid");
+  f.barrier = f.parity = 0;
+  f.bad_token = true;
+  EXPECT_EQ(sm90::describe(f), "a fused combine's row named a token outside [0, tokens) (block 3, thread 130): "
+                               "that row was added nowhere");
+  f.bad_token = false;
+  f.bad_row = true;
+  EXPECT_EQ(sm90::describe(f), "a side combine's row_of_tk named a row outside [0, R) (block 3, thread 130): "
+                               "that piece was read as zeros");
+}
+
 // Host validation names the argument and launches nothing, before any TMA descriptor is encoded
 // (runs without a GPU too: ctest's test_expert_mlp_validation, label cpu).
 TEST(ExpertMlpValidation, RejectsBadArgumentsByName) {

@@ -479,11 +479,7 @@ void StagedPipeline::check(cudaStream_t stream) {
   std::string gemm_fault;
   if (expert_kernels_ == ExpertKernels::sm90) {
     const sm90::PipelineFault f = sm90::take_pipeline_fault(stream);
-    if (f.occurred) {
-      gemm_fault = "SM90 expert GEMM: a pipeline wait timed out (block " + std::to_string(f.block) + ", thread " +
-                   std::to_string(f.thread) + ", barrier at shared offset " + std::to_string(f.barrier) +
-                   ", parity " + std::to_string(f.parity) + "); that launch's outputs are invalid";
-    }
+    if (f.occurred) gemm_fault = "SM90 expert GEMM: " + sm90::describe(f);
   }
   if (found.empty() && gemm_fault.empty()) return;
   if (found.empty()) throw DeviceError(gemm_fault);
