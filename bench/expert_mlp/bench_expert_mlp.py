@@ -333,8 +333,13 @@ class PoiseBlock:
 
 
 # ---------------------------------------------------------------- timing
-def time_ms(fn, warmup=3, reps=15, settle_s=0.0, warm_ms=0.0):
+def time_ms(fn, warmup=3, reps=15, settle_s=0.0, warm_ms=0.0, back_to_back=False):
     """Median ms of reps calls. settle_s: idle first; warm_ms: warm up for at least that long.
+
+    back_to_back: the calls are enqueued without a synchronize between them, so each one's span on the
+    GPU has the host ahead of it, as inside a model where the next layer's launches are queued while
+    this one runs. A call that synchronizes inside (the baseline's bincount) still pays its host
+    stall; what goes is the launch latency of a call that starts on an idle GPU.
 
     The block timings (baseline and Poise, fwd and fwd+bwd) settle 1 s and warm up 300 ms each:
     this card runs power- and temperature-limited, and a timing that starts right after another
@@ -353,36 +358,20 @@ def time_ms(fn, warmup=3, reps=15, settle_s=0.0, warm_ms=0.0):
         if done >= warmup:
             torch.cuda.synchronize()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e))
-    return statistics.median(times)
-
-
-BLOCK_TIMING = {"settle_s": 1.0, "warm_ms": 300.0}
-
-
-def time_ms_back_to_back(fn, reps=15, settle_s=1.0, warm_ms=300.0):
-    """Median ms of reps calls enqueued back to back (no synchronize between them), after the same
-    settle and warm-up as the block timings: each call's span on the GPU with the host ahead of it,
-    as inside a model, where the next layer's launches are queued while this one runs. A call that
-    synchronizes inside (the baseline's bincount) still pays its host stall; what goes is the launch
-    latency a block pays when it starts on an idle GPU."""
-    time_ms(fn, warmup=3, reps=1, settle_s=settle_s, warm_ms=warm_ms)
     events = []
     for _ in range(reps):
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         s.record()
         fn()
         e.record()
+        if not back_to_back:
+            torch.cuda.synchronize()
         events.append((s, e))
     torch.cuda.synchronize()
     return statistics.median(s.elapsed_time(e) for s, e in events)
+
+
+BLOCK_TIMING = {"settle_s": 1.0, "warm_ms": 300.0}
 
 
 def rel_err(a, b):
@@ -493,7 +482,7 @@ def run_case(P, name, skew_target, dense, commit, gemm_detail, repeats=1, back_t
     if fused:
         blocks["fwd_fused_combine_ms"] = with_fused_combine(poise_fwd)
         blocks["fwdbwd_fused_combine_ms"] = with_fused_combine(poise_fwdbwd)
-    # --back-to-back: the same blocks enqueued back to back (time_ms_back_to_back), the baseline's and
+    # --back-to-back: the same blocks enqueued back to back (time_ms, back_to_back=True), the baseline's and
     # Poise's forward and forward+backward with the host ahead, next to the headline timings from an
     # idle GPU (session 18: the baseline gains as much, performance.md).
     back_to_back = {"baseline_fwd_back_to_back_ms": base_fwd, "baseline_fwdbwd_back_to_back_ms": base_fwdbwd,
@@ -506,7 +495,7 @@ def run_case(P, name, skew_target, dense, commit, gemm_detail, repeats=1, back_t
         for k, fn in blocks.items():
             times[k].append(time_ms(fn, **BLOCK_TIMING))
         for k, fn in back_to_back.items():
-            times[k].append(time_ms_back_to_back(fn, **BLOCK_TIMING))
+            times[k].append(time_ms(fn, **BLOCK_TIMING, back_to_back=True))
     med = {k: statistics.median(v) for k, v in times.items()}
     base_fwd_ms, base_fwdbwd_ms, fwd_ms, fwdbwd_ms = (med[k] for k in list(blocks)[:4])
     fwd_kernels_ms = time_ms(lambda: blk.forward_kernels(w13, w2, out))
