@@ -86,16 +86,17 @@ __device__ __forceinline__ void run_token_combine(const TokenCombineJob& job, ui
         const uint32_t bytes = static_cast<uint32_t>(min(job.chunk_bytes, job.row_bytes - offset));
         ptx::mbarrier_wait(&empty[s], ((j / kSideSlots) & 1) ^ 1);  // freed (at once the first time)
         if (lane == 0) ptx::mbarrier_arrive_expect_tx(&full[s], job.top_k * bytes);
-        if (copies)
+        if (copies) {
+          const uint8_t* src = reads ? job.rows_RD + static_cast<int64_t>(row) * job.row_bytes + offset : g_zero_piece;
           cuda::ptx::cp_async_bulk(cuda::ptx::space_cluster, cuda::ptx::space_global,
-                                   side + s * kSideSlotBytes + lane * job.chunk_bytes,
-                                   reads ? job.rows_RD + static_cast<int64_t>(row) * job.row_bytes + offset : g_zero_piece,
-                                   bytes, &full[s]);
+                                   side + s * kSideSlotBytes + lane * job.chunk_bytes, src, bytes, &full[s]);
+        }
         if (c == 0 && copies && job.partials_RP != nullptr) {
           float sum = 0.0f;
           if (reads) {
 #pragma unroll 4
-            for (int32_t p = 0; p < job.partials; ++p) sum += job.partials_RP[static_cast<int64_t>(row) * job.partials + p];
+            for (int32_t p = 0; p < job.partials; ++p)
+              sum += job.partials_RP[static_cast<int64_t>(row) * job.partials + p];
           }
           job.sums_TK[static_cast<int64_t>(t) * job.top_k + lane] = sum;
         }
