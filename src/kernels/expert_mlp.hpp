@@ -182,8 +182,8 @@ inline constexpr uint32_t kPipelineWaitTimeoutNs = 4'000'000'000u;
 // gave up on it and drained instead of hanging, its outputs are garbage, the CUDA context stays
 // usable. Or (bad_token) a fused combine's row named a token outside [0, tokens): that row was not
 // added anywhere, the others were. Or (bad_row) a WGRAD side combine's row_of_tk named a row outside
-// [0, R): that piece was read as zeros, the rest combined. The first since the last call; one record per device, whichever
-// caller reads it.
+// [0, R): that piece was read as zeros, the rest combined. The first since the last call; one record
+// per device, whichever caller reads it.
 struct PipelineFault {
   bool occurred = false;
   bool bad_token = false;   // FusedCombine::token_of_row_R out of range (no barrier: barrier, parity 0)

@@ -505,10 +505,12 @@ PipelineFault take_pipeline_fault(cudaStream_t stream) {
 std::string describe(const PipelineFault& f) {
   if (!f.occurred) return "";
   const std::string where = "block " + std::to_string(f.block) + ", thread " + std::to_string(f.thread);
-  if (f.bad_token) return "a fused combine's row named a token outside [0, tokens) (" + where + "): that row was added nowhere";
-  if (f.bad_row) return "a side combine's row_of_tk named a row outside [0, R) (" + where + "): that piece was read as zeros";
-  return "a pipeline wait timed out (" + where + ", barrier at shared offset " + std::to_string(f.barrier) + ", parity " +
-         std::to_string(f.parity) + "); that launch's outputs are invalid";
+  if (f.bad_token)
+    return "a fused combine's row named a token outside [0, tokens) (" + where + "): that row was added nowhere";
+  if (f.bad_row)
+    return "a side combine's row_of_tk named a row outside [0, R) (" + where + "): that piece was read as zeros";
+  return "a pipeline wait timed out (" + where + ", barrier at shared offset " + std::to_string(f.barrier) +
+         ", parity " + std::to_string(f.parity) + "); that launch's outputs are invalid";
 }
 
 static_assert(kPipelineWaitTimeoutNs == ptx::kDefaultWaitTimeoutNs, "the host API states the kernels' bound");
