@@ -206,6 +206,8 @@ class PoiseBlock:
         # The backward's grad_x combine and score sums as the WGRADs' side job (POISE_BENCH_SIDE_COMBINE=0:
         # separate glue kernels, for A/B runs; libraries without it: separate).
         self.side_combine = hasattr(P.lib, "pb_wgrad_w13_combine") and os.environ.get("POISE_BENCH_SIDE_COMBINE") != "0"
+        # Its first third of the tokens (WGRAD W2's share of the two WGRADs' FLOPs) ride in WGRAD W2.
+        self.side_combine_tokens = T // 3
         # The top-k combines fused into FPROP W2 (out) and DGRAD W13 (grad_x): bf16 additions by token
         # in L2, not bitwise reproducible. Off by default; the bench times both (run_case).
         self.fused_combine = False
@@ -235,14 +237,23 @@ class PoiseBlock:
     def gather_x(self, x):
         self.P.scatter_rows(self.lay["row_of_tk"], self.T * self.K, self.K, self.D, x, self.x_rows)
 
-    def forward_kernels(self, w13, w2, out, save_h13=True):
-        P, L = self.P, self.lay
-        P.fprop_w13(self.x_rows, w13, self.a, self.h13 if save_h13 else None)
+    def forward_steps(self, x, ids, scores, w13, w2, out, save_h13=True, glue=True):
+        """The forward as (name, call) steps in launch order: what forward runs and profile_chain times.
+        glue=False: the kernels after the layout and the x gather (forward_kernels)."""
+        P = self.P
+        if glue:
+            yield "layout", lambda: self.layout(ids, scores)
+            yield "gather_x", lambda: self.gather_x(x)
+        yield "fprop_w13", lambda: P.fprop_w13(self.x_rows, w13, self.a, self.h13 if save_h13 else None)
         if self.fused_combine:
-            self.fprop_w2_fused_combine(w2, out)
+            yield "fprop_w2_fused_combine", lambda: self.fprop_w2_fused_combine(w2, out)
             return
-        P.fprop_w2(self.a, w2, L["scores_R"], self.y_rows)
-        self.combine(self.y_rows, out)
+        yield "fprop_w2", lambda: P.fprop_w2(self.a, w2, self.lay["scores_R"], self.y_rows)
+        yield "combine", lambda: self.combine(self.y_rows, out)
+
+    def forward_kernels(self, w13, w2, out, save_h13=True):
+        for _, call in self.forward_steps(None, None, None, w13, w2, out, save_h13, glue=False):
+            call()
 
     def combine(self, rows_RD, out_TD):
         """The top-k combine of grouped rows into token rows (glue kernel: fp32 sums in k order)."""
@@ -259,28 +270,38 @@ class PoiseBlock:
         self.P.dgrad_w13_combine(self.gh13, w13, self.lay["token_of_row"], self.T, grad_x)
 
     def forward(self, x, ids, scores, w13, w2, out):
-        self.layout(ids, scores)
-        self.gather_x(x)
-        self.forward_kernels(w13, w2, out)
+        for _, call in self.forward_steps(x, ids, scores, w13, w2, out):
+            call()
 
-    def backward(self, grad_out, w13, w2, grad_x, grad_w13, grad_w2, grad_scores_TK):
+    def backward_steps(self, grad_out, w13, w2, grad_x, grad_w13, grad_w2, grad_scores_TK):
+        """The backward as (name, call) steps in launch order (a forward has run): what backward runs and
+        profile_chain times."""
         P, L = self.P, self.lay
-        P.scatter_rows(L["row_of_tk"], self.T * self.K, self.K, self.D, grad_out, self.gy_rows)
-        P.dgrad_w2(self.gy_rows, w2, self.h13, L["scores_R"], self.gh13, self.a, self.grad_score_partials)
+        yield "scatter_grad", lambda: P.scatter_rows(L["row_of_tk"], self.T * self.K, self.K, self.D, grad_out,
+                                                     self.gy_rows)
+        yield "dgrad_w2", lambda: P.dgrad_w2(self.gy_rows, w2, self.h13, L["scores_R"], self.gh13, self.a,
+                                             self.grad_score_partials)
         if self.fused_combine:
-            self.dgrad_w13_fused_combine(w13, grad_x)
-            P.wgrad_w2(self.gy_rows, self.a, grad_w2, 0, 0)
-            P.wgrad_w13(self.gh13, self.x_rows, grad_w13, 0, 0)
-            self.score_sums(grad_scores_TK)
+            yield "dgrad_w13_fused_combine", lambda: self.dgrad_w13_fused_combine(w13, grad_x)
+            yield "wgrad_w2", lambda: P.wgrad_w2(self.gy_rows, self.a, grad_w2, 0, 0)
+            yield "wgrad_w13", lambda: P.wgrad_w13(self.gh13, self.x_rows, grad_w13, 0, 0)
+            yield "score_sums", lambda: self.score_sums(grad_scores_TK)
             return
         if self.side_combine:
-            P.dgrad_w13(self.gh13, w13, self.gx_rows)
-            self.wgrads_with_combine(grad_w13, grad_w2, grad_x, grad_scores_TK)
+            yield "dgrad_w13", lambda: P.dgrad_w13(self.gh13, w13, self.gx_rows)
+            T1 = self.side_combine_tokens
+            yield "wgrad_w2+combine", lambda: self.wgrad_w2_with_combine(grad_w2, grad_x, grad_scores_TK, T1)
+            yield "wgrad_w13+combine", lambda: self.wgrad_w13_with_combine(grad_w13, grad_x, grad_scores_TK, T1)
             return
-        P.wgrad_w2(self.gy_rows, self.a, grad_w2, 0, 0)
-        P.dgrad_w13(self.gh13, w13, self.gx_rows)
-        P.wgrad_w13(self.gh13, self.x_rows, grad_w13, 0, 0)
-        self.combine_glue(grad_x, grad_scores_TK)
+        yield "wgrad_w2", lambda: P.wgrad_w2(self.gy_rows, self.a, grad_w2, 0, 0)
+        yield "dgrad_w13", lambda: P.dgrad_w13(self.gh13, w13, self.gx_rows)
+        yield "wgrad_w13", lambda: P.wgrad_w13(self.gh13, self.x_rows, grad_w13, 0, 0)
+        yield "combine_grad", lambda: self.combine(self.gx_rows, grad_x)
+        yield "score_sums", lambda: self.score_sums(grad_scores_TK)
+
+    def backward(self, grad_out, w13, w2, grad_x, grad_w13, grad_w2, grad_scores_TK):
+        for _, call in self.backward_steps(grad_out, w13, w2, grad_x, grad_w13, grad_w2, grad_scores_TK):
+            call()
 
     def combine_glue(self, grad_x, grad_scores_TK):
         """grad_x and grad_scores as separate glue kernels (DGRAD W13 and DGRAD W2 must have run)."""
@@ -294,9 +315,8 @@ class PoiseBlock:
 
     def wgrads_with_combine(self, grad_w13, grad_w2, grad_x, grad_scores_TK):
         """The two WGRADs, with grad_x and grad_scores from their idle producer warps while they compute
-        (DGRAD W13 must have run): a third of the tokens (WGRAD W2's share of the two WGRADs' FLOPs)
-        ride in WGRAD W2, the rest in WGRAD W13."""
-        T1 = self.T // 3
+        (DGRAD W13 must have run): side_combine_tokens ride in WGRAD W2, the rest in WGRAD W13."""
+        T1 = self.side_combine_tokens
         self.wgrad_w2_with_combine(grad_w2, grad_x, grad_scores_TK, T1)
         self.wgrad_w13_with_combine(grad_w13, grad_x, grad_scores_TK, T1)
 

@@ -23,35 +23,10 @@ import bench_expert_mlp as bench  # noqa: E402
 
 
 def chain_steps(c, fused):
-    """(name, call) of one forward+backward, the calls PoiseBlock.forward / backward make."""
-    blk, L, gemm, P = c.blk, c.blk.lay, c.gemm_calls, c.blk.P
-    T, K, D = c.T, c.K, c.D
-    yield "layout", lambda: blk.layout(c.ids, c.scores)
-    yield "gather_x", lambda: blk.gather_x(c.x)
-    yield "fprop_w13", gemm["fprop_w13"]
-    if fused:
-        yield "fprop_w2_fused_combine", lambda: blk.fprop_w2_fused_combine(c.w2, c.out)
-    else:
-        yield "fprop_w2", gemm["fprop_w2"]
-        yield "combine", lambda: blk.combine(blk.y_rows, c.out)
-    yield "scatter_grad", lambda: P.scatter_rows(L["row_of_tk"], T * K, K, D, c.grad_out, blk.gy_rows)
-    yield "dgrad_w2", gemm["dgrad_w2"]
-    if fused:
-        yield "dgrad_w13_fused_combine", lambda: blk.dgrad_w13_fused_combine(c.w13, c.gx)
-        yield "wgrad_w2", gemm["wgrad_w2"]
-        yield "wgrad_w13", gemm["wgrad_w13"]
-        yield "score_sums", lambda: blk.score_sums(c.gs)
-    elif blk.side_combine:
-        yield "dgrad_w13", gemm["dgrad_w13"]
-        T1 = T // 3  # PoiseBlock.wgrads_with_combine's split
-        yield "wgrad_w2+combine", lambda: blk.wgrad_w2_with_combine(c.g2, c.gx, c.gs, T1)
-        yield "wgrad_w13+combine", lambda: blk.wgrad_w13_with_combine(c.g13, c.gx, c.gs, T1)
-    else:
-        yield "wgrad_w2", gemm["wgrad_w2"]
-        yield "dgrad_w13", gemm["dgrad_w13"]
-        yield "wgrad_w13", gemm["wgrad_w13"]
-        yield "combine_grad", lambda: blk.combine(blk.gx_rows, c.gx)
-        yield "score_sums", lambda: blk.score_sums(c.gs)
+    """(name, call) of one forward+backward: PoiseBlock's own steps, in the chain the bench times."""
+    c.blk.fused_combine = fused
+    return (list(c.blk.forward_steps(c.x, c.ids, c.scores, c.w13, c.w2, c.out)) +
+            list(c.blk.backward_steps(c.grad_out, c.w13, c.w2, c.gx, c.g13, c.g2, c.gs)))
 
 
 def profile(c, fused, reps, warm_ms):
