@@ -321,18 +321,13 @@ struct RowsCombineEpilogue : RowsStoreEpilogue {
                                   if (r >= rows.valid) return nullptr;
                                   const int32_t token = token_of_row_R[rows.first_row + r];
                                   if (static_cast<uint32_t>(token) >= static_cast<uint32_t>(tokens)) {
-                                    report_bad_token();
+                                    ptx::record_fault(ptx::PipelineFaultWord::kBadToken);
                                     return nullptr;
                                   }
                                   return out_RN + int64_t(token) * N + n_first;
                                 });
   }
 
-  // The first fault of the launch wins (the host reads it: take_pipeline_fault, bad_token).
-  __device__ static void report_bad_token() {
-    using Word = ptx::PipelineFaultWord;
-    atomicCAS(&ptx::g_pipeline_fault, 0ull, Word::pack(blockIdx.x, threadIdx.x, Word::kBadToken, 0));
-  }
 };
 
 // DGRAD W2 + SwiGLU backward. Accumulators hold grad_y . W2 for activation columns f.
@@ -390,7 +385,7 @@ struct SwigluDgradEpilogue {
       return;
     }
     // A 64-row half wholly past the expert's rows is not loaded (as its A box, grouped_gemm.cuh).
-    const int halves = kSkipPaddingBoxes && tile.row_count - tile.m_block * kTileM <= 64 ? 1 : 2;
+    const int halves = 2 - static_cast<int>(second_box_is_padding(tile));
     ptx::mbarrier_arrive_expect_tx(full_bar, halves * kPieceBytes);
     const int32_t row0 = tile.row_begin + tile.m_block * kTileM;
     const CUtensorMap* map = row0 >= h13_split ? &h13_hi_map : &h13_map;

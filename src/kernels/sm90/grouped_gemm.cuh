@@ -385,7 +385,7 @@ __global__ void __launch_bounds__(kThreadsPerCta, 1)
         // bytes of stack).
         const int32_t a_row0_one_box =
             (tile.row_begin + tile.m_block * kTileM) |
-            (kSkipPaddingBoxes && kRows == RowsAre::M && tile.row_count - tile.m_block * kTileM <= 64 ? 1 : 0);
+            (kRows == RowsAre::M && second_box_is_padding(tile) ? 1 : 0);
         for (int32_t kb = 0; kb < k_blocks; ++kb, ++it) {
           const int s = it % kStages;
           POISE_PHASE(const long long w0 = clock64();)

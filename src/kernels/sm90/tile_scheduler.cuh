@@ -78,6 +78,12 @@ struct TileInfo {
   bool shares_a, shares_b;
 };
 
+// Rows as M, with kSkipPaddingBoxes: the tile's second 64-row A box (and h13 half) lies wholly past
+// its expert's rows, so it is not fetched.
+__device__ __forceinline__ bool second_box_is_padding(const TileInfo& tile) {
+  return kSkipPaddingBoxes && tile.row_count - tile.m_block * kTileM <= 64;
+}
+
 struct SchedulerStorage {
   int32_t tile_prefix[kMaxExperts + 1];  // rows-as-M: first tile index of each expert
   int2 rows[kMaxExperts];                // (offset, count) per expert

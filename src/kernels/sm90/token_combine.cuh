@@ -71,8 +71,7 @@ __device__ __forceinline__ void run_token_combine(const TokenCombineJob& job, ui
       if (!copies || t >= t_end) return 0;
       const int32_t row = job.row_of_tk[static_cast<int64_t>(t) * job.top_k + lane];
       if (static_cast<uint32_t>(row) < static_cast<uint32_t>(job.rows)) return row;
-      using Word = ptx::PipelineFaultWord;
-      atomicCAS(&ptx::g_pipeline_fault, 0ull, Word::pack(blockIdx.x, threadIdx.x, Word::kBadRow, 0));
+      ptx::record_fault(ptx::PipelineFaultWord::kBadRow);
       return -1;
     };
     int32_t next_row = row_of(t_begin);

@@ -66,6 +66,12 @@ struct PipelineFaultWord {
 };
 static __device__ unsigned long long g_pipeline_fault = 0;
 
+// Records a fault that is no wait (`kind`: PipelineFaultWord::kBadToken / kBadRow) from this thread,
+// unless one is recorded already: the first fault of a launch wins, the host reads it.
+__device__ __forceinline__ void record_fault(unsigned kind) {
+  atomicCAS(&g_pipeline_fault, 0ull, PipelineFaultWord::pack(blockIdx.x, threadIdx.x, kind, 0));
+}
+
 __device__ __forceinline__ unsigned int global_timer_lo_ns() {
   unsigned int t;
   asm volatile("mov.u32 %0, %%globaltimer_lo;" : "=r"(t));
