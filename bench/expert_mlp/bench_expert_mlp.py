@@ -422,6 +422,16 @@ def make_inputs(T, D, F, E, K, skew_target):
     return ids, skew, x, scores, w13, w2, grad_out
 
 
+def fused_combine_fields(med, timing, flops_fwd):
+    """The fused-combine blocks' record fields for one timing ("" or "_back_to_back"): their medians,
+    the forward's TFLOP/s and both speedups over the baseline's blocks of the same timing."""
+    f_ms, fb_ms = med[f"fwd_fused_combine{timing}_ms"], med[f"fwdbwd_fused_combine{timing}_ms"]
+    return {f"fwd_fused_combine{timing}_ms": f_ms, f"fwdbwd_fused_combine{timing}_ms": fb_ms,
+            f"fwd_fused_combine{timing}_tflops": flops_fwd / f_ms / 1e9,
+            f"speedup_fwd_fused_combine{timing}": med[f"baseline_fwd{timing}_ms"] / f_ms,
+            f"speedup_fwdbwd_fused_combine{timing}": med[f"baseline_fwdbwd{timing}_ms"] / fb_ms}
+
+
 def run_case(P, name, skew_target, dense, commit, gemm_detail, repeats=1, back_to_back_blocks=False):
     T, D, F, E, K = SHAPES[name]
     dev, bf = "cuda", torch.bfloat16
@@ -505,11 +515,9 @@ def run_case(P, name, skew_target, dense, commit, gemm_detail, repeats=1, back_t
     # --back-to-back: the same blocks enqueued back to back (time_ms, back_to_back=True), the baseline's and
     # Poise's forward and forward+backward with the host ahead, next to the headline timings from an
     # idle GPU (session 18: the baseline gains as much, performance.md).
-    back_to_back = {"baseline_fwd_back_to_back_ms": base_fwd, "baseline_fwdbwd_back_to_back_ms": base_fwdbwd,
-                    "fwdbwd_back_to_back_ms": poise_fwdbwd} if back_to_back_blocks else {}
-    if fused and back_to_back_blocks:
-        back_to_back["fwd_fused_combine_back_to_back_ms"] = with_fused_combine(poise_fwd)
-        back_to_back["fwdbwd_fused_combine_back_to_back_ms"] = with_fused_combine(poise_fwdbwd)
+    # (Every block but the default combine's forward.)
+    back_to_back = {k.replace("_ms", "_back_to_back_ms"): fn for k, fn in blocks.items()
+                    if k != "fwd_ms"} if back_to_back_blocks else {}
     times = {k: [] for k in {**blocks, **back_to_back}}
     for _ in range(repeats):
         for k, fn in blocks.items():
@@ -541,22 +549,15 @@ def run_case(P, name, skew_target, dense, commit, gemm_detail, repeats=1, back_t
     if fused:
         # FPROP W2 / DGRAD W13 adding their rows into out / grad_x by token (bf16, no fixed order)
         # instead of grouped rows + a combine.
-        f_ms, fb_ms = med["fwd_fused_combine_ms"], med["fwdbwd_fused_combine_ms"]
-        rec.update({"fwd_fused_combine_ms": f_ms, "fwdbwd_fused_combine_ms": fb_ms,
-                    "fwd_fused_combine_tflops": flops_fwd / f_ms / 1e9,
-                    "speedup_fwd_fused_combine": base_fwd_ms / f_ms,
-                    "speedup_fwdbwd_fused_combine": base_fwdbwd_ms / fb_ms})
+        rec.update(fused_combine_fields(med, "", flops_fwd))
     if back_to_back_blocks:
-        b2b_base_fwd, b2b_base = med["baseline_fwd_back_to_back_ms"], med["baseline_fwdbwd_back_to_back_ms"]
-        rec.update({"baseline_fwd_back_to_back_ms": b2b_base_fwd, "baseline_fwdbwd_back_to_back_ms": b2b_base,
+        b2b_base = med["baseline_fwdbwd_back_to_back_ms"]
+        rec.update({"baseline_fwd_back_to_back_ms": med["baseline_fwd_back_to_back_ms"],
+                    "baseline_fwdbwd_back_to_back_ms": b2b_base,
                     "fwdbwd_back_to_back_ms": med["fwdbwd_back_to_back_ms"],
                     "speedup_fwdbwd_back_to_back": b2b_base / med["fwdbwd_back_to_back_ms"]})
-    if fused and back_to_back_blocks:
-        f_ms, fb_ms = med["fwd_fused_combine_back_to_back_ms"], med["fwdbwd_fused_combine_back_to_back_ms"]
-        rec.update({"fwd_fused_combine_back_to_back_ms": f_ms, "fwdbwd_fused_combine_back_to_back_ms": fb_ms,
-                    "fwd_fused_combine_back_to_back_tflops": flops_fwd / f_ms / 1e9,
-                    "speedup_fwd_fused_combine_back_to_back": b2b_base_fwd / f_ms,
-                    "speedup_fwdbwd_fused_combine_back_to_back": b2b_base / fb_ms})
+        if fused:
+            rec.update(fused_combine_fields(med, "_back_to_back", flops_fwd))
     if repeats > 1:
         rec["repeats"] = times
         rec["speedup_fwdbwd_repeats"] = [b / p for b, p in zip(times["baseline_fwdbwd_ms"], times["fwdbwd_ms"])]
