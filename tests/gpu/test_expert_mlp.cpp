@@ -11,6 +11,7 @@
 #include <random>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <cuda_runtime_api.h>
 
 #include "kernels/device_info.hpp"
@@ -885,6 +886,30 @@ TEST(ExpertMlpFusedCombine, TokenOutOfRangeIsReportedAndSkipped) {
 // shape (tokens of K = 3 distinct valid rows on WGRAD W13, and where there are rows enough K = 8
 // on WGRAD W2 and K = 16 on W13: row chunks of 640 / 256 / 128 bytes, several per row at most
 // shapes; none at all where no expert has rows).
+// How many of a WGRAD side combine's outputs differ from the sums in order, bit for bit: out_TD[t]
+// (bf16 of the fp32 sum over k of rows[row_of_tk[t*K + k]]) and sums_TK[t*K + k] (fp32 sum over p of
+// partials[row][p]); an index outside [0, R) counts as zeros and its sum as 0, as the kernel reads it.
+std::pair<int64_t, int64_t> side_combine_mismatches(const std::vector<int32_t>& row_of_tk, int64_t R, int64_t T,
+                                                    int64_t K, int64_t D, int64_t P, const std::vector<uint16_t>& rows,
+                                                    const std::vector<float>& partials,
+                                                    const std::vector<uint16_t>& out, const std::vector<float>& sums) {
+  auto bad = [&](int64_t i) { return row_of_tk[i] < 0 || row_of_tk[i] >= R; };
+  int64_t out_wrong = 0, sums_wrong = 0;
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t d = 0; d < D; ++d) {
+      float acc = 0.0f;
+      for (int64_t k = 0; k < K; ++k) acc += bad(t * K + k) ? 0.0f : from_bf16(rows[row_of_tk[t * K + k] * D + d]);
+      out_wrong += out[t * D + d] != to_bf16(acc);
+    }
+    for (int64_t k = 0; k < K; ++k) {
+      float sum = 0.0f;
+      for (int64_t p = 0; p < P && !bad(t * K + k); ++p) sum += partials[row_of_tk[t * K + k] * P + p];
+      sums_wrong += std::memcmp(&sum, &sums[t * K + k], sizeof(float)) != 0;
+    }
+  }
+  return {out_wrong, sums_wrong};
+}
+
 TEST_P(ExpertMlpKernels, WgradSideCombineMatchesSumsInOrder) {
   Fixture fx(GetParam());
   const int64_t R = fx.l.rows, D = fx.cs.D, F = fx.cs.F, E = fx.E();
@@ -922,21 +947,8 @@ TEST_P(ExpertMlpKernels, WgradSideCombineMatchesSumsInOrder) {
     const auto side = wgrad_fp32(on_w2, {drow.ptr, T, K, drows.ptr, dout.ptr, dpart.ptr, P, dsums.ptr});
     EXPECT_EQ(std::memcmp(expected.data(), side.data(), expected.size() * sizeof(float)), 0)
         << (on_w2 ? "grad_w2" : "grad_w13") << " changed, K " << K;
-    const auto out = dout.download();
-    const auto sums = dsums.download();
-    int64_t out_wrong = 0, sums_wrong = 0;
-    for (int64_t t = 0; t < T; ++t) {
-      for (int64_t d = 0; d < D; ++d) {
-        float acc = 0.0f;
-        for (int64_t k = 0; k < K; ++k) acc += from_bf16(rows[row_of_tk[t * K + k] * D + d]);
-        out_wrong += out[t * D + d] != to_bf16(acc);
-      }
-      for (int64_t k = 0; k < K; ++k) {
-        float s = 0.0f;
-        for (int64_t p = 0; p < P; ++p) s += partials[row_of_tk[t * K + k] * P + p];
-        sums_wrong += std::memcmp(&s, &sums[t * K + k], sizeof(float)) != 0;
-      }
-    }
+    const auto [out_wrong, sums_wrong] =
+        side_combine_mismatches(row_of_tk, R, T, K, D, P, rows, partials, dout.download(), dsums.download());
     EXPECT_EQ(out_wrong, 0) << "of " << T * D << " combined elements, K " << K;
     EXPECT_EQ(sums_wrong, 0) << "of " << T * K << " score sums, K " << K;
   }
@@ -977,22 +989,8 @@ TEST(ExpertMlpWgradSideCombine, RowOutOfRangeIsReportedAndReadAsZero) {
   EXPECT_TRUE(fault.occurred && fault.bad_row && !fault.bad_token) << "the out-of-range rows are reported";
   EXPECT_EQ(std::memcmp(plain.data(), side.data(), plain.size() * sizeof(float)), 0) << "grad_w13 changed";
 
-  const auto out = dout.download();
-  const auto sums = dsums.download();
-  auto bad = [&](int64_t i) { return row_of_tk[i] < 0 || row_of_tk[i] >= R; };
-  int64_t out_wrong = 0, sums_wrong = 0;
-  for (int64_t t = 0; t < T; ++t) {
-    for (int64_t d = 0; d < D; ++d) {
-      float acc = 0.0f;
-      for (int64_t k = 0; k < K; ++k) acc += bad(t * K + k) ? 0.0f : from_bf16(rows[row_of_tk[t * K + k] * D + d]);
-      out_wrong += out[t * D + d] != to_bf16(acc);
-    }
-    for (int64_t k = 0; k < K; ++k) {
-      float sum = 0.0f;
-      for (int64_t p = 0; p < P && !bad(t * K + k); ++p) sum += partials[row_of_tk[t * K + k] * P + p];
-      sums_wrong += std::memcmp(&sum, &sums[t * K + k], sizeof(float)) != 0;
-    }
-  }
+  const auto [out_wrong, sums_wrong] =
+      side_combine_mismatches(row_of_tk, R, T, K, D, P, rows, partials, dout.download(), dsums.download());
   EXPECT_EQ(out_wrong, 0) << "of " << T * D << " combined elements";
   EXPECT_EQ(sums_wrong, 0) << "of " << T * K << " score sums";
 }
