@@ -64,10 +64,13 @@ def load_lib(path):
         "pb_scatter_rows": [c_void_p, c_int64, c_int64, c_int64, c_void_p, c_void_p, c_void_p],
         "pb_combine_rows": [c_void_p, c_int64, c_int64, c_int64, c_void_p, c_void_p, c_void_p],
         "pb_gather_scalars": [c_void_p, c_int64, c_void_p, c_int64, c_void_p, c_void_p],
+        "pb_gather_rows_streamed": [c_void_p, c_int64, c_int64, c_void_p, c_void_p, c_int, c_void_p],
+        "pb_fprop_w13_streamed": [c_void_p] * 5,
+        "pb_dgrad_w2_streamed": [c_void_p] * 8,
     }
     for name, args in sigs.items():
-        if name.endswith("_combine") and not hasattr(lib, name):
-            continue  # libraries before the combine side job / the fused forward combine
+        if (name.endswith("_combine") or "streamed" in name) and not hasattr(lib, name):
+            continue  # libraries before the combine side job / the fused forward combine / streamed rows
         fn = getattr(lib, name)
         fn.argtypes = args
         fn.restype = c_int
@@ -213,6 +216,12 @@ class PoiseBlock:
         self.fused_combine = False
         # POISE_BENCH_W13_LAYOUT=interleaved / POISE_BENCH_ACTIVATION=clamped (timing probes only: the
         # bench's weights and baseline are blocked W13 with plain SwiGLU, so outputs then differ).
+        # The x gather and the grad_out scatter streamed under FPROP W13 / DGRAD W2 (sm90::StreamedRows):
+        # the GEMM starts at once and waits per row block. POISE_BENCH_STREAMED_ROWS=0: the separate
+        # copy kernels first (A/B); POISE_BENCH_GATHER_CTAS: the streamed gather's CTAs.
+        self.streamed_rows = (hasattr(P.lib, "pb_gather_rows_streamed")
+                              and os.environ.get("POISE_BENCH_STREAMED_ROWS") != "0")
+        self.gather_ctas = int(os.environ.get("POISE_BENCH_GATHER_CTAS", "16"))
         self.interleaved = int(os.environ.get("POISE_BENCH_W13_LAYOUT", "blocked") == "interleaved")
         self.clamped = int(os.environ.get("POISE_BENCH_ACTIVATION", "swiglu") == "clamped")
 
@@ -241,10 +250,16 @@ class PoiseBlock:
         """The forward as (name, call) steps in launch order: what forward runs and profile_chain times.
         glue=False: the kernels after the layout and the x gather (forward_kernels)."""
         P = self.P
+        h13 = self.h13 if save_h13 else None
         if glue:
             yield "layout", lambda: self.layout(ids, scores)
-            yield "gather_x", lambda: self.gather_x(x)
-        yield "fprop_w13", lambda: P.fprop_w13(self.x_rows, w13, self.a, self.h13 if save_h13 else None)
+            if self.streamed_rows:
+                yield "gather_x+fprop_w13", lambda: self.streamed(x, self.x_rows, P.fprop_w13_streamed,
+                                                                  self.x_rows, w13, self.a, h13)
+            else:
+                yield "gather_x", lambda: self.gather_x(x)
+        if not (glue and self.streamed_rows):
+            yield "fprop_w13", lambda: P.fprop_w13(self.x_rows, w13, self.a, h13)
         if self.fused_combine:
             yield "fprop_w2_fused_combine", lambda: self.fprop_w2_fused_combine(w2, out)
             return
@@ -254,6 +269,11 @@ class PoiseBlock:
     def forward_kernels(self, w13, w2, out, save_h13=True):
         for _, call in self.forward_steps(None, None, None, w13, w2, out, save_h13, glue=False):
             call()
+
+    def streamed(self, src_TD, dst_RD, gemm, *gemm_args):
+        """dst_RD's rows gathered from src_TD while `gemm` (FPROP W13 or DGRAD W2) runs over them."""
+        self.P.gather_rows_streamed(self.lay["token_of_row"], self.T, self.D, src_TD, dst_RD, self.gather_ctas)
+        gemm(*gemm_args)
 
     def combine(self, rows_RD, out_TD):
         """The top-k combine of grouped rows into token rows (glue kernel: fp32 sums in k order)."""
@@ -277,10 +297,14 @@ class PoiseBlock:
         """The backward as (name, call) steps in launch order (a forward has run): what backward runs and
         profile_chain times."""
         P, L = self.P, self.lay
-        yield "scatter_grad", lambda: P.scatter_rows(L["row_of_tk"], self.T * self.K, self.K, self.D, grad_out,
-                                                     self.gy_rows)
-        yield "dgrad_w2", lambda: P.dgrad_w2(self.gy_rows, w2, self.h13, L["scores_R"], self.gh13, self.a,
-                                             self.grad_score_partials)
+        dgrad_w2_args = (self.gy_rows, w2, self.h13, L["scores_R"], self.gh13, self.a, self.grad_score_partials)
+        if self.streamed_rows:
+            yield "scatter_grad+dgrad_w2", lambda: self.streamed(grad_out, self.gy_rows, P.dgrad_w2_streamed,
+                                                                 *dgrad_w2_args)
+        else:
+            yield "scatter_grad", lambda: P.scatter_rows(L["row_of_tk"], self.T * self.K, self.K, self.D, grad_out,
+                                                         self.gy_rows)
+            yield "dgrad_w2", lambda: P.dgrad_w2(*dgrad_w2_args)
         if self.fused_combine:
             yield "dgrad_w13_fused_combine", lambda: self.dgrad_w13_fused_combine(w13, grad_x)
             yield "wgrad_w2", lambda: P.wgrad_w2(self.gy_rows, self.a, grad_w2, 0, 0)
@@ -477,14 +501,19 @@ def run_case(P, name, skew_target, dense, commit, gemm_detail, repeats=1, back_t
     # The top-k combines fused into FPROP W2 and DGRAD W13 (libraries that have them), same buffers.
     fused = hasattr(P.lib, "pb_fprop_w2_combine") and hasattr(P.lib, "pb_dgrad_w13_combine")
 
-    def with_fused_combine(fn):
+    def with_block_flag(fn, flag, value):
+        """fn run with one of the block's switches (fused_combine, streamed_rows) set to value."""
         def run():
-            blk.fused_combine = True
+            before = getattr(blk, flag)
+            setattr(blk, flag, value)
             try:
                 fn()
             finally:
-                blk.fused_combine = False
+                setattr(blk, flag, before)
         return run
+
+    def with_fused_combine(fn):
+        return with_block_flag(fn, "fused_combine", True)
 
     fused_errors = {}
     if fused:
@@ -512,12 +541,17 @@ def run_case(P, name, skew_target, dense, commit, gemm_detail, repeats=1, back_t
     if fused:
         blocks["fwd_fused_combine_ms"] = with_fused_combine(poise_fwd)
         blocks["fwdbwd_fused_combine_ms"] = with_fused_combine(poise_fwdbwd)
+    # Same-call A/B of the streamed rows: the copies as kernels of their own before the GEMMs.
+    streamed = blk.streamed_rows
+    if streamed:
+        for k in [k for k in blocks if k.startswith("fwd") and k != "fwd_ms"]:
+            blocks[k.replace("_ms", "_copies_first_ms")] = with_block_flag(blocks[k], "streamed_rows", False)
     # --back-to-back: the same blocks enqueued back to back (time_ms, back_to_back=True), the baseline's and
     # Poise's forward and forward+backward with the host ahead, next to the headline timings from an
     # idle GPU (session 18: the baseline gains as much, performance.md).
     # (Every block but the default combine's forward.)
     back_to_back = {k.replace("_ms", "_back_to_back_ms"): fn for k, fn in blocks.items()
-                    if k != "fwd_ms"} if back_to_back_blocks else {}
+                    if k != "fwd_ms" and "copies_first" not in k} if back_to_back_blocks else {}
     times = {k: [] for k in {**blocks, **back_to_back}}
     for _ in range(repeats):
         for k, fn in blocks.items():
@@ -550,6 +584,14 @@ def run_case(P, name, skew_target, dense, commit, gemm_detail, repeats=1, back_t
         # FPROP W2 / DGRAD W13 adding their rows into out / grad_x by token (bf16, no fixed order)
         # instead of grouped rows + a combine.
         rec.update(fused_combine_fields(med, "", flops_fwd))
+    rec["streamed_rows"] = streamed
+    if streamed:
+        rec["gather_ctas"] = blk.gather_ctas
+        # The same blocks with the x gather / grad_out scatter as separate kernels first.
+        for k in [k for k in med if "copies_first" in k]:
+            rec[k] = med[k]
+            base = med["baseline_fwd_ms" if k.startswith("fwd_") else "baseline_fwdbwd_ms"]
+            rec[k.replace("_ms", "_speedup")] = base / med[k]
     if back_to_back_blocks:
         b2b_base = med["baseline_fwdbwd_back_to_back_ms"]
         rec.update({"baseline_fwd_back_to_back_ms": med["baseline_fwd_back_to_back_ms"],
@@ -670,6 +712,8 @@ def main():
             print("   gemm ms:", {k: round(v, 3) for k, v in r["gemm_ms"].items()})
             print("   gemm TF/s:", {k: round(v) for k, v in r["gemm_tflops"].items()})
             print("   rel err vs baseline:", {k: f"{v:.1e}" for k, v in r["rel_err_vs_baseline"].items()})
+        if r.get("streamed_rows"):
+            print("   copies first (not streamed):", {k: round(v, 3) for k, v in r.items() if "copies_first" in k})
         if "fwd_fused_combine_ms" in r:
             print(f"   fused combine: fwd {r['fwd_fused_combine_ms']:.2f} ms ({r['fwd_fused_combine_tflops']:.0f} TF/s, "
                   f"x{r['speedup_fwd_fused_combine']:.2f}), fwdbwd {r['fwdbwd_fused_combine_ms']:.2f} ms "

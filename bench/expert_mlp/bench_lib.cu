@@ -18,6 +18,7 @@ namespace {
 std::string g_last_error;
 poise::sm90::GroupedRows g_rows;
 poise::sm90::ExpertMlpShape g_shape;
+poise::sm90::StreamedRows g_streamed;  // pb_set_problem's workspace for the streamed GEMMs
 
 template <class Fn>
 int guarded(Fn&& fn) {
@@ -242,6 +243,26 @@ int pb_set_problem(const int32_t* row_offsets_E, const int32_t* row_counts_E, in
     }
     tile_counters = counters;
   }
+  // The streamed rows' words (sm90::StreamedRows), zero-initialised, grown with max_rows: one
+  // workspace for the forward's x and the backward's grad_y, whose (gather, GEMM) pairs run in turn.
+  static uint32_t* streamed_words = nullptr;
+  static int64_t streamed_capacity = 0;
+  const int64_t words = poise::sm90::streamed_rows_words(max_rows);
+  if (words > streamed_capacity) {
+    uint32_t* grown = nullptr;
+    cudaError_t e = cudaDeviceSynchronize();
+    if (e == cudaSuccess) e = cudaMalloc(&grown, words * sizeof(uint32_t));
+    if (e == cudaSuccess) e = cudaMemset(grown, 0, words * sizeof(uint32_t));
+    if (e != cudaSuccess) {
+      if (grown) cudaFree(grown);
+      g_last_error = std::string("pb_set_problem: streamed rows words: ") + cudaGetErrorString(e);
+      return -1;
+    }
+    if (streamed_words) cudaFree(streamed_words);
+    streamed_words = grown;
+    streamed_capacity = words;
+  }
+  g_streamed = {streamed_words};
   g_rows = {row_offsets_E, row_counts_E, num_experts, max_rows};
   g_rows.tile_counters = tile_counters;
   g_shape.hidden_dim = hidden_dim;
@@ -255,6 +276,30 @@ int pb_set_problem(const int32_t* row_offsets_E, const int32_t* row_counts_E, in
 
 int pb_fprop_w13(const void* x, const void* w13, void* a, void* h13, void* stream) {
   return guarded([&] { poise::sm90::expert_mlp_fprop_w13(g_rows, g_shape, {x, w13, a, h13}, as_stream(stream)); });
+}
+// The streamed pair (sm90::gather_rows_streamed, then the GEMM over its rows while they arrive):
+// dst_RD[r] = src_TD[token_of_row[r]] by `ctas` CTAs, then FPROP W13 (x) or DGRAD W2 (grad_y) next.
+int pb_gather_rows_streamed(const int32_t* token_of_row, int64_t tokens, int64_t dim, const void* src_TD,
+                            void* dst_RD, int ctas, void* stream) {
+  return guarded([&] {
+    poise::sm90::gather_rows_streamed(g_rows, {token_of_row, tokens, dim, src_TD, dst_RD, ctas}, g_streamed,
+                                      as_stream(stream));
+  });
+}
+int pb_fprop_w13_streamed(const void* x, const void* w13, void* a, void* h13, void* stream) {
+  return guarded([&] {
+    poise::sm90::FpropW13Args args{x, w13, a, h13};
+    args.x_ready = g_streamed;
+    poise::sm90::expert_mlp_fprop_w13(g_rows, g_shape, args, as_stream(stream));
+  });
+}
+int pb_dgrad_w2_streamed(const void* grad_y, const void* w2, const void* h13, const float* scores, void* grad_h13,
+                         void* a, float* grad_score_partials, void* stream) {
+  return guarded([&] {
+    poise::sm90::DgradW2Args args{grad_y, w2, h13, scores, grad_h13, a, grad_score_partials};
+    args.grad_y_ready = g_streamed;
+    poise::sm90::expert_mlp_dgrad_w2(g_rows, g_shape, args, as_stream(stream));
+  });
 }
 int pb_fprop_w2(const void* a, const void* w2, const float* scores, void* y, void* stream) {
   return guarded([&] { poise::sm90::expert_mlp_fprop_w2(g_rows, g_shape, {a, w2, scores, y}, as_stream(stream)); });

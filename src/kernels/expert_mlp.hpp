@@ -58,6 +58,42 @@ struct H13Split {
   const void* hi_R2F = nullptr;
 };
 
+// Streamed rows: the rows operand of FPROP W13 (x_RD) or DGRAD W2 (grad_y_RD) may still be being
+// written when the GEMM starts, by a kernel enqueued just before it that publishes each 128-row
+// block of the grouped rows once its rows are in place (gather_rows_streamed). The GEMM then does
+// not wait for that kernel to finish (programmatic dependent launch): its producer waits per tile
+// for the tile's row block, so the copy runs under the GEMM instead of before it. Protocol, in
+// `words` (device uint32 [streamed_rows_words(max_rows)], zero-initialised, one per stream):
+//   words[0] generation: the GEMM's last CTA adds 1 at its end, so every call leaves it one higher;
+//   words[1] the GEMM's CTAs done;  words[2 + b] = generation + 1 once block b's rows are written;
+//   words[2 + B + b] the writer's rows done in block b (B = ceil(max_rows / 128); back to 0 once
+//   the block is published).
+// The writer and the GEMM must be consecutive in one stream; a wait is bounded like every pipeline
+// wait (a timed-out one is reported: take_pipeline_fault, streamed_rows). Null: the rows operand is
+// complete before the GEMM (stream order), as without streaming.
+struct StreamedRows {
+  uint32_t* words = nullptr;
+};
+int64_t streamed_rows_words(int64_t max_rows);
+
+// dst_RD[r] = src_TD[token_of_row_R[r]] for every valid row r (rows past an expert's count are left
+// as they are), publishing each row block to `ready` for the streamed GEMM enqueued next, in the
+// order that GEMM takes its tiles (expert-major). The rows x_TD -> x_RD of the forward and
+// grad_out_TD -> grad_y_RD of the backward. A row whose token is outside [0, tokens) is written as
+// zeros and recorded as a device fault (take_pipeline_fault: bad_token). ctas: CTAs that copy
+// (1..1024; at most the SM count to overlap): the GEMM's CTAs take the other SMs first and these as
+// they finish.
+struct RowGather {
+  const int32_t* token_of_row_R = nullptr;  // device int32 [R]
+  int64_t tokens = 0;                       // T
+  int64_t dim = 0;                          // columns (bf16) of a row: multiple of 8
+  const void* src_TD = nullptr;             // bf16 [T][dim], 16-byte aligned
+  void* dst_RD = nullptr;                   // bf16 [R][dim], 16-byte aligned
+  int ctas = 16;
+};
+void gather_rows_streamed(const GroupedRows& rows, const RowGather& gather, const StreamedRows& ready,
+                          cudaStream_t stream);
+
 // h13 = x . W13[e]^T, a = act(h13).  x_RD, a_RF, h13_R2F bf16; h13 keeps W13's row order.
 struct FpropW13Args {
   const void* x_RD = nullptr;
@@ -66,6 +102,7 @@ struct FpropW13Args {
   void* h13_R2F = nullptr;  // nullable: do not save h13 for backward
   const void* replica_w13_E2FD = nullptr;  // with GroupedRows::first_replica
   H13Split h13_split;  // rows past split_row go to h13_split.hi_R2F (written)
+  StreamedRows x_ready;  // x_RD streamed in by the kernel before (gather_rows_streamed)
 };
 void expert_mlp_fprop_w13(const GroupedRows& rows, const ExpertMlpShape& shape,
                           const FpropW13Args& args, cudaStream_t stream);
@@ -113,6 +150,7 @@ struct DgradW2Args {
   float* grad_score_partials_RP = nullptr;  // nullable, fp32 [R][P]
   const void* replica_w2_EDF = nullptr;  // with GroupedRows::first_replica
   H13Split h13_split;  // rows past split_row are read from h13_split.hi_R2F
+  StreamedRows grad_y_ready;  // grad_y_RD streamed in by the kernel before (gather_rows_streamed)
 };
 void expert_mlp_dgrad_w2(const GroupedRows& rows, const ExpertMlpShape& shape,
                          const DgradW2Args& args, cudaStream_t stream);
@@ -180,14 +218,16 @@ inline constexpr uint32_t kPipelineWaitTimeoutNs = 4'000'000'000u;
 
 // A pipeline wait of a grouped GEMM that ran past its bound (ptx/mbarrier.cuh): the launch
 // gave up on it and drained instead of hanging, its outputs are garbage, the CUDA context stays
-// usable. Or (bad_token) a fused combine's row named a token outside [0, tokens): that row was not
-// added anywhere, the others were. Or (bad_row) a WGRAD side combine's row_of_tk named a row outside
+// usable (streamed_rows: the wait was for a streamed row block). Or (bad_token) a fused combine's
+// or a streamed gather's row named a token outside [0, tokens): that row was not added anywhere
+// (combine) or written as zeros (gather), the others were. Or (bad_row) a WGRAD side combine's row_of_tk named a row outside
 // [0, R): that piece was read as zeros, the rest combined. The first since the last call; one record
 // per device, whichever caller reads it.
 struct PipelineFault {
   bool occurred = false;
-  bool bad_token = false;   // FusedCombine::token_of_row_R out of range (no barrier: barrier, parity 0)
+  bool bad_token = false;   // a token_of_row_R entry out of range (no barrier: barrier, parity 0)
   bool bad_row = false;     // TokenCombine::row_of_tk out of range (no barrier: barrier, parity 0)
+  bool streamed_rows = false;  // a wait for a streamed row block (StreamedRows) timed out (barrier: 0)
   int32_t block = 0;        // CTA of the wait / the row
   int32_t thread = 0;       // its thread
   uint32_t barrier = 0;     // the barrier's shared-memory offset

@@ -995,6 +995,234 @@ TEST(ExpertMlpWgradSideCombine, RowOutOfRangeIsReportedAndReadAsZero) {
   EXPECT_EQ(sums_wrong, 0) << "of " << T * K << " score sums";
 }
 
+// ---- streamed rows: the x gather / grad_out scatter under FPROP W13 / DGRAD W2 ----
+
+// token_of_row_R of a layout: every valid row a random token in [0, T); rows no expert owns an index
+// far out of range (a gather that read them would record a fault).
+std::vector<int32_t> random_token_of_row(const RowLayout& l, int64_t T, Rng& rng) {
+  std::vector<int32_t> tor(l.rows, 0x7fffffff);
+  std::uniform_int_distribution<int32_t> token(0, static_cast<int32_t>(T - 1));
+  for (int64_t r = 0; r < l.rows; ++r)
+    if (l.is_row_valid(r)) tor[r] = token(rng.gen);
+  return tor;
+}
+
+// The grouped rows a gather must leave: token rows at valid rows (zeros for a token out of range),
+// the poison elsewhere.
+std::vector<uint16_t> gathered_rows(const RowLayout& l, const std::vector<int32_t>& tor,
+                                    const std::vector<uint16_t>& src_TD, int64_t T, int64_t D) {
+  std::vector<uint16_t> rows(l.rows * D, kBf16Poison);
+  for (int64_t r = 0; r < l.rows; ++r) {
+    if (!l.is_row_valid(r)) continue;
+    const bool in_range = tor[r] >= 0 && tor[r] < T;
+    for (int64_t d = 0; d < D; ++d) rows[r * D + d] = in_range ? src_TD[tor[r] * D + d] : 0;
+  }
+  return rows;
+}
+
+// The streamed GEMMs' workspace (sm90::StreamedRows) and what a call leaves in it.
+struct StreamedWords {
+  int64_t blocks;
+  DeviceBuffer<uint32_t> words;
+  explicit StreamedWords(int64_t max_rows)
+      : blocks((max_rows + 127) / 128),
+        words(std::vector<uint32_t>(static_cast<size_t>(sm90::streamed_rows_words(max_rows)), 0u)) {}
+  sm90::StreamedRows ready() const { return {words.ptr}; }
+  // After `gemms` streamed GEMMs: the generation counts them, the CTA and row counters are zero.
+  void expect_settled(uint32_t gemms, const std::string& when) const {
+    const auto w = words.download();
+    EXPECT_EQ(w[0], gemms) << "generation " << when;
+    EXPECT_EQ(w[1], 0u) << "CTAs done " << when;
+    int64_t counting = 0;
+    for (int64_t b = 0; b < blocks; ++b) counting += w[2 + blocks + b] != 0;
+    EXPECT_EQ(counting, 0) << "row blocks with a rows-done count left " << when;
+  }
+};
+
+struct StreamedOutputs {
+  std::vector<uint16_t> x_rows, gy_rows, a, h13, gh13, as;
+  std::vector<float> gs;
+};
+
+// The forward's and backward's first GEMMs over rows gathered from token rows: as separate copies
+// first (the host's gather, uploaded) or streamed (gather_rows_streamed, then the GEMM at once).
+struct StreamedRowsCase {
+  Fixture fx;
+  int64_t T;
+  std::vector<int32_t> tor;
+  std::vector<uint16_t> x_TD, gout_TD;
+  DeviceBuffer<int32_t> dtor;
+  DeviceBuffer<uint16_t> dx_TD, dgout_TD, dw13, dw2;
+  DeviceBuffer<float> ds;
+  int64_t P;
+  DeviceBuffer<uint16_t> x_rows, gy_rows, a, h13, gh13, as;
+  DeviceBuffer<float> gs;
+
+  StreamedRowsCase(const Case& c, int64_t tokens, Rng rng)
+      : fx(c), T(tokens), tor(random_token_of_row(fx.l, T, rng)), x_TD(rng.bf16_normal(T * c.D, 1.0f)),
+        gout_TD(rng.bf16_normal(T * c.D, 1.0f)), dtor(tor), dx_TD(x_TD), dgout_TD(gout_TD),
+        dw13(rng.bf16_normal(fx.E() * 2 * c.F * c.D, 2.0f / std::sqrt(float(c.D)))),
+        dw2(rng.bf16_normal(fx.E() * c.D * c.F, 1.0f / std::sqrt(float(c.F)))), ds(rng.uniform(fx.l.rows, 0.1f, 1.0f)),
+        P(sm90::dgrad_w2_score_partials(fx.shape)), x_rows(fx.l.rows * c.D), gy_rows(fx.l.rows * c.D),
+        a(fx.l.rows * c.F), h13(fx.l.rows * 2 * c.F), gh13(fx.l.rows * 2 * c.F), as(fx.l.rows * c.F),
+        gs(fx.l.rows * P) {}
+
+  void poison() {
+    const int64_t R = fx.l.rows, D = fx.cs.D, F = fx.cs.F;
+    for (auto* b : {&x_rows, &gy_rows}) b->upload(std::vector<uint16_t>(R * D, kBf16Poison));
+    for (auto* b : {&a, &as}) b->upload(std::vector<uint16_t>(R * F, kBf16Poison));
+    for (auto* b : {&h13, &gh13}) b->upload(std::vector<uint16_t>(R * 2 * F, kBf16Poison));
+    gs.upload(std::vector<float>(R * P, fp32_poison()));
+  }
+  sm90::DgradW2Args dgrad_w2_args() const {
+    return {gy_rows.ptr, dw2.ptr, h13.ptr, ds.ptr, gh13.ptr, as.ptr, gs.ptr};
+  }
+  // The copies first: the rows as the host gathers them, then the plain GEMMs.
+  StreamedOutputs copies_first() {
+    poison();
+    x_rows.upload(gathered_rows(fx.l, tor, x_TD, T, fx.cs.D));
+    gy_rows.upload(gathered_rows(fx.l, tor, gout_TD, T, fx.cs.D));
+    sm90::expert_mlp_fprop_w13(fx.rows, fx.shape, {x_rows.ptr, dw13.ptr, a.ptr, h13.ptr}, nullptr);
+    sm90::expert_mlp_dgrad_w2(fx.rows, fx.shape, dgrad_w2_args(), nullptr);
+    cuda_ok(cudaDeviceSynchronize(), "copies first");
+    return download();
+  }
+  // The streamed pairs on `stream` (enqueued only: the caller synchronizes or captures).
+  void enqueue_streamed(const GroupedRows& rows, const StreamedWords& w, int ctas, cudaStream_t stream) {
+    sm90::gather_rows_streamed(rows, {dtor.ptr, T, fx.cs.D, dx_TD.ptr, x_rows.ptr, ctas}, w.ready(), stream);
+    sm90::FpropW13Args fprop{x_rows.ptr, dw13.ptr, a.ptr, h13.ptr};
+    fprop.x_ready = w.ready();
+    sm90::expert_mlp_fprop_w13(rows, fx.shape, fprop, stream);
+    sm90::gather_rows_streamed(rows, {dtor.ptr, T, fx.cs.D, dgout_TD.ptr, gy_rows.ptr, ctas}, w.ready(), stream);
+    sm90::DgradW2Args dgrad = dgrad_w2_args();
+    dgrad.grad_y_ready = w.ready();
+    sm90::expert_mlp_dgrad_w2(rows, fx.shape, dgrad, stream);
+  }
+  StreamedOutputs download() const {
+    return {x_rows.download(), gy_rows.download(), a.download(), h13.download(), gh13.download(), as.download(),
+            gs.download()};
+  }
+};
+
+void expect_same_outputs(const StreamedOutputs& got, const StreamedOutputs& want, const std::string& what) {
+  EXPECT_TRUE(got.x_rows == want.x_rows) << "x_RD (gathered rows, padding keeps its poison), " << what;
+  EXPECT_TRUE(got.gy_rows == want.gy_rows) << "grad_y_RD (gathered rows), " << what;
+  EXPECT_TRUE(got.a == want.a) << "a_RF, " << what;
+  EXPECT_TRUE(got.h13 == want.h13) << "h13_R2F, " << what;
+  EXPECT_TRUE(got.gh13 == want.gh13) << "grad_h13_R2F, " << what;
+  EXPECT_TRUE(got.as == want.as) << "s * a (dgrad), " << what;
+  EXPECT_TRUE(std::memcmp(got.gs.data(), want.gs.data(), got.gs.size() * sizeof(float)) == 0)
+      << "grad_score_partials_RP, " << what;
+}
+
+// FPROP W13 and DGRAD W2 over rows that are still being gathered equal, bit for bit, the same GEMMs
+// after the copies, in every launch mode: few and many gather CTAs (with one, the GEMM waits on
+// nearly every block), the static tile order, and a CUDA graph replayed (the generation makes each
+// replay's published words stale for the next). Enough tiles that every CTA takes several, zero-row
+// and one-row experts, D = 64 x 11, F = 64 x 7. The forward's outputs are checked against float64
+// once, so the bitwise reference is itself right.
+TEST(ExpertMlpStreamedRows, GemmsOverStreamedRowsEqualCopiesFirstBitwise) {
+  if (!have_sm90()) GTEST_SKIP() << "needs an SM90 GPU";
+  StreamedRowsCase c(Case{"streamed", {300, 0, 2000, 64, 129, 700, 1, 513, 0, 1500, 77, 640, 256, 900, 3, 400},
+                          704, 448, W13Layout::gate_up_blocked, false, 81},
+                     1500, Rng(81));
+  const Fixture& fx = c.fx;
+  ASSERT_FALSE(sm90::take_pipeline_fault(nullptr).occurred) << "a fault left over from an earlier test";
+  const StreamedOutputs reference = c.copies_first();
+  {
+    const int64_t D = fx.cs.D, F = fx.cs.F;
+    const auto h = ref_rows_gemm(fx.l, to_double(reference.x_rows), D, to_double(c.dw13.download()), 2 * F, true);
+    expect_close(compare_rows_bf16(reference.h13, h, fx.l, 2 * F), kBf16Tolerance, "h13 (copies first)");
+  }
+  int device = 0, sms = 0;
+  cuda_ok(cudaGetDevice(&device), "device");
+  cuda_ok(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "SMs");
+  StreamedWords words(fx.l.rows);
+  uint32_t gemms = 0;
+  GroupedRows static_rows = fx.rows;
+  static_rows.tile_counters = nullptr;
+  struct Mode {
+    const char* name;
+    const GroupedRows* rows;
+    int ctas;
+  };
+  for (const Mode& m : {Mode{"16 gather CTAs", &fx.rows, 16}, Mode{"1 gather CTA", &fx.rows, 1},
+                        Mode{"a gather CTA per SM", &fx.rows, sms}, Mode{"static tile order", &static_rows, 16}}) {
+    c.poison();
+    c.enqueue_streamed(*m.rows, words, m.ctas, nullptr);
+    cuda_ok(cudaDeviceSynchronize(), m.name);
+    gemms += 2;
+    expect_same_outputs(c.download(), reference, m.name);
+    words.expect_settled(gemms, std::string("after ") + m.name);
+  }
+  // A graph of both pairs, one gather CTA, replayed twice.
+  cudaStream_t stream;
+  cuda_ok(cudaStreamCreate(&stream), "stream");
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  cuda_ok(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "begin capture");
+  c.enqueue_streamed(fx.rows, words, 1, stream);
+  cuda_ok(cudaStreamEndCapture(stream, &graph), "end capture");
+  cuda_ok(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
+  for (int replay = 0; replay < 2; ++replay) {
+    c.poison();
+    cuda_ok(cudaGraphLaunch(exec, stream), "graph launch");
+    cuda_ok(cudaStreamSynchronize(stream), "replay");
+    gemms += 2;
+    expect_same_outputs(c.download(), reference, "graph replay " + std::to_string(replay));
+    words.expect_settled(gemms, "after graph replay " + std::to_string(replay));
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+  EXPECT_FALSE(sm90::take_pipeline_fault(nullptr).occurred);
+}
+
+// A valid row whose token is out of range (past the end, negative) is written as zeros and reported
+// (take_pipeline_fault: bad_token); the GEMM over it equals the GEMM over those zeros.
+TEST(ExpertMlpStreamedRows, TokenOutOfRangeIsWrittenAsZerosAndReported) {
+  if (!have_sm90()) GTEST_SKIP() << "needs an SM90 GPU";
+  StreamedRowsCase c(Case{"streamed_bad_token", {300, 0, 129}, 192, 128, W13Layout::gate_up_blocked, false, 82}, 100,
+                     Rng(82));
+  ASSERT_FALSE(sm90::take_pipeline_fault(nullptr).occurred) << "a fault left over from an earlier test";
+  c.tor[5] = static_cast<int32_t>(c.T) + 7;
+  c.tor[c.fx.l.offsets[2] + 128] = -3;
+  c.dtor.upload(c.tor);
+  const StreamedOutputs reference = c.copies_first();  // the host's gather writes zeros there too
+  StreamedWords words(c.fx.l.rows);
+  c.poison();
+  c.enqueue_streamed(c.fx.rows, words, 4, nullptr);
+  const sm90::PipelineFault fault = sm90::take_pipeline_fault(nullptr);
+  EXPECT_TRUE(fault.occurred && fault.bad_token) << sm90::describe(fault);
+  expect_same_outputs(c.download(), reference, "bad tokens");
+  words.expect_settled(2, "after the bad tokens");
+}
+
+// A streamed GEMM whose rows are never published (no gather before it) gives up after the bound,
+// reports it (take_pipeline_fault: streamed_rows), and the next pair on the same words is correct.
+TEST(ExpertMlpStreamedRows, UnpublishedRowsTimeOutAndTheNextPairIsCorrect) {
+  if (!have_sm90()) GTEST_SKIP() << "needs an SM90 GPU";
+  StreamedRowsCase c(Case{"streamed_timeout", {300, 0, 129, 500}, 192, 128, W13Layout::gate_up_blocked, false, 83},
+                     200, Rng(83));
+  ASSERT_FALSE(sm90::take_pipeline_fault(nullptr).occurred) << "a fault left over from an earlier test";
+  const StreamedOutputs reference = c.copies_first();
+  StreamedWords words(c.fx.l.rows);
+  sm90::set_pipeline_wait_timeout_for_tests(20'000'000u);  // 20 ms
+  sm90::FpropW13Args fprop{c.x_rows.ptr, c.dw13.ptr, c.a.ptr, c.h13.ptr};
+  fprop.x_ready = words.ready();
+  sm90::expert_mlp_fprop_w13(c.fx.rows, c.fx.shape, fprop, nullptr);
+  const sm90::PipelineFault fault = sm90::take_pipeline_fault(nullptr);  // returns: the launch drained
+  sm90::set_pipeline_wait_timeout_for_tests(sm90::kPipelineWaitTimeoutNs);
+  EXPECT_TRUE(fault.occurred && fault.streamed_rows) << sm90::describe(fault);
+  words.expect_settled(1, "after the timed-out GEMM");
+  c.poison();
+  c.enqueue_streamed(c.fx.rows, words, 16, nullptr);
+  cuda_ok(cudaDeviceSynchronize(), "the pair after the fault");
+  EXPECT_FALSE(sm90::take_pipeline_fault(nullptr).occurred);
+  expect_same_outputs(c.download(), reference, "after the timeout");
+  words.expect_settled(3, "after the pair");
+}
+
 // Each kind of device fault reads as what it is (runs without a GPU: ctest's test_expert_mlp_validation).
 TEST(ExpertMlpValidation, PipelineFaultsAreDescribedByKind) {
   sm90::PipelineFault f;
@@ -1008,12 +1236,16 @@ TEST(ExpertMlpValidation, PipelineFaultsAreDescribedByKind) {
                                "parity 1); that launch's outputs are invalid");
   f.barrier = f.parity = 0;
   f.bad_token = true;
-  EXPECT_EQ(sm90::describe(f), "a fused combine's row named a token outside [0, tokens) (block 3, thread 130): "
-                               "that row was added nowhere");
+  EXPECT_EQ(sm90::describe(f), "a row's token_of_row_R entry was outside [0, tokens) (block 3, thread 130): a "
+                               "fused combine added that row nowhere, a streamed gather wrote it as zeros");
   f.bad_token = false;
   f.bad_row = true;
   EXPECT_EQ(sm90::describe(f), "a side combine's row_of_tk named a row outside [0, R) (block 3, thread 130): "
                                "that piece was read as zeros");
+  f.bad_row = false;
+  f.streamed_rows = true;
+  EXPECT_EQ(sm90::describe(f), "a wait for a streamed row block timed out (block 3, thread 130): its writer did "
+                               "not publish it (StreamedRows); that launch's outputs are invalid");
 }
 
 // Host validation names the argument and launches nothing, before any TMA descriptor is encoded
@@ -1093,6 +1325,26 @@ TEST(ExpertMlpValidation, RejectsBadArgumentsByName) {
   EXPECT_EQ(wgrad_combine({fake, int64_t{1} << 28, 8, fake, fake}), "combine.tokens");
   EXPECT_EQ(wgrad_combine({fake, 4, 8, fake, fake, fake_f, 3, nullptr}), "combine.sums_TK");
   EXPECT_EQ(wgrad_combine({fake, 4, 8, fake, fake, fake_f, 0, fake_f}), "combine.partials");
+  auto gather = [&](sm90::RowGather g, uint32_t* words) {
+    return name_of([&] { sm90::gather_rows_streamed(rows, g, {words}, nullptr); });
+  };
+  uint32_t* fake_w = reinterpret_cast<uint32_t*>(fake);
+  const sm90::RowGather good{fake, 4, 256, fake, fake, 16};
+  EXPECT_EQ(gather({nullptr, 4, 256, fake, fake, 16}, fake_w), "token_of_row_R");
+  EXPECT_EQ(gather({fake, 0, 256, fake, fake, 16}, fake_w), "tokens");
+  EXPECT_EQ(gather({fake, 4, 100, fake, fake, 16}, fake_w), "dim");
+  EXPECT_EQ(gather({fake, 4, 256, reinterpret_cast<uint8_t*>(fake) + 8, fake, 16}, fake_w), "src_TD");
+  EXPECT_EQ(gather({fake, 4, 256, fake, nullptr, 16}, fake_w), "dst_RD");
+  EXPECT_EQ(gather({fake, 4, 256, fake, fake, 0}, fake_w), "ctas");
+  EXPECT_EQ(gather(good, nullptr), "ready.words");
+  EXPECT_EQ(gather(good, reinterpret_cast<uint32_t*>(0x1002)), "ready.words");
+  EXPECT_EQ(name_of([&] { sm90::gather_rows_streamed(no_experts, good, {fake_w}, nullptr); }), "num_experts");
+  sm90::FpropW13Args streamed_fprop = ok;
+  streamed_fprop.x_ready = {reinterpret_cast<uint32_t*>(0x1002)};
+  EXPECT_EQ(name_of([&] { sm90::expert_mlp_fprop_w13(rows, shape, streamed_fprop, nullptr); }), "x_ready.words");
+  sm90::DgradW2Args streamed_dgrad{fake, fake, fake, nullptr, fake, nullptr, nullptr};
+  streamed_dgrad.grad_y_ready = {reinterpret_cast<uint32_t*>(0x1002)};
+  EXPECT_EQ(name_of([&] { sm90::expert_mlp_dgrad_w2(rows, shape, streamed_dgrad, nullptr); }), "grad_y_ready.words");
   const GroupedRows no_rows{fake, fake, 4, 0};
   EXPECT_EQ(name_of([&] {
               sm90::expert_mlp_wgrad_w13(no_rows, shape, fake, fake, {fake, DType::fp32, false}, nullptr,

@@ -117,6 +117,7 @@ struct SwigluFpropEpilogue {
   static constexpr int kStagingBuffers = 0;
   static constexpr int kRingStages = 2;  // kBlockN / 128 chunks (static_assert in store)
   static constexpr bool kPairedTiles = true;  // 2-CTA clusters with multicast (grouped_gemm.cuh)
+  static constexpr bool kStreamedRows = true;  // its A operand may be streamed in (streamed_rows.cuh)
   static constexpr bool kSkipsEmptySlabs = true;  // an all-padding 64-row slab is skipped (grouped_gemm.cuh)
   static constexpr bool interleaved = kInterleaved;
   static constexpr uint32_t kPieceBytes = 2 * kStagingBytes;
@@ -348,6 +349,7 @@ struct SwigluDgradEpilogue {
   // pipelines cost more than the halved B traffic saved, 483 vs 500 TFLOP/s at DeepSeek-V3; with
   // the v14 ring stages, sustained: 534 vs 540 and 373 vs 390 at Qwen3, performance.md v15).
   static constexpr bool kPairedTiles = POISE_DGRAD_W2_PAIRED;
+  static constexpr bool kStreamedRows = true;  // its A operand may be streamed in (streamed_rows.cuh)
   // Both warpgroups compute every tile: letting the one with an all-padding slab run ahead made
   // this kernel 7-8% slower at DeepSeek-V3 (three runs; the other GEMMs: within noise or faster),
   // 10% in sustained running (performance.md v15).

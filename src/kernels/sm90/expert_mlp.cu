@@ -11,6 +11,7 @@
 
 #include "kernels/sm90/epilogues.cuh"
 #include "kernels/sm90/grouped_gemm.cuh"
+#include "kernels/sm90/row_gather.cuh"
 #include "kernels/sm90/tensor_map.hpp"
 #include "poise/errors.hpp"
 
@@ -236,6 +237,13 @@ void validate_rows_output(const void* rows_RD, const char* rows_name, const Fuse
           "must be in [1, 2^31) with combine.out_TD");
 }
 
+// A rows GEMM's streamed A operand (StreamedRows), checked; null when not streamed.
+uint32_t* streamed_rows_words(const StreamedRows& ready, const char* name) {
+  require(reinterpret_cast<uintptr_t>(ready.words) % alignof(uint32_t) == 0, name,
+          "must be null or a 4-byte aligned device pointer");
+  return ready.words;
+}
+
 RowsCombineEpilogue rows_combine_epilogue(const FusedCombine& combine, const float* scores_R, int64_t N) {
   RowsCombineEpilogue epi{};
   epi.out_RN = bf16(combine.out_TD);  // token rows; the base's TMA map is not used
@@ -255,6 +263,7 @@ void expert_mlp_fprop_w13(const GroupedRows& rows, const ExpertMlpShape& shape,
   require_ptr(args.w13_E2FD, "w13_E2FD");
   require_ptr(args.a_RF, "a_RF");
   require_replica_ptr(rows, args.replica_w13_E2FD, "replica_w13_E2FD");
+  uint32_t* const x_streamed = streamed_rows_words(args.x_ready, "x_ready.words");
   if (rows.max_rows == 0) return;
   const int32_t split = h13_split_row(rows, args.h13_split);  // checked before any descriptor
   const int64_t D = shape.hidden_dim, F = shape.intermediate_dim;
@@ -264,6 +273,7 @@ void expert_mlp_fprop_w13(const GroupedRows& rows, const ExpertMlpShape& shape,
                                        2 * F, D, kBlockN / 2);
   GroupedGemmShape s = rows_gemm_shape(rows, D, 2 * F, F, kBlockN / 2);
   s.b_split_rows = blocked ? static_cast<int32_t>(F) : 0;
+  s.streamed_rows = x_streamed;
   const CUtensorMap a_map = make_store_tensor_map(args.a_RF, false, rows.max_rows, F, "a_RF");
   // The low buffer holds rows [0, split) only: its map must not reach past them.
   const CUtensorMap h13_map =
@@ -316,13 +326,15 @@ void expert_mlp_dgrad_w2(const GroupedRows& rows, const ExpertMlpShape& shape,
   require_ptr(args.h13_R2F, "h13_R2F");
   require_ptr(args.grad_h13_R2F, "grad_h13_R2F");
   require_replica_ptr(rows, args.replica_w2_EDF, "replica_w2_EDF");
+  uint32_t* const grad_y_streamed = streamed_rows_words(args.grad_y_ready, "grad_y_ready.words");
   if (rows.max_rows == 0) return;
   const int32_t split = h13_split_row(rows, args.h13_split);  // checked before any descriptor
   const int64_t D = shape.hidden_dim, F = shape.intermediate_dim;
   const CUtensorMap map_a = rows_operand_map(args.grad_y_RD, rows, D, "grad_y_RD");
   // W2[e] is [D][F]: K = D rows, N = F contiguous -> MN-major B, 64 x 64 boxes.
   const WeightMaps map_b = weight_maps(rows, args.w2_EDF, "w2_EDF", args.replica_w2_EDF, "replica_w2_EDF", D, F, 64);
-  const GroupedGemmShape s = rows_gemm_shape(rows, D, D, F, kBlockN);
+  GroupedGemmShape s = rows_gemm_shape(rows, D, D, F, kBlockN);
+  s.streamed_rows = grad_y_streamed;
   auto run = [&](auto epi) {
     // h13 is read by the producer in 64 x 64 boxes; the low buffer's map must not reach past its rows.
     if (split > 0) epi.h13_map = make_bf16_tensor_map(args.h13_R2F, split, 2 * F, 64, "h13_R2F");
@@ -466,6 +478,47 @@ void expert_mlp_wgrad_w13(const GroupedRows& rows, const ExpertMlpShape& shape,
         combine, stream);
 }
 
+int64_t streamed_rows_words(int64_t max_rows) { return StreamedRowsWords::count(max_rows); }
+
+void gather_rows_streamed(const GroupedRows& rows, const RowGather& g, const StreamedRows& ready,
+                          cudaStream_t stream) {
+  require(rows.num_experts >= 1 && rows.num_experts <= kMaxExperts, "num_experts", "must be in [1, 1024]");
+  require(rows.row_offsets_E != nullptr, "row_offsets_E", "must be a device pointer");
+  require(rows.row_counts_E != nullptr, "row_counts_E", "must be a device pointer");
+  require(rows.max_rows >= 0 && rows.max_rows < (int64_t{1} << 31), "max_rows", "must be in [0, 2^31)");
+  require_ptr(g.token_of_row_R, "token_of_row_R");
+  require(g.tokens >= 1 && g.tokens < (int64_t{1} << 31), "tokens", "must be in [1, 2^31)");
+  require(g.dim > 0 && g.dim % 8 == 0 && g.dim < (int64_t{1} << 24), "dim", "must be a positive multiple of 8 below 2^24");
+  require(g.src_TD != nullptr && reinterpret_cast<uintptr_t>(g.src_TD) % 16 == 0, "src_TD",
+          "must be a 16-byte aligned device pointer");
+  require(g.dst_RD != nullptr && reinterpret_cast<uintptr_t>(g.dst_RD) % 16 == 0, "dst_RD",
+          "must be a 16-byte aligned device pointer");
+  require(ready.words != nullptr && reinterpret_cast<uintptr_t>(ready.words) % alignof(uint32_t) == 0,
+          "ready.words", "must be a 4-byte aligned device pointer");
+  // More CTAs than SMs stay correct: the GEMM then starts once they all run (no overlap).
+  require(g.ctas >= 1 && g.ctas <= 1024, "ctas", "must be in [1, 1024]");
+  if (rows.max_rows == 0) return;
+  RowGatherParams p{};
+  p.row_offsets_E = rows.row_offsets_E;
+  p.row_counts_E = rows.row_counts_E;
+  p.num_experts = static_cast<int32_t>(rows.num_experts);
+  p.blocks = static_cast<int32_t>(StreamedRowsWords::blocks(rows.max_rows));
+  p.token_of_row_R = g.token_of_row_R;
+  p.tokens = static_cast<int32_t>(g.tokens);
+  p.vecs = static_cast<int32_t>(g.dim / 8);
+  p.src_TD = static_cast<const uint4*>(g.src_TD);
+  p.dst_RD = static_cast<uint4*>(g.dst_RD);
+  p.words = ready.words;
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(g.ctas);
+  config.blockDim = dim3(kGatherThreads);
+  config.stream = stream;
+  cudaLaunchAttribute attribute = dependent_launch_attribute();
+  config.attrs = &attribute;
+  config.numAttrs = dependent_launch_allowed() ? 1 : 0;
+  check_cuda(cudaLaunchKernelEx(&config, streamed_row_gather_kernel, p), "streamed_row_gather_kernel launch");
+}
+
 bool dependent_launch_allowed() {
   static const bool allowed = [] {
     const char* v = std::getenv("POISE_SM90_PDL");
@@ -496,7 +549,8 @@ PipelineFault take_pipeline_fault(cudaStream_t stream) {
   f.thread = static_cast<int32_t>(Word::thread(word));
   f.bad_token = Word::barrier(word) == Word::kBadToken;
   f.bad_row = Word::barrier(word) == Word::kBadRow;
-  const bool wait = !f.bad_token && !f.bad_row;
+  f.streamed_rows = Word::barrier(word) == Word::kStreamedRows;
+  const bool wait = !f.bad_token && !f.bad_row && !f.streamed_rows;
   f.barrier = wait ? Word::barrier(word) : 0;
   f.parity = wait ? Word::parity(word) : 0;
   return f;
@@ -506,7 +560,11 @@ std::string describe(const PipelineFault& f) {
   if (!f.occurred) return "";
   const std::string where = "block " + std::to_string(f.block) + ", thread " + std::to_string(f.thread);
   if (f.bad_token)
-    return "a fused combine's row named a token outside [0, tokens) (" + where + "): that row was added nowhere";
+    return "a row's token_of_row_R entry was outside [0, tokens) (" + where +
+           "): a fused combine added that row nowhere, a streamed gather wrote it as zeros";
+  if (f.streamed_rows)
+    return "a wait for a streamed row block timed out (" + where +
+           "): its writer did not publish it (StreamedRows); that launch's outputs are invalid";
   if (f.bad_row)
     return "a side combine's row_of_tk named a row outside [0, R) (" + where + "): that piece was read as zeros";
   return "a pipeline wait timed out (" + where + ", barrier at shared offset " + std::to_string(f.barrier) +

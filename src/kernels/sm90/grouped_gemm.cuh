@@ -42,6 +42,7 @@
 #include "kernels/sm90/epilogue_direct.cuh"
 #include "kernels/sm90/epilogue_staging.cuh"
 #include "kernels/sm90/phase_profile.cuh"
+#include "kernels/sm90/streamed_rows.cuh"
 #include "kernels/sm90/tile_scheduler.cuh"
 
 namespace poise::sm90 {
@@ -229,6 +230,8 @@ __global__ void __launch_bounds__(kThreadsPerCta, 1)
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using Smem = GroupedGemmSmem<kBlockN, kStages, Epilogue::kStagingBuffers, kRows == RowsAre::K ? kSideBytes : 0>;
   constexpr bool kAMnMajor = kRows == RowsAre::K;
+  // The GEMMs over gathered rows (FPROP W13, DGRAD W2) may take them streamed (streamed_rows.cuh).
+  constexpr bool kStreamedRows = kRows == RowsAre::M && streams_rows<Epilogue>();
   // With 3 stages, release each stage as soon as it is read (one more stage of TMA prefetch).
   constexpr int kInFlight = kStages >= 4 ? kWgmmaGroupsInFlight : 0;
   constexpr int kRingStages = Epilogue::kRingStages;
@@ -276,8 +279,10 @@ __global__ void __launch_bounds__(kThreadsPerCta, 1)
     ptx::fence_barrier_init();
   }
   // Programmatic dependent launch: everything above overlapped the previous kernel's last tiles;
-  // the row offsets and counts the scheduler reads, and every operand, may be its outputs.
-  ptx::wait_for_prerequisite_grids();
+  // the row offsets and counts the scheduler reads, and every operand, may be its outputs. With
+  // streamed rows the previous kernel is their writer and still runs: it started after its own
+  // predecessors completed, and the producer waits for each row block it publishes.
+  if (!kStreamedRows || shape.streamed_rows == nullptr) ptx::wait_for_prerequisite_grids();
   ptx::allow_dependent_grids();
   const auto scheduler = TileScheduler<kRows, kCluster>::build(sched_storage, shape);  // syncs the CTA
   // Clusters: the peer's barriers are initialised before anyone multicasts or arrives remotely.
@@ -386,6 +391,10 @@ __global__ void __launch_bounds__(kThreadsPerCta, 1)
         const int32_t a_row0_one_box =
             (tile.row_begin + tile.m_block * kTileM) |
             (kRows == RowsAre::M && second_box_is_padding(tile) ? 1 : 0);
+        if constexpr (kStreamedRows) {
+          if (shape.streamed_rows != nullptr)
+            wait_for_streamed_block(shape.streamed_rows, tile.row_begin / kTileM + tile.m_block);
+        }
         for (int32_t kb = 0; kb < k_blocks; ++kb, ++it) {
           const int s = it % kStages;
           POISE_PHASE(const long long w0 = clock64();)
@@ -586,6 +595,11 @@ __global__ void __launch_bounds__(kThreadsPerCta, 1)
   }
   // Clusters: no CTA leaves while its peer may still multicast into it or arrive on its barriers.
   if constexpr (kCluster > 1) ptx::cluster_sync();
+  // Streamed rows: the producer (thread 0) has made its last wait. Here, where nothing else is live
+  // (after its tile loop, the pair kernels' producers spilled 8 more bytes).
+  if constexpr (kStreamedRows) {
+    if (threadIdx.x == 0 && shape.streamed_rows != nullptr) finish_streamed_rows(shape.streamed_rows);
+  }
 #endif
 }
 

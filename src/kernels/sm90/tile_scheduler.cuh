@@ -61,9 +61,16 @@ struct GroupedGemmShape {
   // between launches; tiles are then taken in order by whichever cluster is free (grouped_gemm.cuh).
   // Null: the static order.
   int32_t* tile_counters = nullptr;
-  // Rows as K (WGRAD): a top-k combine the producer warpgroup's idle warps run alongside
-  // (token_combine.cuh); combine.out_TD = nullptr: none.
-  TokenCombineJob combine;
+  // The producer warpgroup's side of the launch, by kind (a union: a larger kernel parameter made
+  // ptxas spill in the WGRAD pair kernel's consumers, 8 -> 24 bytes of stack).
+  union {
+    // Rows as K (WGRAD): a top-k combine the producer warpgroup's idle warps run alongside
+    // (token_combine.cuh); combine.out_TD = nullptr: none.
+    TokenCombineJob combine{};
+    // Rows as M: the A operand is streamed in by the kernel before (streamed_rows.cuh,
+    // StreamedRowsWords); the producer waits per tile for its row block. Null: A is complete.
+    uint32_t* streamed_rows;
+  };
 };
 
 struct TileInfo {

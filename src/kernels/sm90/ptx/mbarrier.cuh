@@ -54,6 +54,8 @@ struct PipelineFaultWord {
   static constexpr unsigned kBadToken = 0x3ffffu;
   // A WGRAD side combine's row index outside the grouped rows (token_combine.cuh).
   static constexpr unsigned kBadRow = 0x3fffeu;
+  // A GEMM producer's wait for a streamed row block (streamed_rows.cuh) that timed out.
+  static constexpr unsigned kStreamedRows = 0x3fffdu;
   __host__ __device__ static constexpr unsigned long long pack(unsigned block, unsigned thread, unsigned barrier,
                                                                unsigned parity) {
     return kValid | (static_cast<unsigned long long>(block) << 32) | (static_cast<unsigned long long>(thread) << 20) |
@@ -66,8 +68,9 @@ struct PipelineFaultWord {
 };
 static __device__ unsigned long long g_pipeline_fault = 0;
 
-// Records a fault that is no wait (`kind`: PipelineFaultWord::kBadToken / kBadRow) from this thread,
-// unless one is recorded already: the first fault of a launch wins, the host reads it.
+// Records a fault that is no mbarrier wait (`kind`: PipelineFaultWord::kBadToken / kBadRow /
+// kStreamedRows) from this thread, unless one is recorded already: the first fault of a launch
+// wins, the host reads it.
 __device__ __forceinline__ void record_fault(unsigned kind) {
   atomicCAS(&g_pipeline_fault, 0ull, PipelineFaultWord::pack(blockIdx.x, threadIdx.x, kind, 0));
 }
