@@ -216,12 +216,13 @@ class PoiseBlock:
         self.fused_combine = False
         # POISE_BENCH_W13_LAYOUT=interleaved / POISE_BENCH_ACTIVATION=clamped (timing probes only: the
         # bench's weights and baseline are blocked W13 with plain SwiGLU, so outputs then differ).
-        # The x gather and the grad_out scatter streamed under FPROP W13 / DGRAD W2 (sm90::StreamedRows):
-        # the GEMM starts at once and waits per row block. POISE_BENCH_STREAMED_ROWS=0: the separate
-        # copy kernels first (A/B); POISE_BENCH_GATHER_CTAS: the streamed gather's CTAs.
-        self.streamed_rows = (hasattr(P.lib, "pb_gather_rows_streamed")
-                              and os.environ.get("POISE_BENCH_STREAMED_ROWS") != "0")
-        self.gather_ctas = int(os.environ.get("POISE_BENCH_GATHER_CTAS", "16"))
+        # POISE_BENCH_STREAMED_ROWS=1: the x gather and the grad_out scatter streamed under FPROP W13 /
+        # DGRAD W2 (sm90::StreamedRows: the GEMM starts at once and waits per row block) instead of copy
+        # kernels first. Off by default: on one GPU it was no faster (session 19, performance.md v28a);
+        # the bench times it as an A/B (run_case). POISE_BENCH_GATHER_CTAS: the streamed gather's CTAs.
+        self.can_stream_rows = hasattr(P.lib, "pb_gather_rows_streamed")
+        self.streamed_rows = self.can_stream_rows and os.environ.get("POISE_BENCH_STREAMED_ROWS") == "1"
+        self.gather_ctas = int(os.environ.get("POISE_BENCH_GATHER_CTAS", "32"))
         self.interleaved = int(os.environ.get("POISE_BENCH_W13_LAYOUT", "blocked") == "interleaved")
         self.clamped = int(os.environ.get("POISE_BENCH_ACTIVATION", "swiglu") == "clamped")
 
@@ -541,17 +542,19 @@ def run_case(P, name, skew_target, dense, commit, gemm_detail, repeats=1, back_t
     if fused:
         blocks["fwd_fused_combine_ms"] = with_fused_combine(poise_fwd)
         blocks["fwdbwd_fused_combine_ms"] = with_fused_combine(poise_fwdbwd)
-    # Same-call A/B of the streamed rows: the copies as kernels of their own before the GEMMs.
+    # Same-call A/B of the streamed rows against the copy kernels first: the blocks other than the
+    # default combine's forward with the other setting (suffix _streamed or _copies_first).
     streamed = blk.streamed_rows
-    if streamed:
+    ab_suffix = "_copies_first" if streamed else "_streamed"
+    if blk.can_stream_rows:
         for k in [k for k in blocks if k.startswith("fwd") and k != "fwd_ms"]:
-            blocks[k.replace("_ms", "_copies_first_ms")] = with_block_flag(blocks[k], "streamed_rows", False)
+            blocks[k.replace("_ms", ab_suffix + "_ms")] = with_block_flag(blocks[k], "streamed_rows", not streamed)
     # --back-to-back: the same blocks enqueued back to back (time_ms, back_to_back=True), the baseline's and
     # Poise's forward and forward+backward with the host ahead, next to the headline timings from an
     # idle GPU (session 18: the baseline gains as much, performance.md).
     # (Every block but the default combine's forward.)
     back_to_back = {k.replace("_ms", "_back_to_back_ms"): fn for k, fn in blocks.items()
-                    if k != "fwd_ms" and "copies_first" not in k} if back_to_back_blocks else {}
+                    if k != "fwd_ms" and ab_suffix not in k} if back_to_back_blocks else {}
     times = {k: [] for k in {**blocks, **back_to_back}}
     for _ in range(repeats):
         for k, fn in blocks.items():
@@ -585,10 +588,10 @@ def run_case(P, name, skew_target, dense, commit, gemm_detail, repeats=1, back_t
         # instead of grouped rows + a combine.
         rec.update(fused_combine_fields(med, "", flops_fwd))
     rec["streamed_rows"] = streamed
-    if streamed:
+    if blk.can_stream_rows:
         rec["gather_ctas"] = blk.gather_ctas
-        # The same blocks with the x gather / grad_out scatter as separate kernels first.
-        for k in [k for k in med if "copies_first" in k]:
+        # The same blocks with the x gather / grad_out scatter the other way (streamed or copies first).
+        for k in [k for k in med if ab_suffix in k]:
             rec[k] = med[k]
             base = med["baseline_fwd_ms" if k.startswith("fwd_") else "baseline_fwdbwd_ms"]
             rec[k.replace("_ms", "_speedup")] = base / med[k]
@@ -712,8 +715,10 @@ def main():
             print("   gemm ms:", {k: round(v, 3) for k, v in r["gemm_ms"].items()})
             print("   gemm TF/s:", {k: round(v) for k, v in r["gemm_tflops"].items()})
             print("   rel err vs baseline:", {k: f"{v:.1e}" for k, v in r["rel_err_vs_baseline"].items()})
-        if r.get("streamed_rows"):
-            print("   copies first (not streamed):", {k: round(v, 3) for k, v in r.items() if "copies_first" in k})
+        ab = {k: round(v, 3) for k, v in r.items() if "_copies_first" in k or "_streamed_" in k}
+        if ab:
+            print("   streamed rows" if r.get("streamed_rows") else "   copies first",
+                  "(default); the other way:", ab)
         if "fwd_fused_combine_ms" in r:
             print(f"   fused combine: fwd {r['fwd_fused_combine_ms']:.2f} ms ({r['fwd_fused_combine_tflops']:.0f} TF/s, "
                   f"x{r['speedup_fwd_fused_combine']:.2f}), fwdbwd {r['fwdbwd_fused_combine_ms']:.2f} ms "
