@@ -956,7 +956,7 @@ TEST_P(ExpertMlpKernels, WgradSideCombineMatchesSumsInOrder) {
 
 // A WGRAD side combine's row index outside [0, R) (past the end, negative) is read nowhere: its piece
 // counts as zeros and its score sum as 0, it is reported (take_pipeline_fault: bad_row), and the
-// weight gradient and every other token are as without it.
+// weight gradient and every other token are as without it. Both WGRADs (they share the side job).
 TEST(ExpertMlpWgradSideCombine, RowOutOfRangeIsReportedAndReadAsZero) {
   if (!have_sm90()) GTEST_SKIP() << "needs an SM90 GPU";
   Fixture fx(Case{"bad_row", {300, 0, 129}, 192, 128, W13Layout::gate_up_blocked, false, 53});
@@ -972,27 +972,34 @@ TEST(ExpertMlpWgradSideCombine, RowOutOfRangeIsReportedAndReadAsZero) {
   Rng rng(55);
   const auto rows = random_rows(rng, fx.l, D, 1.0f);
   const auto partials = rng.uniform(R * P, -1.0f, 1.0f);
-  DeviceBuffer<uint16_t> dgh(random_rows(rng, fx.l, 2 * F, 1.0f)), dx(random_rows(rng, fx.l, D, 1.0f)), drows(rows),
-      dout(std::vector<uint16_t>(T * D, kBf16Poison));
+  // WGRAD W2 reads x's rows as grad_y and random rows of F as a.
+  DeviceBuffer<uint16_t> dgh(random_rows(rng, fx.l, 2 * F, 1.0f)), dx(random_rows(rng, fx.l, D, 1.0f)),
+      da(random_rows(rng, fx.l, F, 1.0f)), drows(rows), dout(T * D);
   DeviceBuffer<int32_t> drow(row_of_tk);
-  DeviceBuffer<float> dpart(partials), dsums(std::vector<float>(T * K, fp32_poison()));
-  auto wgrad = [&](const sm90::TokenCombine& combine) {
-    DeviceBuffer<float> gw(std::vector<float>(E * 2 * F * D, fp32_poison()));
-    sm90::expert_mlp_wgrad_w13(fx.rows, fx.shape, dgh.ptr, dx.ptr, {gw.ptr, DType::fp32, false}, nullptr, combine);
-    cuda_ok(cudaDeviceSynchronize(), "wgrad w13");
-    return gw.download();
-  };
-  const auto plain = wgrad({});
-  ASSERT_FALSE(sm90::take_pipeline_fault(nullptr).occurred) << "a fault left over from an earlier test";
-  const auto side = wgrad({drow.ptr, T, K, drows.ptr, dout.ptr, dpart.ptr, P, dsums.ptr});
-  const sm90::PipelineFault fault = sm90::take_pipeline_fault(nullptr);
-  EXPECT_TRUE(fault.occurred && fault.bad_row && !fault.bad_token) << "the out-of-range rows are reported";
-  EXPECT_EQ(std::memcmp(plain.data(), side.data(), plain.size() * sizeof(float)), 0) << "grad_w13 changed";
+  DeviceBuffer<float> dpart(partials), dsums(T * K);
+  for (const bool w2 : {false, true}) {
+    const char* name = w2 ? "WGRAD W2" : "WGRAD W13";
+    dout.upload(std::vector<uint16_t>(T * D, kBf16Poison));
+    dsums.upload(std::vector<float>(T * K, fp32_poison()));
+    auto wgrad = [&](const sm90::TokenCombine& combine) {
+      DeviceBuffer<float> gw(std::vector<float>(E * 2 * F * D, fp32_poison()));
+      if (w2) sm90::expert_mlp_wgrad_w2(fx.rows, fx.shape, dx.ptr, da.ptr, {gw.ptr, DType::fp32, false}, nullptr, combine);
+      else sm90::expert_mlp_wgrad_w13(fx.rows, fx.shape, dgh.ptr, dx.ptr, {gw.ptr, DType::fp32, false}, nullptr, combine);
+      cuda_ok(cudaDeviceSynchronize(), name);
+      return gw.download();
+    };
+    const auto plain = wgrad({});
+    ASSERT_FALSE(sm90::take_pipeline_fault(nullptr).occurred) << "a fault left over before " << name;
+    const auto side = wgrad({drow.ptr, T, K, drows.ptr, dout.ptr, dpart.ptr, P, dsums.ptr});
+    const sm90::PipelineFault fault = sm90::take_pipeline_fault(nullptr);
+    EXPECT_TRUE(fault.occurred && fault.bad_row && !fault.bad_token) << "the out-of-range rows are reported, " << name;
+    EXPECT_EQ(std::memcmp(plain.data(), side.data(), plain.size() * sizeof(float)), 0) << "grad_w changed, " << name;
 
-  const auto [out_wrong, sums_wrong] =
-      side_combine_mismatches(row_of_tk, R, T, K, D, P, rows, partials, dout.download(), dsums.download());
-  EXPECT_EQ(out_wrong, 0) << "of " << T * D << " combined elements";
-  EXPECT_EQ(sums_wrong, 0) << "of " << T * K << " score sums";
+    const auto [out_wrong, sums_wrong] =
+        side_combine_mismatches(row_of_tk, R, T, K, D, P, rows, partials, dout.download(), dsums.download());
+    EXPECT_EQ(out_wrong, 0) << "of " << T * D << " combined elements, " << name;
+    EXPECT_EQ(sums_wrong, 0) << "of " << T * K << " score sums, " << name;
+  }
 }
 
 // ---- streamed rows: the x gather / grad_out scatter under FPROP W13 / DGRAD W2 ----
