@@ -178,6 +178,24 @@ __global__ void gather_scalars_kernel(const int32_t* index, int64_t n, const flo
   dst[i] = sum;
 }
 
+// slot = a new zeroed device buffer of `count` elements, the old one (if any) freed once the device
+// is idle; false (slot unchanged, g_last_error set) on a CUDA error.
+template <class T>
+bool replace_with_zeroed(T*& slot, int64_t count, const char* what) {
+  T* fresh = nullptr;
+  cudaError_t e = slot ? cudaDeviceSynchronize() : cudaSuccess;
+  if (e == cudaSuccess) e = cudaMalloc(&fresh, count * sizeof(T));
+  if (e == cudaSuccess) e = cudaMemset(fresh, 0, count * sizeof(T));
+  if (e != cudaSuccess) {
+    if (fresh) cudaFree(fresh);
+    g_last_error = std::string(what) + ": " + cudaGetErrorString(e);
+    return false;
+  }
+  if (slot) cudaFree(slot);
+  slot = fresh;
+  return true;
+}
+
 int launch_check() {
   const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) {
@@ -232,34 +250,14 @@ int pb_set_problem(const int32_t* row_offsets_E, const int32_t* row_counts_E, in
   // The GEMMs' tile counters (GroupedRows::tile_counters), as a Context's pipeline passes them;
   // without them the GEMMs would fall back to the static tile order, so a failure is an error.
   static int32_t* tile_counters = nullptr;
-  if (!tile_counters) {
-    int32_t* counters = nullptr;
-    cudaError_t e = cudaMalloc(&counters, 2 * sizeof(int32_t));
-    if (e == cudaSuccess) e = cudaMemset(counters, 0, 2 * sizeof(int32_t));
-    if (e != cudaSuccess) {
-      if (counters) cudaFree(counters);
-      g_last_error = std::string("pb_set_problem: tile counters: ") + cudaGetErrorString(e);
-      return -1;
-    }
-    tile_counters = counters;
-  }
+  if (!tile_counters && !replace_with_zeroed(tile_counters, 2, "pb_set_problem: tile counters")) return -1;
   // The streamed rows' words (sm90::StreamedRows), zero-initialised, grown with max_rows: one
   // workspace for the forward's x and the backward's grad_y, whose (gather, GEMM) pairs run in turn.
   static uint32_t* streamed_words = nullptr;
   static int64_t streamed_capacity = 0;
   const int64_t words = poise::sm90::streamed_rows_words(max_rows);
   if (words > streamed_capacity) {
-    uint32_t* grown = nullptr;
-    cudaError_t e = cudaDeviceSynchronize();
-    if (e == cudaSuccess) e = cudaMalloc(&grown, words * sizeof(uint32_t));
-    if (e == cudaSuccess) e = cudaMemset(grown, 0, words * sizeof(uint32_t));
-    if (e != cudaSuccess) {
-      if (grown) cudaFree(grown);
-      g_last_error = std::string("pb_set_problem: streamed rows words: ") + cudaGetErrorString(e);
-      return -1;
-    }
-    if (streamed_words) cudaFree(streamed_words);
-    streamed_words = grown;
+    if (!replace_with_zeroed(streamed_words, words, "pb_set_problem: streamed rows words")) return -1;
     streamed_capacity = words;
   }
   g_streamed = {streamed_words};

@@ -32,13 +32,18 @@ void require(bool ok, const char* name, const char* rule) {
   if (!ok) throw InvalidArgument(name, rule);
 }
 
-void validate(const GroupedRows& rows, const ExpertMlpShape& shape) {
+// The groups every kernel over grouped rows walks (the GEMMs and the streamed gather).
+void validate_row_groups(const GroupedRows& rows) {
   require(rows.num_experts >= 1 && rows.num_experts <= kMaxExperts, "num_experts",
           "must be in [1, 1024]");
   require(rows.row_offsets_E != nullptr, "row_offsets_E", "must be a device pointer");
   require(rows.row_counts_E != nullptr, "row_counts_E", "must be a device pointer");
   require(rows.max_rows >= 0 && rows.max_rows < (int64_t{1} << 31), "max_rows",
           "must be in [0, 2^31)");
+}
+
+void validate(const GroupedRows& rows, const ExpertMlpShape& shape) {
+  validate_row_groups(rows);
   require(shape.hidden_dim > 0 && shape.hidden_dim % 64 == 0, "hidden_dim",
           "must be a positive multiple of 64");
   require(shape.intermediate_dim > 0 && shape.intermediate_dim % 64 == 0, "intermediate_dim",
@@ -482,10 +487,7 @@ int64_t streamed_rows_words(int64_t max_rows) { return StreamedRowsWords::count(
 
 void gather_rows_streamed(const GroupedRows& rows, const RowGather& g, const StreamedRows& ready,
                           cudaStream_t stream) {
-  require(rows.num_experts >= 1 && rows.num_experts <= kMaxExperts, "num_experts", "must be in [1, 1024]");
-  require(rows.row_offsets_E != nullptr, "row_offsets_E", "must be a device pointer");
-  require(rows.row_counts_E != nullptr, "row_counts_E", "must be a device pointer");
-  require(rows.max_rows >= 0 && rows.max_rows < (int64_t{1} << 31), "max_rows", "must be in [0, 2^31)");
+  validate_row_groups(rows);
   require_ptr(g.token_of_row_R, "token_of_row_R");
   require(g.tokens >= 1 && g.tokens < (int64_t{1} << 31), "tokens", "must be in [1, 2^31)");
   require(g.dim > 0 && g.dim % 8 == 0 && g.dim < (int64_t{1} << 24), "dim", "must be a positive multiple of 8 below 2^24");

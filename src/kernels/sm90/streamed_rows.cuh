@@ -53,18 +53,8 @@ __device__ __forceinline__ void wait_for_streamed_block(const uint32_t* words, i
   // The generation only moves at the end of this launch, after every producer's last wait.
   const uint32_t published = ld_relaxed_gpu(words + StreamedRowsWords::kGeneration) + 1;
   const uint32_t* word = words + StreamedRowsWords::kBlocks + block;
-  if (ld_acquire_gpu(word) != published) {
-    const unsigned int start = ptx::global_timer_lo_ns();
-    while (ld_acquire_gpu(word) != published) {
-      const unsigned int waited = ptx::global_timer_lo_ns() - start;
-      if (waited < (1u << 20)) continue;
-      if (*reinterpret_cast<volatile unsigned long long*>(&ptx::g_pipeline_fault) != 0) break;
-      if (waited > ptx::g_mbarrier_timeout_ns) {
-        ptx::record_fault(ptx::PipelineFaultWord::kStreamedRows);
-        break;
-      }
-    }
-  }
+  ptx::bounded_wait([&] { return ld_acquire_gpu(word) == published; },
+                    [] { ptx::record_fault(ptx::PipelineFaultWord::kStreamedRows); });
   cuda::ptx::fence_proxy_async(cuda::ptx::space_global);  // the generic-proxy rows, to TMA's reads
 }
 

@@ -81,26 +81,37 @@ __device__ __forceinline__ unsigned int global_timer_lo_ns() {
   return t;
 }
 
-// Waits until the phase with parity `parity` has completed (or gives up, see above).
-__device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
-  if (cuda::ptx::mbarrier_try_wait_parity(bar, parity)) return;
+// Polls `ready` until it holds, within the bound above: once a fault is recorded it gives up after
+// 1 ms, past g_mbarrier_timeout_ns it calls `on_timeout` (which records the fault) and returns. Every
+// pipeline wait is one of these (the mbarrier waits below, the streamed rows' block waits).
+template <class Ready, class OnTimeout>
+__device__ __forceinline__ void bounded_wait(Ready ready, OnTimeout on_timeout) {
+  if (ready()) return;
   const unsigned int start = global_timer_lo_ns();
-  while (!cuda::ptx::mbarrier_try_wait_parity(bar, parity)) {
+  while (!ready()) {
     const unsigned int waited = global_timer_lo_ns() - start;  // unsigned: right across the wrap
     if (waited < (1u << 20)) continue;
     if (*reinterpret_cast<volatile unsigned long long*>(&g_pipeline_fault) != 0) return;
     if (waited > g_mbarrier_timeout_ns) {
-#if POISE_MBARRIER_WATCHDOG
-      printf("poise sm90: mbarrier wait timed out: block %d thread %d, barrier at smem %u, parity %u\n", blockIdx.x,
-             threadIdx.x, static_cast<unsigned>(__cvta_generic_to_shared(bar)), parity);
-      __trap();
-#endif
-      atomicCAS(&g_pipeline_fault, 0ull,
-                PipelineFaultWord::pack(blockIdx.x, threadIdx.x,
-                                        static_cast<unsigned>(__cvta_generic_to_shared(bar)), parity));
+      on_timeout();
       return;
     }
   }
+}
+
+// Waits until the phase with parity `parity` has completed (or gives up, see above).
+__device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
+  bounded_wait([&] { return cuda::ptx::mbarrier_try_wait_parity(bar, parity); },
+               [&] {
+#if POISE_MBARRIER_WATCHDOG
+                 printf("poise sm90: mbarrier wait timed out: block %d thread %d, barrier at smem %u, parity %u\n",
+                        blockIdx.x, threadIdx.x, static_cast<unsigned>(__cvta_generic_to_shared(bar)), parity);
+                 __trap();
+#endif
+                 atomicCAS(&g_pipeline_fault, 0ull,
+                           PipelineFaultWord::pack(blockIdx.x, threadIdx.x,
+                                                   static_cast<unsigned>(__cvta_generic_to_shared(bar)), parity));
+               });
 }
 
 }  // namespace poise::sm90::ptx
