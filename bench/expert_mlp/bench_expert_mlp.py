@@ -214,8 +214,6 @@ class PoiseBlock:
         # The top-k combines fused into FPROP W2 (out) and DGRAD W13 (grad_x): bf16 additions by token
         # in L2, not bitwise reproducible. Off by default; the bench times both (run_case).
         self.fused_combine = False
-        # POISE_BENCH_W13_LAYOUT=interleaved / POISE_BENCH_ACTIVATION=clamped (timing probes only: the
-        # bench's weights and baseline are blocked W13 with plain SwiGLU, so outputs then differ).
         # POISE_BENCH_STREAMED_ROWS=1: the x gather and the grad_out scatter streamed under FPROP W13 /
         # DGRAD W2 (sm90::StreamedRows: the GEMM starts at once and waits per row block) instead of copy
         # kernels first. Off by default: on one GPU it was no faster (session 19, performance.md v28a);
@@ -223,6 +221,8 @@ class PoiseBlock:
         self.can_stream_rows = hasattr(P.lib, "pb_gather_rows_streamed")
         self.streamed_rows = self.can_stream_rows and os.environ.get("POISE_BENCH_STREAMED_ROWS") == "1"
         self.gather_ctas = int(os.environ.get("POISE_BENCH_GATHER_CTAS", "32"))
+        # POISE_BENCH_W13_LAYOUT=interleaved / POISE_BENCH_ACTIVATION=clamped (timing probes only: the
+        # bench's weights and baseline are blocked W13 with plain SwiGLU, so outputs then differ).
         self.interleaved = int(os.environ.get("POISE_BENCH_W13_LAYOUT", "blocked") == "interleaved")
         self.clamped = int(os.environ.get("POISE_BENCH_ACTIVATION", "swiglu") == "clamped")
 
