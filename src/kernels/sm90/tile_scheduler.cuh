@@ -14,6 +14,9 @@
 //    of one N block (they share B), and for an odd M block count the last M block's N blocks
 //    2j, 2j + 1 (they share A). With an odd N block count too, the last pair's second CTA has no
 //    tile: it loads its share of A for its peer and computes nothing (TileInfo::valid).
+//    With kRemainderBesidePairs the last M block's pair over N blocks 2j, 2j + 1 comes right after
+//    the full pairs of those two N blocks, so it reads their weight slices while the L2 still holds
+//    them; otherwise all of an expert's full pairs come first.
 //  - Clusters of 4 CTAs (rows as M only) walk quads: CTA r computes M block 2i + (r & 1) of N block
 //    2j + (r >> 1), sharing A with CTA r ^ 2 (same M block) and B with CTA r ^ 1 (same N block).
 //    An odd last M block is walked in units of 4 N blocks, as two A-sharing pairs {0, 2} and
@@ -42,6 +45,13 @@ enum class RowsAre { M, K };
 #define POISE_SKIP_PADDING_BOXES 1
 #endif
 inline constexpr bool kSkipPaddingBoxes = POISE_SKIP_PADDING_BOXES;
+
+// Pairs: an odd expert's last M block is walked beside the full pairs of the N blocks it shares
+// (1), or after all of them (0, the order before session 21; A/B).
+#ifndef POISE_REMAINDER_BESIDE_PAIRS
+#define POISE_REMAINDER_BESIDE_PAIRS 1
+#endif
+inline constexpr bool kRemainderBesidePairs = POISE_REMAINDER_BESIDE_PAIRS;
 
 // What the scheduler and the producer need to know about one grouped GEMM.
 struct GroupedGemmShape {
@@ -182,14 +192,26 @@ struct TileScheduler {
       info.valid = info.n_block < shape.n_blocks;
     } else {
       const int32_t m_pairs = m_blocks / 2;
-      if (local < m_pairs * shape.n_blocks) {  // M blocks 2i, 2i + 1 of one N block
-        info.m_block = 2 * (local % m_pairs) + cluster_rank;
-        info.n_block = local / m_pairs;
-      } else {  // the odd last M block: N blocks 2j, 2j + 1
+      // pair: the index among the expert's full pairs (N block major); last: the last M block's
+      // pair, over N blocks last_n, last_n + 1.
+      int32_t pair = local, last_n = 2 * (local - m_pairs * shape.n_blocks);
+      bool last = local >= m_pairs * shape.n_blocks;
+      if (kRemainderBesidePairs && (m_blocks & 1)) {
+        // Units of N blocks 2u, 2u + 1: their full pairs (half as many for a lone last N block),
+        // then the last M block's pair over both.
+        const int32_t unit_size = 2 * m_pairs + 1, u = local / unit_size, in_unit = local - u * unit_size;
+        last = in_unit >= (2 * u + 1 < shape.n_blocks ? 2 * m_pairs : m_pairs);
+        pair = 2 * u * m_pairs + in_unit;
+        last_n = 2 * u;
+      }
+      if (!last) {  // M blocks 2i, 2i + 1 of one N block
+        info.m_block = 2 * (pair % m_pairs) + cluster_rank;
+        info.n_block = pair / m_pairs;
+      } else {  // the odd last M block: N blocks last_n, last_n + 1
         info.shares_a = true;
         info.shares_b = false;
         info.m_block = m_blocks - 1;
-        info.n_block = 2 * (local - m_pairs * shape.n_blocks) + cluster_rank;
+        info.n_block = last_n + cluster_rank;
         info.valid = info.n_block < shape.n_blocks;
       }
     }
