@@ -14,9 +14,10 @@
 //    of one N block (they share B), and for an odd M block count the last M block's N blocks
 //    2j, 2j + 1 (they share A). With an odd N block count too, the last pair's second CTA has no
 //    tile: it loads its share of A for its peer and computes nothing (TileInfo::valid).
-//    With kRemainderBesidePairs the last M block's pair over N blocks 2j, 2j + 1 comes right after
-//    the full pairs of those two N blocks, so it reads their weight slices while the L2 still holds
-//    them; otherwise all of an expert's full pairs come first.
+//    Where an expert's full pairs span more than half a wave (kRemainderBesidePairs), the last M
+//    block's pair over N blocks 2j, 2j + 1 comes right after the full pairs of those two N blocks,
+//    so it reads their weight slices while the L2 still holds them; otherwise all of an expert's
+//    full pairs come first.
 //  - Clusters of 4 CTAs (rows as M only) walk quads: CTA r computes M block 2i + (r & 1) of N block
 //    2j + (r >> 1), sharing A with CTA r ^ 2 (same M block) and B with CTA r ^ 1 (same N block).
 //    An odd last M block is walked in units of 4 N blocks, as two A-sharing pairs {0, 2} and
@@ -46,12 +47,15 @@ enum class RowsAre { M, K };
 #endif
 inline constexpr bool kSkipPaddingBoxes = POISE_SKIP_PADDING_BOXES;
 
-// Pairs: an odd expert's last M block is walked beside the full pairs of the N blocks it shares
-// (1), or after all of them (0, the order before session 21; A/B).
+// Pairs: where an odd expert's last M block is walked (TileScheduler::tile). 2: beside the full
+// pairs of the N blocks it covers when the expert's full pairs take more than half a wave of the
+// launch's clusters (else they all start within the time the L2 holds a line anyway); 1: always
+// beside; 0: after all of them (the order before session 21). A/B knob.
 #ifndef POISE_REMAINDER_BESIDE_PAIRS
-#define POISE_REMAINDER_BESIDE_PAIRS 1
+#define POISE_REMAINDER_BESIDE_PAIRS 2
 #endif
-inline constexpr bool kRemainderBesidePairs = POISE_REMAINDER_BESIDE_PAIRS;
+inline constexpr int kRemainderBesidePairs = POISE_REMAINDER_BESIDE_PAIRS;
+static_assert(kRemainderBesidePairs >= 0 && kRemainderBesidePairs <= 2, "POISE_REMAINDER_BESIDE_PAIRS: 0, 1 or 2");
 
 // What the scheduler and the producer need to know about one grouped GEMM.
 struct GroupedGemmShape {
@@ -196,7 +200,9 @@ struct TileScheduler {
       // pair, over N blocks last_n, last_n + 1.
       int32_t pair = local, last_n = 2 * (local - m_pairs * shape.n_blocks);
       bool last = local >= m_pairs * shape.n_blocks;
-      if (kRemainderBesidePairs && (m_blocks & 1)) {
+      const bool beside = kRemainderBesidePairs == 1 ||
+                          (kRemainderBesidePairs == 2 && 2 * m_pairs * shape.n_blocks > gridDim.x / kCluster);
+      if (beside && (m_blocks & 1)) {
         // Units of N blocks 2u, 2u + 1: their full pairs (half as many for a lone last N block),
         // then the last M block's pair over both.
         const int32_t unit_size = 2 * m_pairs + 1, u = local / unit_size, in_unit = local - u * unit_size;
