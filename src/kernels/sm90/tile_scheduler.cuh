@@ -27,6 +27,7 @@
 #include <cub/block/block_scan.cuh>
 #include <cstdint>
 
+#include "kernels/sm90/pair_order.cuh"
 #include "kernels/sm90/ptx/shared_memory.cuh"
 #include "kernels/sm90/token_combine.cuh"
 
@@ -117,7 +118,7 @@ struct TileScheduler {
   // Tiles (kCluster 1), tile pairs (2) or quads (4) of an expert with m_blocks x n_blocks tiles.
   __device__ static int32_t groups_of(int32_t m_blocks, int32_t n_blocks) {
     if constexpr (kCluster == 1) return m_blocks * n_blocks;
-    if constexpr (kCluster == 2) return m_blocks / 2 * n_blocks + m_blocks % 2 * ((n_blocks + 1) / 2);
+    if constexpr (kCluster == 2) return pair_groups(m_blocks, n_blocks);
     return m_blocks / 2 * ((n_blocks + 1) / 2) + m_blocks % 2 * ((n_blocks + 3) / 4);
   }
 
@@ -195,31 +196,11 @@ struct TileScheduler {
       }
       info.valid = info.n_block < shape.n_blocks;
     } else {
-      const int32_t m_pairs = m_blocks / 2;
-      // pair: the index among the expert's full pairs (N block major); last: the last M block's
-      // pair, over N blocks last_n, last_n + 1.
-      int32_t pair = local, last_n = 2 * (local - m_pairs * shape.n_blocks);
-      bool last = local >= m_pairs * shape.n_blocks;
       const bool beside = kRemainderBesidePairs == 1 ||
-                          (kRemainderBesidePairs == 2 && 2 * m_pairs * shape.n_blocks > gridDim.x / kCluster);
-      if (beside && (m_blocks & 1)) {
-        // Units of N blocks 2u, 2u + 1: their full pairs (half as many for a lone last N block),
-        // then the last M block's pair over both.
-        const int32_t unit_size = 2 * m_pairs + 1, u = local / unit_size, in_unit = local - u * unit_size;
-        last = in_unit >= (2 * u + 1 < shape.n_blocks ? 2 * m_pairs : m_pairs);
-        pair = 2 * u * m_pairs + in_unit;
-        last_n = 2 * u;
-      }
-      if (!last) {  // M blocks 2i, 2i + 1 of one N block
-        info.m_block = 2 * (pair % m_pairs) + cluster_rank;
-        info.n_block = pair / m_pairs;
-      } else {  // the odd last M block: N blocks last_n, last_n + 1
-        info.shares_a = true;
-        info.shares_b = false;
-        info.m_block = m_blocks - 1;
-        info.n_block = last_n + cluster_rank;
-        info.valid = info.n_block < shape.n_blocks;
-      }
+                          (kRemainderBesidePairs == 2 &&
+                           remainder_beside_pairs(m_blocks / 2, shape.n_blocks, gridDim.x / kCluster));
+      pair_tile(local, cluster_rank, m_blocks, shape.n_blocks, beside, info.m_block, info.n_block, info.shares_a,
+                info.shares_b, info.valid);
     }
     return info;
   }
