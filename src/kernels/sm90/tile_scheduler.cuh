@@ -14,10 +14,7 @@
 //    of one N block (they share B), and for an odd M block count the last M block's N blocks
 //    2j, 2j + 1 (they share A). With an odd N block count too, the last pair's second CTA has no
 //    tile: it loads its share of A for its peer and computes nothing (TileInfo::valid).
-//    Where an expert's full pairs span more than half a wave (kRemainderBesidePairs), the last M
-//    block's pair over N blocks 2j, 2j + 1 comes right after the full pairs of those two N blocks,
-//    so it reads their weight slices while the L2 still holds them; otherwise all of an expert's
-//    full pairs come first.
+//    Where the last M block's pairs go among the full pairs: pair_order.cuh (kRemainderBesidePairs).
 //  - Clusters of 4 CTAs (rows as M only) walk quads: CTA r computes M block 2i + (r & 1) of N block
 //    2j + (r >> 1), sharing A with CTA r ^ 2 (same M block) and B with CTA r ^ 1 (same N block).
 //    An odd last M block is walked in units of 4 N blocks, as two A-sharing pairs {0, 2} and
@@ -48,7 +45,7 @@ enum class RowsAre { M, K };
 #endif
 inline constexpr bool kSkipPaddingBoxes = POISE_SKIP_PADDING_BOXES;
 
-// Pairs: where an odd expert's last M block is walked (TileScheduler::tile). 2: beside the full
+// Pairs: where an odd expert's last M block is walked (pair_order.cuh). 2: beside the full
 // pairs of the N blocks it covers when the expert's full pairs take more than half a wave of the
 // launch's clusters (else they all start within the time the L2 holds a line anyway); 1: always
 // beside; 0: after all of them (the order before session 21). A/B knob.
