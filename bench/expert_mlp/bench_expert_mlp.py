@@ -16,6 +16,7 @@ import ctypes
 import json
 import math
 import os
+import pathlib
 import statistics
 import sys
 import time
@@ -23,6 +24,9 @@ import types
 
 import torch
 import torch.nn.functional as Fn
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))  # run as a script or loaded by path (tests)
+from smi_sampler import SmiSampler, device_identity, median_clock_power  # noqa: E402
 
 SHAPES = {
     # name: (T, D, F, E_local, K)
@@ -378,8 +382,9 @@ class PoiseBlock:
 
 
 # ---------------------------------------------------------------- timing
-def time_ms(fn, warmup=3, reps=15, settle_s=0.0, warm_ms=0.0, back_to_back=False):
-    """Median ms of reps calls. settle_s: idle first; warm_ms: warm up for at least that long.
+def time_ms(fn, warmup=3, reps=15, settle_s=0.0, warm_ms=0.0, back_to_back=False, spans=None):
+    """Median ms of reps calls. settle_s: idle first; warm_ms: warm up for at least that long; spans: a
+    list that gets the timed calls' (start, end) in time.time() (the clock samples of that window).
 
     back_to_back: the calls are enqueued without a synchronize between them, so each one's span on the
     GPU has the host ahead of it, as inside a model where the next layer's launches are queued while
@@ -403,6 +408,7 @@ def time_ms(fn, warmup=3, reps=15, settle_s=0.0, warm_ms=0.0, back_to_back=False
         if done >= warmup:
             torch.cuda.synchronize()
     torch.cuda.synchronize()
+    timed_from = time.time()
     events = []
     for _ in range(reps):
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -413,10 +419,21 @@ def time_ms(fn, warmup=3, reps=15, settle_s=0.0, warm_ms=0.0, back_to_back=False
             torch.cuda.synchronize()
         events.append((s, e))
     torch.cuda.synchronize()
+    if spans is not None:
+        spans.append((timed_from, time.time()))
     return statistics.median(s.elapsed_time(e) for s, e in events)
 
 
 BLOCK_TIMING = {"settle_s": 1.0, "warm_ms": 300.0}
+
+
+def block_clocks(smi, spans):
+    """Each block's median SM clock (MHz) and board power (W) over its timed window, per repeat (None
+    where no sample fell inside: a Qwen3 window is ~60 ms), and the samples they come from."""
+    per_block = {k: [median_clock_power(smi.samples_between(a, b)) for a, b in v] for k, v in spans.items()}
+    return {"block_sm_mhz": {k: [m and m[0] for m in v] for k, v in per_block.items()},
+            "block_power_w": {k: [m and m[1] for m in v] for k, v in per_block.items()},
+            "block_clock_samples": {k: [m[3] if m else 0 for m in v] for k, v in per_block.items()}}
 
 
 def rel_err(a, b):
@@ -556,11 +573,12 @@ def run_case(P, name, skew_target, dense, commit, gemm_detail, repeats=1, back_t
     back_to_back = {k.replace("_ms", "_back_to_back_ms"): fn for k, fn in blocks.items()
                     if k != "fwd_ms" and ab_suffix not in k} if back_to_back_blocks else {}
     times = {k: [] for k in {**blocks, **back_to_back}}
+    spans = {k: [] for k in times}
     for _ in range(repeats):
         for k, fn in blocks.items():
-            times[k].append(time_ms(fn, **BLOCK_TIMING))
+            times[k].append(time_ms(fn, **BLOCK_TIMING, spans=spans[k]))
         for k, fn in back_to_back.items():
-            times[k].append(time_ms(fn, **BLOCK_TIMING, back_to_back=True))
+            times[k].append(time_ms(fn, **BLOCK_TIMING, back_to_back=True, spans=spans[k]))
     med = {k: statistics.median(v) for k, v in times.items()}
     base_fwd_ms, base_fwdbwd_ms, fwd_ms, fwdbwd_ms = (med[k] for k in list(blocks)[:4])
     fwd_kernels_ms = time_ms(lambda: blk.forward_kernels(w13, w2, out))
@@ -603,6 +621,7 @@ def run_case(P, name, skew_target, dense, commit, gemm_detail, repeats=1, back_t
                     "speedup_fwdbwd_back_to_back": b2b_base / med["fwdbwd_back_to_back_ms"]})
         if fused:
             rec.update(fused_combine_fields(med, "_back_to_back", flops_fwd))
+    rec["block_spans"] = spans  # each repeat's timed window (time.time()), for block_clocks
     if repeats > 1:
         rec["repeats"] = times
         rec["speedup_fwdbwd_repeats"] = [b / p for b, p in zip(times["baseline_fwdbwd_ms"], times["fwdbwd_ms"])]
@@ -694,17 +713,27 @@ def main():
             for skew in [float(s) for s in args.skews.split(",")]:
                 gemm_only(P, name, skew, args.gemm_only)
         return 0
-    dense = dense_tflops()
-    print(f"dense bf16 matmul 8192^3: {dense:.0f} TFLOP/s", flush=True)
+    # Which card, and the clock each timed block ran at (the figures move 2-4% between device calls).
+    device = device_identity()
+    print("device:", device, flush=True)
     records = []
-    for name in args.shapes.split(","):
-        for skew in [float(s) for s in args.skews.split(",")]:
-            rec = run_case(P, name, skew, dense, args.commit, gemm_detail=True, repeats=args.repeats,
-                           back_to_back_blocks=args.back_to_back)
-            records.append(rec)
-            print(json.dumps(rec), flush=True)
-            with open(args.out, "w") as f:
-                json.dump(records, f, indent=1)
+    with SmiSampler(period_ms=25) as smi:
+        dense = dense_tflops()
+        print(f"dense bf16 matmul 8192^3: {dense:.0f} TFLOP/s", flush=True)
+        for name in args.shapes.split(","):
+            for skew in [float(s) for s in args.skews.split(",")]:
+                rec = run_case(P, name, skew, dense, args.commit, gemm_detail=True, repeats=args.repeats,
+                               back_to_back_blocks=args.back_to_back)
+                rec["device"] = device
+                records.append(rec)
+                print(json.dumps(rec), flush=True)
+                with open(args.out, "w") as f:
+                    json.dump(records, f, indent=1)
+    print(f"clock samples: {len(smi.lines)}", flush=True)
+    for rec in records:  # the sampler has stopped: every line it printed is in
+        rec.update(block_clocks(smi, rec["block_spans"]))
+    with open(args.out, "w") as f:
+        json.dump(records, f, indent=1)
     print("\nshape                 skew  fwd_ms (base)   fwdbwd_ms (base)  fwd TF/s  x fwd  x fwdbwd  saved GiB (base)  err(out)")
     for r in records:
         print(f"{r['shape']:<21} {r['skew']:4.2f}  {r['fwd_ms']:6.2f} ({r['baseline_fwd_ms']:5.2f})  "
@@ -725,6 +754,10 @@ def main():
                   f"(x{r['speedup_fwdbwd_fused_combine']:.3f})")
         if "speedup_fwdbwd_repeats" in r:
             print("   x fwdbwd per repeat:", [round(v, 3) for v in r["speedup_fwdbwd_repeats"]])
+        if "block_sm_mhz" in r:
+            print("   SM MHz / W per repeat:", {k: [f"{m:.0f}/{w:.0f}" if m else "-" for m, w in
+                                                  zip(r["block_sm_mhz"][k], r["block_power_w"][k])]
+                                              for k in r["block_sm_mhz"] if k.endswith("fwdbwd_ms")})
         if "fwdbwd_back_to_back_ms" in r:
             line = (f"   back to back: fwdbwd {r['fwdbwd_back_to_back_ms']:.2f} ms ({r['baseline_fwdbwd_back_to_back_ms']:.2f}) "
                     f"x{r['speedup_fwdbwd_back_to_back']:.3f}")

@@ -5,7 +5,6 @@ reference's efficiency depends on.
 
     python3 bench/expert_mlp/cublas_tiles.py [SECONDS] [M,N,K ...]
 """
-import os
 import pathlib
 import sys
 
@@ -47,7 +46,6 @@ def main() -> int:
         mhz, watts, _, _ = sampled
         print(f"{name:<18} {tflops:8.0f} {mhz:6.0f} {watts:5.0f} {tflops / (mhz / 1e3) / PEAK_TFLOPS_PER_GHZ:11.1%} "
               f"{tflops / watts * 1e3:9.0f}  {kernel[:90]}")
-    os.unlink(log)
     return 0
 
 

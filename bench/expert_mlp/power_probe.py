@@ -16,20 +16,17 @@ workloads whose name contains one of its comma-separated parts (dense cuBLAS alw
 reference); a part containing "accumulate" adds WGRAD W13 accumulating into an fp32 and a bf16
 gradient buffer.
 """
-import datetime
 import json
 import os
 import pathlib
-import statistics
-import subprocess
 import sys
-import tempfile
 import time
 
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 import bench_expert_mlp as bench  # noqa: E402
+from smi_sampler import SmiSampler, median_clock_power as median_of_samples  # noqa: E402
 
 PEAK_TFLOPS_PER_GHZ = 132 * 4096 / 1e3
 
@@ -56,47 +53,21 @@ def run_for(fn, seconds):
 def run_sampled(workloads, seconds):
     """Runs each (name, fn, prepare) back to back for `seconds`, after prepare() and 1 s idle (the same
     start for each), while nvidia-smi samples the SM clock and board power every 50 ms. Returns
-    [(name, calls, ms per call, start, end)] and the samples' log (median_clock_power reads it)."""
-    log = tempfile.NamedTemporaryFile(prefix="smi", suffix=".csv", delete=False).name
-    smi = subprocess.Popen(["nvidia-smi", "--query-gpu=timestamp,clocks.sm,power.draw,clocks_event_reasons.active",
-                            "--format=csv,noheader,nounits", "-lms", "50", "-f", log])
-    time.sleep(1.0)
+    [(name, calls, ms per call, start, end)] and the sampler (median_clock_power reads it)."""
     runs = []
-    try:
+    with SmiSampler() as smi:
+        time.sleep(1.0)
         for name, fn, prepare in workloads:
             prepare()
             time.sleep(1.0)
             runs.append((name, *run_for(fn, seconds)))
-    finally:
-        time.sleep(0.3)
-        smi.terminate()
-        smi.wait()
-    return runs, log
+    return runs, smi
 
 
-def samples_between(path, start, end):
-    """(clock MHz, power W, throttle reasons) samples of nvidia-smi's log inside [start, end]."""
-    out = []
-    for line in pathlib.Path(path).read_text().splitlines():
-        parts = [p.strip() for p in line.split(",")]
-        if len(parts) < 4:
-            continue
-        try:
-            t = datetime.datetime.strptime(parts[0], "%Y/%m/%d %H:%M:%S.%f").timestamp()
-            if start + 0.3 <= t <= end:  # skip the ramp at the start
-                out.append((float(parts[1]), float(parts[2]), parts[3]))
-        except ValueError:
-            continue
-    return out
-
-
-def median_clock_power(path, start, end):
-    """(median clock MHz, median power W, the throttle reasons seen, samples) inside [start, end];
-    None without samples."""
-    s = samples_between(path, start, end)
-    if not s:
-        return None
-    return statistics.median(v[0] for v in s), statistics.median(v[1] for v in s), sorted({v[2] for v in s}), len(s)
+def median_clock_power(smi, start, end):
+    """(median clock MHz, median power W, the throttle reasons seen, samples) inside [start, end],
+    the first 0.3 s (the ramp) skipped; None without samples."""
+    return median_of_samples(smi.samples_between(start, end, skip_s=0.3))
 
 
 def main() -> int:
@@ -179,7 +150,6 @@ def main() -> int:
                  clock_event_reasons=reasons)
         print(f"{r['name']:<34} {r['tflops']:8.0f} {mhz:6.0f} {watts:6.0f} {per_ghz:13.0f} {per_ghz / PEAK_TFLOPS_PER_GHZ:8.1%} "
               f"{r['tflop_per_kj']:9.0f}  {','.join(reasons)}")
-    os.unlink(log)
     if out_path:
         with open(out_path, "w") as f:
             json.dump(records, f, indent=1)

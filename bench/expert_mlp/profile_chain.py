@@ -97,7 +97,7 @@ def main() -> int:
             print(f"{shape} skew {c.skew:.2f} {'fused' if fused else 'default'}: chain {med['chain']:.2f} ms, "
                   f"steps {steps_sum:.2f} ms: " + ", ".join(f"{k} {v:.3f}" for k, v in med.items() if k != "chain"),
                   flush=True)
-            print(f"   host us per step: " + ", ".join(f"{k} {v:.0f}" for k, v in host.items()) +
+            print("   host us per step: " + ", ".join(f"{k} {v:.0f}" for k, v in host.items()) +
                   f" (all {sum(host.values()):.0f})", flush=True)
     return 0
 
