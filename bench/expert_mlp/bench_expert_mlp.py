@@ -428,12 +428,14 @@ BLOCK_TIMING = {"settle_s": 1.0, "warm_ms": 300.0}
 
 
 def block_clocks(smi, spans):
-    """Each block's median SM clock (MHz) and board power (W) over its timed window, per repeat (None
-    where no sample fell inside: a Qwen3 window is ~60 ms), and the samples they come from."""
+    """Each block's median SM clock (MHz) and instantaneous board power (W) over its timed window, per
+    repeat (None where no sample fell inside: a Qwen3 window is ~60 ms), the samples they come from
+    and the clock event reasons seen (0x...4: the software power cap)."""
     per_block = {k: [median_clock_power(smi.samples_between(a, b)) for a, b in v] for k, v in spans.items()}
     return {"block_sm_mhz": {k: [m and m[0] for m in v] for k, v in per_block.items()},
             "block_power_w": {k: [m and m[1] for m in v] for k, v in per_block.items()},
-            "block_clock_samples": {k: [m[3] if m else 0 for m in v] for k, v in per_block.items()}}
+            "block_clock_samples": {k: [m[3] if m else 0 for m in v] for k, v in per_block.items()},
+            "block_clock_reasons": {k: sorted({r for m in v if m for r in m[2]}) for k, v in per_block.items()}}
 
 
 def rel_err(a, b):

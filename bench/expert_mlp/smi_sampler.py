@@ -27,8 +27,9 @@ def device_identity():
 
 
 class SmiSampler:
-    """nvidia-smi sampling GPU 0's SM clock, board power and throttle reasons every `period_ms`, its
-    lines collected by a thread; use as a context manager. Without nvidia-smi it collects nothing."""
+    """nvidia-smi sampling GPU 0's SM clock, instantaneous board power and throttle reasons every
+    `period_ms`, its lines collected by a thread; use as a context manager. Without nvidia-smi it
+    collects nothing. (power.draw is a 1 s average: it lags a block timed for 60-220 ms after 1 s idle.)"""
 
     def __init__(self, period_ms=50):
         self.period_ms = period_ms
@@ -38,7 +39,7 @@ class SmiSampler:
     def __enter__(self):
         try:
             self.proc = subprocess.Popen(
-                ["nvidia-smi", "-i", "0", "--query-gpu=timestamp,clocks.sm,power.draw,clocks_event_reasons.active",
+                ["nvidia-smi", "-i", "0", "--query-gpu=timestamp,clocks.sm,power.draw.instant,clocks_event_reasons.active",
                  "--format=csv,noheader,nounits", "-lms", str(self.period_ms)],
                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         except OSError:

@@ -58,3 +58,4 @@ def test_block_clocks_are_medians_per_repeat_with_none_for_empty_windows(smi):
     assert got["block_sm_mhz"] == {"fwdbwd_ms": [1401.0, None]}
     assert got["block_power_w"] == {"fwdbwd_ms": [501.0, None]}
     assert got["block_clock_samples"] == {"fwdbwd_ms": [3, 0]}
+    assert got["block_clock_reasons"] == {"fwdbwd_ms": ["0x0"]}
