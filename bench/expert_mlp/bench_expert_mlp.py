@@ -695,6 +695,11 @@ def gemm_only(P, name, skew_target, label):
           + "".join(f"; {k} {v * 1e3:.0f} us" for k, v in g.items() if "combine" in k), flush=True)
 
 
+def write_records(path, records):
+    with open(path, "w") as f:
+        json.dump(records, f, indent=1)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--lib", required=True)
@@ -729,13 +734,11 @@ def main():
                 rec["device"] = device
                 records.append(rec)
                 print(json.dumps(rec), flush=True)
-                with open(args.out, "w") as f:
-                    json.dump(records, f, indent=1)
+                write_records(args.out, records)  # each case as it ends: a cut-short run keeps its records
     print(f"clock samples: {len(smi.lines)}", flush=True)
     for rec in records:  # the sampler has stopped: every line it printed is in
         rec.update(block_clocks(smi, rec["block_spans"]))
-    with open(args.out, "w") as f:
-        json.dump(records, f, indent=1)
+    write_records(args.out, records)
     print("\nshape                 skew  fwd_ms (base)   fwdbwd_ms (base)  fwd TF/s  x fwd  x fwdbwd  saved GiB (base)  err(out)")
     for r in records:
         print(f"{r['shape']:<21} {r['skew']:4.2f}  {r['fwd_ms']:6.2f} ({r['baseline_fwd_ms']:5.2f})  "

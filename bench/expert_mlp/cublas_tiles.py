@@ -34,12 +34,12 @@ def main() -> int:
         fn = lambda a=a, b=b: torch.matmul(a, b)  # noqa: E731
         fn()
         work.append((f"{m}x{n}x{k}", 2.0 * m * n * k, fn, kernel_name(fn)))
-    runs, log = run_sampled([(name, fn, lambda: None) for name, _, fn, _ in work], seconds)
+    runs, smi = run_sampled([(name, fn, lambda: None) for name, _, fn, _ in work], seconds)
     rows = [(name, flops / ms / 1e9, start, end, kernel)
             for (name, _, ms, start, end), (_, flops, _, kernel) in zip(runs, work)]
     print(f"{'M x N x K':<18} {'TFLOP/s':>8} {'MHz':>6} {'W':>5} {'of peak/clk':>11} {'TFLOP/kJ':>9}  kernel")
     for name, tflops, start, end, kernel in rows:
-        sampled = median_clock_power(log, start, end)
+        sampled = median_clock_power(smi, start, end)
         if sampled is None:
             print(f"{name:<18} {tflops:8.0f}  (no clock samples)  {kernel[:90]}")
             continue

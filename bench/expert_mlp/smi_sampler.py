@@ -29,7 +29,8 @@ def device_identity():
 class SmiSampler:
     """nvidia-smi sampling GPU 0's SM clock, instantaneous board power and throttle reasons every
     `period_ms`, its lines collected by a thread; use as a context manager. Without nvidia-smi it
-    collects nothing. (power.draw is a 1 s average: it lags a block timed for 60-220 ms after 1 s idle.)"""
+    collects nothing. (power.draw is a 1 s average: it lags a block timed for 60-220 ms after 1 s idle.)
+    GPU 0 in nvidia-smi's order is CUDA's device 0 on a one-GPU machine, the bench's case."""
 
     def __init__(self, period_ms=50):
         self.period_ms = period_ms
@@ -64,9 +65,9 @@ class SmiSampler:
         return samples_between(list(self.lines), start, end, skip_s)
 
 
-def samples_between(lines, start, end, skip_s=0.3):
+def samples_between(lines, start, end, skip_s=0.0):
     """(clock MHz, power W, throttle reasons) of nvidia-smi's csv lines stamped inside [start + skip_s,
-    end] (the default skips a workload's ramp)."""
+    end] (skip_s: a workload's ramp to leave out)."""
     out = []
     for line in lines:
         parts = [p.strip() for p in line.split(",")]
