@@ -35,6 +35,10 @@ SHAPES = [
                    balance="exact")),
     ("deepseek_v3_ep1", dict(num_local_input_tokens=4096, hidden_dim=7168, intermediate_dim=2048, num_experts=32,
                              top_k=8, balance="capacity")),
+    # The same layer with the weight gradients written in the weights' dtype: no fp32 grads for
+    # autograd to cast (Config.wgrad_dtype; the default fp32 is for main_grad accumulation).
+    ("deepseek_v3_ep1_bf16_wgrad", dict(num_local_input_tokens=4096, hidden_dim=7168, intermediate_dim=2048,
+                                        num_experts=32, top_k=8, balance="capacity", wgrad_dtype="bf16")),
 ]
 BLOCKS, WARMUP = 7, 3  # median over BLOCKS blocks, each timed as a whole
 
@@ -137,15 +141,20 @@ def measure(name: str, fields: dict, device: torch.device) -> dict:
         out_graph = poise.routed_experts(*args, context)
         out_graph.backward(layer["grad_out_TD"])
     graph_ms = median_ms(graph.replay, iterations)
+    del graph
+    # Where one eager step's GPU time goes, stage by stage (CUDA events at the stage boundaries).
+    context.enable_stage_timing(True)
+    eager()
+    stage_ms = context.stage_times()
+    context.enable_stage_timing(False)
     context.check()
     context.close()
-    del graph
 
     return {
         "name": name, "config": fields, "iterations_per_block": iterations, "blocks": BLOCKS,
         "eager_ms": eager_ms, "raw_binding_ms": raw_ms, "cuda_graph_ms": graph_ms,
         "python_overhead_us": (eager_ms - graph_ms) * 1e3, "binding_overhead_us": (raw_ms - graph_ms) * 1e3,
-        "eager_host_us": eager_host,
+        "eager_host_us": eager_host, "stage_ms": stage_ms,
     }
 
 
@@ -175,6 +184,9 @@ def main() -> None:
     for r in results:
         print(f"{r['name']:<18}{r['eager_ms']:>10.3f}{r['raw_binding_ms']:>10.3f}{r['cuda_graph_ms']:>10.3f}"
               f"{r['python_overhead_us']:>11.1f}{r['binding_overhead_us']:>13.1f}{r['eager_host_us']:>10.1f}")
+    for r in results:
+        for phase, stages in r["stage_ms"].items():
+            print(f"{r['name']} {phase}: " + ", ".join(f"{k} {v:.3f}" for k, v in stages.items()))
     print(f"wrote {out_path} ({report['seconds']:.1f} s)")
 
 

@@ -57,7 +57,7 @@ part_python() {
   timeout 150 python3 -m pytest -q -m gpu tests/python > "$OUT/pytest_gpu.log" 2>&1; echo "pytest rc=$?"; tail -8 "$OUT/pytest_gpu.log"
 }
 part_overhead() {
-  PYTHONUNBUFFERED=1 timeout 75 python3 bench/python_overhead.py "$OUT/python_overhead_h200.json" > "$OUT/python_overhead.log" 2>&1
+  PYTHONUNBUFFERED=1 timeout 150 python3 bench/python_overhead.py "$OUT/python_overhead_h200.json" > "$OUT/python_overhead.log" 2>&1
   echo "overhead rc=$?"; tail -12 "$OUT/python_overhead.log"
 }
 part_balance() {
