@@ -15,6 +15,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -62,6 +63,11 @@ struct BackwardArgs {
   void* grad_w13 = nullptr;            // wgrad_dtype, w13's shape
   void* grad_w2 = nullptr;             // wgrad_dtype, w2's shape
   bool accumulate_wgrad = false;       // add into grad_w13/grad_w2 instead of overwriting
+  // This call's weight-gradient dtype; unset: Config::wgrad_dtype. The same for every rank of a
+  // call. A caller that would only cast fp32 grads down to the weights' bf16 (PyTorch autograd
+  // without main_grad) asks for bf16: the GEMMs round their fp32 sums once, to the same bits the
+  // cast gives, and write half the bytes.
+  std::optional<DType> wgrad_dtype;
 };
 
 // Where a GPU call's time went, stage by stage (route, dispatch, fanout, experts, combine_push, ...),

@@ -434,8 +434,8 @@ class ContextEngine(LatestForward):
         grad_scores = torch.from_numpy(gs).to(scores_TK.dtype)
         if accumulate is not None:
             return grad_x, grad_scores, _write_back(accumulate[0], g13), _write_back(accumulate[1], g2)
-        dtype = wgrad_dtype(self._config)
-        return grad_x, grad_scores, _from_numpy(g13, dtype, w13.shape), _from_numpy(g2, dtype, w2.shape)
+        # Without accumulation the weight grads come in the weights' dtype, as from the GPU engine.
+        return grad_x, grad_scores, _from_numpy(g13, w13.dtype, w13.shape), _from_numpy(g2, w2.dtype, w2.shape)
 
 
 class VirtualRanksEngine(LatestForward):
@@ -467,5 +467,8 @@ class VirtualRanksEngine(LatestForward):
         self._ensure_forward(self._key(ranks, w13_layout), lambda: self._forward(ranks, w13_layout))
         grads = self._engine.backward(list(grad_out_TD), accumulate_into=accumulate)
         self.backward_calls += 1
-        return ([g.grad_x_TD for g in grads], [g.grad_scores_TK for g in grads], [g.grad_w13 for g in grads],
-                [g.grad_w2 for g in grads])
+        grad_w13, grad_w2 = [g.grad_w13 for g in grads], [g.grad_w2 for g in grads]
+        if accumulate is None:  # in the weights' dtype, as from the GPU engine (one rounding of the fp32 sums)
+            grad_w13 = [g.to(r[3].dtype) for g, r in zip(grad_w13, ranks)]
+            grad_w2 = [g.to(r[4].dtype) for g, r in zip(grad_w2, ranks)]
+        return [g.grad_x_TD for g in grads], [g.grad_scores_TK for g in grads], grad_w13, grad_w2

@@ -17,6 +17,9 @@ from .errors import InvalidArgument
 
 SCORES_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 WGRAD_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# The weights are bf16 (check_inputs), so are the weight grads the non-accumulating ops return:
+# autograd would cast any other dtype to the weights' anyway.
+WEIGHT_GRAD_DTYPE_NAME = "bf16"
 W13_LAYOUTS = ("gate_up_blocked", "gate_up_interleaved")
 
 
@@ -100,5 +103,5 @@ def check_w13_layout(w13_layout: Any) -> None:
 
 
 def wgrad_dtype(config: Any) -> torch.dtype:
-    """The dtype of the weight grads the ops return (Config.wgrad_dtype)."""
+    """The dtype weight grads are accumulated in (Config.wgrad_dtype): the accumulating ops' buffers."""
     return WGRAD_DTYPES[config.wgrad_dtype]

@@ -30,7 +30,8 @@ from .context import Context, context_from_handle
 from .errors import InvalidArgument, NotAvailable
 from .options import ExecutionOptions
 from .reference import ContextEngine, VirtualRanksEngine, call_identity, check_accumulation_buffer
-from .torch_checks import SCORES_DTYPES, check_grad_out, check_inputs, check_w13_layout, wgrad_dtype
+from .torch_checks import (SCORES_DTYPES, WEIGHT_GRAD_DTYPE_NAME, check_grad_out, check_inputs, check_w13_layout,
+                           wgrad_dtype)
 
 
 # ---- engines behind a context --------------------------------------------------------------------
@@ -100,17 +101,21 @@ class CudaEngine:
 
     def backward_ranks(self, grad_out_TD: list[Tensor], ranks: list[tuple], w13_layout: str,
                        accumulate: Optional[list[tuple[Tensor, Tensor]]]):
-        """Returns per-rank lists (grad_x_TD, grad_scores_TK, grad_w13, grad_w2); with ``accumulate``
-        (a (grad_w13, grad_w2) pair of buffers per rank) adds into them and returns them."""
+        """Returns per-rank lists (grad_x_TD, grad_scores_TK, grad_w13, grad_w2); the weight grads in
+        the weights' dtype, or with ``accumulate`` (a (grad_w13, grad_w2) pair of Config.wgrad_dtype
+        buffers per rank) added into those buffers, which are returned."""
         # Not remembered (a no_grad forward, or dropped): (-1, 0) makes the C++ side rebuild it.
         record = self._records.pop(_identity(ranks), (-1, 0))
         grad_x_TD = [torch.empty_like(inputs[0]) for inputs in ranks]
         grad_scores_TK = [torch.empty_like(inputs[2]) for inputs in ranks]
         if accumulate is None:
-            dtype = wgrad_dtype(self._cpp.config)
-            grad_w13 = [torch.empty_like(inputs[3], dtype=dtype) for inputs in ranks]
-            grad_w2 = [torch.empty_like(inputs[4], dtype=dtype) for inputs in ranks]
+            # Autograd would cast fp32 grads to the weights' bf16: the kernels write bf16 instead
+            # (the same bits, half the bytes, no cast pass).
+            call_wgrad_dtype = WEIGHT_GRAD_DTYPE_NAME
+            grad_w13 = [torch.empty_like(inputs[3]) for inputs in ranks]
+            grad_w2 = [torch.empty_like(inputs[4]) for inputs in ranks]
         else:
+            call_wgrad_dtype = None  # Config.wgrad_dtype, the buffers' (checked)
             grad_w13, grad_w2 = [pair[0] for pair in accumulate], [pair[1] for pair in accumulate]
         device = ranks[0][0].device
         stream = torch.cuda.current_stream(device).cuda_stream
@@ -122,14 +127,14 @@ class CudaEngine:
                     _addresses(r[2] for r in ranks), scores_dtype, _addresses(r[3] for r in ranks), w13_layout,
                     _addresses(r[4] for r in ranks), _addresses(grad_out_TD), _addresses(grad_x_TD),
                     _addresses(grad_scores_TK), _addresses(grad_w13), _addresses(grad_w2), accumulate is not None,
-                    stream, record)
+                    stream, record, call_wgrad_dtype)
             else:  # the scalar entry point: no lists on the one-rank hot path
                 (x, ids, scores, w13, w2), = ranks
                 _poise.routed_experts_backward(
                     self._cpp, x.data_ptr(), ids.data_ptr(), scores.data_ptr(), scores_dtype, w13.data_ptr(),
                     w13_layout, w2.data_ptr(), grad_out_TD[0].data_ptr(), grad_x_TD[0].data_ptr(),
                     grad_scores_TK[0].data_ptr(), grad_w13[0].data_ptr(), grad_w2[0].data_ptr(),
-                    accumulate is not None, stream, record)
+                    accumulate is not None, stream, record, call_wgrad_dtype)
         self.backward_calls += 1
         return grad_x_TD, grad_scores_TK, grad_w13, grad_w2
 
@@ -236,10 +241,8 @@ def routed_experts_backward(
 
 @routed_experts_backward.register_fake
 def _(grad_out_TD, x_TD, ids_TK, scores_TK, w13, w2, context_handle, w13_layout, deterministic_combine):
-    context = _open_backward(context_handle, grad_out_TD, x_TD, ids_TK, scores_TK, w13, w2, w13_layout)
-    dtype = wgrad_dtype(context._cpp.config)
-    return (torch.empty_like(x_TD), torch.empty_like(scores_TK),
-            torch.empty_like(w13, dtype=dtype), torch.empty_like(w2, dtype=dtype))
+    _open_backward(context_handle, grad_out_TD, x_TD, ids_TK, scores_TK, w13, w2, w13_layout)
+    return torch.empty_like(x_TD), torch.empty_like(scores_TK), torch.empty_like(w13), torch.empty_like(w2)
 
 
 @torch.library.custom_op("poise::routed_experts_backward_accumulate", mutates_args=("grad_w13_acc", "grad_w2_acc"))

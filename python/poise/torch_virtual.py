@@ -26,7 +26,7 @@ from torch import Tensor
 from .context import Context
 from .errors import InvalidArgument, NotAvailable
 from .options import ExecutionOptions
-from .torch_checks import check_grad_out, check_inputs, check_w13_layout, wgrad_dtype
+from .torch_checks import check_grad_out, check_inputs, check_w13_layout
 from .torch_ops import _engine, _open_context, clip_counts_shape
 
 INPUT_NAMES = ("x_TD", "ids_TK", "scores_TK", "w13", "w2")
@@ -117,10 +117,9 @@ def routed_experts_virtual_backward(
 
 @routed_experts_virtual_backward.register_fake
 def _(grad_out_TD, x_TD, ids_TK, scores_TK, w13, w2, context_handle, w13_layout, deterministic_combine):
-    context, per_rank = _open_backward(context_handle, grad_out_TD, (x_TD, ids_TK, scores_TK, w13, w2), w13_layout)
-    dtype = wgrad_dtype(context._cpp.config)
+    _open_backward(context_handle, grad_out_TD, (x_TD, ids_TK, scores_TK, w13, w2), w13_layout)
     return ([torch.empty_like(x) for x in x_TD], [torch.empty_like(s) for s in scores_TK],
-            [torch.empty_like(w, dtype=dtype) for w in w13], [torch.empty_like(w, dtype=dtype) for w in w2])
+            [torch.empty_like(w) for w in w13], [torch.empty_like(w) for w in w2])
 
 
 # ---- autograd ------------------------------------------------------------------------------------

@@ -36,6 +36,12 @@ std::optional<ActivationRecord> from_python(const std::optional<Record>& r) {
   return ActivationRecord{r->first, r->second};
 }
 
+// A backward's weight-gradient dtype: 'bf16' / 'fp32', or None for Config.wgrad_dtype.
+std::optional<DType> call_wgrad_dtype(const std::optional<std::string>& name) {
+  if (!name) return std::nullopt;
+  return dtype_from_string(*name, "wgrad_dtype");
+}
+
 ForwardArgs forward_args(uintptr_t x_TD, uintptr_t ids_TK, uintptr_t scores_TK, const std::string& scores_dtype,
                          uintptr_t w13, const std::string& w13_layout, uintptr_t w2) {
   ForwardArgs args;
@@ -62,7 +68,7 @@ Record forward(Context& context, uintptr_t x_TD, uintptr_t ids_TK, uintptr_t sco
 void backward(Context& context, uintptr_t x_TD, uintptr_t ids_TK, uintptr_t scores_TK, const std::string& scores_dtype,
               uintptr_t w13, const std::string& w13_layout, uintptr_t w2, uintptr_t grad_out_TD, uintptr_t grad_x_TD,
               uintptr_t grad_scores_TK, uintptr_t grad_w13, uintptr_t grad_w2, bool accumulate_wgrad,
-              uintptr_t stream, const std::optional<Record>& record) {
+              uintptr_t stream, const std::optional<Record>& record, const std::optional<std::string>& wgrad_dtype) {
   BackwardArgs args;
   args.forward = forward_args(x_TD, ids_TK, scores_TK, scores_dtype, w13, w13_layout, w2);
   args.grad_out_TD = pointer<const void>(grad_out_TD);
@@ -71,6 +77,7 @@ void backward(Context& context, uintptr_t x_TD, uintptr_t ids_TK, uintptr_t scor
   args.grad_w13 = pointer<void>(grad_w13);
   args.grad_w2 = pointer<void>(grad_w2);
   args.accumulate_wgrad = accumulate_wgrad;
+  args.wgrad_dtype = call_wgrad_dtype(wgrad_dtype);
   const std::optional<ActivationRecord> r = from_python(record);
   nb::gil_scoped_release release;
   routed_experts_backward(context, args, pointer<CUstream_st>(stream), r ? &*r : nullptr);
@@ -125,7 +132,8 @@ void backward_ranks(Context& context, const Addresses& x_TD, const Addresses& id
                     const std::string& scores_dtype, const Addresses& w13, const std::string& w13_layout,
                     const Addresses& w2, const Addresses& grad_out_TD, const Addresses& grad_x_TD,
                     const Addresses& grad_scores_TK, const Addresses& grad_w13, const Addresses& grad_w2,
-                    bool accumulate_wgrad, uintptr_t stream, const std::optional<Record>& record) {
+                    bool accumulate_wgrad, uintptr_t stream, const std::optional<Record>& record,
+                    const std::optional<std::string>& wgrad_dtype) {
   std::vector<ForwardArgs> forward = forward_args_per_rank(x_TD, ids_TK, scores_TK, scores_dtype, w13, w13_layout, w2);
   const size_t ranks = forward.size();
   require_same_length(grad_out_TD, "grad_out_TD", ranks);
@@ -142,6 +150,7 @@ void backward_ranks(Context& context, const Addresses& x_TD, const Addresses& id
     args[r].grad_w13 = pointer<void>(grad_w13[r]);
     args[r].grad_w2 = pointer<void>(grad_w2[r]);
     args[r].accumulate_wgrad = accumulate_wgrad;
+    args[r].wgrad_dtype = call_wgrad_dtype(wgrad_dtype);
   }
   const std::optional<ActivationRecord> rec = from_python(record);
   nb::gil_scoped_release release;
@@ -173,9 +182,10 @@ void bind_routed_experts(nb::module_& m) {
         "(index, generation) that holds the forward's state for its backward.");
   m.def("routed_experts_backward", &backward, "context"_a, "x_TD"_a, "ids_TK"_a, "scores_TK"_a, "scores_dtype"_a,
         "w13"_a, "w13_layout"_a, "w2"_a, "grad_out_TD"_a, "grad_x_TD"_a, "grad_scores_TK"_a, "grad_w13"_a,
-        "grad_w2"_a, "accumulate_wgrad"_a, "stream"_a, "record"_a = nb::none(),
+        "grad_w2"_a, "accumulate_wgrad"_a, "stream"_a, "record"_a = nb::none(), "wgrad_dtype"_a = nb::none(),
         "poise::routed_experts_backward on device addresses (integers) and a cudaStream_t (integer); record: the "
-        "forward's (index, generation), None for the latest forward (recomputed when overwritten).");
+        "forward's (index, generation), None for the latest forward (recomputed when overwritten); wgrad_dtype: "
+        "'bf16' or 'fp32' for grad_w13 / grad_w2, None for Config.wgrad_dtype.");
   m.def("routed_experts_forward_ranks", &forward_ranks, "context"_a, "x_TD"_a, "ids_TK"_a, "scores_TK"_a,
         "scores_dtype"_a, "w13"_a, "w13_layout"_a, "w2"_a, "out_TD"_a, "stream"_a,
         "clip_counts_E2"_a = Addresses{}, "keep_for_backward"_a = true,
@@ -184,8 +194,9 @@ void bind_routed_experts(nb::module_& m) {
   m.def("routed_experts_backward_ranks", &backward_ranks, "context"_a, "x_TD"_a, "ids_TK"_a, "scores_TK"_a,
         "scores_dtype"_a, "w13"_a, "w13_layout"_a, "w2"_a, "grad_out_TD"_a, "grad_x_TD"_a, "grad_scores_TK"_a,
         "grad_w13"_a, "grad_w2"_a, "accumulate_wgrad"_a, "stream"_a, "record"_a = nb::none(),
+        "wgrad_dtype"_a = nb::none(),
         "poise::routed_experts_backward over the launch ranks of a virtual-ranks context: one address per rank "
-        "in each list.");
+        "in each list (wgrad_dtype as for routed_experts_backward).");
   m.def("context_check", &check, "context"_a, "stream"_a,
         "Context::check: waits for the stream, then raises DeviceError for a device-side fault of the last calls.");
 }

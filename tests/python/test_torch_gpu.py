@@ -220,10 +220,10 @@ def test_virtual_ranks_match_the_cpu_reference(ep_size, balance, routing, wgrad,
         poison_allocator(device, [inputs["x_TD"] for inputs in per_rank])
         outs = poise.routed_experts_virtual(*[[inputs[n] for inputs in per_rank] for n in NAMES], context,
                                             w13_layout=w13_layout)
-        grad_dtype = torch.bfloat16 if wgrad == "bf16" else torch.float32
+        # The grads' blocks (the weight grads come in the weights' bf16 whatever wgrad_dtype says).
         poison_allocator(device, [t.detach().to(dtype) for inputs in per_rank for t, dtype in (
             (inputs["x_TD"], torch.bfloat16), (inputs["scores_TK"], torch.float32),
-            (inputs["w13"], grad_dtype), (inputs["w2"], grad_dtype))])
+            (inputs["w13"], torch.bfloat16), (inputs["w2"], torch.bfloat16))])
         torch.autograd.backward(outs, grad_out)
         context.check()  # device-side faults (bad id, overflow, a rank that never arrived) surface here
         assert context._backend.recomputed_forwards == 0
@@ -273,6 +273,67 @@ def test_virtual_ranks_raw_binding_writes_every_poisoned_output():
         assert relative_error(out[r], want_outs[r]) < TOLERANCE, r
         for name, got in (("x_TD", grad_x[r]), ("scores_TK", grad_scores[r]), ("w13", grad_w13[r]), ("w2", grad_w2[r])):
             assert relative_error(got, want_grads[r][name].reshape(got.shape)) < TOLERANCE, (r, name)
+
+
+@pytest.mark.parametrize("balance, routing", [("capacity", "uniform"), ("exact", "one_expert")])
+def test_weight_grads_in_the_weights_dtype_are_the_fp32_grads_rounded(balance, routing):
+    """Config.wgrad_dtype='fp32', a backward asking for bf16 weight grads (what autograd does without
+    accumulation): the same fp32 sums rounded once, so bitwise the fp32 call's grads cast to bf16;
+    with exact balance an owner's grads take its replicas' fp32 sums after its own were rounded
+    (replica_grads.cu), so those experts may differ by a rounding. Autograd's .grad is that bf16 call."""
+    ep_size = 4
+    config = dataclasses.replace(CONFIG, balance=balance, wgrad_dtype="fp32")
+    device = torch.device("cuda", torch.cuda.current_device())
+    generated = reference.random_inputs(config, ep_size, seed=35, routing=routing)
+    per_rank = [{n: generated[n][r].to(device) for n in NAMES} for r in range(ep_size)]
+    grad_out = [torch.randn(config.num_local_input_tokens, config.hidden_dim, device=device).bfloat16()
+                for _ in range(ep_size)]
+
+    def addresses(tensors):
+        return [t.data_ptr() for t in tensors]
+
+    column = {n: addresses(inputs[n] for inputs in per_rank) for n in NAMES}
+    stream = torch.cuda.current_stream(device).cuda_stream
+    grads = {}
+    with poise.create_context(config=config, device=device, ep_size=ep_size, virtual_ranks=True) as context:
+        out = [torch.empty_like(inputs["x_TD"]) for inputs in per_rank]
+        poise._poise.routed_experts_forward_ranks(
+            context._cpp, column["x_TD"], column["ids_TK"], column["scores_TK"], "fp32", column["w13"],
+            "gate_up_blocked", column["w2"], addresses(out), stream)
+        for dtype, name in ((torch.float32, None), (torch.bfloat16, "bf16")):
+            grad_x, grad_scores = ([torch.empty_like(inputs[n]) for inputs in per_rank] for n in ("x_TD", "scores_TK"))
+            grads[dtype] = [[torch.full_like(inputs[n], float("nan"), dtype=dtype) for inputs in per_rank]
+                            for n in ("w13", "w2")]
+            poise._poise.routed_experts_backward_ranks(
+                context._cpp, column["x_TD"], column["ids_TK"], column["scores_TK"], "fp32", column["w13"],
+                "gate_up_blocked", column["w2"], addresses(grad_out), addresses(grad_x), addresses(grad_scores),
+                addresses(grads[dtype][0]), addresses(grads[dtype][1]), False, stream, None, name)
+        with pytest.raises(poise.InvalidArgument) as error:
+            poise._poise.routed_experts_backward_ranks(
+                context._cpp, column["x_TD"], column["ids_TK"], column["scores_TK"], "fp32", column["w13"],
+                "gate_up_blocked", column["w2"], addresses(grad_out), addresses(grad_x), addresses(grad_scores),
+                addresses(grads[torch.float32][0]), addresses(grads[torch.float32][1]), False, stream, None, "fp16")
+        assert error.value.name == "wgrad_dtype"
+        leaves = [{n: inputs[n].clone().requires_grad_(n != "ids_TK") for n in NAMES} for inputs in per_rank]
+        outs = poise.routed_experts_virtual(*[[inputs[n] for inputs in leaves] for n in NAMES], context)
+        torch.autograd.backward(outs, grad_out)
+        context.check()
+    replicated = 0
+    for w in range(2):
+        for r in range(ep_size):
+            name = ("w13", "w2")[w]
+            fp32, bf16 = grads[torch.float32][w][r], grads[torch.bfloat16][w][r]
+            assert torch.isfinite(fp32).all() and torch.isfinite(bf16).all(), (name, r)
+            assert torch.equal(leaves[r][name].grad, bf16), (name, r)  # autograd: the bf16 call
+            for e in range(fp32.shape[0]):  # per local expert
+                rounded = fp32[e].to(torch.bfloat16)
+                if torch.equal(bf16[e], rounded):
+                    continue
+                assert balance == "exact", (name, r, e)  # only replica sums may round twice
+                replicated += 1
+                gap = (bf16[e].float() - rounded.float()).abs()
+                assert (gap <= rounded.float().abs() * 2**-7 + 1e-30).all(), (name, r, e)
+    assert balance == "capacity" or replicated > 0  # one_expert routing replicates the hot expert
 
 
 def test_virtual_ranks_cuda_graph_replays_new_routings():

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import poise
-from poise import reference
+from poise import reference, torch_ops, torch_virtual  # noqa: F401 (the modules register the ops)
 
 ACCUMULATE = poise.ExecutionOptions(accumulate_wgrad=True)
 
@@ -28,17 +28,40 @@ def micro_batches(config, count):
 
 
 def wgrads_without_accumulation(config, batches, w13, w2, grad_outs):
-    """Per micro-batch (grad_w13, grad_w2) in wgrad_dtype, straight from the backward op."""
+    """Per micro-batch (grad_w13, grad_w2) in Config.wgrad_dtype, from the reference engine (the
+    backward op returns the weights' bf16 without accumulation)."""
+    engine = reference.Engine(config, 1)
     grads = []
-    with poise.create_context(config=config, device="cpu") as context:
-        for batch, grad_out in zip(batches, grad_outs):
-            with torch.no_grad():
-                poise.routed_experts(batch["x_TD"], batch["ids_TK"], batch["scores_TK"], w13, w2, context)
-            _, _, g13, g2 = torch.ops.poise.routed_experts_backward(
-                grad_out, batch["x_TD"], batch["ids_TK"], batch["scores_TK"], w13.detach(), w2.detach(),
-                context.handle, "gate_up_blocked", True)
-            grads.append((g13, g2))
+    for batch, grad_out in zip(batches, grad_outs):
+        engine.forward([batch["x_TD"]], [batch["ids_TK"]], [batch["scores_TK"]], [w13.detach()], [w2.detach()])
+        rank = engine.backward([grad_out])[0]
+        grads.append((rank.grad_w13, rank.grad_w2))
     return grads
+
+
+@pytest.mark.parametrize("virtual_ranks", [False, True])
+def test_without_accumulation_weight_grads_come_in_the_weights_dtype(virtual_ranks):
+    """wgrad_dtype='fp32' is the accumulation dtype: the plain backward op returns bf16 weight grads,
+    the fp32 grads rounded once (what autograd would otherwise cast), for one rank and virtual ranks."""
+    config = make_config(wgrad_dtype="fp32")
+    ep_size = 2 if virtual_ranks else 1
+    inputs = reference.random_inputs(config, ep_size, seed=7)
+    grad_outs = [torch.randn(config.num_local_input_tokens, config.hidden_dim).bfloat16() for _ in range(ep_size)]
+    engine = reference.Engine(config, ep_size)
+    engine.forward(*[inputs[n] for n in ("x_TD", "ids_TK", "scores_TK", "w13", "w2")])
+    want = engine.backward(grad_outs)
+    assert want[0].grad_w13.dtype == torch.float32
+    names = ("x_TD", "ids_TK", "scores_TK", "w13", "w2")
+    with poise.create_context(config=config, device="cpu", ep_size=ep_size, virtual_ranks=virtual_ranks) as context:
+        if virtual_ranks:
+            op, args = torch.ops.poise.routed_experts_virtual_backward, [grad_outs] + [inputs[n] for n in names]
+        else:
+            op, args = torch.ops.poise.routed_experts_backward, [grad_outs[0]] + [inputs[n][0] for n in names]
+        _, _, g13, g2 = op(*args, context.handle, "gate_up_blocked", True)
+    g13, g2 = (g13, g2) if virtual_ranks else ([g13], [g2])
+    for r in range(ep_size):
+        for got, fp32 in ((g13[r], want[r].grad_w13), (g2[r], want[r].grad_w2)):
+            assert got.dtype == torch.bfloat16 and torch.equal(got, fp32.to(torch.bfloat16)), r
 
 
 def test_main_grad_fp32_accumulates_exactly_in_place():

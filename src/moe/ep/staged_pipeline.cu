@@ -408,6 +408,8 @@ void StagedPipeline::backward(std::span<const BackwardArgs> args, cudaStream_t s
     require_pointer(a.grad_w2, s, "grad_w2", 16);
     require(a.accumulate_wgrad == args[0].accumulate_wgrad, arg_name(s, "accumulate_wgrad"),
             "must be the same for every slot of one call");
+    require(a.wgrad_dtype == args[0].wgrad_dtype, arg_name(s, "wgrad_dtype"),
+            "must be the same for every slot of one call");
     RankIo& r = io.rank[s];
     r.grad_out_TD = static_cast<const bf16*>(a.grad_out_TD);
     r.grad_x_TD = static_cast<bf16*>(a.grad_x_TD);
@@ -415,9 +417,14 @@ void StagedPipeline::backward(std::span<const BackwardArgs> args, cudaStream_t s
     r.grad_w13_E2FD = a.grad_w13;
     r.grad_w2_EDF = a.grad_w2;
   }
+  const DType wgrad_dtype = args[0].wgrad_dtype.value_or(config_.wgrad_dtype);
+  if (wgrad_dtype != DType::fp32 && expert_kernels_ != ExpertKernels::sm90) {
+    throw NotAvailable("wgrad_dtype=bf16: the EP stand-in kernels write fp32 weight gradients only");
+  }
   EpLaunch l = launch_for(record);
   l.dims.scores_bf16 = args[0].forward.scores_dtype == DType::bf16;
   l.dims.w13_interleaved = args[0].forward.w13_layout == W13Layout::gate_up_interleaved;
+  l.dims.wgrad_bf16 = wgrad_dtype == DType::bf16 ? 1 : 0;
   if (recompute) {
     // Only what backward reads: the layout, the received x rows, h13 (and the replica weights).
     if (!l.dims.scores_from_experts) {
