@@ -122,14 +122,33 @@ struct FusedCombine {
   int64_t tokens = 0;                       // T
 };
 
-// y = (a . W2[e]^T) * score (per row, when scores_R is set), into y_RD or combined by token.
+// Rows scattered to slots instead of stored grouped (the EP pipeline's combine without its copy
+// pass): every valid row r is stored whole, unscaled but for scores_R, at
+//   owner_bases[o] + slot_offset + s * D * 2 bytes,  o = row_origin_R[r] / slots_per_owner,
+//   s = row_origin_R[r] % slots_per_owner,
+// the slot of (token, k) in its owner rank's combine buffer, which the owner then sums in k order:
+// one writer per slot, no additions, so the combine stays deterministic. owner_bases is read on the
+// device (the EP transport's peer table: NVLink addresses only the device knows). A valid row whose
+// origin is outside [0, owners * slots_per_owner) is stored nowhere and recorded as a device fault
+// (take_pipeline_fault: bad_token).
+struct RowScatter {
+  const int32_t* row_origin_R = nullptr;  // device int32 [R]; null: no scatter
+  char* const* owner_bases = nullptr;     // device [owners] base addresses
+  int64_t slot_offset = 0;                // bytes; with the bases and D * 2, 16-byte aligned
+  int64_t slots_per_owner = 0;
+  int64_t owners = 0;                     // [1, 2^31 / slots_per_owner)
+};
+
+// y = (a . W2[e]^T) * score (per row, when scores_R is set), into y_RD, combined by token, or
+// scattered to slots.
 struct FpropW2Args {
   const void* a_RF = nullptr;
   const void* w2_EDF = nullptr;
   const float* scores_R = nullptr;  // nullable
-  void* y_RD = nullptr;             // null when combine.out_TD is set
+  void* y_RD = nullptr;             // null when combine.out_TD or scatter.row_origin_R is set
   const void* replica_w2_EDF = nullptr;  // with GroupedRows::first_replica
   FusedCombine combine;
+  RowScatter scatter;
 };
 void expert_mlp_fprop_w2(const GroupedRows& rows, const ExpertMlpShape& shape,
                          const FpropW2Args& args, cudaStream_t stream);
@@ -161,9 +180,10 @@ int64_t dgrad_w2_score_partials(const ExpertMlpShape& shape);
 struct DgradW13Args {
   const void* grad_h13_R2F = nullptr;
   const void* w13_E2FD = nullptr;
-  void* grad_x_RD = nullptr;  // null when combine.out_TD is set
+  void* grad_x_RD = nullptr;  // null when combine.out_TD or scatter.row_origin_R is set
   const void* replica_w13_E2FD = nullptr;  // with GroupedRows::first_replica
   FusedCombine combine;       // grad_x_TD += the rows' grad_x, by token
+  RowScatter scatter;         // or the rows' grad_x to their slots
 };
 void expert_mlp_dgrad_w13(const GroupedRows& rows, const ExpertMlpShape& shape,
                           const DgradW13Args& args, cudaStream_t stream);
@@ -219,13 +239,14 @@ inline constexpr uint32_t kPipelineWaitTimeoutNs = 4'000'000'000u;
 // A pipeline wait of a grouped GEMM that ran past its bound (ptx/mbarrier.cuh): the launch
 // gave up on it and drained instead of hanging, its outputs are garbage, the CUDA context stays
 // usable (streamed_rows: the wait was for a streamed row block). Or (bad_token) a fused combine's
-// or a streamed gather's row named a token outside [0, tokens): that row was not added anywhere
-// (combine) or written as zeros (gather), the others were. Or (bad_row) a WGRAD side combine's row_of_tk named a row outside
+// or a streamed gather's row named a token outside [0, tokens), or a row scatter's row a slot
+// outside its owners': that row was not added or stored anywhere (combine, scatter) or written as
+// zeros (gather), the others were. Or (bad_row) a WGRAD side combine's row_of_tk named a row outside
 // [0, R): that piece was read as zeros, the rest combined. The first since the last call; one record
 // per device, whichever caller reads it.
 struct PipelineFault {
   bool occurred = false;
-  bool bad_token = false;   // a token_of_row_R entry out of range (no barrier: barrier, parity 0)
+  bool bad_token = false;   // a token_of_row_R / row_origin_R entry out of range (no barrier: barrier, parity 0)
   bool bad_row = false;     // TokenCombine::row_of_tk out of range (no barrier: barrier, parity 0)
   bool streamed_rows = false;  // a wait for a streamed row block (StreamedRows) timed out (barrier: 0)
   int32_t block = 0;        // CTA of the wait / the row

@@ -139,10 +139,11 @@ MemoryPlan plan_memory(const Config& c, int64_t ep_size) {
     p.activation_slots_total_bytes = c.num_activation_slots * p.activation_slot_bytes;
   }
 
-  // Per-row bf16 intermediates of one call, the larger of the two passes. Forward: h13 (2F) + a (F) + y (D).
-  // Backward: recomputed h13 (2F) + a (F), grad_h13 (2F), grad_x rows (D).
-  const int64_t forward_row_bytes = (3 * F + D) * kBf16Bytes;
-  const int64_t backward_row_bytes = (5 * F + D) * kBf16Bytes;
+  // Per-row bf16 intermediates of one call, the larger of the two passes. Forward: h13 (2F) + a (F).
+  // Backward: recomputed h13 (2F) + a (F), grad_h13 (2F). The y and grad_x rows go straight into the
+  // owners' combine slots (the window's combine buffer; docs/ep_data_path.md, direct combine).
+  const int64_t forward_row_bytes = 3 * F * kBf16Bytes;
+  const int64_t backward_row_bytes = 5 * F * kBf16Bytes;
   const int64_t scratch_row_bytes = c.inference ? forward_row_bytes : std::max(forward_row_bytes, backward_row_bytes);
   p.device_scratch_bytes = round_up(p.device_rows * scratch_row_bytes, kRegionAlignment);
   p.host_overflow_scratch_bytes = round_up(host_rows * scratch_row_bytes, kRegionAlignment);
@@ -191,7 +192,7 @@ std::string MemoryPlan::explain() const {
                       : "no partial");
     row("activation slots (all)", activation_slots_total_bytes, line);
   }
-  row("device scratch", device_scratch_bytes, c.inference ? "device rows x (3F+D) x 2" : "device rows x (5F+D) x 2");
+  row("device scratch", device_scratch_bytes, c.inference ? "device rows x 3F x 2" : "device rows x 5F x 2");
   row("host overflow scratch", host_overflow_scratch_bytes, "host-backed (VMM) rows beyond the device rows");
   row("total device", total_device_bytes, "");
   row("total virtual", total_virtual_bytes, "device + host overflow");

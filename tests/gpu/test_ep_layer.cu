@@ -64,11 +64,14 @@ TEST_P(EpLayer, ForwardBackwardMatchFloat64Model) {
   ASSERT_NO_FATAL_FAILURE(run_pass(w, stream));
   check_layout(w, model);
 
-  std::vector<std::vector<uint16_t>> first_out(c.R);
+  std::vector<std::vector<uint16_t>> first_out(c.R), first_grad_x(c.R);
+  std::vector<std::vector<uint8_t>> first_grad_scores(c.R);
   for (int r = 0; r < c.R; ++r) {
     SCOPED_TRACE("rank " + std::to_string(r));
     RankDevice& d = w.dev()[r];
     first_out[r] = d.out->download<uint16_t>(size_t(c.T) * c.D);
+    first_grad_x[r] = d.grad_x->download<uint16_t>(size_t(c.T) * c.D);
+    first_grad_scores[r] = d.grad_scores->download<uint8_t>(size_t(c.T) * c.K * 4);
     check_rows(bf16_values(first_out[r]), model[r].out_TD, c.T, c.D, "out_TD");
     check_rows(bf16_values(d.grad_x->download<uint16_t>(size_t(c.T) * c.D)), model[r].grad_x_TD, c.T, c.D,
                "grad_x_TD", &model[r].grad_x_clamp_slack_T);
@@ -84,6 +87,26 @@ TEST_P(EpLayer, ForwardBackwardMatchFloat64Model) {
   ASSERT_NO_THROW(w.pipeline().check(stream));
   for (int r = 0; r < c.R; ++r) {
     EXPECT_EQ(w.dev()[r].out->download<uint16_t>(size_t(c.T) * c.D), first_out[r]) << "rank " << r << " run 2";
+  }
+
+  // SM90 experts store their rows straight into the owners' combine slots (the direct combine, the
+  // default); grouped rows copied there by combine-push must give the same bits.
+  if (c.kernels == ExpertKernels::sm90) {
+    EpWorld pushed(c, seed, 2'000'000'000ull, [&](const Config& config) {
+      PipelineOptions o;
+      o.timeout_ns = 2'000'000'000ull;
+      o.expert_kernels = c.kernels;
+      o.direct_combine = false;
+      return StagedPipeline::create_virtual(config, c.R, o);
+    });
+    ASSERT_NO_FATAL_FAILURE(run_pass(pushed, stream));
+    for (int r = 0; r < c.R; ++r) {
+      RankDevice& d = pushed.dev()[r];
+      EXPECT_EQ(d.out->download<uint16_t>(size_t(c.T) * c.D), first_out[r]) << "rank " << r << " out, pushed rows";
+      EXPECT_EQ(d.grad_x->download<uint16_t>(size_t(c.T) * c.D), first_grad_x[r]) << "rank " << r << " grad_x, pushed rows";
+      EXPECT_EQ(d.grad_scores->download<uint8_t>(size_t(c.T) * c.K * 4), first_grad_scores[r])
+          << "rank " << r << " grad_scores, pushed rows";
+    }
   }
   EP_CUDA_OK(cudaStreamDestroy(stream));
 }

@@ -8,6 +8,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <memory>
+#include <numeric>
 #include <random>
 #include <string>
 #include <tuple>
@@ -279,6 +281,110 @@ TEST_P(ExpertMlpKernels, FusedCombineMatchesFloat64) {
     args.combine = c;
     sm90::expert_mlp_dgrad_w13(fx.rows, fx.shape, args, nullptr);
   }, "grad_x_TD (DGRAD W13 fused combine)");
+}
+
+// Rows scattered to slots (sm90::RowScatter, the EP pipeline's direct combine): every valid row's
+// bytes land in its slot of its owner's buffer, bit for bit the grouped row the plain store writes;
+// slots no row names keep their poison. Two owners of S slots each, 256 guard bytes before slot 0
+// (slot_offset); valid rows take a random slot each (an injective draw), padding rows name none.
+// bad_rows: valid rows given an origin outside the owners' slots, which must be stored nowhere.
+void check_row_scatter(const Fixture& fx, uint64_t seed, const std::vector<uint16_t>& grouped,
+                       const std::function<void(const sm90::RowScatter&)>& run, const char* what,
+                       const std::vector<int64_t>& bad_rows = {}) {
+  const int64_t R = fx.l.rows, D = fx.cs.D, owners = 2, guard = 256 / 2;  // guard in bf16 elements
+  int64_t valid_rows = 0;
+  for (int32_t c : fx.cs.counts) valid_rows += c;
+  const int64_t S = std::max<int64_t>(1, (valid_rows + 1) / 2 + 3);  // slots per owner, some left free
+  std::vector<int32_t> slots(owners * S);
+  std::iota(slots.begin(), slots.end(), 0);
+  std::shuffle(slots.begin(), slots.end(), std::mt19937_64(seed));
+  std::vector<int32_t> origin(R, -1);
+  int64_t next = 0;
+  for (int64_t r = 0; r < R; ++r)
+    if (fx.l.is_row_valid(r)) origin[r] = slots[next++];
+  for (size_t i = 0; i < bad_rows.size(); ++i) origin[bad_rows[i]] = i % 2 ? -5 : static_cast<int32_t>(owners * S);
+  std::vector<std::unique_ptr<DeviceBuffer<uint16_t>>> owner_rows;
+  std::vector<char*> bases;
+  for (int64_t o = 0; o < owners; ++o) {
+    owner_rows.push_back(std::make_unique<DeviceBuffer<uint16_t>>(std::vector<uint16_t>(guard + S * D, kBf16Poison)));
+    bases.push_back(reinterpret_cast<char*>(owner_rows.back()->ptr));
+  }
+  DeviceBuffer<char*> dbases(bases);
+  DeviceBuffer<int32_t> dorigin(origin);
+  run({dorigin.ptr, dbases.ptr, guard * 2, S, owners});
+  cuda_ok(cudaDeviceSynchronize(), what);
+  std::vector<int64_t> row_of_slot(owners * S, -1);
+  for (int64_t r = 0; r < R; ++r)
+    if (fx.l.is_row_valid(r) && std::find(bad_rows.begin(), bad_rows.end(), r) == bad_rows.end())
+      row_of_slot[origin[r]] = r;
+  int64_t wrong = 0, poison_lost = 0;
+  for (int64_t o = 0; o < owners; ++o) {
+    const auto got = owner_rows[o]->download();
+    for (int64_t i = 0; i < guard; ++i) poison_lost += got[i] != kBf16Poison;
+    for (int64_t s = 0; s < S; ++s) {
+      const int64_t r = row_of_slot[o * S + s];
+      for (int64_t d = 0; d < D; ++d) {
+        const uint16_t v = got[guard + s * D + d];
+        if (r < 0) poison_lost += v != kBf16Poison;
+        else wrong += v != grouped[r * D + d];
+      }
+    }
+  }
+  EXPECT_EQ(wrong, 0) << what << ": elements that differ from the grouped rows";
+  EXPECT_EQ(poison_lost, 0) << what << ": elements written outside the named slots";
+}
+
+TEST_P(ExpertMlpKernels, RowScatterEqualsGroupedRowsBitwise) {
+  Fixture fx(GetParam());
+  const int64_t R = fx.l.rows, D = fx.cs.D, F = fx.cs.F, E = fx.E();
+  Rng rng(fx.cs.seed + 10);
+  // FPROP W2, unscaled and scored.
+  const auto a = random_rows(rng, fx.l, F, 1.0f);
+  const auto w2 = rng.bf16_normal(E * D * F, 1.0f / std::sqrt(float(F)));
+  const auto scores = rng.uniform(R, 0.1f, 1.0f);
+  DeviceBuffer<uint16_t> da(a), dw2(w2), dy(std::vector<uint16_t>(R * D, kBf16Poison));
+  DeviceBuffer<float> ds(scores);
+  for (const float* scores_R : {static_cast<const float*>(nullptr), static_cast<const float*>(ds.ptr)}) {
+    sm90::expert_mlp_fprop_w2(fx.rows, fx.shape, {da.ptr, dw2.ptr, scores_R, dy.ptr}, nullptr);
+    cuda_ok(cudaDeviceSynchronize(), "fprop_w2 grouped");
+    check_row_scatter(fx, fx.cs.seed + 11, dy.download(), [&](const sm90::RowScatter& scatter) {
+      sm90::FpropW2Args args{da.ptr, dw2.ptr, scores_R, nullptr};
+      args.scatter = scatter;
+      sm90::expert_mlp_fprop_w2(fx.rows, fx.shape, args, nullptr);
+    }, scores_R ? "FPROP W2 scattered (scores)" : "FPROP W2 scattered");
+  }
+  // DGRAD W13 (grad_x).
+  const auto gh = random_rows(rng, fx.l, 2 * F, 1.0f);
+  const auto w13 = rng.bf16_normal(E * 2 * F * D, 1.0f / std::sqrt(float(2 * F)));
+  DeviceBuffer<uint16_t> dgh(gh), dw13(w13), dgx(std::vector<uint16_t>(R * D, kBf16Poison));
+  sm90::expert_mlp_dgrad_w13(fx.rows, fx.shape, {dgh.ptr, dw13.ptr, dgx.ptr}, nullptr);
+  cuda_ok(cudaDeviceSynchronize(), "dgrad_w13 grouped");
+  check_row_scatter(fx, fx.cs.seed + 12, dgx.download(), [&](const sm90::RowScatter& scatter) {
+    sm90::DgradW13Args args{dgh.ptr, dw13.ptr, nullptr};
+    args.scatter = scatter;
+    sm90::expert_mlp_dgrad_w13(fx.rows, fx.shape, args, nullptr);
+  }, "DGRAD W13 scattered");
+}
+
+TEST(ExpertMlpRowScatter, OriginOutOfRangeIsReportedAndStoredNowhere) {
+  if (!have_sm90()) GTEST_SKIP() << "needs an SM90 GPU";
+  Fixture fx(Case{"bad_origin", {300, 0, 129}, 192, 128, W13Layout::gate_up_blocked, false, 53});
+  const int64_t R = fx.l.rows, D = fx.cs.D, F = fx.cs.F, E = fx.E();
+  Rng rng(54);
+  const auto a = random_rows(rng, fx.l, F, 1.0f);
+  const auto w2 = rng.bf16_normal(E * D * F, 1.0f / std::sqrt(float(F)));
+  DeviceBuffer<uint16_t> da(a), dw(w2), dy(std::vector<uint16_t>(R * D, kBf16Poison));
+  sm90::expert_mlp_fprop_w2(fx.rows, fx.shape, {da.ptr, dw.ptr, nullptr, dy.ptr}, nullptr);
+  cuda_ok(cudaDeviceSynchronize(), "fprop_w2 grouped");
+  ASSERT_FALSE(sm90::take_pipeline_fault(nullptr).occurred) << "a fault left over from an earlier test";
+  const std::vector<int64_t> bad_rows = {5, fx.l.offsets[2] + 7};  // valid rows of experts 0 and 2
+  check_row_scatter(fx, 55, dy.download(), [&](const sm90::RowScatter& scatter) {
+    sm90::FpropW2Args args{da.ptr, dw.ptr, nullptr, nullptr};
+    args.scatter = scatter;
+    sm90::expert_mlp_fprop_w2(fx.rows, fx.shape, args, nullptr);
+  }, "FPROP W2 scattered without the bad rows", bad_rows);
+  const sm90::PipelineFault fault = sm90::take_pipeline_fault(nullptr);
+  EXPECT_TRUE(fault.occurred && fault.bad_token) << "the out-of-range origins are reported";
 }
 
 TEST_P(ExpertMlpKernels, DgradW2SwigluBackwardMatchesFloat64) {
@@ -1243,8 +1349,9 @@ TEST(ExpertMlpValidation, PipelineFaultsAreDescribedByKind) {
                                "parity 1); that launch's outputs are invalid");
   f.barrier = f.parity = 0;
   f.bad_token = true;
-  EXPECT_EQ(sm90::describe(f), "a row's token_of_row_R entry was outside [0, tokens) (block 3, thread 130): a "
-                               "fused combine added that row nowhere, a streamed gather wrote it as zeros");
+  EXPECT_EQ(sm90::describe(f), "a row's token_of_row_R entry was outside [0, tokens) or its row_origin_R entry "
+                               "outside the owners' slots (block 3, thread 130): a fused combine added that row "
+                               "nowhere, a row scatter stored it nowhere, a streamed gather wrote it as zeros");
   f.bad_token = false;
   f.bad_row = true;
   EXPECT_EQ(sm90::describe(f), "a side combine's row_of_tk named a row outside [0, R) (block 3, thread 130): "
@@ -1320,6 +1427,23 @@ TEST(ExpertMlpValidation, RejectsBadArgumentsByName) {
   sm90::DgradW13Args dgrad_combine{fake, fake, fake};
   dgrad_combine.combine = {fake, fake, 4};
   EXPECT_EQ(name_of([&] { sm90::expert_mlp_dgrad_w13(rows, shape, dgrad_combine, nullptr); }), "grad_x_RD");
+  auto row_scatter = [&](void* y, const sm90::RowScatter& scatter, void* out = nullptr) {
+    sm90::FpropW2Args f{fake, fake, nullptr, y};
+    f.scatter = scatter;
+    f.combine.out_TD = out;
+    return name_of([&] { sm90::expert_mlp_fprop_w2(rows, shape, f, nullptr); });
+  };
+  char* const* fake_bases = reinterpret_cast<char* const*>(fake);
+  const int32_t* fake_origin = reinterpret_cast<const int32_t*>(fake);
+  EXPECT_EQ(row_scatter(fake, {fake_origin, fake_bases, 0, 8, 2}), "y_RD");
+  EXPECT_EQ(row_scatter(nullptr, {fake_origin, fake_bases, 0, 8, 2}, fake), "combine.out_TD");
+  EXPECT_EQ(row_scatter(nullptr, {fake_origin, nullptr, 0, 8, 2}), "scatter.owner_bases");
+  EXPECT_EQ(row_scatter(nullptr, {fake_origin, fake_bases, 8, 8, 2}), "scatter.slot_offset");
+  EXPECT_EQ(row_scatter(nullptr, {fake_origin, fake_bases, 0, 0, 2}), "scatter.slots_per_owner");
+  EXPECT_EQ(row_scatter(nullptr, {fake_origin, fake_bases, 0, int64_t{1} << 30, 2}), "scatter.owners");
+  sm90::DgradW13Args dgrad_scatter{fake, fake, fake};
+  dgrad_scatter.scatter = {fake_origin, fake_bases, 0, 8, 2};
+  EXPECT_EQ(name_of([&] { sm90::expert_mlp_dgrad_w13(rows, shape, dgrad_scatter, nullptr); }), "grad_x_RD");
   auto wgrad_combine = [&](const sm90::TokenCombine& c) {
     return name_of([&] { sm90::expert_mlp_wgrad_w13(rows, shape, fake, fake, {fake, DType::fp32, false}, nullptr, c); });
   };

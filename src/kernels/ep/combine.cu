@@ -1,7 +1,9 @@
 // Combine: expert outputs back to the ranks that own their tokens, then the top-k sum.
 //
 // Push: every received row's output goes to its owner's combine buffer at slot t*K+k (one
-// writer per slot, no atomics). Reduce: the owner sums its K slots per token in fp32, k in
+// writer per slot, no atomics). With the direct combine (EpDims::direct_combine) the SM90 rows
+// GEMM already stored it there, so push only sends the backward's score gradients and meets the
+// barrier, after which the owners read the slots. Reduce: the owner sums its K slots per token in fp32, k in
 // order, and rounds once to bf16, so the result does not depend on timing: combine is
 // deterministic by construction.
 #include "comm/cuda_check.hpp"
@@ -21,7 +23,11 @@ __global__ void __launch_bounds__(kThreads) combine_push_kernel(const PeerTable*
                                                                 int blocks_per_rank) {
   const int slot = rank_slot(blocks_per_rank);
   const PeerTable& pt = tables[slot];
-  if (!comm::rank_failed(pt)) {
+  // Nothing of a row left to send: the GEMM stored it (forward), and backward's score sums only
+  // come from the SM90 experts, which the direct combine implies.
+  const bool rows_pushed = !dims.direct_combine;
+  const bool scores_pushed = kBackward && dims.scores_from_experts;
+  if (!comm::rank_failed(pt) && (rows_pushed || scores_pushed)) {
     const RankScratch& rs = scratch.rank[slot];
     const int32_t* row_origin = comm::peer_ptr<int32_t>(pt, pt.rank, ws.row_origin);
     const char* rows = reinterpret_cast<const char*>(rs.rows_out_RD);
@@ -32,9 +38,11 @@ __global__ void __launch_bounds__(kThreads) combine_push_kernel(const PeerTable*
       const int origin = row_origin[r];
       const int owner = origin / TK;
       const size_t entry = origin % TK;
-      char* dst = comm::peer_ptr<char>(pt, owner, ws.combine) + entry * row_bytes;
-      comm::warp_copy_16B(dst, rows + static_cast<size_t>(r) * row_bytes, row_bytes, lane);
-      if (kBackward && dims.scores_from_experts && lane == 0) {
+      if (rows_pushed) {
+        char* dst = comm::peer_ptr<char>(pt, owner, ws.combine) + entry * row_bytes;
+        comm::warp_copy_16B(dst, rows + static_cast<size_t>(r) * row_bytes, row_bytes, lane);
+      }
+      if (scores_pushed && lane == 0) {
         const float* parts = rs.grad_score_partials_RP + static_cast<size_t>(r) * dims.score_partials;
         float sum = 0.0f;
         for (int p = 0; p < dims.score_partials; ++p) sum += parts[p];  // in order: deterministic

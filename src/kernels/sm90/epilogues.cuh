@@ -331,6 +331,35 @@ struct RowsCombineEpilogue : RowsStoreEpilogue {
 
 };
 
+// FPROP W2 / DGRAD W13 with the rows scattered to slots (sm90::RowScatter): each valid row is stored
+// whole into slot row_origin_R[row] % slots_per_owner of its owner's buffer, whose base the device
+// reads from owner_bases. Plain stores, one writer per slot: the bits of the grouped rows.
+struct RowsScatterEpilogue : RowsStoreEpilogue {
+  const int32_t* row_origin_R;
+  char* const* owner_bases;
+  int64_t slot_offset;
+  int32_t slots_per_owner;
+  int32_t origins;  // owners * slots_per_owner: a row whose origin is outside [0, origins) is stored nowhere
+
+  template <int kBlockN>
+  __device__ __forceinline__ void store(float (&d)[kBlockN / 2], const TileInfo& tile, int consumer,
+                                        int thread, uint8_t* buf) const {
+    store_direct<kBlockN, false>(d, tile, consumer, thread, buf,
+                                 [&](const GroupedRowAddress& rows, int32_t n_first, int r) -> __nv_bfloat16* {
+                                   if (r >= rows.valid) return nullptr;
+                                   const int32_t origin = row_origin_R[rows.first_row + r];
+                                   if (static_cast<uint32_t>(origin) >= static_cast<uint32_t>(origins)) {
+                                     ptx::record_fault(ptx::PipelineFaultWord::kBadToken);
+                                     return nullptr;
+                                   }
+                                   const int32_t owner = origin / slots_per_owner;
+                                   const int64_t slot = origin - owner * slots_per_owner;
+                                   return reinterpret_cast<__nv_bfloat16*>(owner_bases[owner] + slot_offset) +
+                                          slot * N + n_first;
+                                 });
+  }
+};
+
 // DGRAD W2 + SwiGLU backward. Accumulators hold grad_y . W2 for activation columns f.
 // With scores s (the forward scaled y by s): grad_a = s * acc, the wgrad operand is s * a, and
 // the score's gradient piece of (row, tile) = sum_f acc * a over the tile's columns (a quad's lanes

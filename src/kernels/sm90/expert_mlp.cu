@@ -229,8 +229,22 @@ RowsStoreEpilogue rows_store_epilogue(void* out_RN, const char* name, const floa
                            bf16(out_RN), scores_R, static_cast<int32_t>(N)};
 }
 
-// The rows output of FPROP W2 / DGRAD W13: grouped rows, or (combine.out_TD set) added by token.
-void validate_rows_output(const void* rows_RD, const char* rows_name, const FusedCombine& combine) {
+// The rows output of FPROP W2 / DGRAD W13: grouped rows, (combine.out_TD set) added by token, or
+// (scatter.row_origin_R set) stored to slots.
+void validate_rows_output(const void* rows_RD, const char* rows_name, const FusedCombine& combine,
+                          const RowScatter& scatter, int64_t D) {
+  if (scatter.row_origin_R) {
+    require(rows_RD == nullptr, rows_name, "must be null when scatter.row_origin_R is set (the rows go to slots)");
+    require(combine.out_TD == nullptr, "combine.out_TD", "must be null when scatter.row_origin_R is set");
+    require_ptr(scatter.owner_bases, "scatter.owner_bases");
+    require(scatter.slot_offset >= 0 && scatter.slot_offset % 16 == 0 && (D * 2) % 16 == 0, "scatter.slot_offset",
+            "must be >= 0 and, like a row's D * 2 bytes, a multiple of 16");
+    require(scatter.slots_per_owner >= 1 && scatter.slots_per_owner < (int64_t{1} << 31), "scatter.slots_per_owner",
+            "must be in [1, 2^31)");
+    require(scatter.owners >= 1 && scatter.owners * scatter.slots_per_owner < (int64_t{1} << 31), "scatter.owners",
+            "must be >= 1 with owners * slots_per_owner < 2^31");
+    return;
+  }
   if (!combine.out_TD) {
     require_ptr(rows_RD, rows_name);
     return;
@@ -247,6 +261,18 @@ uint32_t* streamed_rows_words(const StreamedRows& ready, const char* name) {
   require(reinterpret_cast<uintptr_t>(ready.words) % alignof(uint32_t) == 0, name,
           "must be null or a 4-byte aligned device pointer");
   return ready.words;
+}
+
+RowsScatterEpilogue rows_scatter_epilogue(const RowScatter& scatter, const float* scores_R, int64_t N) {
+  RowsScatterEpilogue epi{};
+  epi.scores_R = scores_R;  // the base's rows pointer and TMA map are not used
+  epi.N = static_cast<int32_t>(N);
+  epi.row_origin_R = scatter.row_origin_R;
+  epi.owner_bases = scatter.owner_bases;
+  epi.slot_offset = scatter.slot_offset;
+  epi.slots_per_owner = static_cast<int32_t>(scatter.slots_per_owner);
+  epi.origins = static_cast<int32_t>(scatter.owners * scatter.slots_per_owner);
+  return epi;
 }
 
 RowsCombineEpilogue rows_combine_epilogue(const FusedCombine& combine, const float* scores_R, int64_t N) {
@@ -308,7 +334,7 @@ void expert_mlp_fprop_w2(const GroupedRows& rows, const ExpertMlpShape& shape,
   validate(rows, shape);
   require_ptr(args.a_RF, "a_RF");
   require_ptr(args.w2_EDF, "w2_EDF");
-  validate_rows_output(args.y_RD, "y_RD", args.combine);
+  validate_rows_output(args.y_RD, "y_RD", args.combine, args.scatter, shape.hidden_dim);
   require_replica_ptr(rows, args.replica_w2_EDF, "replica_w2_EDF");
   if (rows.max_rows == 0) return;
   const int64_t D = shape.hidden_dim, F = shape.intermediate_dim;
@@ -316,7 +342,9 @@ void expert_mlp_fprop_w2(const GroupedRows& rows, const ExpertMlpShape& shape,
   const WeightMaps map_b =
       weight_maps(rows, args.w2_EDF, "w2_EDF", args.replica_w2_EDF, "replica_w2_EDF", D, F, kBlockN / 2);
   const GroupedGemmShape s = rows_gemm_shape(rows, F, D, D, kBlockN);
-  if (args.combine.out_TD) {
+  if (args.scatter.row_origin_R) {
+    launch<RowsAre::M, false>(map_a, map_b, s, rows_scatter_epilogue(args.scatter, args.scores_R, D), stream);
+  } else if (args.combine.out_TD) {
     launch<RowsAre::M, false>(map_a, map_b, s, rows_combine_epilogue(args.combine, args.scores_R, D), stream);
   } else {
     launch<RowsAre::M, false>(map_a, map_b, s, rows_store_epilogue(args.y_RD, "y_RD", args.scores_R, rows, D), stream);
@@ -370,7 +398,7 @@ void expert_mlp_dgrad_w13(const GroupedRows& rows, const ExpertMlpShape& shape,
   validate(rows, shape);
   require_ptr(args.grad_h13_R2F, "grad_h13_R2F");
   require_ptr(args.w13_E2FD, "w13_E2FD");
-  validate_rows_output(args.grad_x_RD, "grad_x_RD", args.combine);
+  validate_rows_output(args.grad_x_RD, "grad_x_RD", args.combine, args.scatter, shape.hidden_dim);
   require_replica_ptr(rows, args.replica_w13_E2FD, "replica_w13_E2FD");
   if (rows.max_rows == 0) return;
   const int64_t D = shape.hidden_dim, F = shape.intermediate_dim;
@@ -379,7 +407,9 @@ void expert_mlp_dgrad_w13(const GroupedRows& rows, const ExpertMlpShape& shape,
   const WeightMaps map_b =
       weight_maps(rows, args.w13_E2FD, "w13_E2FD", args.replica_w13_E2FD, "replica_w13_E2FD", 2 * F, D, 64);
   const GroupedGemmShape s = rows_gemm_shape(rows, 2 * F, 2 * F, D, kBlockN);
-  if (args.combine.out_TD) {
+  if (args.scatter.row_origin_R) {
+    launch<RowsAre::M, true>(map_a, map_b, s, rows_scatter_epilogue(args.scatter, nullptr, D), stream);
+  } else if (args.combine.out_TD) {
     launch<RowsAre::M, true>(map_a, map_b, s, rows_combine_epilogue(args.combine, nullptr, D), stream);
   } else {
     launch<RowsAre::M, true>(map_a, map_b, s, rows_store_epilogue(args.grad_x_RD, "grad_x_RD", nullptr, rows, D), stream);
@@ -562,8 +592,9 @@ std::string describe(const PipelineFault& f) {
   if (!f.occurred) return "";
   const std::string where = "block " + std::to_string(f.block) + ", thread " + std::to_string(f.thread);
   if (f.bad_token)
-    return "a row's token_of_row_R entry was outside [0, tokens) (" + where +
-           "): a fused combine added that row nowhere, a streamed gather wrote it as zeros";
+    return "a row's token_of_row_R entry was outside [0, tokens) or its row_origin_R entry outside the owners' "
+           "slots (" + where + "): a fused combine added that row nowhere, a row scatter stored it nowhere, a "
+           "streamed gather wrote it as zeros";
   if (f.streamed_rows)
     return "a wait for a streamed row block timed out (" + where +
            "): its writer did not publish it (StreamedRows); that launch's outputs are invalid";

@@ -1,5 +1,7 @@
 #include "moe/ep/expert_compute.hpp"
 
+#include <cstddef>
+
 #include "kernels/ep/reference_grouped_gemm.hpp"
 #include "kernels/expert_mlp.hpp"
 #include "poise/errors.hpp"
@@ -77,6 +79,21 @@ sm90::GroupedRows sm90_rows(const EpLaunch& l, int slot) {
   return rows;
 }
 
+// Where FPROP W2 / DGRAD W13 put their rows with the direct combine: each valid row into slot
+// origin % (T*K) of rank origin / (T*K)'s combine buffer, read through this rank's peer table (the
+// addresses combine-push would have copied them to; EpDims::direct_combine).
+sm90::RowScatter combine_scatter(const EpLaunch& l, int slot) {
+  sm90::RowScatter s;
+  s.row_origin_R = reinterpret_cast<const int32_t*>(l.scratch.rank[slot].workspace + l.ws.row_origin);
+  // The table lives on the device: its base array's address, not read here.
+  s.owner_bases = reinterpret_cast<char* const*>(reinterpret_cast<const char*>(l.tables + slot) +
+                                                 offsetof(comm::PeerTable, base));
+  s.slot_offset = static_cast<int64_t>(l.ws.combine);
+  s.slots_per_owner = static_cast<int64_t>(l.dims.T) * l.dims.K;
+  s.owners = l.dims.world;
+  return s;
+}
+
 sm90::ExpertMlpShape sm90_shape(const EpLaunch& l) {
   sm90::ExpertMlpShape shape;
   shape.hidden_dim = l.dims.D;
@@ -106,6 +123,7 @@ void sm90_forward(const EpLaunch& l, const LaunchIo& io, bool with_w2, bool tail
     sm90::FpropW13Args w13{workspace_rows(l, s, l.ws.recv_x), w13_of(l, io, s, own), rs.a_RF, rs.h13_R2F};
     w13.h13_split = h13_split(l, rs);
     sm90::FpropW2Args w2{rs.a_RF, w2_of(l, io, s, own), nullptr, rs.rows_out_RD};
+    if (l.dims.direct_combine) w2.y_RD = nullptr, w2.scatter = combine_scatter(l, s);
     if (rows.first_replica >= 0) {
       w13.replica_w13_E2FD = w13_of(l, io, s, replicas);
       w2.replica_w2_EDF = w2_of(l, io, s, replicas);
@@ -137,6 +155,7 @@ void sm90_backward(const EpLaunch& l, const LaunchIo& io, bool accumulate, cudaS
     dgrad_w2.a_RF = rs.a_RF;
     dgrad_w2.grad_score_partials_RP = rs.grad_score_partials_RP;
     sm90::DgradW13Args dgrad_w13{rs.grad_h13_R2F, w13_of(l, io, s, own), rs.rows_out_RD};
+    if (l.dims.direct_combine) dgrad_w13.grad_x_RD = nullptr, dgrad_w13.scatter = combine_scatter(l, s);
     const DType own_dtype = l.dims.wgrad_bf16 ? DType::bf16 : DType::fp32;
     sm90::WgradOutput wgrad_w2{grad_w2_of(l, io, s, own), own_dtype, accumulate};
     sm90::WgradOutput wgrad_w13{grad_w13_of(l, io, s, own), own_dtype, accumulate};

@@ -127,6 +127,7 @@ EpDims make_dims(const Config& c, int64_t ep_size, const PipelineOptions& o) {
   d.swiglu_alpha = static_cast<float>(c.swiglu_alpha);
   d.swiglu_limit = static_cast<float>(c.swiglu_limit);
   d.scores_from_experts = o.expert_kernels == ExpertKernels::sm90 ? 1 : 0;
+  d.direct_combine = o.direct_combine && o.expert_kernels == ExpertKernels::sm90 ? 1 : 0;
   d.score_partials = d.scores_from_experts ? static_cast<int32_t>(sm90::dgrad_w2_score_partials(shape)) : 0;
   return d;
 }
@@ -286,7 +287,8 @@ StagedPipeline::StagedPipeline(const Config& config, std::unique_ptr<comm::Trans
       rs.tail_offsets = static_cast<int32_t*>(alloc(sizeof(int32_t) * d.groups));
       rs.tail_counts = static_cast<int32_t*>(alloc(sizeof(int32_t) * d.groups));
       rs.a_RF = static_cast<bf16*>(alloc(sizeof(bf16) * cap * d.F));
-      rs.rows_out_RD = static_cast<bf16*>(alloc(sizeof(bf16) * cap * d.D));
+      // The direct combine stores y / grad_x rows in the owners' combine slots: no grouped copy.
+      if (!d.direct_combine) rs.rows_out_RD = static_cast<bf16*>(alloc(sizeof(bf16) * cap * d.D));
       if (training) {
         if (d.scores_from_experts) {
           rs.grad_score_partials_RP = static_cast<float*>(alloc(sizeof(float) * cap * d.score_partials));

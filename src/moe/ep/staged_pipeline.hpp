@@ -92,6 +92,10 @@ struct PipelineOptions {
   int light_activation_records = 0;
   int partial_activation_records = 0;
   int64_t partial_record_rows = 0;  // a multiple of 128, below the receive rows
+  // SM90 experts: the rows GEMMs store their output rows straight into the owners' combine slots
+  // (through the peer table's LSA addresses) instead of grouped rows that combine-push then copies;
+  // the same bytes in the same slots. false: grouped rows + push (A/B, tests).
+  bool direct_combine = true;
 };
 
 // Host copy of one slot's routing layout (tests, diagnostics).
