@@ -109,12 +109,24 @@ __device__ inline void arrive_then_barrier(const PeerTable& pt, int blocks_per_r
   }
 }
 
-// Warp-cooperative copy of `bytes` (a multiple of 16, both ends 16-byte aligned).
+// Warp-cooperative copy of `bytes` (a multiple of 16, both ends 16-byte aligned; the ranges do not
+// overlap). Each lane issues kCopyBatch loads before their stores: the compiler cannot hoist a load
+// above the previous store (it cannot rule out aliasing), and one 16-byte load in flight per lane
+// left a fanout of 14 KiB rows at ~1.8 TB/s (session 23).
+inline constexpr int kCopyBatch = 4;
 __device__ __forceinline__ void warp_copy_16B(void* dst, const void* src, size_t bytes, int lane) {
   const uint4* s = static_cast<const uint4*>(src);
   uint4* d = static_cast<uint4*>(dst);
   const size_t n = bytes / 16;
-  for (size_t i = lane; i < n; i += 32) d[i] = s[i];
+  size_t i = lane;
+  for (; i + 32 * (kCopyBatch - 1) < n; i += 32 * kCopyBatch) {
+    uint4 v[kCopyBatch];
+#pragma unroll
+    for (int j = 0; j < kCopyBatch; ++j) v[j] = s[i + 32 * j];
+#pragma unroll
+    for (int j = 0; j < kCopyBatch; ++j) d[i + 32 * j] = v[j];
+  }
+  for (; i < n; i += 32) d[i] = s[i];
 }
 
 }  // namespace poise::comm
