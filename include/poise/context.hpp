@@ -117,6 +117,10 @@ class Context {
 
   const Config& config() const;
   const MemoryPlan& plan() const;
+  // GPU contexts: the device bytes this context holds per rank (communication window and buffers),
+  // to compare with plan().total_device_bytes; 0 until its first call allocated them (one rank) or
+  // on the CPU reference.
+  int64_t device_bytes() const;
   int64_t ep_size() const;
   int64_t rank() const;
   bool closed() const;

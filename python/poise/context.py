@@ -71,6 +71,12 @@ class Context:
         return plan_from_cpp(self._cpp.plan)
 
     @property
+    def device_bytes(self) -> int:
+        """GPU contexts: device bytes held per rank (communication window and buffers), to compare
+        with plan.total_device_bytes; 0 before the first call allocated them, and on the CPU."""
+        return 0 if self._device == "cpu" else self._cpp.device_bytes
+
+    @property
     def ep_size(self) -> int:
         return self._cpp.ep_size
 

@@ -141,6 +141,9 @@ Context::~Context() {
 
 const Config& Context::config() const { return state_->plan.config; }
 const MemoryPlan& Context::plan() const { return state_->plan; }
+int64_t Context::device_bytes() const {
+  return state_->pipeline ? static_cast<int64_t>(state_->pipeline->device_bytes_per_rank()) : 0;
+}
 int64_t Context::ep_size() const { return state_->plan.ep_size; }
 int64_t Context::rank() const { return state_->rank; }
 const ContextOptions& Context::options() const { return state_->options; }

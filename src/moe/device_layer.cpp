@@ -66,7 +66,7 @@ DeviceLayer::DeviceLayer(const Config& c, int64_t ep_size, const std::vector<ref
       forward_.push_back(f);
       backward_.push_back({.forward = f, .grad_out_TD = t.grad_out.data, .grad_x_TD = t.grad_x.data,
                            .grad_scores_TK = t.grad_scores.data, .grad_w13 = t.grad_w13.data,
-                           .grad_w2 = t.grad_w2.data});
+                           .grad_w2 = t.grad_w2.data, .accumulate_wgrad = false, .wgrad_dtype = {}});
     }
   } catch (...) {
     for (void* p : allocations_) cudaFree(p);

@@ -30,6 +30,7 @@ void bind_context(nb::module_& m) {
       .def_prop_ro("launch_ranks", &Context::launch_ranks)
       .def_prop_ro("config", &Context::config)
       .def_prop_ro("plan", &Context::plan)
+      .def_prop_ro("device_bytes", &Context::device_bytes)
       .def_prop_ro("ep_size", &Context::ep_size)
       .def_prop_ro("rank", &Context::rank)
       .def_prop_ro("closed", &Context::closed)

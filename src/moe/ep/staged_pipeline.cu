@@ -253,6 +253,7 @@ StagedPipeline::StagedPipeline(const Config& config, std::unique_ptr<comm::Trans
     void* p = nullptr;
     cuda_check(cudaMalloc(&p, std::max<size_t>(bytes, 16)), "cudaMalloc(EP scratch)");
     allocations_.push_back(p);
+    allocated_bytes_ += std::max<size_t>(bytes, 16);
     return p;
   };
   try {

@@ -156,6 +156,12 @@ class StagedPipeline {
   // Called on the host before each stage is enqueued (and with Stage::end after the last).
   void set_stage_hook(std::function<void(Stage, cudaStream_t)> hook) { hook_ = std::move(hook); }
 
+  // Device bytes held per launch rank: the symmetric workspace and this pipeline's buffers (what a
+  // Context's MemoryPlan accounts for; tests compare the two).
+  size_t device_bytes_per_rank() const {
+    return transport_->workspace_bytes() + allocated_bytes_ / static_cast<size_t>(launch_ranks());
+  }
+
   int world_size() const { return transport_->world_size(); }
   int launch_ranks() const { return transport_->launch_ranks(); }
   const EpDims& dims() const { return launch_.dims; }
@@ -204,6 +210,7 @@ class StagedPipeline {
   std::unique_ptr<comm::Transport> transport_;
   EpLaunch launch_;
   std::vector<void*> allocations_;
+  size_t allocated_bytes_ = 0;  // their sizes, all launch ranks together
   std::vector<RecordBuffers> record_buffers_;  // [record * launch_ranks + slot]
   std::vector<RecordWindow> record_windows_;   // [record]
   RecordOrder record_order_;
