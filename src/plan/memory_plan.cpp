@@ -57,11 +57,16 @@ MemoryPlan plan_memory(const Config& c, int64_t ep_size) {
       c.balance == Balance::exact
           ? p.balanced_rows
           : round_up(ceil_times(c.receive_capacity_factor, routed_rows) + max_padding, kExpertRowAlignment);
-  p.device_rows = std::min(
-      receive_rows, round_up(ceil_times(c.device_scratch_capacity_factor, p.balanced_rows), kExpertRowAlignment));
-  const int64_t host_rows = std::min(
-      receive_rows - p.device_rows,
-      round_up(ceil_times(c.host_overflow_scratch_factor, p.balanced_rows), kExpertRowAlignment));
+  // Host-backed (VMM) overflow rows are not built: the pipeline keeps the scratch of every row the
+  // dispatch accepts on the device, so that is what the plan counts (device_scratch_capacity_factor,
+  // which would move the rows past it to the host, has no effect until then; bench/memory_accounting.py
+  // compares the plan with what a context holds).
+  if (c.host_overflow_scratch_factor > 0) {
+    throw NotAvailable("host_overflow_scratch_factor: host-backed (VMM) overflow scratch is not built yet; every "
+                       "received row's scratch is on the device (leave it 0)");
+  }
+  p.device_rows = receive_rows;
+  const int64_t host_rows = 0;
   p.total_rows = p.device_rows + host_rows;
 
   // Communication window: received rows (+ metadata) of the working call, in training the received
@@ -167,7 +172,8 @@ std::string MemoryPlan::explain() const {
      << num_local_experts << " local + " << num_replica_slots << " replica slots), K=" << c.top_k
      << ", balance=" << to_string(c.balance) << ", " << (c.inference ? "inference" : "training") << "\n";
   os << "  rows: balanced " << balanced_rows << " (T*K=" << c.num_local_input_tokens * c.top_k
-     << " + expert padding to " << kExpertRowAlignment << "), device " << device_rows << ", total " << total_rows
+     << " + expert padding to " << kExpertRowAlignment << "), device " << device_rows
+     << " (every row the dispatch accepts), total " << total_rows
      << "\n";
   row("communication window", communication_bytes,
       c.inference ? "received rows x (2D+12) + T*K x 2D combine + counts + signals, 2 MiB granules"
@@ -193,7 +199,7 @@ std::string MemoryPlan::explain() const {
     row("activation slots (all)", activation_slots_total_bytes, line);
   }
   row("device scratch", device_scratch_bytes, c.inference ? "device rows x 3F x 2" : "device rows x 5F x 2");
-  row("host overflow scratch", host_overflow_scratch_bytes, "host-backed (VMM) rows beyond the device rows");
+  row("host overflow scratch", host_overflow_scratch_bytes, "host-backed (VMM) rows: not built yet");
   row("total device", total_device_bytes, "");
   row("total virtual", total_virtual_bytes, "device + host overflow");
   return os.str();

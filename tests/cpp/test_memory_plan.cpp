@@ -100,19 +100,23 @@ TEST(MemoryPlan, SlotCapacityFactorAndBytes) {
   }
 }
 
-TEST(MemoryPlan, CapacityModeAndOverflowScratch) {
+// Capacity mode: the scratch of every row the dispatch accepts (receive_capacity_factor * T*K +
+// padding) is on the device, as the pipeline allocates it; host-backed overflow rows are not built.
+TEST(MemoryPlan, CapacityModeKeepsEveryReceivedRowOnTheDevice) {
   Config c = deepseek_v3();
   c.balance = Balance::capacity;
   c.receive_capacity_factor = 2.0;
-  c.device_scratch_capacity_factor = 1.25;
-  c.host_overflow_scratch_factor = 0.5;
+  c.device_scratch_capacity_factor = 1.25;  // no effect until host-backed rows exist
   const MemoryPlan p = plan_memory(c, 8);
   EXPECT_EQ(p.num_replica_slots, 0);
   EXPECT_EQ(p.replica_weight_bytes, 0);
-  EXPECT_GT(p.device_rows, p.balanced_rows);
-  EXPECT_GT(p.total_rows, p.device_rows);
-  EXPECT_GT(p.host_overflow_scratch_bytes, 0);
-  EXPECT_GT(p.total_virtual_bytes, p.total_device_bytes);
+  EXPECT_EQ(p.device_rows, (2 * 32768 + 32 * 127 + 127) / 128 * 128);
+  EXPECT_EQ(p.total_rows, p.device_rows);
+  EXPECT_EQ(p.host_overflow_scratch_bytes, 0);
+  EXPECT_EQ(p.total_virtual_bytes, p.total_device_bytes);
+  EXPECT_EQ(p.device_scratch_bytes, p.device_rows * 5 * 2048 * 2);  // h13, a, grad_h13 of every row
+  c.host_overflow_scratch_factor = 0.5;
+  EXPECT_THROW(plan_memory(c, 8), NotAvailable);
 }
 
 TEST(MemoryPlan, InferenceSavesNothing) {

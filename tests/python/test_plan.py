@@ -27,9 +27,9 @@ VARIANTS = [
     dict(),
     dict(inference=True),
     dict(balance="capacity", receive_capacity_factor=1.5),
-    dict(balance="capacity", receive_capacity_factor=3.0, host_overflow_scratch_factor=1.0),
+    dict(balance="capacity", receive_capacity_factor=3.0),
     dict(balance="capacity", receive_capacity_factor=3.0, device_scratch_capacity_factor=1.25,
-         host_overflow_scratch_factor=0.5, num_activation_slots=3, max_moe_layers_per_activation_slot=2),
+         num_activation_slots=3, max_moe_layers_per_activation_slot=2),
     dict(hidden_dim=64 * 15, intermediate_dim=64 * 7, top_k=1),
     dict(activation_slot_capacity_factor=0.25, wgrad_dtype="bf16"),
     dict(activation_slot_capacity_factor=0.0),
@@ -195,3 +195,17 @@ def test_repr_names_the_shape_and_the_totals():
 def test_plans_compare_by_value():
     assert plan() == plan()
     assert plan() != plan(num_activation_slots=2)
+
+
+def test_capacity_mode_plans_every_received_row_on_the_device():
+    """The pipeline keeps the scratch of every row the dispatch accepts on the device (host-backed
+    overflow rows are not built), so the plan counts receive rows, not device_scratch_capacity_factor's."""
+    config = poise.Config(**{**BASE, "balance": "capacity", "receive_capacity_factor": 2.0})
+    p = poise.plan_memory(config, EP_SIZE)
+    T, K = config.num_local_input_tokens, config.top_k
+    padding = config.num_experts // EP_SIZE * 127
+    assert p.device_rows == p.total_rows == (2 * T * K + padding + 127) // 128 * 128
+    assert p.device_rows > p.balanced_rows
+    assert p.host_overflow_scratch_bytes == 0
+    with pytest.raises(poise.NotAvailable, match="host_overflow_scratch_factor"):
+        poise.plan_memory(dataclasses.replace(config, host_overflow_scratch_factor=0.5), EP_SIZE)
