@@ -433,3 +433,31 @@ def test_stage_timing_reports_every_stage_of_both_calls():
                                        "combine_reduce"]
     assert all(ms >= 0 for stages in times.values() for ms in stages.values())
     assert "experts" in times["backward"] and times["forward"]["experts"] > 0
+
+
+@pytest.mark.parametrize("ep_size, changes", [
+    (1, dict(balance="capacity")),
+    (1, dict(balance="capacity", receive_capacity_factor=3.0, num_activation_slots=2)),
+    (4, dict(balance="exact")),
+    (2, dict(balance="capacity", inference=True)),
+])
+def test_a_context_holds_what_its_memory_plan_says(ep_size, changes):
+    """Context.device_bytes (window + pipeline buffers per rank, after a call) against
+    plan.total_device_bytes: never more than the plan (beyond 1% + 1 MiB of small bookkeeping
+    buffers), and not grossly less (the plan rounds the window to 2 MiB granules)."""
+    config = dataclasses.replace(CONFIG, **changes)
+    device = torch.device("cuda", torch.cuda.current_device())
+    generated = reference.random_inputs(config, ep_size, seed=60)
+    per_rank = [{n: generated[n][r].to(device) for n in NAMES} for r in range(ep_size)]
+    virtual = ep_size > 1
+    with poise.create_context(config=config, device=device, ep_size=ep_size, virtual_ranks=virtual) as context:
+        with torch.no_grad():
+            if virtual:
+                poise.routed_experts_virtual(*[[inputs[n] for inputs in per_rank] for n in NAMES], context)
+            else:
+                poise.routed_experts(*[per_rank[0][n] for n in NAMES], context)
+        context.check()
+        held, planned = context.device_bytes, context.plan.total_device_bytes
+    mib = 1 << 20
+    assert held <= planned * 1.01 + mib, (held, planned)
+    assert held >= planned * 0.9 - 4 * mib, (held, planned)
