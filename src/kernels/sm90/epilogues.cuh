@@ -283,6 +283,25 @@ struct RowsStoreEpilogue {
                                           min(kBlockN, N - n_first));
   }
 
+  // The tile's rows to rows named by an index per grouped row (index_R): valid row r goes to
+  // row_of(index_R[r]) + n_first (kAdd: added there). An index outside [0, bound) is recorded as a
+  // device fault (bad_token) and its row goes nowhere.
+  template <int kBlockN, bool kAdd, class RowOf>
+  __device__ __forceinline__ void store_indexed(float (&d)[kBlockN / 2], const TileInfo& tile, int consumer,
+                                                int thread, uint8_t* buf, const int32_t* index_R, int32_t bound,
+                                                RowOf&& row_of) const {
+    store_direct<kBlockN, kAdd>(d, tile, consumer, thread, buf,
+                                [&](const GroupedRowAddress& rows, int32_t n_first, int r) -> __nv_bfloat16* {
+                                  if (r >= rows.valid) return nullptr;
+                                  const int32_t index = index_R[rows.first_row + r];
+                                  if (static_cast<uint32_t>(index) >= static_cast<uint32_t>(bound)) {
+                                    ptx::record_fault(ptx::PipelineFaultWord::kBadToken);
+                                    return nullptr;
+                                  }
+                                  return row_of(index) + n_first;
+                                });
+  }
+
   template <int kBlockN>
   __device__ __forceinline__ void store_staged(float (&d)[kBlockN / 2], const TileInfo& tile, int consumer,
                                                int thread, uint8_t* buf, const Fragment& fr,
@@ -317,18 +336,9 @@ struct RowsCombineEpilogue : RowsStoreEpilogue {
   template <int kBlockN>
   __device__ __forceinline__ void store(float (&d)[kBlockN / 2], const TileInfo& tile, int consumer,
                                         int thread, uint8_t* buf) const {
-    store_direct<kBlockN, true>(d, tile, consumer, thread, buf,
-                                [&](const GroupedRowAddress& rows, int32_t n_first, int r) -> __nv_bfloat16* {
-                                  if (r >= rows.valid) return nullptr;
-                                  const int32_t token = token_of_row_R[rows.first_row + r];
-                                  if (static_cast<uint32_t>(token) >= static_cast<uint32_t>(tokens)) {
-                                    ptx::record_fault(ptx::PipelineFaultWord::kBadToken);
-                                    return nullptr;
-                                  }
-                                  return out_RN + int64_t(token) * N + n_first;
-                                });
+    store_indexed<kBlockN, true>(d, tile, consumer, thread, buf, token_of_row_R, tokens,
+                                 [&](int32_t token) { return out_RN + int64_t(token) * N; });
   }
-
 };
 
 // FPROP W2 / DGRAD W13 with the rows scattered to slots (sm90::RowScatter): each valid row is stored
@@ -344,19 +354,11 @@ struct RowsScatterEpilogue : RowsStoreEpilogue {
   template <int kBlockN>
   __device__ __forceinline__ void store(float (&d)[kBlockN / 2], const TileInfo& tile, int consumer,
                                         int thread, uint8_t* buf) const {
-    store_direct<kBlockN, false>(d, tile, consumer, thread, buf,
-                                 [&](const GroupedRowAddress& rows, int32_t n_first, int r) -> __nv_bfloat16* {
-                                   if (r >= rows.valid) return nullptr;
-                                   const int32_t origin = row_origin_R[rows.first_row + r];
-                                   if (static_cast<uint32_t>(origin) >= static_cast<uint32_t>(origins)) {
-                                     ptx::record_fault(ptx::PipelineFaultWord::kBadToken);
-                                     return nullptr;
-                                   }
-                                   const int32_t owner = origin / slots_per_owner;
-                                   const int64_t slot = origin - owner * slots_per_owner;
-                                   return reinterpret_cast<__nv_bfloat16*>(owner_bases[owner] + slot_offset) +
-                                          slot * N + n_first;
-                                 });
+    store_indexed<kBlockN, false>(d, tile, consumer, thread, buf, row_origin_R, origins, [&](int32_t origin) {
+      const int32_t owner = origin / slots_per_owner;
+      const int64_t slot = origin - owner * slots_per_owner;
+      return reinterpret_cast<__nv_bfloat16*>(owner_bases[owner] + slot_offset) + slot * N;
+    });
   }
 };
 
