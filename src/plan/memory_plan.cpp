@@ -66,8 +66,7 @@ MemoryPlan plan_memory(const Config& c, int64_t ep_size) {
                        "received row's scratch is on the device (leave it 0)");
   }
   p.device_rows = receive_rows;
-  const int64_t host_rows = 0;
-  p.total_rows = p.device_rows + host_rows;
+  p.total_rows = p.device_rows;
 
   // Communication window: received rows (+ metadata) of the working call, in training the received
   // grad_out rows and this rank's score gradients, the combine buffer of this rank's T*K outputs,
@@ -151,7 +150,7 @@ MemoryPlan plan_memory(const Config& c, int64_t ep_size) {
   const int64_t backward_row_bytes = 5 * F * kBf16Bytes;
   const int64_t scratch_row_bytes = c.inference ? forward_row_bytes : std::max(forward_row_bytes, backward_row_bytes);
   p.device_scratch_bytes = round_up(p.device_rows * scratch_row_bytes, kRegionAlignment);
-  p.host_overflow_scratch_bytes = round_up(host_rows * scratch_row_bytes, kRegionAlignment);
+  p.host_overflow_scratch_bytes = 0;  // not built (above)
 
   p.total_device_bytes =
       p.communication_bytes + p.replica_weight_bytes + p.activation_slots_total_bytes + p.device_scratch_bytes;

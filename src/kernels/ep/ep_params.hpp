@@ -41,7 +41,7 @@ struct EpDims {
   int32_t num_chunks = 0;    // ceil(T / kTokensPerChunk)
   int32_t scores_bf16 = 0;   // scores_TK dtype: 1 bf16, 0 fp32 (per call)
   int32_t w13_interleaved = 0;  // W13 rows: 1 gate/up interleaved, 0 blocked (per call)
-  int32_t wgrad_bf16 = 0;    // the call's weight gradients: 1 bf16, 0 fp32 (BackwardArgs / Config::wgrad_dtype)
+  int32_t wgrad_bf16 = 0;    // the call's weight gradients: 1 bf16, 0 fp32 (per backward call: BackwardArgs / Config)
   // SM90 experts: FPROP W2 / DGRAD W13 store each y / grad_x row straight into its owner's combine
   // slot (sm90::RowScatter), so combine-push copies no rows (PipelineOptions::direct_combine).
   int32_t direct_combine = 0;

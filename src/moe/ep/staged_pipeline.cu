@@ -123,7 +123,6 @@ EpDims make_dims(const Config& c, int64_t ep_size, const PipelineOptions& o) {
   d.capacity_rows = static_cast<int32_t>(StagedPipeline::capacity_rows(c, ep_size, o));
   d.num_chunks = (d.T + kTokensPerChunk - 1) / kTokensPerChunk;
   d.swiglu_clamped = c.activation == Activation::swiglu_clamped;
-  d.wgrad_bf16 = c.wgrad_dtype == DType::bf16 ? 1 : 0;
   d.swiglu_alpha = static_cast<float>(c.swiglu_alpha);
   d.swiglu_limit = static_cast<float>(c.swiglu_limit);
   d.scores_from_experts = o.expert_kernels == ExpertKernels::sm90 ? 1 : 0;
