@@ -345,6 +345,22 @@ TEST(EpLayerErrors, HostRejectsBadArgumentsBeforeLaunch) {
   args = w.forward_args();
   args[1].w13_layout = W13Layout::gate_up_interleaved;
   EXPECT_EQ(rejected_name(args), "args[1].w13_layout");
+  // Backward: one weight-gradient dtype per call; bf16 needs the SM90 expert kernels (this world runs
+  // the stand-ins, which write fp32 only) and is refused before anything is launched.
+  auto bwd = w.backward_args();
+  bwd[1].wgrad_dtype = DType::bf16;
+  try {
+    w.pipeline().backward(bwd, nullptr);
+    FAIL() << "per-rank differing wgrad_dtype accepted";
+  } catch (const InvalidArgument& e) {
+    EXPECT_EQ(e.name(), "args[1].wgrad_dtype");
+  }
+  bwd = w.backward_args();
+  for (BackwardArgs& a : bwd) a.wgrad_dtype = DType::bf16;
+  EXPECT_THROW(w.pipeline().backward(bwd, nullptr), NotAvailable);
+  Config bf16_grads = make_config(c);
+  bf16_grads.wgrad_dtype = DType::bf16;
+  EXPECT_THROW(StagedPipeline::create_virtual(bf16_grads, 2), NotAvailable);
   Config exact = make_config(c);
   exact.balance = Balance::exact;
   PipelineOptions too_many_slots;  // exact balance is supported (test_ep_balance.cu); its options are checked
