@@ -1,8 +1,11 @@
 """What the Python layer costs per MoE layer call, on one GPU (one rank).
 
-For each shape, the median time of one forward+backward, three ways:
-  (a) eager:  poise.routed_experts + out.backward (validation, torch.library dispatch, autograd,
-              output allocation: everything a training step pays per layer);
+For each shape, the median time of one forward+backward, four ways:
+  (a) eager:  poise.routed_experts + out.backward (validation, autograd, output allocation:
+              everything a training step pays per layer; plain eager calls skip torch.library's
+              dispatch, torch_ops._plain_eager);
+  (a') ops:   the same with that bypass off (through the torch.library ops: what calls under a
+              dispatch mode or the profiler pay);
   (b) raw:    the same C++ entry points through the raw binding poise._poise.routed_experts_forward /
               _backward on preallocated buffers (no autograd, no Python-side validation);
   (c) graph:  a CUDA graph of (a), captured with torch.cuda.graph and replayed (no host work).
@@ -108,6 +111,12 @@ def measure(name: str, fields: dict, device: torch.device) -> dict:
     context.check()  # a device-side fault would make every number below meaningless
     eager_ms = median_ms(eager, iterations)
     eager_host = host_us(eager, iterations)
+    # (a') the same through the torch.library ops (what eager calls paid before the plain-eager
+    # bypass; what calls under a dispatch mode or the profiler still pay).
+    poise.torch_ops.EAGER_BYPASS = False
+    eager_ops_ms = median_ms(eager, iterations)
+    eager_ops_host = host_us(eager, iterations)
+    poise.torch_ops.EAGER_BYPASS = True
 
     # (b) the raw binding on preallocated buffers, same stream, same kernels.
     x, ids, scores, w13, w2 = args
@@ -152,7 +161,8 @@ def measure(name: str, fields: dict, device: torch.device) -> dict:
         "name": name, "config": fields, "iterations_per_block": iterations, "blocks": BLOCKS,
         "eager_ms": eager_ms, "raw_binding_ms": raw_ms, "cuda_graph_ms": graph_ms,
         "python_overhead_us": (eager_ms - graph_ms) * 1e3, "binding_overhead_us": (raw_ms - graph_ms) * 1e3,
-        "eager_host_us": eager_host, "stage_ms": stage_ms,
+        "eager_host_us": eager_host, "eager_ops_ms": eager_ops_ms, "eager_ops_host_us": eager_ops_host,
+        "stage_ms": stage_ms,
     }
 
 
@@ -178,10 +188,11 @@ def main() -> None:
     out_path.write_text(json.dumps(report, indent=2) + "\n")
     print(f"{report['device']}, torch {report['torch']}, commit {report['commit']}: forward+backward per layer")
     print(f"{'shape':<18}{'eager ms':>10}{'raw ms':>10}{'graph ms':>10}{'py ovh us':>11}{'bind ovh us':>13}"
-          f"{'host us':>10}")
+          f"{'host us':>10}{'ops ms':>10}{'ops host us':>13}")
     for r in results:
         print(f"{r['name']:<18}{r['eager_ms']:>10.3f}{r['raw_binding_ms']:>10.3f}{r['cuda_graph_ms']:>10.3f}"
-              f"{r['python_overhead_us']:>11.1f}{r['binding_overhead_us']:>13.1f}{r['eager_host_us']:>10.1f}")
+              f"{r['python_overhead_us']:>11.1f}{r['binding_overhead_us']:>13.1f}{r['eager_host_us']:>10.1f}"
+              f"{r['eager_ops_ms']:>10.3f}{r['eager_ops_host_us']:>13.1f}")
     for r in results:
         for phase, stages in r["stage_ms"].items():
             print(f"{r['name']} {phase}: " + ", ".join(f"{k} {v:.3f}" for k, v in stages.items()))

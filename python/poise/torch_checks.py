@@ -9,7 +9,7 @@ word.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence, Union
 
 import torch
 
@@ -21,6 +21,8 @@ WGRAD_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # autograd would cast any other dtype to the weights' anyway.
 WEIGHT_GRAD_DTYPE_NAME = "bf16"
 W13_LAYOUTS = ("gate_up_blocked", "gate_up_interleaved")
+_BF16 = (torch.bfloat16,)
+_INT32 = (torch.int32,)
 
 
 def _shape(t: torch.Tensor) -> str:
@@ -40,10 +42,12 @@ def check_tensor(
     device: str,
     dtypes: Sequence[torch.dtype],
     shapes: Sequence[tuple[int, ...]],
-    shape_rule: str,
+    shape_rule: Union[str, Callable[[], str]],
     prefix: str = "",
 ) -> None:
-    """One tensor argument: type, device, dtype, shape (one of ``shapes``), contiguity."""
+    """One tensor argument: type, device, dtype, shape (one of ``shapes``, tuples), contiguity.
+    ``shape_rule`` may be a function that writes it: messages are built only for a refused call
+    (this runs on every eager call's host path)."""
     if not isinstance(value, torch.Tensor):
         raise InvalidArgument(name, f"{prefix}must be a torch.Tensor, got {type(value).__name__}")
     if not device_matches(value.device, device):
@@ -52,8 +56,9 @@ def check_tensor(
         wanted = " or ".join(str(d) for d in dtypes)
         hint = f": convert with {name}.to(torch.int32)" if value.dtype == torch.int64 and torch.int32 in dtypes else ""
         raise InvalidArgument(name, f"{prefix}must be {wanted}, got {value.dtype}{hint}")
-    if tuple(value.shape) not in [tuple(s) for s in shapes]:
-        raise InvalidArgument(name, f"{prefix}must have shape {shape_rule}, got {_shape(value)}")
+    if tuple(value.shape) not in shapes:
+        rule = shape_rule() if callable(shape_rule) else shape_rule
+        raise InvalidArgument(name, f"{prefix}must have shape {rule}, got {_shape(value)}")
     if not value.is_contiguous():
         raise InvalidArgument(name, f"{prefix}must be contiguous (call .contiguous()), got strides {value.stride()}")
 
@@ -77,24 +82,25 @@ def check_inputs(
     K, L = config.top_k, config.num_experts // ep_size
     for name, value in (("x_TD", x_TD), ("ids_TK", ids_TK), ("scores_TK", scores_TK)):
         check_rows(name, value, config, prefix)
-    check_tensor("x_TD", x_TD, device=device, dtypes=[torch.bfloat16], shapes=[(T, D)],
-                 shape_rule=f"[T={T}, D={D}]", prefix=prefix)
-    check_tensor("ids_TK", ids_TK, device=device, dtypes=[torch.int32], shapes=[(T, K)],
-                 shape_rule=f"[T={T}, K={K}]", prefix=prefix)
-    check_tensor("scores_TK", scores_TK, device=device, dtypes=list(SCORES_DTYPES), shapes=[(T, K)],
-                 shape_rule=f"[T={T}, K={K}]", prefix=prefix)
-    check_tensor("w13", w13, device=device, dtypes=[torch.bfloat16],
+    check_tensor("x_TD", x_TD, device=device, dtypes=_BF16, shapes=[(T, D)],
+                 shape_rule=lambda: f"[T={T}, D={D}]", prefix=prefix)
+    check_tensor("ids_TK", ids_TK, device=device, dtypes=_INT32, shapes=[(T, K)],
+                 shape_rule=lambda: f"[T={T}, K={K}]", prefix=prefix)
+    check_tensor("scores_TK", scores_TK, device=device, dtypes=SCORES_DTYPES, shapes=[(T, K)],
+                 shape_rule=lambda: f"[T={T}, K={K}]", prefix=prefix)
+    check_tensor("w13", w13, device=device, dtypes=_BF16,
                  shapes=[(L, 2, F, D), (L, 2 * F, D), (L * 2 * F, D)],
-                 shape_rule=f"[E_local, 2, F, D], [E_local, 2F, D] or [E_local*2F, D] with E_local={L}, F={F}, D={D}",
+                 shape_rule=lambda: (f"[E_local, 2, F, D], [E_local, 2F, D] or [E_local*2F, D] with E_local={L}, "
+                                     f"F={F}, D={D}"),
                  prefix=prefix)
-    check_tensor("w2", w2, device=device, dtypes=[torch.bfloat16], shapes=[(L, D, F), (L * D, F)],
-                 shape_rule=f"[E_local, D, F] or [E_local*D, F] with E_local={L}, D={D}, F={F}", prefix=prefix)
+    check_tensor("w2", w2, device=device, dtypes=_BF16, shapes=[(L, D, F), (L * D, F)],
+                 shape_rule=lambda: f"[E_local, D, F] or [E_local*D, F] with E_local={L}, D={D}, F={F}", prefix=prefix)
 
 
 def check_grad_out(config: Any, device: str, grad_out_TD: Any, prefix: str = "") -> None:
     T, D = config.num_local_input_tokens, config.hidden_dim
-    check_tensor("grad_out_TD", grad_out_TD, device=device, dtypes=[torch.bfloat16], shapes=[(T, D)],
-                 shape_rule=f"[T={T}, D={D}]", prefix=prefix)
+    check_tensor("grad_out_TD", grad_out_TD, device=device, dtypes=_BF16, shapes=[(T, D)],
+                 shape_rule=lambda: f"[T={T}, D={D}]", prefix=prefix)
 
 
 def check_w13_layout(w13_layout: Any) -> None:

@@ -301,15 +301,37 @@ def _backward(ctx, grad_out_TD):
     args = (grad_out_TD, x_TD, ids_TK, scores_TK, w13, w2, ctx.context_handle, ctx.w13_layout,
             ctx.deterministic_combine)
     if ctx.weights is None:
-        grad_x, grad_scores, grad_w13, grad_w2 = torch.ops.poise.routed_experts_backward(*args)
+        grad_x, grad_scores, grad_w13, grad_w2 = _run_backward(args, None)
     else:
         config = context_from_handle(ctx.context_handle)._cpp.config
         buffers = [accumulation_buffer(weight, name, config) if need else torch.zeros_like(weight, dtype=wgrad_dtype(config))
                    for weight, name, need in zip(ctx.weights, ("w13", "w2"), needs[3:5])]
-        grad_x, grad_scores = torch.ops.poise.routed_experts_backward_accumulate(*args, *buffers)
+        grad_x, grad_scores = _run_backward(args, buffers)
         grad_w13 = grad_w2 = None  # already added into the buffers: autograd must not add them again
     return (grad_x if needs[0] else None, None, grad_scores if needs[2] else None,
             grad_w13 if needs[3] else None, grad_w2 if needs[4] else None, None, None, None, None)
+
+
+def _run_backward(args: tuple, accumulate: Optional[list[Tensor]]) -> tuple:
+    """The backward op of ``args`` (and the accumulation buffers), or in plain eager mode its engine
+    call directly. The inputs were checked by the forward whose graph this is (autograd refuses saved
+    tensors modified in place since), so only grad_out and the buffers are checked here."""
+    tensors = args[:6] if accumulate is None else (*args[:6], *accumulate)
+    if not _plain_eager(tensors):
+        if accumulate is None:
+            return torch.ops.poise.routed_experts_backward(*args)
+        return torch.ops.poise.routed_experts_backward_accumulate(*args, *accumulate)
+    grad_out_TD, x_TD, ids_TK, scores_TK, w13, w2, handle, w13_layout, _ = args
+    context = _open_context(handle)
+    if context._cpp.config.inference:
+        raise InvalidArgument("context", "was created with inference=true; backward needs a training context")
+    check_grad_out(context._cpp.config, context.device, grad_out_TD)
+    if accumulate is None:
+        return _engine(context).backward(grad_out_TD, x_TD, ids_TK, scores_TK, w13, w2, w13_layout, None)
+    _check_accumulation(context, w13, w2, *accumulate)
+    grad_x_TD, grad_scores_TK, _, _ = _engine(context).backward(grad_out_TD, x_TD, ids_TK, scores_TK, w13, w2,
+                                                                w13_layout, tuple(accumulate))
+    return grad_x_TD, grad_scores_TK
 
 
 torch.library.register_autograd("poise::routed_experts_forward", _backward, setup_context=_setup_context)
@@ -337,6 +359,44 @@ def accumulation_buffer(weight: Tensor, name: str, config: Any) -> Tensor:
         buffer = weight.grad
     check_accumulation_buffer(label, buffer, weight, config)
     return buffer
+
+
+# ---- plain eager calls without the torch.library dispatch --------------------------------------
+
+# Tests switch it off to run the ops' own path eagerly.
+EAGER_BYPASS = True
+
+
+def _plain_eager(tensors) -> bool:
+    """Whether a call may skip torch.library's dispatch and autograd wrappers (about half of the
+    eager host time of a small layer's forward+backward): plain tensors, not compiling, and nothing
+    that traces or intercepts ops (make_fx / FakeTensor / other dispatch modes, torch function modes
+    such as ``with torch.device(...)``, functorch transforms), no profiler that should see the op by
+    name. Everything else takes the ops, which run the same engine calls with the same checks."""
+    return (EAGER_BYPASS and not torch.compiler.is_compiling() and not torch.autograd.profiler._is_profiler_enabled
+            and torch._C._len_torch_dispatch_stack() == 0 and torch._C._len_torch_function_stack() == 0
+            and not torch._C._are_functorch_transforms_active() and all(type(t) is Tensor for t in tensors))
+
+
+class _EagerForward(torch.autograd.Function):
+    """poise::routed_experts_forward(_clip_counts) called directly: the op's implementation, saved
+    state and backward (_setup_context, _backward) under a plain autograd.Function."""
+
+    @staticmethod
+    def forward(ctx, x_TD, ids_TK, scores_TK, w13, w2, handle, w13_layout, accumulate_wgrad, deterministic_combine,
+                clip_counts):
+        op_inputs = (x_TD, ids_TK, scores_TK, w13, w2, handle, w13_layout, accumulate_wgrad, deterministic_combine)
+        context = _open_context(handle)
+        _check_call(context, x_TD, ids_TK, scores_TK, w13, w2, w13_layout)
+        result = _engine(context).forward(x_TD, ids_TK, scores_TK, w13, w2, w13_layout, clip_counts=clip_counts)
+        _setup_context(ctx, op_inputs, result)
+        if clip_counts:
+            ctx.mark_non_differentiable(result[1])  # integers: no gradient flows back through them
+        return result
+
+    @staticmethod
+    def backward(ctx, grad_out_TD, *_grad_counts):
+        return (*_backward(ctx, grad_out_TD), None)
 
 
 # ---- the user API --------------------------------------------------------------------------------
@@ -399,6 +459,10 @@ def routed_experts(
                                "parameters at backward time, which a compiled backward does not see; run it eagerly")
     else:
         _check_before_the_op(x_TD, ids_TK, scores_TK, w13, w2, context, options)
+        if _plain_eager((x_TD, ids_TK, scores_TK, w13, w2)):
+            return _EagerForward.apply(x_TD, ids_TK, scores_TK, w13, w2, context.handle, w13_layout,
+                                       options.accumulate_wgrad, options.deterministic_combine,
+                                       options.clip_statistics)
     op = (torch.ops.poise.routed_experts_forward_clip_counts if options.clip_statistics
           else torch.ops.poise.routed_experts_forward)
     return op(x_TD, ids_TK, scores_TK, w13, w2, context.handle, w13_layout, options.accumulate_wgrad,

@@ -278,3 +278,75 @@ def test_torch_compile_fullgraph(config, context):
     loss(*args).backward()
     for name, got in zip(names, compiled):
         assert torch.equal(got, inputs[name].grad), name
+
+
+# ---- plain eager calls skip torch.library's dispatch (torch_ops._plain_eager) --------------------
+
+
+def run_layer(config, options, eager_bypass, monkeypatch, seed=3):
+    """One forward+backward with the eager bypass on or off: (grad_fn name, outputs, grads, main_grads)."""
+    monkeypatch.setattr(poise.torch_ops, "EAGER_BYPASS", eager_bypass)
+    inputs = layer_inputs(config, seed=seed)
+    if options.accumulate_wgrad:
+        for name in ("w13", "w2"):
+            inputs[name].main_grad = torch.randn(inputs[name].shape, generator=torch.Generator().manual_seed(seed))
+    grad_out = torch.randn(config.num_local_input_tokens, config.hidden_dim,
+                           generator=torch.Generator().manual_seed(seed + 1)).bfloat16()
+    with poise.create_context(config=config, device="cpu") as context:
+        result = call(inputs, context, options)
+        outs = result if isinstance(result, tuple) else (result,)
+        outs[0].backward(grad_out)
+    main_grads = [inputs[n].main_grad for n in ("w13", "w2")] if options.accumulate_wgrad else []
+    return type(outs[0].grad_fn).__name__, outs, grads_of(inputs), main_grads
+
+
+@pytest.mark.parametrize("options", [poise.ExecutionOptions(), poise.ExecutionOptions(clip_statistics=True),
+                                     poise.ExecutionOptions(accumulate_wgrad=True)],
+                         ids=["default", "clip_statistics", "accumulate_wgrad"])
+def test_plain_eager_skips_the_op_dispatch_with_the_same_bits(options, monkeypatch):
+    config = make_config(activation="swiglu_clamped", swiglu_limit=0.25)
+    bypass = run_layer(config, options, True, monkeypatch)
+    ops = run_layer(config, options, False, monkeypatch)
+    assert bypass[0] == "_EagerForwardBackward" and ops[0] != bypass[0], (bypass[0], ops[0])
+    for got, want in zip([*bypass[1], *bypass[3]], [*ops[1], *ops[3]]):
+        assert torch.equal(got, want)
+    for got, want in zip(bypass[2], ops[2]):
+        assert (got is None and want is None) or torch.equal(got, want)
+    if options.clip_statistics:
+        assert bypass[1][1].dtype == torch.int64 and bypass[1][1].sum() > 0  # the clamp clipped something
+
+
+class OpNames(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_dispatch_modes_and_the_profiler_see_the_ops(config, context):
+    """Anything that intercepts ops gets the torch.library ops, forward and backward."""
+    inputs = layer_inputs(config)
+    with OpNames() as mode:
+        out = call(inputs, context)
+        out.backward(torch.ones_like(out))
+    assert "poise.routed_experts_forward.default" in mode.names
+    assert "poise.routed_experts_backward.default" in mode.names
+    assert type(out.grad_fn).__name__ != "_EagerForwardBackward"
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], acc_events=True) as profile:
+        out = call(layer_inputs(config), context)
+        out.backward(torch.ones_like(out))
+    names = {event.name for event in profile.events()}
+    assert {"poise::routed_experts_forward", "poise::routed_experts_backward"} <= names, sorted(names)[:20]
+
+
+def test_plain_eager_backward_checks_grad_out(config, context):
+    """Autograd hands backward a gradient of out's shape and dtype; a direct caller may not."""
+    inputs = {name: t.detach() for name, t in layer_inputs(config).items()}
+    bad = torch.zeros(config.num_local_input_tokens, config.hidden_dim, dtype=torch.float32)
+    args = (bad, inputs["x_TD"], inputs["ids_TK"], inputs["scores_TK"], inputs["w13"], inputs["w2"], context.handle,
+            "gate_up_blocked", True)
+    with pytest.raises(poise.InvalidArgument, match="grad_out_TD"):
+        poise.torch_ops._run_backward(args, None)
