@@ -91,6 +91,20 @@ def host_us(step, iterations: int) -> float:
     return statistics.median(times)
 
 
+def interleaved(eager, iterations: int, rounds: int = 3) -> tuple[float, float, float, float]:
+    """(ms, host us) of eager steps with the plain-eager bypass on, then off (through the
+    torch.library ops: what calls under a dispatch mode or the profiler pay), each the median over
+    rounds that alternate the two."""
+    times = {True: ([], []), False: ([], [])}
+    for _ in range(rounds):
+        for bypass in (True, False):
+            poise.torch_ops.EAGER_BYPASS = bypass
+            times[bypass][0].append(median_ms(eager, iterations))
+            times[bypass][1].append(host_us(eager, iterations))
+    poise.torch_ops.EAGER_BYPASS = True
+    return tuple(statistics.median(values) for bypass in (True, False) for values in times[bypass])
+
+
 def measure(name: str, fields: dict, device: torch.device) -> dict:
     config = poise.Config(**fields)
     layer = random_layer(config, device)
@@ -109,14 +123,9 @@ def measure(name: str, fields: dict, device: torch.device) -> dict:
 
     eager()
     context.check()  # a device-side fault would make every number below meaningless
-    eager_ms = median_ms(eager, iterations)
-    eager_host = host_us(eager, iterations)
-    # (a') the same through the torch.library ops (what eager calls paid before the plain-eager
-    # bypass; what calls under a dispatch mode or the profiler still pay).
-    poise.torch_ops.EAGER_BYPASS = False
-    eager_ops_ms = median_ms(eager, iterations)
-    eager_ops_host = host_us(eager, iterations)
-    poise.torch_ops.EAGER_BYPASS = True
+    # (a) and (a'), the bypass on and off, in alternating rounds (the host's speed drifts within a
+    # call by more than the difference measured).
+    eager_ms, eager_host, eager_ops_ms, eager_ops_host = interleaved(eager, iterations)
 
     # (b) the raw binding on preallocated buffers, same stream, same kernels.
     x, ids, scores, w13, w2 = args

@@ -365,17 +365,20 @@ def accumulation_buffer(weight: Tensor, name: str, config: Any) -> Tensor:
 
 # Tests switch it off to run the ops' own path eagerly.
 EAGER_BYPASS = True
+# Parameters are tensors that only mark themselves as module state (their __torch_function__ is
+# disabled); any other subclass may override ops and takes the ops' path.
+_PLAIN_TENSOR_TYPES = (Tensor, torch.nn.Parameter)
 
 
 def _plain_eager(tensors) -> bool:
-    """Whether a call may skip torch.library's dispatch and autograd wrappers (about half of the
-    eager host time of a small layer's forward+backward): plain tensors, not compiling, and nothing
+    """Whether a call may skip torch.library's dispatch and autograd wrappers: plain tensors or
+    parameters, not compiling, and nothing
     that traces or intercepts ops (make_fx / FakeTensor / other dispatch modes, torch function modes
     such as ``with torch.device(...)``, functorch transforms), no profiler that should see the op by
     name. Everything else takes the ops, which run the same engine calls with the same checks."""
     return (EAGER_BYPASS and not torch.compiler.is_compiling() and not torch.autograd.profiler._is_profiler_enabled
             and torch._C._len_torch_dispatch_stack() == 0 and torch._C._len_torch_function_stack() == 0
-            and not torch._C._are_functorch_transforms_active() and all(type(t) is Tensor for t in tensors))
+            and not torch._C._are_functorch_transforms_active() and all(type(t) in _PLAIN_TENSOR_TYPES for t in tensors))
 
 
 class _EagerForward(torch.autograd.Function):

@@ -287,6 +287,8 @@ def run_layer(config, options, eager_bypass, monkeypatch, seed=3):
     """One forward+backward with the eager bypass on or off: (grad_fn name, outputs, grads, main_grads)."""
     monkeypatch.setattr(poise.torch_ops, "EAGER_BYPASS", eager_bypass)
     inputs = layer_inputs(config, seed=seed)
+    for name in ("w13", "w2"):  # as a model holds them
+        inputs[name] = torch.nn.Parameter(inputs[name].detach())
     if options.accumulate_wgrad:
         for name in ("w13", "w2"):
             inputs[name].main_grad = torch.randn(inputs[name].shape, generator=torch.Generator().manual_seed(seed))
@@ -324,6 +326,16 @@ class OpNames(torch.utils._python_dispatch.TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.names.append(str(func))
         return func(*args, **(kwargs or {}))
+
+
+class ScaledTensor(torch.Tensor):
+    """A subclass that may override ops: it must take the ops' path."""
+
+
+def test_tensor_subclasses_take_the_ops(config, context):
+    inputs = layer_inputs(config)
+    inputs["x_TD"] = inputs["x_TD"].detach().as_subclass(ScaledTensor).requires_grad_()
+    assert type(call(inputs, context).grad_fn).__name__ != "_EagerForwardBackward"
 
 
 def test_dispatch_modes_and_the_profiler_see_the_ops(config, context):
