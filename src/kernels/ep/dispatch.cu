@@ -81,16 +81,11 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const PeerTable* tab
       // Backward with the stand-in experts scales copies of the primary rows (fanout_scale_grad):
       // there the local rows are not written here.
       const bool own_rows_here = !kBackward || dims.scores_from_experts;
-      unsigned copies = __ballot_sync(kFullMask, active && (primary_lane == lane || (own_rows_here && dest == pt.rank)));
-      const bf16* src_row = src_TD + static_cast<size_t>(t) * dims.D;
-      while (copies) {
-        const int k = __ffs(copies) - 1;
-        copies &= copies - 1;
-        const int to = __shfl_sync(kFullMask, dest, k);
-        const int to_row = __shfl_sync(kFullMask, row, k);
-        char* dst = comm::peer_ptr<char>(pt, to, rows_region) + static_cast<size_t>(to_row) * row_bytes;
-        comm::warp_copy_16B(dst, src_row, row_bytes, lane);
-      }
+      const bool writes = active && (primary_lane == lane || (own_rows_here && dest == pt.rank));
+      char* dst = writes ? comm::peer_ptr<char>(pt, dest, rows_region) + static_cast<size_t>(row) * row_bytes : nullptr;
+      // The token row read once, stored to every row this warp writes (primaries on other ranks too).
+      comm::warp_copy_16B_to_lanes(dst, __ballot_sync(kFullMask, writes), src_TD + static_cast<size_t>(t) * dims.D,
+                                   row_bytes, lane);
     }
   }
   if (push_replicas) {
