@@ -129,29 +129,4 @@ __device__ __forceinline__ void warp_copy_16B(void* dst, const void* src, size_t
   for (; i < n; i += 32) d[i] = s[i];
 }
 
-// warp_copy_16B of one source to several destinations: the row of every lane in `lanes` (each
-// lane's `dst`), the source read once. A warp serially copying one row to each would wait a load
-// latency per destination (the EP1 dispatch writing a token's 8 rows ran at ~1.9 TB/s that way).
-__device__ __forceinline__ void warp_copy_16B_to_lanes(void* dst, unsigned lanes, const void* src, size_t bytes,
-                                                       int lane) {
-  const uint4* s = static_cast<const uint4*>(src);
-  const size_t n = bytes / 16;
-  size_t i = lane;
-  auto store_all = [&](size_t at, const uint4& v) {
-    for (unsigned m = lanes; m; m &= m - 1) {
-      uint4* d = reinterpret_cast<uint4*>(__shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(dst),
-                                                       __ffs(m) - 1));
-      d[at] = v;
-    }
-  };
-  for (; i + 32 * (kCopyBatch - 1) < n; i += 32 * kCopyBatch) {
-    uint4 v[kCopyBatch];
-#pragma unroll
-    for (int j = 0; j < kCopyBatch; ++j) v[j] = s[i + 32 * j];
-#pragma unroll
-    for (int j = 0; j < kCopyBatch; ++j) store_all(i + 32 * j, v[j]);
-  }
-  for (; i < n; i += 32) store_all(i, s[i]);
-}
-
 }  // namespace poise::comm
