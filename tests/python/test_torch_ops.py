@@ -340,6 +340,8 @@ def test_tensor_subclasses_take_the_ops(config, context):
 
 def test_dispatch_modes_and_the_profiler_see_the_ops(config, context):
     """Anything that intercepts ops gets the torch.library ops, forward and backward."""
+    with torch.device("cpu"):  # a torch function mode
+        assert type(call(layer_inputs(config), context).grad_fn).__name__ != "_EagerForwardBackward"
     inputs = layer_inputs(config)
     with OpNames() as mode:
         out = call(inputs, context)
