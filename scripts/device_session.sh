@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call (see docs/performance.md): parts of the GPU work, C++ binaries prebuilt on the CPU
-# machine and carried in .carry/, the Python module built here. Logs and JSON go to $OUT.
+# machine and carried in .carry/ (scripts/pack_carry.sh), the Python module built here. Logs and JSON
+# go to $OUT.
 #
 #   scripts/device_session.sh [part ...]     parts (default: tests demo python overhead)
 #     tests      every .carry/test_* binary (the C++ GPU suite) + the HGMMA count
@@ -31,6 +32,10 @@ set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 NCCL_DIR=$(python3 -c "import nvidia.nccl as n; print(list(n.__path__)[0])" 2>/dev/null)
 export LD_LIBRARY_PATH="${NCCL_DIR:+$NCCL_DIR/lib:}${LD_LIBRARY_PATH:-}"
+# scripts/pack_carry.sh packs the binaries into one tarball; unpack it once.
+if [ -f .carry/bins.tar.xz ] && [ ! -f .carry/.unpacked ]; then
+  tar xJf .carry/bins.tar.xz -C .carry && touch .carry/.unpacked
+fi
 commit=$(cat .carry/COMMIT 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)
 export POISE_COMMIT="$commit"
 
