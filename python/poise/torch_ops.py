@@ -317,7 +317,9 @@ def _run_backward(args: tuple, accumulate: Optional[list[Tensor]]) -> tuple:
     call directly. The inputs were checked by the forward whose graph this is (autograd refuses saved
     tensors modified in place since), so only grad_out and the buffers are checked here."""
     tensors = args[:6] if accumulate is None else (*args[:6], *accumulate)
-    if not _plain_eager(tensors):
+    # Grad mode on in a backward means create_graph=True: the ops' autograd fallback marks what a
+    # second differentiation cannot go through; a direct call would hand back plain tensors.
+    if torch.is_grad_enabled() or not _plain_eager(tensors):
         if accumulate is None:
             return torch.ops.poise.routed_experts_backward(*args)
         return torch.ops.poise.routed_experts_backward_accumulate(*args, *accumulate)

@@ -364,3 +364,17 @@ def test_plain_eager_backward_checks_grad_out(config, context):
             "gate_up_blocked", True)
     with pytest.raises(poise.InvalidArgument, match="grad_out_TD"):
         poise.torch_ops._run_backward(args, None)
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
+def test_create_graph_backward_takes_the_ops(config, context, monkeypatch):
+    """Under create_graph the ops' autograd fallback marks the grads as part of a graph (a second
+    differentiation then refuses to go through them); the bypass must not hand back plain tensors."""
+    requires = []
+    for bypass in (False, True):
+        monkeypatch.setattr(poise.torch_ops, "EAGER_BYPASS", bypass)
+        inputs = layer_inputs(config)
+        out = call(inputs, context)
+        out.backward(torch.ones_like(out), create_graph=True)
+        requires.append(inputs["x_TD"].grad.requires_grad)
+    assert requires == [True, True]
