@@ -198,9 +198,7 @@ def routed_experts_forward(
     x_TD: Tensor, ids_TK: Tensor, scores_TK: Tensor, w13: Tensor, w2: Tensor,
     context_handle: int, w13_layout: str, accumulate_wgrad: bool, deterministic_combine: bool,
 ) -> Tensor:
-    context = _open_context(context_handle)
-    _check_call(context, x_TD, ids_TK, scores_TK, w13, w2, w13_layout)
-    return _engine(context).forward(x_TD, ids_TK, scores_TK, w13, w2, w13_layout)
+    return _forward_impl(x_TD, ids_TK, scores_TK, w13, w2, context_handle, w13_layout, clip_counts=False)
 
 
 @routed_experts_forward.register_fake
@@ -214,9 +212,15 @@ def routed_experts_forward_clip_counts(
     x_TD: Tensor, ids_TK: Tensor, scores_TK: Tensor, w13: Tensor, w2: Tensor,
     context_handle: int, w13_layout: str, accumulate_wgrad: bool, deterministic_combine: bool,
 ) -> tuple[Tensor, Tensor]:
+    return _forward_impl(x_TD, ids_TK, scores_TK, w13, w2, context_handle, w13_layout, clip_counts=True)
+
+
+def _forward_impl(x_TD, ids_TK, scores_TK, w13, w2, context_handle: int, w13_layout: str, clip_counts: bool):
+    """The forward ops' implementation (and the plain-eager bypass's): out_TD, or with clip_counts
+    (out_TD, clip_counts_E2)."""
     context = _open_context(context_handle)
     _check_call(context, x_TD, ids_TK, scores_TK, w13, w2, w13_layout)
-    return _engine(context).forward(x_TD, ids_TK, scores_TK, w13, w2, w13_layout, clip_counts=True)
+    return _engine(context).forward(x_TD, ids_TK, scores_TK, w13, w2, w13_layout, clip_counts=clip_counts)
 
 
 @routed_experts_forward_clip_counts.register_fake
@@ -235,8 +239,7 @@ def routed_experts_backward(
     grad_out_TD: Tensor, x_TD: Tensor, ids_TK: Tensor, scores_TK: Tensor, w13: Tensor, w2: Tensor,
     context_handle: int, w13_layout: str, deterministic_combine: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    context = _open_backward(context_handle, grad_out_TD, x_TD, ids_TK, scores_TK, w13, w2, w13_layout)
-    return _engine(context).backward(grad_out_TD, x_TD, ids_TK, scores_TK, w13, w2, w13_layout, None)
+    return _backward_impl((grad_out_TD, x_TD, ids_TK, scores_TK, w13, w2, context_handle, w13_layout), None)
 
 
 @routed_experts_backward.register_fake
@@ -250,10 +253,22 @@ def routed_experts_backward_accumulate(
     grad_out_TD: Tensor, x_TD: Tensor, ids_TK: Tensor, scores_TK: Tensor, w13: Tensor, w2: Tensor,
     context_handle: int, w13_layout: str, deterministic_combine: bool, grad_w13_acc: Tensor, grad_w2_acc: Tensor,
 ) -> tuple[Tensor, Tensor]:
-    context = _open_backward(context_handle, grad_out_TD, x_TD, ids_TK, scores_TK, w13, w2, w13_layout)
-    _check_accumulation(context, w13, w2, grad_w13_acc, grad_w2_acc)
-    grad_x_TD, grad_scores_TK, _, _ = _engine(context).backward(
-        grad_out_TD, x_TD, ids_TK, scores_TK, w13, w2, w13_layout, (grad_w13_acc, grad_w2_acc))
+    return _backward_impl((grad_out_TD, x_TD, ids_TK, scores_TK, w13, w2, context_handle, w13_layout),
+                          (grad_w13_acc, grad_w2_acc))
+
+
+def _backward_impl(args: tuple, accumulate: Optional[tuple[Tensor, Tensor]], inputs_checked: bool = False) -> tuple:
+    """The backward ops' implementation (and the plain-eager bypass's, whose forward checked the
+    inputs): (grad_x_TD, grad_scores_TK, grad_w13, grad_w2), or with ``accumulate`` (the two buffers
+    the weight grads are added into) (grad_x_TD, grad_scores_TK)."""
+    grad_out_TD, x_TD, ids_TK, scores_TK, w13, w2, context_handle, w13_layout = args
+    context = _open_backward(context_handle, grad_out_TD, x_TD, ids_TK, scores_TK, w13, w2, w13_layout,
+                             inputs_checked)
+    if accumulate is None:
+        return _engine(context).backward(grad_out_TD, x_TD, ids_TK, scores_TK, w13, w2, w13_layout, None)
+    _check_accumulation(context, w13, w2, *accumulate)
+    grad_x_TD, grad_scores_TK, _, _ = _engine(context).backward(grad_out_TD, x_TD, ids_TK, scores_TK, w13, w2,
+                                                                w13_layout, accumulate)
     return grad_x_TD, grad_scores_TK
 
 
@@ -265,11 +280,13 @@ def _(grad_out_TD, x_TD, ids_TK, scores_TK, w13, w2, context_handle, w13_layout,
     return torch.empty_like(x_TD), torch.empty_like(scores_TK)
 
 
-def _open_backward(context_handle, grad_out_TD, x_TD, ids_TK, scores_TK, w13, w2, w13_layout) -> Context:
+def _open_backward(context_handle, grad_out_TD, x_TD, ids_TK, scores_TK, w13, w2, w13_layout,
+                   inputs_checked: bool = False) -> Context:
     context = _open_context(context_handle)
     if context._cpp.config.inference:
         raise InvalidArgument("context", "was created with inference=true; backward needs a training context")
-    _check_call(context, x_TD, ids_TK, scores_TK, w13, w2, w13_layout)
+    if not inputs_checked:
+        _check_call(context, x_TD, ids_TK, scores_TK, w13, w2, w13_layout)
     check_grad_out(context._cpp.config, context.device, grad_out_TD)
     return context
 
@@ -323,17 +340,7 @@ def _run_backward(args: tuple, accumulate: Optional[list[Tensor]]) -> tuple:
         if accumulate is None:
             return torch.ops.poise.routed_experts_backward(*args)
         return torch.ops.poise.routed_experts_backward_accumulate(*args, *accumulate)
-    grad_out_TD, x_TD, ids_TK, scores_TK, w13, w2, handle, w13_layout, _ = args
-    context = _open_context(handle)
-    if context._cpp.config.inference:
-        raise InvalidArgument("context", "was created with inference=true; backward needs a training context")
-    check_grad_out(context._cpp.config, context.device, grad_out_TD)
-    if accumulate is None:
-        return _engine(context).backward(grad_out_TD, x_TD, ids_TK, scores_TK, w13, w2, w13_layout, None)
-    _check_accumulation(context, w13, w2, *accumulate)
-    grad_x_TD, grad_scores_TK, _, _ = _engine(context).backward(grad_out_TD, x_TD, ids_TK, scores_TK, w13, w2,
-                                                                w13_layout, tuple(accumulate))
-    return grad_x_TD, grad_scores_TK
+    return _backward_impl(args[:8], None if accumulate is None else tuple(accumulate), inputs_checked=True)
 
 
 torch.library.register_autograd("poise::routed_experts_forward", _backward, setup_context=_setup_context)
@@ -390,11 +397,9 @@ class _EagerForward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TD, ids_TK, scores_TK, w13, w2, handle, w13_layout, accumulate_wgrad, deterministic_combine,
                 clip_counts):
-        op_inputs = (x_TD, ids_TK, scores_TK, w13, w2, handle, w13_layout, accumulate_wgrad, deterministic_combine)
-        context = _open_context(handle)
-        _check_call(context, x_TD, ids_TK, scores_TK, w13, w2, w13_layout)
-        result = _engine(context).forward(x_TD, ids_TK, scores_TK, w13, w2, w13_layout, clip_counts=clip_counts)
-        _setup_context(ctx, op_inputs, result)
+        result = _forward_impl(x_TD, ids_TK, scores_TK, w13, w2, handle, w13_layout, clip_counts)
+        _setup_context(ctx, (x_TD, ids_TK, scores_TK, w13, w2, handle, w13_layout, accumulate_wgrad,
+                             deterministic_combine), result)
         if clip_counts:
             ctx.mark_non_differentiable(result[1])  # integers: no gradient flows back through them
         return result
