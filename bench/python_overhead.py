@@ -105,21 +105,32 @@ def interleaved(eager, iterations: int, rounds: int = 3) -> tuple[float, float, 
     return tuple(statistics.median(values) for bypass in (True, False) for values in times[bypass])
 
 
-def measure(name: str, fields: dict, device: torch.device) -> dict:
-    config = poise.Config(**fields)
-    layer = random_layer(config, device)
-    leaves = [layer[n] for n in ("x_TD", "scores_TK", "w13", "w2")]
-    args = [layer[n] for n in ("x_TD", "ids_TK", "scores_TK", "w13", "w2")]
-    context = poise.create_context(config=config, device=device)
-    small = config.num_local_input_tokens <= 1024
-    iterations = 50 if small else 5
+LEAVES = ("x_TD", "scores_TK", "w13", "w2")
+ARGS = ("x_TD", "ids_TK", "scores_TK", "w13", "w2")
 
-    def eager():
-        for t in leaves:  # optimizer.zero_grad(set_to_none=True): autograd stores fresh grads
-            t.grad = None
-        out = poise.routed_experts(*args, context)
+
+def eager_layer(config: poise.Config, device: torch.device):
+    """Random inputs, a context, and one eager forward+backward step of the layer: (layer, context, step)."""
+    layer = random_layer(config, device)
+    context = poise.create_context(config=config, device=device)
+
+    def step():
+        for name in LEAVES:  # optimizer.zero_grad(set_to_none=True): autograd stores fresh grads
+            layer[name].grad = None
+        out = poise.routed_experts(*(layer[n] for n in ARGS), context)
         out.backward(layer["grad_out_TD"])
         return out
+
+    return layer, context, step
+
+
+def measure(name: str, fields: dict, device: torch.device) -> dict:
+    config = poise.Config(**fields)
+    layer, context, eager = eager_layer(config, device)
+    leaves = [layer[n] for n in LEAVES]
+    args = [layer[n] for n in ARGS]
+    small = config.num_local_input_tokens <= 1024
+    iterations = 50 if small else 5
 
     eager()
     context.check()  # a device-side fault would make every number below meaningless

@@ -9,7 +9,7 @@ word.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence, Union
+from typing import Any, Callable, Collection, Sequence
 
 import torch
 
@@ -40,14 +40,14 @@ def check_tensor(
     value: Any,
     *,
     device: str,
-    dtypes: Sequence[torch.dtype],
+    dtypes: Collection[torch.dtype],
     shapes: Sequence[tuple[int, ...]],
-    shape_rule: Union[str, Callable[[], str]],
+    shape_rule: Callable[[], str],
     prefix: str = "",
 ) -> None:
     """One tensor argument: type, device, dtype, shape (one of ``shapes``, tuples), contiguity.
-    ``shape_rule`` may be a function that writes it: messages are built only for a refused call
-    (this runs on every eager call's host path)."""
+    ``shape_rule`` writes the expected shape for the message: it runs only for a refused call (this
+    check is on every eager call's host path)."""
     if not isinstance(value, torch.Tensor):
         raise InvalidArgument(name, f"{prefix}must be a torch.Tensor, got {type(value).__name__}")
     if not device_matches(value.device, device):
@@ -57,8 +57,7 @@ def check_tensor(
         hint = f": convert with {name}.to(torch.int32)" if value.dtype == torch.int64 and torch.int32 in dtypes else ""
         raise InvalidArgument(name, f"{prefix}must be {wanted}, got {value.dtype}{hint}")
     if tuple(value.shape) not in shapes:
-        rule = shape_rule() if callable(shape_rule) else shape_rule
-        raise InvalidArgument(name, f"{prefix}must have shape {rule}, got {_shape(value)}")
+        raise InvalidArgument(name, f"{prefix}must have shape {shape_rule()}, got {_shape(value)}")
     if not value.is_contiguous():
         raise InvalidArgument(name, f"{prefix}must be contiguous (call .contiguous()), got strides {value.stride()}")
 

@@ -321,15 +321,15 @@ def _backward(ctx, grad_out_TD):
         grad_x, grad_scores, grad_w13, grad_w2 = _run_backward(args, None)
     else:
         config = context_from_handle(ctx.context_handle)._cpp.config
-        buffers = [accumulation_buffer(weight, name, config) if need else torch.zeros_like(weight, dtype=wgrad_dtype(config))
-                   for weight, name, need in zip(ctx.weights, ("w13", "w2"), needs[3:5])]
+        buffers = tuple(accumulation_buffer(weight, name, config) if need else torch.zeros_like(weight, dtype=wgrad_dtype(config))
+                        for weight, name, need in zip(ctx.weights, ("w13", "w2"), needs[3:5]))
         grad_x, grad_scores = _run_backward(args, buffers)
         grad_w13 = grad_w2 = None  # already added into the buffers: autograd must not add them again
     return (grad_x if needs[0] else None, None, grad_scores if needs[2] else None,
             grad_w13 if needs[3] else None, grad_w2 if needs[4] else None, None, None, None, None)
 
 
-def _run_backward(args: tuple, accumulate: Optional[list[Tensor]]) -> tuple:
+def _run_backward(args: tuple, accumulate: Optional[tuple[Tensor, Tensor]]) -> tuple:
     """The backward op of ``args`` (and the accumulation buffers), or in plain eager mode its engine
     call directly. The inputs were checked by the forward whose graph this is (autograd refuses saved
     tensors modified in place since), so only grad_out and the buffers are checked here."""
@@ -340,7 +340,7 @@ def _run_backward(args: tuple, accumulate: Optional[list[Tensor]]) -> tuple:
         if accumulate is None:
             return torch.ops.poise.routed_experts_backward(*args)
         return torch.ops.poise.routed_experts_backward_accumulate(*args, *accumulate)
-    return _backward_impl(args[:8], None if accumulate is None else tuple(accumulate), inputs_checked=True)
+    return _backward_impl(args[:8], accumulate, inputs_checked=True)
 
 
 torch.library.register_autograd("poise::routed_experts_forward", _backward, setup_context=_setup_context)
@@ -381,10 +381,10 @@ _PLAIN_TENSOR_TYPES = (Tensor, torch.nn.Parameter)
 
 def _plain_eager(tensors) -> bool:
     """Whether a call may skip torch.library's dispatch and autograd wrappers: plain tensors or
-    parameters, not compiling, and nothing
-    that traces or intercepts ops (make_fx / FakeTensor / other dispatch modes, torch function modes
-    such as ``with torch.device(...)``, functorch transforms), no profiler that should see the op by
-    name. Everything else takes the ops, which run the same engine calls with the same checks."""
+    parameters, not compiling, and nothing that traces or intercepts ops (make_fx / FakeTensor /
+    other dispatch modes, torch function modes such as ``with torch.device(...)``, functorch
+    transforms), no profiler that should see the op by name. Everything else takes the ops, which
+    run the same engine calls with the same checks."""
     return (EAGER_BYPASS and not torch.compiler.is_compiling() and not torch.autograd.profiler._is_profiler_enabled
             and torch._C._len_torch_dispatch_stack() == 0 and torch._C._len_torch_function_stack() == 0
             and not torch._C._are_functorch_transforms_active() and all(type(t) in _PLAIN_TENSOR_TYPES for t in tensors))
