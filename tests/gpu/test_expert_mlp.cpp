@@ -160,6 +160,27 @@ struct Fixture {
   int64_t E() const { return static_cast<int64_t>(cs.counts.size()); }
 };
 
+// The random inputs of the two GEMMs that write rows of D, drawn in a fixed order for a seed: host
+// copies for the float64 references, device copies for the kernels.
+struct FpropW2Inputs {  // a_RF, W2, scores_R
+  std::vector<uint16_t> a, w2;
+  std::vector<float> scores;
+  DeviceBuffer<uint16_t> da, dw2;
+  DeviceBuffer<float> ds;
+  FpropW2Inputs(const Fixture& fx, Rng& rng)
+      : a(random_rows(rng, fx.l, fx.cs.F, 1.0f)),
+        w2(rng.bf16_normal(fx.E() * fx.cs.D * fx.cs.F, 1.0f / std::sqrt(float(fx.cs.F)))),
+        scores(rng.uniform(fx.l.rows, 0.1f, 1.0f)), da(a), dw2(w2), ds(scores) {}
+};
+struct DgradW13Inputs {  // grad_h13_R2F, W13
+  std::vector<uint16_t> gh, w13;
+  DeviceBuffer<uint16_t> dgh, dw13;
+  DgradW13Inputs(const Fixture& fx, Rng& rng)
+      : gh(random_rows(rng, fx.l, 2 * fx.cs.F, 1.0f)),
+        w13(rng.bf16_normal(fx.E() * 2 * fx.cs.F * fx.cs.D, 1.0f / std::sqrt(float(2 * fx.cs.F)))),
+        dgh(gh), dw13(w13) {}
+};
+
 class ExpertMlpKernels : public ::testing::TestWithParam<Case> {
  protected:
   void SetUp() override {
@@ -190,22 +211,19 @@ TEST_P(ExpertMlpKernels, FpropW13SwigluMatchesFloat64) {
 
 TEST_P(ExpertMlpKernels, FpropW2ScoredMatchesFloat64) {
   Fixture fx(GetParam());
-  const int64_t R = fx.l.rows, D = fx.cs.D, F = fx.cs.F, E = fx.E();
+  const int64_t R = fx.l.rows, D = fx.cs.D, F = fx.cs.F;
   Rng rng(fx.cs.seed + 1);
-  auto a = random_rows(rng, fx.l, F, 1.0f);
-  const auto w2 = rng.bf16_normal(E * D * F, 1.0f / std::sqrt(float(F)));
-  const auto scores = rng.uniform(R, 0.1f, 1.0f);
-  DeviceBuffer<uint16_t> da(a), dw(w2), dy(std::vector<uint16_t>(R * D, kBf16Poison)),
+  const FpropW2Inputs in(fx, rng);
+  DeviceBuffer<uint16_t> dy(std::vector<uint16_t>(R * D, kBf16Poison)),
       dy_plain(std::vector<uint16_t>(R * D, kBf16Poison));
-  DeviceBuffer<float> ds(scores);
-  sm90::expert_mlp_fprop_w2(fx.rows, fx.shape, {da.ptr, dw.ptr, ds.ptr, dy.ptr}, nullptr);
-  sm90::expert_mlp_fprop_w2(fx.rows, fx.shape, {da.ptr, dw.ptr, nullptr, dy_plain.ptr}, nullptr);
+  sm90::expert_mlp_fprop_w2(fx.rows, fx.shape, {in.da.ptr, in.dw2.ptr, in.ds.ptr, dy.ptr}, nullptr);
+  sm90::expert_mlp_fprop_w2(fx.rows, fx.shape, {in.da.ptr, in.dw2.ptr, nullptr, dy_plain.ptr}, nullptr);
   cuda_ok(cudaDeviceSynchronize(), "fprop_w2");
 
-  auto y_ref = ref_rows_gemm(fx.l, to_double(a), F, to_double(w2), D, true);
+  auto y_ref = ref_rows_gemm(fx.l, to_double(in.a), F, to_double(in.w2), D, true);
   expect_close(compare_rows_bf16(dy_plain.download(), y_ref, fx.l, D), kBf16Tolerance, "y_RD (no scores)");
   for (int64_t r = 0; r < R; ++r)
-    for (int64_t d = 0; d < D; ++d) y_ref[r * D + d] *= scores[r];
+    for (int64_t d = 0; d < D; ++d) y_ref[r * D + d] *= in.scores[r];
   expect_close(compare_rows_bf16(dy.download(), y_ref, fx.l, D), kBf16Tolerance, "y_RD (scores)");
 }
 
@@ -255,29 +273,23 @@ void check_fused_combine(const Fixture& fx, uint64_t seed, const std::vector<dou
 
 TEST_P(ExpertMlpKernels, FusedCombineMatchesFloat64) {
   Fixture fx(GetParam());
-  const int64_t R = fx.l.rows, D = fx.cs.D, F = fx.cs.F, E = fx.E();
+  const int64_t R = fx.l.rows, D = fx.cs.D, F = fx.cs.F;
   Rng rng(fx.cs.seed + 7);
   // FPROP W2, score-scaled rows.
-  const auto a = random_rows(rng, fx.l, F, 1.0f);
-  const auto w2 = rng.bf16_normal(E * D * F, 1.0f / std::sqrt(float(F)));
-  const auto scores = rng.uniform(R, 0.1f, 1.0f);
-  DeviceBuffer<uint16_t> da(a), dw2(w2);
-  DeviceBuffer<float> ds(scores);
-  auto y_ref = ref_rows_gemm(fx.l, to_double(a), F, to_double(w2), D, true);
+  const FpropW2Inputs w2in(fx, rng);
+  auto y_ref = ref_rows_gemm(fx.l, to_double(w2in.a), F, to_double(w2in.w2), D, true);
   for (int64_t r = 0; r < R; ++r)
-    for (int64_t d = 0; d < D; ++d) y_ref[r * D + d] *= scores[r];
+    for (int64_t d = 0; d < D; ++d) y_ref[r * D + d] *= w2in.scores[r];
   check_fused_combine(fx, fx.cs.seed + 8, y_ref, [&](const sm90::FusedCombine& c) {
-    sm90::FpropW2Args args{da.ptr, dw2.ptr, ds.ptr, nullptr};
+    sm90::FpropW2Args args{w2in.da.ptr, w2in.dw2.ptr, w2in.ds.ptr, nullptr};
     args.combine = c;
     sm90::expert_mlp_fprop_w2(fx.rows, fx.shape, args, nullptr);
   }, "out_TD (FPROP W2 fused combine)");
   // DGRAD W13 (grad_x).
-  const auto gh = random_rows(rng, fx.l, 2 * F, 1.0f);
-  const auto w13 = rng.bf16_normal(E * 2 * F * D, 1.0f / std::sqrt(float(2 * F)));
-  DeviceBuffer<uint16_t> dgh(gh), dw13(w13);
-  const auto gx_ref = ref_rows_gemm(fx.l, to_double(gh), 2 * F, to_double(w13), D, false);
+  const DgradW13Inputs w13in(fx, rng);
+  const auto gx_ref = ref_rows_gemm(fx.l, to_double(w13in.gh), 2 * F, to_double(w13in.w13), D, false);
   check_fused_combine(fx, fx.cs.seed + 9, gx_ref, [&](const sm90::FusedCombine& c) {
-    sm90::DgradW13Args args{dgh.ptr, dw13.ptr, nullptr};
+    sm90::DgradW13Args args{w13in.dgh.ptr, w13in.dw13.ptr, nullptr};
     args.combine = c;
     sm90::expert_mlp_dgrad_w13(fx.rows, fx.shape, args, nullptr);
   }, "grad_x_TD (DGRAD W13 fused combine)");
@@ -336,31 +348,27 @@ void check_row_scatter(const Fixture& fx, uint64_t seed, const std::vector<uint1
 
 TEST_P(ExpertMlpKernels, RowScatterEqualsGroupedRowsBitwise) {
   Fixture fx(GetParam());
-  const int64_t R = fx.l.rows, D = fx.cs.D, F = fx.cs.F, E = fx.E();
+  const int64_t R = fx.l.rows, D = fx.cs.D;
   Rng rng(fx.cs.seed + 10);
   // FPROP W2, unscaled and scored.
-  const auto a = random_rows(rng, fx.l, F, 1.0f);
-  const auto w2 = rng.bf16_normal(E * D * F, 1.0f / std::sqrt(float(F)));
-  const auto scores = rng.uniform(R, 0.1f, 1.0f);
-  DeviceBuffer<uint16_t> da(a), dw2(w2), dy(std::vector<uint16_t>(R * D, kBf16Poison));
-  DeviceBuffer<float> ds(scores);
-  for (const float* scores_R : {static_cast<const float*>(nullptr), static_cast<const float*>(ds.ptr)}) {
-    sm90::expert_mlp_fprop_w2(fx.rows, fx.shape, {da.ptr, dw2.ptr, scores_R, dy.ptr}, nullptr);
+  const FpropW2Inputs w2in(fx, rng);
+  DeviceBuffer<uint16_t> dy(std::vector<uint16_t>(R * D, kBf16Poison));
+  for (const float* scores_R : {static_cast<const float*>(nullptr), static_cast<const float*>(w2in.ds.ptr)}) {
+    sm90::expert_mlp_fprop_w2(fx.rows, fx.shape, {w2in.da.ptr, w2in.dw2.ptr, scores_R, dy.ptr}, nullptr);
     cuda_ok(cudaDeviceSynchronize(), "fprop_w2 grouped");
     check_row_scatter(fx, fx.cs.seed + 11, dy.download(), [&](const sm90::RowScatter& scatter) {
-      sm90::FpropW2Args args{da.ptr, dw2.ptr, scores_R, nullptr};
+      sm90::FpropW2Args args{w2in.da.ptr, w2in.dw2.ptr, scores_R, nullptr};
       args.scatter = scatter;
       sm90::expert_mlp_fprop_w2(fx.rows, fx.shape, args, nullptr);
     }, scores_R ? "FPROP W2 scattered (scores)" : "FPROP W2 scattered");
   }
   // DGRAD W13 (grad_x).
-  const auto gh = random_rows(rng, fx.l, 2 * F, 1.0f);
-  const auto w13 = rng.bf16_normal(E * 2 * F * D, 1.0f / std::sqrt(float(2 * F)));
-  DeviceBuffer<uint16_t> dgh(gh), dw13(w13), dgx(std::vector<uint16_t>(R * D, kBf16Poison));
-  sm90::expert_mlp_dgrad_w13(fx.rows, fx.shape, {dgh.ptr, dw13.ptr, dgx.ptr}, nullptr);
+  const DgradW13Inputs w13in(fx, rng);
+  DeviceBuffer<uint16_t> dgx(std::vector<uint16_t>(R * D, kBf16Poison));
+  sm90::expert_mlp_dgrad_w13(fx.rows, fx.shape, {w13in.dgh.ptr, w13in.dw13.ptr, dgx.ptr}, nullptr);
   cuda_ok(cudaDeviceSynchronize(), "dgrad_w13 grouped");
   check_row_scatter(fx, fx.cs.seed + 12, dgx.download(), [&](const sm90::RowScatter& scatter) {
-    sm90::DgradW13Args args{dgh.ptr, dw13.ptr, nullptr};
+    sm90::DgradW13Args args{w13in.dgh.ptr, w13in.dw13.ptr, nullptr};
     args.scatter = scatter;
     sm90::expert_mlp_dgrad_w13(fx.rows, fx.shape, args, nullptr);
   }, "DGRAD W13 scattered");
@@ -369,17 +377,16 @@ TEST_P(ExpertMlpKernels, RowScatterEqualsGroupedRowsBitwise) {
 TEST(ExpertMlpRowScatter, OriginOutOfRangeIsReportedAndStoredNowhere) {
   if (!have_sm90()) GTEST_SKIP() << "needs an SM90 GPU";
   Fixture fx(Case{"bad_origin", {300, 0, 129}, 192, 128, W13Layout::gate_up_blocked, false, 53});
-  const int64_t R = fx.l.rows, D = fx.cs.D, F = fx.cs.F, E = fx.E();
+  const int64_t R = fx.l.rows, D = fx.cs.D;
   Rng rng(54);
-  const auto a = random_rows(rng, fx.l, F, 1.0f);
-  const auto w2 = rng.bf16_normal(E * D * F, 1.0f / std::sqrt(float(F)));
-  DeviceBuffer<uint16_t> da(a), dw(w2), dy(std::vector<uint16_t>(R * D, kBf16Poison));
-  sm90::expert_mlp_fprop_w2(fx.rows, fx.shape, {da.ptr, dw.ptr, nullptr, dy.ptr}, nullptr);
+  const FpropW2Inputs in(fx, rng);
+  DeviceBuffer<uint16_t> dy(std::vector<uint16_t>(R * D, kBf16Poison));
+  sm90::expert_mlp_fprop_w2(fx.rows, fx.shape, {in.da.ptr, in.dw2.ptr, nullptr, dy.ptr}, nullptr);
   cuda_ok(cudaDeviceSynchronize(), "fprop_w2 grouped");
   ASSERT_FALSE(sm90::take_pipeline_fault(nullptr).occurred) << "a fault left over from an earlier test";
   const std::vector<int64_t> bad_rows = {5, fx.l.offsets[2] + 7};  // valid rows of experts 0 and 2
   check_row_scatter(fx, 55, dy.download(), [&](const sm90::RowScatter& scatter) {
-    sm90::FpropW2Args args{da.ptr, dw.ptr, nullptr, nullptr};
+    sm90::FpropW2Args args{in.da.ptr, in.dw2.ptr, nullptr, nullptr};
     args.scatter = scatter;
     sm90::expert_mlp_fprop_w2(fx.rows, fx.shape, args, nullptr);
   }, "FPROP W2 scattered without the bad rows", bad_rows);
@@ -435,14 +442,13 @@ TEST_P(ExpertMlpKernels, DgradW2SwigluBackwardMatchesFloat64) {
 
 TEST_P(ExpertMlpKernels, DgradW13MatchesFloat64) {
   Fixture fx(GetParam());
-  const int64_t R = fx.l.rows, D = fx.cs.D, F = fx.cs.F, E = fx.E();
+  const int64_t R = fx.l.rows, D = fx.cs.D, F = fx.cs.F;
   Rng rng(fx.cs.seed + 3);
-  auto gh = random_rows(rng, fx.l, 2 * F, 1.0f);
-  const auto w13 = rng.bf16_normal(E * 2 * F * D, 1.0f / std::sqrt(float(2 * F)));
-  DeviceBuffer<uint16_t> dgh(gh), dw(w13), dgx(std::vector<uint16_t>(R * D, kBf16Poison));
-  sm90::expert_mlp_dgrad_w13(fx.rows, fx.shape, {dgh.ptr, dw.ptr, dgx.ptr}, nullptr);
+  const DgradW13Inputs in(fx, rng);
+  DeviceBuffer<uint16_t> dgx(std::vector<uint16_t>(R * D, kBf16Poison));
+  sm90::expert_mlp_dgrad_w13(fx.rows, fx.shape, {in.dgh.ptr, in.dw13.ptr, dgx.ptr}, nullptr);
   cuda_ok(cudaDeviceSynchronize(), "dgrad_w13");
-  const auto gx_ref = ref_rows_gemm(fx.l, to_double(gh), 2 * F, to_double(w13), D, false);
+  const auto gx_ref = ref_rows_gemm(fx.l, to_double(in.gh), 2 * F, to_double(in.w13), D, false);
   expect_close(compare_rows_bf16(dgx.download(), gx_ref, fx.l, D), kBf16Tolerance, "grad_x_RD");
 }
 
@@ -927,16 +933,15 @@ TEST(ExpertMlpGraph, ReplaysWithNewRoutingWithoutRecapture) {
 TEST(ExpertMlpWatchdog, StalledStageIsReportedAndTheNextLaunchIsCorrect) {
   if (!have_sm90()) GTEST_SKIP() << "needs an SM90 GPU";
   Fixture fx(Case{"watchdog", {300, 0, 129, 500}, 192, 128, W13Layout::gate_up_blocked, false, 41});
-  const int64_t R = fx.l.rows, D = fx.cs.D, F = fx.cs.F, E = fx.E();
+  const int64_t R = fx.l.rows, D = fx.cs.D, F = fx.cs.F;
   Rng rng(43);
-  const auto a = random_rows(rng, fx.l, F, 1.0f);
-  const auto w2 = rng.bf16_normal(E * D * F, 1.0f / std::sqrt(float(F)));
-  DeviceBuffer<uint16_t> da(a), dw(w2), dy(std::vector<uint16_t>(R * D, kBf16Poison));
+  const FpropW2Inputs in(fx, rng);
+  DeviceBuffer<uint16_t> dy(std::vector<uint16_t>(R * D, kBf16Poison));
   ASSERT_FALSE(sm90::take_pipeline_fault(nullptr).occurred) << "a fault left over from an earlier test";
 
   sm90::set_pipeline_wait_timeout_for_tests(20'000'000u);  // 20 ms
   sm90::drop_first_stage_for_tests(true);
-  sm90::expert_mlp_fprop_w2(fx.rows, fx.shape, {da.ptr, dw.ptr, nullptr, dy.ptr}, nullptr);
+  sm90::expert_mlp_fprop_w2(fx.rows, fx.shape, {in.da.ptr, in.dw2.ptr, nullptr, dy.ptr}, nullptr);
   const sm90::PipelineFault fault = sm90::take_pipeline_fault(nullptr);  // returns: the launch drained
   sm90::drop_first_stage_for_tests(false);
   sm90::set_pipeline_wait_timeout_for_tests(sm90::kPipelineWaitTimeoutNs);
@@ -949,10 +954,10 @@ TEST(ExpertMlpWatchdog, StalledStageIsReportedAndTheNextLaunchIsCorrect) {
   EXPECT_EQ(fx.tile_counters.download(), (std::vector<int32_t>{0, 0})) << "the drained launch reset its counters";
 
   dy.upload(std::vector<uint16_t>(R * D, kBf16Poison));
-  sm90::expert_mlp_fprop_w2(fx.rows, fx.shape, {da.ptr, dw.ptr, nullptr, dy.ptr}, nullptr);
+  sm90::expert_mlp_fprop_w2(fx.rows, fx.shape, {in.da.ptr, in.dw2.ptr, nullptr, dy.ptr}, nullptr);
   cuda_ok(cudaDeviceSynchronize(), "fprop_w2 after the fault");
   EXPECT_FALSE(sm90::take_pipeline_fault(nullptr).occurred);
-  const auto y_ref = ref_rows_gemm(fx.l, to_double(a), F, to_double(w2), D, true);
+  const auto y_ref = ref_rows_gemm(fx.l, to_double(in.a), F, to_double(in.w2), D, true);
   expect_close(compare_rows_bf16(dy.download(), y_ref, fx.l, D), kBf16Tolerance, "y_RD after the fault");
 }
 
@@ -962,10 +967,9 @@ TEST(ExpertMlpWatchdog, StalledStageIsReportedAndTheNextLaunchIsCorrect) {
 TEST(ExpertMlpFusedCombine, TokenOutOfRangeIsReportedAndSkipped) {
   if (!have_sm90()) GTEST_SKIP() << "needs an SM90 GPU";
   Fixture fx(Case{"bad_token", {300, 0, 129}, 192, 128, W13Layout::gate_up_blocked, false, 51});
-  const int64_t R = fx.l.rows, D = fx.cs.D, F = fx.cs.F, E = fx.E(), T = 100;
+  const int64_t R = fx.l.rows, D = fx.cs.D, F = fx.cs.F, T = 100;
   Rng rng(52);
-  const auto a = random_rows(rng, fx.l, F, 1.0f);
-  const auto w2 = rng.bf16_normal(E * D * F, 1.0f / std::sqrt(float(F)));
+  const FpropW2Inputs in(fx, rng);
   std::vector<int32_t> token(R, 0);
   for (int64_t r = 0; r < R; ++r) token[r] = static_cast<int32_t>(r % T);
   const int64_t bad_rows[2] = {5, fx.l.offsets[2] + 7};  // valid rows of experts 0 and 2
@@ -973,17 +977,17 @@ TEST(ExpertMlpFusedCombine, TokenOutOfRangeIsReportedAndSkipped) {
   token[bad_rows[1]] = -3;
   auto out = rng.bf16_normal(T * D, 1.0f);
   out.resize((T + 1) * D, kBf16Poison);
-  DeviceBuffer<uint16_t> da(a), dw(w2), dout(out);
+  DeviceBuffer<uint16_t> dout(out);
   DeviceBuffer<int32_t> dtok(token);
   ASSERT_FALSE(sm90::take_pipeline_fault(nullptr).occurred) << "a fault left over from an earlier test";
-  sm90::FpropW2Args args{da.ptr, dw.ptr, nullptr, nullptr};
+  sm90::FpropW2Args args{in.da.ptr, in.dw2.ptr, nullptr, nullptr};
   args.combine = {dout.ptr, dtok.ptr, T};
   sm90::expert_mlp_fprop_w2(fx.rows, fx.shape, args, nullptr);
   const sm90::PipelineFault fault = sm90::take_pipeline_fault(nullptr);
   EXPECT_TRUE(fault.occurred && fault.bad_token) << "the out-of-range tokens are reported";
   EXPECT_FALSE(sm90::take_pipeline_fault(nullptr).occurred) << "the record is cleared once read";
 
-  expect_fused_combine_result(fx, out, T, token, ref_rows_gemm(fx.l, to_double(a), F, to_double(w2), D, true),
+  expect_fused_combine_result(fx, out, T, token, ref_rows_gemm(fx.l, to_double(in.a), F, to_double(in.w2), D, true),
                               dout.download(), {bad_rows[0], bad_rows[1]}, "out_TD without the bad rows");
 }
 
