@@ -129,4 +129,32 @@ __device__ __forceinline__ void warp_copy_16B(void* dst, const void* src, size_t
   for (; i < n; i += 32) d[i] = s[i];
 }
 
+// warp_copy_16B of one source to several destinations: the row of every lane in `lanes` (each
+// lane's `dst`), the source read once. A warp serially copying one row to each would wait a load
+// latency per destination (the EP1 dispatch writing a token's 8 rows ran at ~1.9 TB/s that way).
+// Every lane runs every iteration: the shuffles need the whole warp (a first version whose lanes
+// left the chunk loop at different counts hung the GPU tests, session 24).
+__device__ __forceinline__ void warp_copy_16B_to_lanes(void* dst, unsigned lanes, const void* src, size_t bytes,
+                                                       int lane) {
+  const uint4* s = static_cast<const uint4*>(src);
+  const size_t n = bytes / 16;
+  for (size_t base = 0; base < n; base += 32 * kCopyBatch) {
+    uint4 v[kCopyBatch];
+#pragma unroll
+    for (int j = 0; j < kCopyBatch; ++j) {
+      const size_t i = base + lane + 32 * j;
+      if (i < n) v[j] = s[i];
+    }
+    for (unsigned m = lanes; m; m &= m - 1) {
+      uint4* d = reinterpret_cast<uint4*>(__shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(dst),
+                                                       __ffs(m) - 1));
+#pragma unroll
+      for (int j = 0; j < kCopyBatch; ++j) {
+        const size_t i = base + lane + 32 * j;
+        if (i < n) d[i] = v[j];
+      }
+    }
+  }
+}
+
 }  // namespace poise::comm

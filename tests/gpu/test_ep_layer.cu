@@ -43,6 +43,8 @@ void check_layout(EpWorld& w, const std::vector<ModelOut>& model) {
         ASSERT_LT(row, s.group_offsets[j] + s.group_counts[j]) << "src " << src << " t " << t << " k " << k;
         ASSERT_TRUE(used.insert({d, row}).second) << "row " << row << " of rank " << d << " used twice";
         EXPECT_EQ(s.row_origin[row], src * c.T * c.K + int(i));
+        // The primary is the token's first row on a rank; the rank's own entries' rows are all
+        // written by its dispatch, the others' copied from the primary (the outputs check both).
         if (!primary_row.count(d)) primary_row[d] = row;
         EXPECT_EQ(s.row_primary[row], primary_row[d]) << "src " << src << " t " << t << " k " << k;
       }

@@ -5,7 +5,10 @@
 // each other with __match_any_sync; the lowest such k is the token's primary entry on that rank
 // and is the only one whose row crosses. The others get metadata pointing at the primary row, and
 // the destination copies them locally (fanout) after the barrier. So a token row crosses to a rank
-// once, even when several of its k experts live there.
+// once, even when several of its k experts live there. Entries on the token's own rank cross
+// nothing: the dispatch writes each of their rows from the token row (L2 serves the re-reads), and
+// the fanout leaves them alone (their origin is its own rank), which saves the fanout's second pass
+// over those bytes (at EP1, every row).
 #include "comm/cuda_check.hpp"
 #include "kernels/ep/data_path.hpp"
 #include "kernels/ep/rank_view.cuh"
@@ -75,16 +78,14 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const PeerTable* tab
         comm::peer_ptr<int32_t>(pt, dest, ws.row_primary)[row] = primary_row;
         comm::peer_ptr<float>(pt, dest, ws.row_score)[row] = load_score(rio.scores_TK, entry, dims.scores_bf16);
       }
-      unsigned primaries = __ballot_sync(kFullMask, active && primary_lane == lane);
-      const bf16* src_row = src_TD + static_cast<size_t>(t) * dims.D;
-      while (primaries) {
-        const int k = __ffs(primaries) - 1;
-        primaries &= primaries - 1;
-        const int to = __shfl_sync(kFullMask, dest, k);
-        const int to_row = __shfl_sync(kFullMask, row, k);
-        char* dst = comm::peer_ptr<char>(pt, to, rows_region) + static_cast<size_t>(to_row) * row_bytes;
-        comm::warp_copy_16B(dst, src_row, row_bytes, lane);
-      }
+      // Backward with the stand-in experts scales copies of the primary rows (fanout_scale_grad):
+      // there the local rows are not written here.
+      const bool own_rows_here = !kBackward || dims.scores_from_experts;
+      const bool writes = active && (primary_lane == lane || (own_rows_here && dest == pt.rank));
+      char* dst = writes ? comm::peer_ptr<char>(pt, dest, rows_region) + static_cast<size_t>(row) * row_bytes : nullptr;
+      // The token row read once, stored to every row this warp writes (primaries on other ranks too).
+      comm::warp_copy_16B_to_lanes(dst, __ballot_sync(kFullMask, writes), src_TD + static_cast<size_t>(t) * dims.D,
+                                   row_bytes, lane);
     }
   }
   if (push_replicas) {
@@ -97,7 +98,8 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const PeerTable* tab
   comm::arrive_then_barrier(pt, blocks_per_rank, kBackward ? Phase::dispatch_backward : Phase::dispatch);
 }
 
-// Rows of non-primary entries: copy the primary row (already here, after the barrier).
+// Rows of non-primary entries from other ranks: copy the primary row (already here, after the
+// barrier). This rank's own entries were written by its dispatch.
 __global__ void __launch_bounds__(kThreads)
     fanout_rows_kernel(const PeerTable* tables, EpDims dims, WorkspaceOffsets ws, size_t rows_region,
                        LaunchScratch scratch, int blocks_per_rank) {
@@ -106,12 +108,16 @@ __global__ void __launch_bounds__(kThreads)
   if (comm::rank_failed(pt)) return;
   const RankScratch& rs = scratch.rank[slot];
   const int32_t* row_primary = comm::peer_ptr<int32_t>(pt, pt.rank, ws.row_primary);
+  const int32_t* row_origin = comm::peer_ptr<int32_t>(pt, pt.rank, ws.row_origin);
   char* rows = comm::peer_ptr<char>(pt, pt.rank, rows_region);
   const size_t row_bytes = static_cast<size_t>(dims.D) * sizeof(bf16);
+  const int TK = dims.T * dims.K;
   const int lane = threadIdx.x % 32;
   for_each_row_in_use(rs, dims.groups, blocks_per_rank, [&](int r) {
     const int primary = row_primary[r];
-    if (primary != r) comm::warp_copy_16B(rows + r * row_bytes, rows + primary * row_bytes, row_bytes, lane);
+    if (primary != r && row_origin[r] / TK != pt.rank) {
+      comm::warp_copy_16B(rows + r * row_bytes, rows + primary * row_bytes, row_bytes, lane);
+    }
   });
 }
 
