@@ -249,10 +249,11 @@ StagedPipeline::StagedPipeline(const Config& config, std::unique_ptr<comm::Trans
   const EpDims& d = launch_.dims;
   const size_t cap = d.capacity_rows;
   auto alloc = [&](size_t bytes) {
+    const size_t allocated = std::max<size_t>(bytes, 16);
     void* p = nullptr;
-    cuda_check(cudaMalloc(&p, std::max<size_t>(bytes, 16)), "cudaMalloc(EP scratch)");
+    cuda_check(cudaMalloc(&p, allocated), "cudaMalloc(EP scratch)");
     allocations_.push_back(p);
-    allocated_bytes_ += std::max<size_t>(bytes, 16);
+    allocated_bytes_ += allocated;
     return p;
   };
   try {
