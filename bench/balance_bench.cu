@@ -25,8 +25,8 @@
 #include <vector>
 
 #include "bench_support.hpp"
-#include "kernels/ep/data_path.hpp"
-#include "moe/ep/staged_pipeline.hpp"
+#include "ep/data_path.hpp"
+#include "pipeline/staged_pipeline.hpp"
 
 using namespace poise;
 using namespace poise::ep;

@@ -14,7 +14,7 @@
 #include <map>
 #include <string>
 
-#include "moe/ep/staged_pipeline.hpp"
+#include "pipeline/staged_pipeline.hpp"
 #include "poise/config.hpp"
 
 #define CHECK(expr)                                                                                       \

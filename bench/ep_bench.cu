@@ -19,7 +19,7 @@
 #include <vector>
 
 #include "bench_support.hpp"
-#include "moe/ep/staged_pipeline.hpp"
+#include "pipeline/staged_pipeline.hpp"
 
 using namespace poise;
 using namespace poise::ep;

@@ -18,8 +18,8 @@
 
 #include <optional>
 
-#include "kernels/device_info.hpp"
-#include "moe/device_layer.hpp"
+#include "runtime/device_info.hpp"
+#include "testing/device_layer.hpp"
 #include "poise/context.hpp"
 #include "poise/memory_plan.hpp"
 #include "poise/reference.hpp"

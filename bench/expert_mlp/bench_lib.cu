@@ -10,8 +10,8 @@
 #include <exception>
 #include <string>
 
-#include "kernels/expert_mlp.hpp"
-#include "kernels/sm90/ptx/grid_dependency.cuh"
+#include "gemm/sm90/expert_mlp.hpp"
+#include "gemm/sm90/ptx/grid_dependency.cuh"
 
 namespace {
 

@@ -6,26 +6,9 @@
 #include <optional>
 #include <string>
 
+#include "poise/types.hpp"
+
 namespace poise {
-
-enum class Activation {
-  swiglu,          // silu(g) * u
-  swiglu_clamped,  // min(g,limit) * sigmoid(alpha*min(g,limit)) * (clamp(u,-limit,limit) + 1)
-};
-
-enum class Balance {
-  exact,     // every rank computes exactly T*K rows, hot experts replicated on underloaded ranks
-  capacity,  // dropless; each rank receives up to receive_capacity_factor * T*K rows
-};
-
-enum class DType { bf16, fp32 };
-
-const char* to_string(Activation a);
-const char* to_string(Balance b);
-const char* to_string(DType d);
-Activation activation_from_string(const std::string& s);  // throws InvalidArgument("activation")
-Balance balance_from_string(const std::string& s);        // throws InvalidArgument("balance")
-DType dtype_from_string(const std::string& s, const std::string& field);
 
 struct Config {
   int64_t num_local_input_tokens = 0;  // T: physical rows per rank and call (padding rows carry zero scores)

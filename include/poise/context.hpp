@@ -22,6 +22,7 @@
 
 #include "poise/config.hpp"
 #include "poise/memory_plan.hpp"
+#include "poise/types.hpp"
 
 // Keeps this header free of CUDA headers: cudaStream_t is a pointer to this opaque struct.
 struct CUstream_st;
@@ -31,13 +32,6 @@ struct ncclComm;
 namespace poise {
 
 using Stream = CUstream_st*;
-
-// How W13 is stored. All shapes below share one memory order per layout:
-// [E_local, 2, F, D] == [E_local, 2F, D] == [E_local*2F, D] (gate rows, then up rows, per expert).
-enum class W13Layout {
-  gate_up_blocked,      // rows [0,F) gate, [F,2F) up
-  gate_up_interleaved,  // row 2f gate, row 2f+1 up (gpt-oss checkpoints)
-};
 
 struct ForwardArgs {
   const void* x_TD = nullptr;          // bf16 [T, D]
@@ -152,7 +146,7 @@ class Context {
   Context(const Config& config, int64_t ep_size, int64_t rank, const ContextOptions& options);
   struct State;
   std::unique_ptr<State> state_;
-  friend struct ContextAccess;  // src/moe/context_internal.hpp: contexts whose pipeline is built elsewhere
+  friend struct ContextAccess;  // src/api/context_internal.hpp: contexts whose pipeline is built elsewhere
   friend ActivationRecord routed_experts_forward(Context&, std::span<const ForwardArgs>, Stream, bool);
   friend void routed_experts_backward(Context&, std::span<const BackwardArgs>, Stream, const ActivationRecord*);
 };

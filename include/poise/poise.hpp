@@ -5,4 +5,5 @@
 #include "poise/context.hpp"
 #include "poise/errors.hpp"
 #include "poise/memory_plan.hpp"
+#include "poise/types.hpp"
 

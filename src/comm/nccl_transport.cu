@@ -4,11 +4,14 @@
 
 #include <string>
 
-#include "comm/cuda_check.hpp"
+#include "runtime/cuda_check.hpp"
 #include "comm/nccl_check.hpp"
 #include "poise/errors.hpp"
 
 namespace poise::comm {
+
+using runtime::cuda_check;
+using runtime::cuda_check_launch;
 namespace {
 
 // Every LSA peer's workspace address, as this rank dereferences it.

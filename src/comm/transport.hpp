@@ -20,6 +20,9 @@ namespace poise::comm {
 // Peers a table can address. Virtual ranks are further limited by kMaxLaunchRanks.
 inline constexpr int kMaxPeers = 64;
 
+// Ranks one launch can carry (per-rank launch arguments travel by value, see src/ep).
+inline constexpr int kMaxLaunchRanks = 8;
+
 // Signal words at the start of every workspace: slot s is written only by rank s.
 inline constexpr size_t kSignalBytes = kMaxPeers * sizeof(uint64_t);
 

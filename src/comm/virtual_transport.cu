@@ -2,10 +2,12 @@
 
 #include <string>
 
-#include "comm/cuda_check.hpp"
+#include "runtime/cuda_check.hpp"
 #include "poise/errors.hpp"
 
 namespace poise::comm {
+
+using runtime::cuda_check;
 
 std::unique_ptr<VirtualTransport> VirtualTransport::create(int ep_size, size_t workspace_bytes,
                                                            uint64_t timeout_ns) {

@@ -12,9 +12,6 @@
 
 namespace poise::comm {
 
-// Ranks one launch can carry (per-rank launch arguments travel by value, see kernels/ep).
-inline constexpr int kMaxLaunchRanks = 8;
-
 class VirtualTransport final : public Transport {
  public:
   // Throws InvalidArgument("ep_size") outside [1, kMaxLaunchRanks]; DeviceError on CUDA failure.

@@ -6,7 +6,7 @@
 #include <limits>
 #include <vector>
 
-#include "plan/balance_plan.hpp"
+#include "balance/balance_plan.hpp"
 #include "poise/reference.hpp"
 #include "reference/expert_mlp.hpp"
 #include "reference/routing_layout.hpp"

@@ -7,7 +7,7 @@
 #include <span>
 #include <vector>
 
-#include "plan/balance_plan.hpp"
+#include "balance/balance_plan.hpp"
 
 namespace poise::reference {
 

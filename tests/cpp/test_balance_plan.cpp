@@ -9,7 +9,7 @@
 #include <random>
 #include <set>
 
-#include "plan/balance_plan.hpp"
+#include "balance/balance_plan.hpp"
 #include "poise/errors.hpp"
 
 namespace poise::plan {

@@ -1,4 +1,4 @@
-// The __host__ __device__ balance planner (src/plan/balance_plan_device.cuh), run on the host:
+// The __host__ __device__ balance planner (src/balance/balance_plan_device.cuh), run on the host:
 //  - with no tolerance it returns exactly plan::plan_exact_balance's pieces (same expert, rank,
 //    slot, row range) on random, skewed and extreme count vectors, for B from 0 to E_local;
 //  - with a tolerance every rank computes at most C + tolerance rows (B >= E_local), pieces tile
@@ -13,8 +13,8 @@
 #include <tuple>
 #include <vector>
 
-#include "plan/balance_plan.hpp"
-#include "plan/balance_plan_device.cuh"
+#include "balance/balance_plan.hpp"
+#include "balance/balance_plan_device.cuh"
 
 namespace poise::plan {
 namespace {

@@ -1,4 +1,4 @@
-// The 2-CTA clusters' tile walk (src/kernels/sm90/pair_order.cuh), run on the host: the kernels call
+// The 2-CTA clusters' tile walk (src/gemm/sm90/pair_order.cuh), run on the host: the kernels call
 // the same functions per tile (tile_scheduler.cuh). For every expert shape up to 40 x 40 blocks, in
 // both orders:
 //  - every tile is computed exactly once, and each group's two CTAs share an operand (full pairs:
@@ -9,7 +9,7 @@
 
 #include <vector>
 
-#include "kernels/sm90/pair_order.cuh"
+#include "gemm/sm90/pair_order.cuh"
 
 namespace poise::sm90 {
 namespace {

@@ -6,7 +6,7 @@
 #include <cstdlib>
 #include <cstdint>
 
-#include "kernels/device_info.hpp"
+#include "runtime/device_info.hpp"
 
 namespace poise::testing {
 

@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "gpu_test_support.hpp"
-#include "moe/device_layer.hpp"
+#include "testing/device_layer.hpp"
 #include "poise/poise.hpp"
 #include "poise/reference.hpp"
 

@@ -15,8 +15,8 @@
 #include <string>
 #include <vector>
 
-#include "kernels/device_info.hpp"
-#include "moe/device_layer.hpp"
+#include "runtime/device_info.hpp"
+#include "testing/device_layer.hpp"
 #include "poise/errors.hpp"
 #include "poise/nccl.hpp"
 #include "poise/poise.hpp"

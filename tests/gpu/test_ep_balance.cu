@@ -12,7 +12,7 @@
 
 #include <set>
 
-#include "kernels/device_info.hpp"
+#include "runtime/device_info.hpp"
 #include "poise/errors.hpp"
 #include "test_ep_world.hpp"
 

@@ -5,8 +5,8 @@
 #include <map>
 #include <set>
 
-#include "kernels/device_info.hpp"
-#include "kernels/expert_mlp.hpp"
+#include "runtime/device_info.hpp"
+#include "gemm/sm90/expert_mlp.hpp"
 #include "poise/errors.hpp"
 #include "test_ep_world.hpp"
 
@@ -127,7 +127,7 @@ INSTANTIATE_TEST_SUITE_P(
         LayerCase{8, 48, 128, 128, 16, 2, Routing::random, 2.0, Activation::swiglu, DType::fp32, true}),
     [](const ::testing::TestParamInfo<LayerCase>& info) { return case_name(info.param); });
 
-// The same data path around the SM90 wgmma expert kernels (src/kernels/sm90).
+// The same data path around the SM90 wgmma expert kernels (src/gemm/sm90).
 constexpr ExpertKernels kSm90 = ExpertKernels::sm90;
 INSTANTIATE_TEST_SUITE_P(
     Sm90Experts, EpLayer,

@@ -3,9 +3,9 @@
 // need the same binary launched once per GPU (not available on the test machine).
 #include <gtest/gtest.h>
 
-#include "comm/barrier_probe.hpp"
+#include "testing/barrier_probe.hpp"
 #include "comm/nccl_transport.hpp"
-#include "kernels/device_info.hpp"
+#include "runtime/device_info.hpp"
 #include "test_ep_world.hpp"
 
 namespace poise::ep::testing {

@@ -4,9 +4,9 @@
 
 #include <chrono>
 
-#include "comm/barrier_probe.hpp"
+#include "testing/barrier_probe.hpp"
 #include "comm/virtual_transport.hpp"
-#include "kernels/device_info.hpp"
+#include "runtime/device_info.hpp"
 #include "poise/errors.hpp"
 
 namespace poise::comm {

@@ -5,7 +5,7 @@
 #include <functional>
 #include <memory>
 
-#include "moe/ep/staged_pipeline.hpp"
+#include "pipeline/staged_pipeline.hpp"
 #include "gpu_test_support.hpp"
 #include "test_ep_support.hpp"
 

@@ -16,8 +16,8 @@
 #include <utility>
 #include <cuda_runtime_api.h>
 
-#include "kernels/device_info.hpp"
-#include "kernels/expert_mlp.hpp"
+#include "runtime/device_info.hpp"
+#include "gemm/sm90/expert_mlp.hpp"
 #include "poise/errors.hpp"
 #include "expert_mlp_test_support.hpp"
 

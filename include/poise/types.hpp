@@ -1,0 +1,34 @@
+// The enumerations shared by every layer: dtypes, activations, balance modes, the W13 layout.
+#pragma once
+
+#include <string>
+
+namespace poise {
+
+enum class Activation {
+  swiglu,          // silu(g) * u
+  swiglu_clamped,  // min(g,limit) * sigmoid(alpha*min(g,limit)) * (clamp(u,-limit,limit) + 1)
+};
+
+enum class Balance {
+  exact,     // every rank computes exactly T*K rows, hot experts replicated on underloaded ranks
+  capacity,  // dropless; each rank receives up to receive_capacity_factor * T*K rows
+};
+
+enum class DType { bf16, fp32 };
+
+const char* to_string(Activation a);
+const char* to_string(Balance b);
+const char* to_string(DType d);
+Activation activation_from_string(const std::string& s);  // throws InvalidArgument("activation")
+Balance balance_from_string(const std::string& s);        // throws InvalidArgument("balance")
+DType dtype_from_string(const std::string& s, const std::string& field);
+
+// How W13 is stored. Its shapes share one memory order per layout:
+// [E_local, 2, F, D] == [E_local, 2F, D] == [E_local*2F, D] (gate rows, then up rows, per expert).
+enum class W13Layout {
+  gate_up_blocked,      // rows [0,F) gate, [F,2F) up
+  gate_up_interleaved,  // row 2f gate, row 2f+1 up (gpt-oss checkpoints)
+};
+
+}  // namespace poise

@@ -1,0 +1,63 @@
+// poise::Context lifecycle. create/reset/close may be collective across the EP group (virtual ranks
+// are threads of one process), so they run without the GIL: other ranks' threads must get to run.
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/unique_ptr.h>
+#include <nanobind/stl/vector.h>
+
+#include <cstdint>
+
+#include "poise/context.hpp"
+#include "bindings/python/bindings.hpp"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace poise::python {
+
+void bind_context(nb::module_& m) {
+  using release_gil = nb::call_guard<nb::gil_scoped_release>;
+  nb::class_<Context>(m, "Context", "The C++ poise::Context. Use poise.create_context().")
+      .def_static(
+          "create",
+          [](const Config& config, int64_t ep_size, int64_t rank) { return Context::create(config, ep_size, rank); },
+          "config"_a, "ep_size"_a, "rank"_a, release_gil())
+      .def_static(
+          "create_virtual_ranks",
+          [](const Config& config, int64_t ep_size) { return Context::create_virtual_ranks(config, ep_size); },
+          "config"_a, "ep_size"_a, release_gil(),
+          "All ep_size ranks as virtual ranks on the current CUDA device; allocates now (needs an SM90 GPU).")
+      .def_prop_ro("launch_ranks", &Context::launch_ranks)
+      .def_prop_ro("config", &Context::config)
+      .def_prop_ro("plan", &Context::plan)
+      .def_prop_ro("device_bytes", &Context::device_bytes)
+      .def_prop_ro("ep_size", &Context::ep_size)
+      .def_prop_ro("rank", &Context::rank)
+      .def_prop_ro("closed", &Context::closed)
+      .def("enable_stage_timing", &Context::enable_stage_timing, "on"_a)
+      .def(
+          "stage_times",
+          [](Context& context, uintptr_t stream) {
+            StageTimes times;
+            {
+              nb::gil_scoped_release release;
+              times = context.stage_times(reinterpret_cast<Stream>(stream));
+            }
+            auto pairs = [](const std::vector<StageTime>& v) {
+              std::vector<std::pair<std::string, double>> out;
+              for (const StageTime& t : v) out.emplace_back(t.stage, t.ms);
+              return out;
+            };
+            return std::make_pair(pairs(times.forward), pairs(times.backward));
+          },
+          "stream"_a, "(forward, backward): [(stage, ms)] of the last calls, after enable_stage_timing(True).")
+      .def("select_activation_slot", &Context::select_activation_slot, "slot"_a, "num_moe_layers_in_slot"_a,
+           "The next num_moe_layers_in_slot forwards keep their state in activation slot `slot` (as many as "
+           "plan.activation_records_per_slot; the others recompute in backward).")
+      .def_prop_ro("recomputed_forwards", &Context::recomputed_forwards,
+                   "Backwards so far that rebuilt their forward (its activation record was overwritten).")
+      .def("reset", &Context::reset, release_gil())
+      .def("close", &Context::close, release_gil());
+}
+
+}  // namespace poise::python

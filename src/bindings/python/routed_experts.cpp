@@ -1,0 +1,204 @@
+// The GPU entry points on raw device pointers and a CUDA stream, for poise.torch_ops' CUDA path:
+// torch passes data_ptr() and torch.cuda.current_stream().cuda_stream, so no DLPack conversion (and
+// none of its stream synchronization) sits on the hot path. Pointers arrive as integers; the C++
+// side validates them (InvalidArgument) and enqueues the staged GPU pipeline on the stream.
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "poise/context.hpp"
+#include "poise/errors.hpp"
+#include "bindings/python/bindings.hpp"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace poise::python {
+namespace {
+
+template <typename T>
+T* pointer(uintptr_t address) {
+  return reinterpret_cast<T*>(address);
+}
+
+// ActivationRecord as a Python (index, generation) pair; None for a backward: the latest forward's.
+using Record = std::pair<int64_t, uint64_t>;
+Record to_python(const ActivationRecord& r) { return {r.index, r.generation}; }
+std::optional<ActivationRecord> from_python(const std::optional<Record>& r) {
+  if (!r) return std::nullopt;
+  return ActivationRecord{r->first, r->second};
+}
+
+// A backward's weight-gradient dtype: 'bf16' / 'fp32', or None for Config.wgrad_dtype.
+std::optional<DType> call_wgrad_dtype(const std::optional<std::string>& name) {
+  if (!name) return std::nullopt;
+  return dtype_from_string(*name, "wgrad_dtype");
+}
+
+ForwardArgs forward_args(uintptr_t x_TD, uintptr_t ids_TK, uintptr_t scores_TK, const std::string& scores_dtype,
+                         uintptr_t w13, const std::string& w13_layout, uintptr_t w2) {
+  ForwardArgs args;
+  args.x_TD = pointer<const void>(x_TD);
+  args.ids_TK = pointer<const int32_t>(ids_TK);
+  args.scores_TK = pointer<const void>(scores_TK);
+  args.scores_dtype = dtype_from_string(scores_dtype, "scores_TK");
+  args.w13 = pointer<const void>(w13);
+  args.w13_layout = w13_layout_from_string(w13_layout);
+  args.w2 = pointer<const void>(w2);
+  return args;
+}
+
+Record forward(Context& context, uintptr_t x_TD, uintptr_t ids_TK, uintptr_t scores_TK, const std::string& scores_dtype,
+               uintptr_t w13, const std::string& w13_layout, uintptr_t w2, uintptr_t out_TD, uintptr_t stream,
+               uintptr_t clip_counts_E2, bool keep_for_backward) {
+  ForwardArgs args = forward_args(x_TD, ids_TK, scores_TK, scores_dtype, w13, w13_layout, w2);
+  args.out_TD = pointer<void>(out_TD);
+  args.clip_counts_E2 = pointer<int64_t>(clip_counts_E2);
+  nb::gil_scoped_release release;
+  return to_python(routed_experts_forward(context, args, pointer<CUstream_st>(stream), keep_for_backward));
+}
+
+void backward(Context& context, uintptr_t x_TD, uintptr_t ids_TK, uintptr_t scores_TK, const std::string& scores_dtype,
+              uintptr_t w13, const std::string& w13_layout, uintptr_t w2, uintptr_t grad_out_TD, uintptr_t grad_x_TD,
+              uintptr_t grad_scores_TK, uintptr_t grad_w13, uintptr_t grad_w2, bool accumulate_wgrad,
+              uintptr_t stream, const std::optional<Record>& record, const std::optional<std::string>& wgrad_dtype) {
+  BackwardArgs args;
+  args.forward = forward_args(x_TD, ids_TK, scores_TK, scores_dtype, w13, w13_layout, w2);
+  args.grad_out_TD = pointer<const void>(grad_out_TD);
+  args.grad_x_TD = pointer<void>(grad_x_TD);
+  args.grad_scores_TK = pointer<void>(grad_scores_TK);
+  args.grad_w13 = pointer<void>(grad_w13);
+  args.grad_w2 = pointer<void>(grad_w2);
+  args.accumulate_wgrad = accumulate_wgrad;
+  args.wgrad_dtype = call_wgrad_dtype(wgrad_dtype);
+  const std::optional<ActivationRecord> r = from_python(record);
+  nb::gil_scoped_release release;
+  routed_experts_backward(context, args, pointer<CUstream_st>(stream), r ? &*r : nullptr);
+}
+
+// ---- virtual ranks: one address per rank in each list (Context::create_virtual_ranks) ----------
+
+using Addresses = std::vector<uintptr_t>;
+
+// Every list holds one address per launch rank; the C++ entry point checks the count against the
+// context, this names the list that disagrees with x_TD.
+void require_same_length(const Addresses& list, const char* name, size_t ranks) {
+  if (list.size() != ranks) {
+    throw InvalidArgument(name, "must hold one address per rank like x_TD (" + std::to_string(ranks) + "), got " +
+                                    std::to_string(list.size()));
+  }
+}
+
+std::vector<ForwardArgs> forward_args_per_rank(const Addresses& x_TD, const Addresses& ids_TK,
+                                               const Addresses& scores_TK, const std::string& scores_dtype,
+                                               const Addresses& w13, const std::string& w13_layout,
+                                               const Addresses& w2) {
+  const size_t ranks = x_TD.size();
+  require_same_length(ids_TK, "ids_TK", ranks);
+  require_same_length(scores_TK, "scores_TK", ranks);
+  require_same_length(w13, "w13", ranks);
+  require_same_length(w2, "w2", ranks);
+  std::vector<ForwardArgs> args;
+  args.reserve(ranks);
+  for (size_t r = 0; r < ranks; ++r) {
+    args.push_back(forward_args(x_TD[r], ids_TK[r], scores_TK[r], scores_dtype, w13[r], w13_layout, w2[r]));
+  }
+  return args;
+}
+
+Record forward_ranks(Context& context, const Addresses& x_TD, const Addresses& ids_TK, const Addresses& scores_TK,
+                     const std::string& scores_dtype, const Addresses& w13, const std::string& w13_layout,
+                     const Addresses& w2, const Addresses& out_TD, uintptr_t stream, const Addresses& clip_counts_E2,
+                     bool keep_for_backward) {
+  std::vector<ForwardArgs> args = forward_args_per_rank(x_TD, ids_TK, scores_TK, scores_dtype, w13, w13_layout, w2);
+  require_same_length(out_TD, "out_TD", args.size());
+  if (!clip_counts_E2.empty()) require_same_length(clip_counts_E2, "clip_counts_E2", args.size());
+  for (size_t r = 0; r < args.size(); ++r) {
+    args[r].out_TD = pointer<void>(out_TD[r]);
+    if (!clip_counts_E2.empty()) args[r].clip_counts_E2 = pointer<int64_t>(clip_counts_E2[r]);
+  }
+  nb::gil_scoped_release release;
+  return to_python(routed_experts_forward(context, args, pointer<CUstream_st>(stream), keep_for_backward));
+}
+
+void backward_ranks(Context& context, const Addresses& x_TD, const Addresses& ids_TK, const Addresses& scores_TK,
+                    const std::string& scores_dtype, const Addresses& w13, const std::string& w13_layout,
+                    const Addresses& w2, const Addresses& grad_out_TD, const Addresses& grad_x_TD,
+                    const Addresses& grad_scores_TK, const Addresses& grad_w13, const Addresses& grad_w2,
+                    bool accumulate_wgrad, uintptr_t stream, const std::optional<Record>& record,
+                    const std::optional<std::string>& wgrad_dtype) {
+  std::vector<ForwardArgs> forward = forward_args_per_rank(x_TD, ids_TK, scores_TK, scores_dtype, w13, w13_layout, w2);
+  const size_t ranks = forward.size();
+  require_same_length(grad_out_TD, "grad_out_TD", ranks);
+  require_same_length(grad_x_TD, "grad_x_TD", ranks);
+  require_same_length(grad_scores_TK, "grad_scores_TK", ranks);
+  require_same_length(grad_w13, "grad_w13", ranks);
+  require_same_length(grad_w2, "grad_w2", ranks);
+  std::vector<BackwardArgs> args(ranks);
+  for (size_t r = 0; r < ranks; ++r) {
+    args[r].forward = forward[r];
+    args[r].grad_out_TD = pointer<const void>(grad_out_TD[r]);
+    args[r].grad_x_TD = pointer<void>(grad_x_TD[r]);
+    args[r].grad_scores_TK = pointer<void>(grad_scores_TK[r]);
+    args[r].grad_w13 = pointer<void>(grad_w13[r]);
+    args[r].grad_w2 = pointer<void>(grad_w2[r]);
+    args[r].accumulate_wgrad = accumulate_wgrad;
+    args[r].wgrad_dtype = call_wgrad_dtype(wgrad_dtype);
+  }
+  const std::optional<ActivationRecord> rec = from_python(record);
+  nb::gil_scoped_release release;
+  routed_experts_backward(context, args, pointer<CUstream_st>(stream), rec ? &*rec : nullptr);
+}
+
+void check(Context& context, uintptr_t stream) {
+  nb::gil_scoped_release release;
+  context.check(pointer<CUstream_st>(stream));
+}
+
+}  // namespace
+
+W13Layout w13_layout_from_string(const std::string& s) {
+  if (s == "gate_up_blocked") return W13Layout::gate_up_blocked;
+  if (s == "gate_up_interleaved") return W13Layout::gate_up_interleaved;
+  throw InvalidArgument("w13_layout", "must be 'gate_up_blocked' or 'gate_up_interleaved', got '" + s + "'");
+}
+
+const char* to_string(W13Layout layout) {
+  return layout == W13Layout::gate_up_blocked ? "gate_up_blocked" : "gate_up_interleaved";
+}
+
+void bind_routed_experts(nb::module_& m) {
+  m.def("routed_experts_forward", &forward, "context"_a, "x_TD"_a, "ids_TK"_a, "scores_TK"_a, "scores_dtype"_a,
+        "w13"_a, "w13_layout"_a, "w2"_a, "out_TD"_a, "stream"_a, "clip_counts_E2"_a = 0, "keep_for_backward"_a = true,
+        "poise::routed_experts_forward on device addresses (integers) and a cudaStream_t (integer); "
+        "clip_counts_E2: int64 [E_local, 2] for the SwiGLU clip counts, or 0. Returns the activation record "
+        "(index, generation) that holds the forward's state for its backward.");
+  m.def("routed_experts_backward", &backward, "context"_a, "x_TD"_a, "ids_TK"_a, "scores_TK"_a, "scores_dtype"_a,
+        "w13"_a, "w13_layout"_a, "w2"_a, "grad_out_TD"_a, "grad_x_TD"_a, "grad_scores_TK"_a, "grad_w13"_a,
+        "grad_w2"_a, "accumulate_wgrad"_a, "stream"_a, "record"_a = nb::none(), "wgrad_dtype"_a = nb::none(),
+        "poise::routed_experts_backward on device addresses (integers) and a cudaStream_t (integer); record: the "
+        "forward's (index, generation), None for the latest forward (recomputed when overwritten); wgrad_dtype: "
+        "'bf16' or 'fp32' for grad_w13 / grad_w2, None for Config.wgrad_dtype.");
+  m.def("routed_experts_forward_ranks", &forward_ranks, "context"_a, "x_TD"_a, "ids_TK"_a, "scores_TK"_a,
+        "scores_dtype"_a, "w13"_a, "w13_layout"_a, "w2"_a, "out_TD"_a, "stream"_a,
+        "clip_counts_E2"_a = Addresses{}, "keep_for_backward"_a = true,
+        "poise::routed_experts_forward over the launch ranks of a virtual-ranks context: one address per rank "
+        "in each list (clip_counts_E2: empty, or one int64 [E_local, 2] per rank).");
+  m.def("routed_experts_backward_ranks", &backward_ranks, "context"_a, "x_TD"_a, "ids_TK"_a, "scores_TK"_a,
+        "scores_dtype"_a, "w13"_a, "w13_layout"_a, "w2"_a, "grad_out_TD"_a, "grad_x_TD"_a, "grad_scores_TK"_a,
+        "grad_w13"_a, "grad_w2"_a, "accumulate_wgrad"_a, "stream"_a, "record"_a = nb::none(),
+        "wgrad_dtype"_a = nb::none(),
+        "poise::routed_experts_backward over the launch ranks of a virtual-ranks context: one address per rank "
+        "in each list (wgrad_dtype as for routed_experts_backward).");
+  m.def("context_check", &check, "context"_a, "stream"_a,
+        "Context::check: waits for the stream, then raises DeviceError for a device-side fault of the last calls.");
+}
+
+}  // namespace poise::python

@@ -1,0 +1,207 @@
+// Dispatch: token rows to the ranks that own their experts, straight into expert-grouped rows of
+// the destination's receive buffer (the grouped GEMM reads them in place).
+//
+// One warp per token; lane k holds entry (t, k). Lanes whose experts live on the same rank find
+// each other with __match_any_sync; the lowest such k is the token's primary entry on that rank
+// and is the only one whose row crosses. The others get metadata pointing at the primary row, and
+// the destination copies them locally (fanout) after the barrier. So a token row crosses to a rank
+// once, even when several of its k experts live there. Entries on the token's own rank cross
+// nothing: the dispatch writes each of their rows from the token row (L2 serves the re-reads), and
+// the fanout leaves them alone (their origin is its own rank), which saves the fanout's second pass
+// over those bytes (at EP1, every row).
+#include "runtime/cuda_check.hpp"
+#include "ep/data_path.hpp"
+#include "ep/rank_view.cuh"
+#include "ep/warp_rows.cuh"
+
+namespace poise::ep {
+namespace {
+
+using comm::PeerTable;
+using comm::Phase;
+
+// Exact balance: this rank's experts that the plan replicates elsewhere go, weights W13 and W2,
+// into the replica slot of the rank hosting them, in 32 KiB chunks spread over warps. In the
+// dispatch kernel after the token rows, before the barrier (which then publishes both, and the
+// weight copies overlap other blocks' row traffic), and by every warp of the grid for each
+// launched rank in turn: with virtual ranks the hot owner pushes all replicas, and its own blocks
+// alone (1/R of the grid) took 5.4 ms at peak/mean 3 where the whole grid takes about 1.
+constexpr size_t kWeightChunkBytes = 32 * 1024;
+
+__device__ void push_replica_weights(const PeerTable& pt, const EpDims& dims, const WorkspaceOffsets& ws,
+                                     const RankIo& rio, const RankScratch& rs, size_t first_unit,
+                                     size_t unit_stride) {
+  const int pieces = rs.plan_piece_first_E[dims.E];
+  const size_t w13_bytes = size_t(2) * dims.F * dims.D * sizeof(bf16), w2_bytes = size_t(dims.D) * dims.F * sizeof(bf16);
+  const size_t w13_chunks = (w13_bytes + kWeightChunkBytes - 1) / kWeightChunkBytes;
+  const size_t chunks = w13_chunks + (w2_bytes + kWeightChunkBytes - 1) / kWeightChunkBytes;
+  const int lane = threadIdx.x % 32;
+  for (size_t unit = first_unit; unit < pieces * chunks; unit += unit_stride) {
+    const plan::shared::ReplicaPiece p = rs.plan_pieces[unit / chunks];
+    if (p.expert / dims.E_local != pt.rank) continue;
+    const size_t chunk = unit % chunks, local = p.expert % dims.E_local, replica = p.slot - dims.E_local;
+    const bool w13 = chunk < w13_chunks;
+    const size_t bytes = w13 ? w13_bytes : w2_bytes;
+    const size_t at = (w13 ? chunk : chunk - w13_chunks) * kWeightChunkBytes;
+    const size_t len = bytes - at < kWeightChunkBytes ? bytes - at : kWeightChunkBytes;
+    const char* src = reinterpret_cast<const char*>(w13 ? rio.w13_E2FD : rio.w2_EDF) + local * bytes + at;
+    char* dst = comm::peer_ptr<char>(pt, p.rank, w13 ? ws.replica_w13 : ws.replica_w2) + replica * bytes + at;
+    comm::warp_copy_16B(dst, src, len, lane);
+  }
+}
+
+template <bool kBackward>
+__global__ void __launch_bounds__(kThreads) dispatch_kernel(const PeerTable* tables, EpDims dims,
+                                                            WorkspaceOffsets ws, LaunchIo io,
+                                                            LaunchScratch scratch, int blocks_per_rank,
+                                                            bool push_replicas) {
+  const int slot = rank_slot(blocks_per_rank);
+  const PeerTable& pt = tables[slot];
+  if (!comm::rank_failed(pt)) {
+    const RankIo& rio = io.rank[slot];
+    const int32_t* dest_row = scratch.rank[slot].dest_row_TK;
+    const bf16* src_TD = kBackward ? rio.grad_out_TD : rio.x_TD;
+    const size_t rows_region = kBackward ? ws.recv_grad : ws.recv_x;
+    const int lane = threadIdx.x % 32;
+    const int TK = dims.T * dims.K;
+    const size_t row_bytes = static_cast<size_t>(dims.D) * sizeof(bf16);
+    for (int t = first_warp_item(blocks_per_rank); t < dims.T; t += warp_item_stride(blocks_per_rank)) {
+      const bool active = lane < dims.K;
+      const int entry = t * dims.K + lane;
+      const int dest = active ? scratch.rank[slot].dest_rank_TK[entry] : -1;
+      const int row = active ? dest_row[entry] : -1;
+      const unsigned same_dest = __match_any_sync(kFullMask, active ? dest : -1 - lane);
+      const int primary_lane = __ffs(same_dest) - 1;
+      const int primary_row = __shfl_sync(kFullMask, row, primary_lane);
+      if (!kBackward && active) {
+        comm::peer_ptr<int32_t>(pt, dest, ws.row_origin)[row] = pt.rank * TK + entry;
+        comm::peer_ptr<int32_t>(pt, dest, ws.row_primary)[row] = primary_row;
+        comm::peer_ptr<float>(pt, dest, ws.row_score)[row] = load_score(rio.scores_TK, entry, dims.scores_bf16);
+      }
+      // Backward with the stand-in experts scales copies of the primary rows (fanout_scale_grad):
+      // there the local rows are not written here.
+      const bool own_rows_here = !kBackward || dims.scores_from_experts;
+      const bool writes = active && (primary_lane == lane || (own_rows_here && dest == pt.rank));
+      char* dst = writes ? comm::peer_ptr<char>(pt, dest, rows_region) + static_cast<size_t>(row) * row_bytes : nullptr;
+      // The token row read once, stored to every row this warp writes (primaries on other ranks too).
+      comm::warp_copy_16B_to_lanes(dst, __ballot_sync(kFullMask, writes), src_TD + static_cast<size_t>(t) * dims.D,
+                                   row_bytes, lane);
+    }
+  }
+  if (push_replicas) {
+    const size_t first = size_t(blockIdx.x) * kWarps + threadIdx.x / 32, stride = size_t(gridDim.x) * kWarps;
+    for (int s = 0; s < int(gridDim.x) / blocks_per_rank; ++s) {
+      if (!comm::rank_failed(tables[s]))
+        push_replica_weights(tables[s], dims, ws, io.rank[s], scratch.rank[s], first, stride);
+    }
+  }
+  comm::arrive_then_barrier(pt, blocks_per_rank, kBackward ? Phase::dispatch_backward : Phase::dispatch);
+}
+
+// Rows of non-primary entries from other ranks: copy the primary row (already here, after the
+// barrier). This rank's own entries were written by its dispatch.
+__global__ void __launch_bounds__(kThreads)
+    fanout_rows_kernel(const PeerTable* tables, EpDims dims, WorkspaceOffsets ws, size_t rows_region,
+                       LaunchScratch scratch, int blocks_per_rank) {
+  const int slot = rank_slot(blocks_per_rank);
+  const PeerTable& pt = tables[slot];
+  if (comm::rank_failed(pt)) return;
+  const RankScratch& rs = scratch.rank[slot];
+  const int32_t* row_primary = comm::peer_ptr<int32_t>(pt, pt.rank, ws.row_primary);
+  const int32_t* row_origin = comm::peer_ptr<int32_t>(pt, pt.rank, ws.row_origin);
+  char* rows = comm::peer_ptr<char>(pt, pt.rank, rows_region);
+  const size_t row_bytes = static_cast<size_t>(dims.D) * sizeof(bf16);
+  const int TK = dims.T * dims.K;
+  const int lane = threadIdx.x % 32;
+  for_each_row_in_use(rs, dims.groups, blocks_per_rank, [&](int r) {
+    const int primary = row_primary[r];
+    if (primary != r && row_origin[r] / TK != pt.rank) {
+      comm::warp_copy_16B(rows + r * row_bytes, rows + primary * row_bytes, row_bytes, lane);
+    }
+  });
+}
+
+// Backward: grad_y[row] = bf16(score * grad_out[primary]) for every received row.
+__global__ void __launch_bounds__(kThreads)
+    fanout_scale_grad_kernel(const PeerTable* tables, EpDims dims, WorkspaceOffsets ws, LaunchScratch scratch,
+                             int blocks_per_rank) {
+  const int slot = rank_slot(blocks_per_rank);
+  const PeerTable& pt = tables[slot];
+  if (comm::rank_failed(pt)) return;
+  const RankScratch& rs = scratch.rank[slot];
+  const int32_t* row_primary = comm::peer_ptr<int32_t>(pt, pt.rank, ws.row_primary);
+  const float* row_score = comm::peer_ptr<float>(pt, pt.rank, ws.row_score);
+  const uint4* grad_rows = comm::peer_ptr<uint4>(pt, pt.rank, ws.recv_grad);
+  uint4* grad_y = reinterpret_cast<uint4*>(rs.grad_y_RD);
+  const int vecs = dims.D / 8;
+  const int lane = threadIdx.x % 32;
+  for_each_row_in_use(rs, dims.groups, blocks_per_rank, [&](int r) {
+    const size_t primary = row_primary[r];
+    const float score = row_score[r];
+    for (int v = lane; v < vecs; v += 32) {
+      float f[8];
+      unpack8(grad_rows[primary * vecs + v], f);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) f[i] *= score;
+      grad_y[static_cast<size_t>(r) * vecs + v] = pack8(f);
+    }
+  });
+}
+
+__global__ void tail_groups_kernel(EpDims dims, LaunchScratch scratch) {
+  const RankScratch& rs = scratch.rank[blockIdx.x];
+  for (int g = threadIdx.x; g < dims.groups; g += blockDim.x) {
+    const int32_t offset = rs.group_offsets[g], end = offset + rs.group_counts[g];
+    const int32_t first = offset > rs.h13_split ? offset : rs.h13_split;
+    rs.tail_offsets[g] = first;
+    rs.tail_counts[g] = end > first ? end - first : 0;
+  }
+}
+
+int local_blocks_per_rank(const EpLaunch& l) {
+  // Enough warps to cover the rows, capped at a few waves.
+  const int want = (l.dims.capacity_rows + kWarps - 1) / kWarps;
+  const int cap = 4 * l.num_sms;
+  return want < cap ? (want > 0 ? want : 1) : cap;
+}
+
+template <bool kBackward>
+void launch_dispatch(const EpLaunch& l, const LaunchIo& io, bool push_replicas, cudaStream_t stream) {
+  const int work_blocks = (l.dims.T + kWarps - 1) / kWarps;
+  const int blocks = persistent_blocks_per_rank(l, reinterpret_cast<const void*>(&dispatch_kernel<kBackward>),
+                                                kThreads, work_blocks);
+  dispatch_kernel<kBackward><<<l.launch_ranks * blocks, kThreads, 0, stream>>>(l.tables, l.dims, l.ws, io,
+                                                                               l.scratch, blocks, push_replicas);
+  runtime::cuda_check_launch("dispatch_kernel");
+}
+
+}  // namespace
+
+void launch_dispatch_forward(const EpLaunch& l, const LaunchIo& io, cudaStream_t stream) {
+  launch_dispatch<false>(l, io, l.dims.balanced != 0, stream);
+}
+
+void launch_dispatch_backward(const EpLaunch& l, const LaunchIo& io, bool push_replicas, cudaStream_t stream) {
+  launch_dispatch<true>(l, io, push_replicas && l.dims.balanced, stream);
+}
+
+void launch_tail_groups(const EpLaunch& l, cudaStream_t stream) {
+  tail_groups_kernel<<<l.launch_ranks, 256, 0, stream>>>(l.dims, l.scratch);
+  runtime::cuda_check_launch("tail_groups_kernel");
+}
+
+void launch_fanout_rows(const EpLaunch& l, bool backward, cudaStream_t stream) {
+  const int blocks = local_blocks_per_rank(l);
+  fanout_rows_kernel<<<l.launch_ranks * blocks, kThreads, 0, stream>>>(
+      l.tables, l.dims, l.ws, backward ? l.ws.recv_grad : l.ws.recv_x, l.scratch, blocks);
+  runtime::cuda_check_launch("fanout_rows_kernel");
+}
+
+void launch_fanout_scale_grad(const EpLaunch& l, cudaStream_t stream) {
+  const int blocks = local_blocks_per_rank(l);
+  fanout_scale_grad_kernel<<<l.launch_ranks * blocks, kThreads, 0, stream>>>(l.tables, l.dims, l.ws, l.scratch,
+                                                                            blocks);
+  runtime::cuda_check_launch("fanout_scale_grad_kernel");
+}
+
+}  // namespace poise::ep

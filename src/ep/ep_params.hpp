@@ -1,0 +1,153 @@
+// What the EP data-path kernels take: the layer's dimensions, the byte offsets of the regions of
+// the symmetric workspace (identical on every rank), each rank's private buffers and each rank's
+// call arguments. Per-rank structs travel by value in the launch, one entry per launch slot.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "comm/transport.hpp"
+#include "balance/balance_plan_device.cuh"  // ReplicaPiece
+
+namespace poise::ep {
+
+using bf16 = __nv_bfloat16;
+using comm::kMaxLaunchRanks;
+
+// Tokens one warp ranks in the routing layout (its (token, k) entries, in order).
+inline constexpr int kTokensPerChunk = 32;
+// Expert groups start at multiples of this many rows (poise::kExpertRowAlignment).
+inline constexpr int kGroupAlignment = 128;
+// Limits of this implementation (checked on the host).
+inline constexpr int kMaxTopK = 32;      // one lane per k
+inline constexpr int kMaxExperts = 1024; // per-warp expert counters in shared memory
+
+struct EpDims {
+  int32_t T = 0;             // tokens per rank
+  int32_t D = 0;             // hidden
+  int32_t F = 0;             // expert intermediate
+  int32_t K = 0;             // top-k
+  int32_t E = 0;             // experts (global)
+  int32_t E_local = 0;       // experts per rank
+  int32_t world = 1;         // EP ranks
+  int32_t capacity_rows = 0; // receive rows per rank, expert padding included
+  int32_t groups = 0;        // expert groups per rank: E_local (capacity), E_local + B (exact balance)
+  int32_t balanced = 0;      // 1: exact balance (planner, replicas), 0: capacity (every row on its owner)
+  int32_t replica_slots = 0; // B: replica slots per rank (exact balance)
+  int32_t row_limit = 0;     // U = T*K + tolerance rows: the most rows the planner puts on a rank
+  int32_t num_chunks = 0;    // ceil(T / kTokensPerChunk)
+  int32_t scores_bf16 = 0;   // scores_TK dtype: 1 bf16, 0 fp32 (per call)
+  int32_t w13_interleaved = 0;  // W13 rows: 1 gate/up interleaved, 0 blocked (per call)
+  int32_t wgrad_bf16 = 0;    // the call's weight gradients: 1 bf16, 0 fp32 (per backward call: BackwardArgs / Config)
+  // SM90 experts: FPROP W2 / DGRAD W13 store each y / grad_x row straight into its owner's combine
+  // slot (sm90::RowScatter), so combine-push copies no rows (PipelineOptions::direct_combine).
+  int32_t direct_combine = 0;
+  // Backward, SM90 experts: grad_out rows go to the experts unscaled; DGRAD W2 applies the scores
+  // and computes the scores' gradients per row in score_partials pieces, which combine-push sends
+  // to the owners (grad_scores_TK window region). 0: the stand-in experts (fanout scales grad_out
+  // rows, the owner computes <grad_out, y> from the forward's combine buffer).
+  int32_t scores_from_experts = 0;
+  int32_t score_partials = 0;  // P: pieces per row of the scores' gradients (scores_from_experts)
+  int32_t swiglu_clamped = 0;
+  float swiglu_alpha = 1.702f;
+  float swiglu_limit = 7.0f;
+};
+
+// Byte offsets inside every rank's symmetric workspace. [0, kSignalBytes) holds the signals.
+struct WorkspaceOffsets {
+  size_t counts_RE = 0;    // int32 [world][E]: rows each rank routes to each expert (all-gathered)
+  size_t row_origin = 0;   // int32 [capacity]: src_rank*T*K + t*K + k of each received row
+  size_t row_primary = 0;  // int32 [capacity]: the row holding the token's bytes (== own row if it crossed)
+  size_t row_score = 0;    // fp32  [capacity]: the routing score of the row's (t, k)
+  size_t recv_x = 0;       // bf16  [capacity][D]: dispatched x rows, expert-grouped (saved for backward)
+  size_t recv_grad = 0;    // bf16  [capacity][D]: dispatched grad_out rows (backward)
+  size_t combine = 0;      // bf16  [T*K][D]: expert outputs back at their owner (y, then grad_x rows)
+  size_t grad_scores_TK = 0;  // fp32 [T*K]: each (t, k)'s score gradient, from its row's rank (backward)
+  size_t clip_counts_G2 = 0;  // u64 [groups][2]: SwiGLU clips counted per expert group (forward, on request)
+  // Exact balance only (0 otherwise): replica experts' weights, pushed by their owners during
+  // dispatch, and their weight gradients, read by the owners after the backward combine barrier.
+  size_t replica_w13 = 0;       // bf16 [B][2F][D]
+  size_t replica_w2 = 0;        // bf16 [B][D][F]
+  size_t replica_grad_w13 = 0;  // fp32 [B][2F][D] (training)
+  size_t replica_grad_w2 = 0;   // fp32 [B][D][F]  (training)
+  size_t total = 0;
+};
+
+// One rank's private device buffers (and where its own workspace and error word are).
+struct RankScratch {
+  char* workspace = nullptr;            // this rank's symmetric workspace (local address)
+  const int32_t* error_code = nullptr;  // this rank's ErrorWord::code
+  int32_t* chunk_offsets_CE = nullptr;  // [num_chunks][E] per-chunk counts, then exclusive prefix
+  int32_t* dest_row_TK = nullptr;       // [T*K] row of (t, k) on its destination rank (saved)
+  int32_t* dest_rank_TK = nullptr;      // [T*K] destination rank of (t, k) (saved)
+  int32_t* group_offsets = nullptr;     // [groups+1] first row of each expert group; last = rows used
+  int32_t* group_counts = nullptr;      // [groups] rows of each expert group (padding excluded)
+  // The balance plan (exact balance; every rank computes the same one from the same counts).
+  int32_t* plan_kept_E = nullptr;                   // [E] rows [0, kept) of e stay on its owner
+  int32_t* plan_piece_first_E = nullptr;            // [E+1] replica pieces of e: [first[e], first[e+1])
+  plan::shared::ReplicaPiece* plan_pieces = nullptr;  // [R*B] sorted by expert, then first row
+  int32_t* plan_group_offsets_RG = nullptr;         // [R][groups+1] every rank's group offsets
+  int32_t* plan_stats = nullptr;                    // [kPlanStats] see PlanStat
+  bf16* h13_R2F = nullptr;              // [capacity][2F] gate | up pre-activations (saved)
+  // A partial activation record keeps h13 rows [0, h13_split) in h13_R2F; rows past it live in
+  // the working record's h13 (same row index). h13_split = capacity: one buffer.
+  bf16* h13_hi_R2F = nullptr;
+  int32_t h13_split = 0;
+  // Backward from a partial record: each group's rows at or past h13_split (tail_groups kernel).
+  int32_t* tail_offsets = nullptr;      // [groups]
+  int32_t* tail_counts = nullptr;       // [groups]
+  bf16* a_RF = nullptr;                 // [capacity][F] SwiGLU output (saved)
+  bf16* rows_out_RD = nullptr;          // [capacity][D] y rows (forward), grad_x rows (backward)
+  bf16* grad_y_RD = nullptr;            // [capacity][D] score * grad_out per row (backward, stand-in experts)
+  float* grad_score_partials_RP = nullptr;  // [capacity][score_partials] (backward, SM90 experts)
+  bf16* grad_h13_R2F = nullptr;         // [capacity][2F] (backward)
+};
+
+// One rank's call arguments (see poise::ForwardArgs / BackwardArgs).
+struct RankIo {
+  const bf16* x_TD = nullptr;
+  const int32_t* ids_TK = nullptr;
+  const void* scores_TK = nullptr;
+  const bf16* w13_E2FD = nullptr;
+  const bf16* w2_EDF = nullptr;
+  bf16* out_TD = nullptr;
+  const bf16* grad_out_TD = nullptr;
+  bf16* grad_x_TD = nullptr;
+  void* grad_scores_TK = nullptr;
+  int64_t* clip_counts_E2 = nullptr;  // forward, nullable: [E_local][2] gate / up inputs the clamp clipped
+  void* grad_w13_E2FD = nullptr;  // fp32 or bf16 (EpDims::wgrad_bf16)
+  void* grad_w2_EDF = nullptr;
+};
+
+// What the planner kernel records about its plan (read by tests and the benchmark).
+enum PlanStat : int {
+  kPlanExact = 0,     // 1 when every rank computes at most row_limit rows
+  kPlanMovedRows,     // rows computed away from their owner
+  kPlanPieces,        // replica pieces (= replica weight copies)
+  kPlanMaxRankRows,   // most rows any rank computes
+  kPlanStats,
+};
+
+struct LaunchScratch {
+  RankScratch rank[kMaxLaunchRanks];
+};
+struct LaunchIo {
+  RankIo rank[kMaxLaunchRanks];
+};
+
+// Everything fixed for the life of a pipeline.
+struct EpLaunch {
+  const comm::PeerTable* tables = nullptr;  // [launch_ranks]
+  int launch_ranks = 1;
+  EpDims dims;
+  WorkspaceOffsets ws;
+  LaunchScratch scratch;
+  int num_sms = 0;  // of the device the pipeline runs on (persistent grid sizing)
+  // The SM90 expert GEMMs' tile counters (sm90::GroupedRows::tile_counters), int32 [2], zero
+  // between launches; one for the pipeline, whose GEMMs run one after another on its stream.
+  int32_t* gemm_tile_counters = nullptr;
+};
+
+}  // namespace poise::ep

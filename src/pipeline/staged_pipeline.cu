@@ -1,0 +1,560 @@
+#include "pipeline/staged_pipeline.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+
+#include "runtime/cuda_check.hpp"
+#include "comm/virtual_transport.hpp"
+#include "ep/data_path.hpp"
+#include "gemm/sm90/expert_mlp.hpp"
+#include "pipeline/expert_compute.hpp"
+#include "poise/errors.hpp"
+
+namespace poise::ep {
+namespace {
+
+using runtime::cuda_check;
+
+constexpr size_t kRegionAlignment = 256;
+
+size_t align_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
+
+// The symmetric workspace; `windows` (nullable) receives each activation record's regions (the
+// received x rows and their metadata), record 0's also in the returned offsets.
+WorkspaceOffsets plan_workspace(const EpDims& d, bool training, int records,
+                                std::vector<StagedPipeline::RecordWindow>* windows = nullptr) {
+  WorkspaceOffsets w;
+  size_t at = comm::kSignalBytes;
+  auto region = [&](size_t bytes) {
+    at = align_up(at, kRegionAlignment);
+    const size_t start = at;
+    at += bytes;
+    return start;
+  };
+  const size_t cap = d.capacity_rows, row = static_cast<size_t>(d.D) * sizeof(bf16);
+  w.counts_RE = region(sizeof(int32_t) * d.world * d.E);
+  for (int r = 0; r < records; ++r) {
+    StagedPipeline::RecordWindow rw;
+    rw.row_origin = region(sizeof(int32_t) * cap);
+    rw.row_primary = region(sizeof(int32_t) * cap);
+    rw.row_score = region(sizeof(float) * cap);
+    rw.recv_x = region(cap * row);
+    if (windows) windows->push_back(rw);
+    if (r == 0) w.row_origin = rw.row_origin, w.row_primary = rw.row_primary, w.row_score = rw.row_score,
+                w.recv_x = rw.recv_x;
+  }
+  w.recv_grad = training ? region(cap * row) : 0;
+  w.combine = region(static_cast<size_t>(d.T) * d.K * row);
+  w.grad_scores_TK = training ? region(sizeof(float) * d.T * d.K) : 0;
+  w.clip_counts_G2 = region(sizeof(uint64_t) * 2 * d.groups);
+  if (d.balanced) {
+    const size_t B = d.replica_slots, w13 = size_t(2) * d.F * d.D, w2 = size_t(d.D) * d.F;
+    w.replica_w13 = region(B * w13 * sizeof(bf16));
+    w.replica_w2 = region(B * w2 * sizeof(bf16));
+    w.replica_grad_w13 = training ? region(B * w13 * sizeof(float)) : 0;
+    w.replica_grad_w2 = training ? region(B * w2 * sizeof(float)) : 0;
+  }
+  w.total = align_up(at, kRegionAlignment);
+  return w;
+}
+
+void require(bool ok, const std::string& name, const std::string& rule) {
+  if (!ok) throw InvalidArgument(name, rule);
+}
+
+void validate_config(const Config& c, int64_t ep_size, const PipelineOptions& o) {
+  c.validate(ep_size);
+  if (c.balance == Balance::exact) {
+    require(o.balance_tolerance >= 0.0 && o.balance_tolerance <= 16.0, "balance_tolerance",
+            "must be in [0, 16], got " + std::to_string(o.balance_tolerance));
+    require(o.replica_slots >= -1 && o.replica_slots <= c.num_local_experts(ep_size), "replica_slots",
+            "must be -1 (E_local) or in [0, E_local = " + std::to_string(c.num_local_experts(ep_size)) + "], got " +
+                std::to_string(o.replica_slots));
+  }
+  require(c.top_k <= kMaxTopK, "top_k", "the EP pipeline supports top_k <= " + std::to_string(kMaxTopK));
+  require(c.num_experts <= kMaxExperts, "num_experts",
+          "the EP pipeline supports num_experts <= " + std::to_string(kMaxExperts));
+  require(ep_size <= comm::kMaxPeers, "ep_size", "at most " + std::to_string(comm::kMaxPeers) + " ranks");
+  require(o.activation_records >= 0 && (!c.inference || o.activation_records == 0), "activation_records",
+          "must be >= 0, and 0 for inference");
+  require(o.light_activation_records >= 0 && (!c.inference || o.light_activation_records == 0),
+          "light_activation_records", "must be >= 0, and 0 for inference");
+  require(o.partial_activation_records >= 0 && (!c.inference || o.partial_activation_records == 0),
+          "partial_activation_records", "must be >= 0, and 0 for inference");
+  if (o.partial_activation_records > 0) {
+    require(o.partial_record_rows > 0 && o.partial_record_rows % kGroupAlignment == 0 &&
+                o.partial_record_rows < StagedPipeline::capacity_rows(c, ep_size, o),
+            "partial_record_rows", "must be a positive multiple of 128 below the receive rows");
+  }
+  if (o.activation_records + o.light_activation_records + o.partial_activation_records > 0 &&
+      o.expert_kernels != ExpertKernels::sm90) {
+    throw NotAvailable("activation_records: the EP stand-in kernels' backward reads the latest forward's y");
+  }
+  if (!c.inference && c.wgrad_dtype != DType::fp32 && o.expert_kernels != ExpertKernels::sm90) {
+    throw NotAvailable("wgrad_dtype=bf16: the EP stand-in kernels write fp32 weight gradients only (the SM90 "
+                       "expert kernels write both)");
+  }
+  const double rows = std::max(c.receive_capacity_factor, 1.0 + o.balance_tolerance) * c.num_local_input_tokens * c.top_k;
+  require(c.num_local_input_tokens * c.top_k * ep_size < (int64_t{1} << 31) && rows < double(1 << 30),
+          "num_local_input_tokens", "T*K*ep_size must fit in 31 bits");
+}
+
+int64_t row_limit(const Config& c, const PipelineOptions& o) {
+  const int64_t C = c.num_local_input_tokens * c.top_k;
+  return C + static_cast<int64_t>(std::floor(o.balance_tolerance * static_cast<double>(C)));
+}
+
+EpDims make_dims(const Config& c, int64_t ep_size, const PipelineOptions& o) {
+  sm90::ExpertMlpShape shape;
+  shape.intermediate_dim = c.intermediate_dim;
+  EpDims d;
+  d.T = static_cast<int32_t>(c.num_local_input_tokens);
+  d.D = static_cast<int32_t>(c.hidden_dim);
+  d.F = static_cast<int32_t>(c.intermediate_dim);
+  d.K = static_cast<int32_t>(c.top_k);
+  d.E = static_cast<int32_t>(c.num_experts);
+  d.world = static_cast<int32_t>(ep_size);
+  d.E_local = d.E / d.world;
+  d.balanced = c.balance == Balance::exact;
+  d.replica_slots = static_cast<int32_t>(StagedPipeline::replica_slots(c, ep_size, o));
+  d.groups = d.E_local + d.replica_slots;
+  d.row_limit = d.balanced ? static_cast<int32_t>(row_limit(c, o)) : d.T * d.K;
+  d.capacity_rows = static_cast<int32_t>(StagedPipeline::capacity_rows(c, ep_size, o));
+  d.num_chunks = (d.T + kTokensPerChunk - 1) / kTokensPerChunk;
+  d.swiglu_clamped = c.activation == Activation::swiglu_clamped;
+  d.swiglu_alpha = static_cast<float>(c.swiglu_alpha);
+  d.swiglu_limit = static_cast<float>(c.swiglu_limit);
+  d.scores_from_experts = o.expert_kernels == ExpertKernels::sm90 ? 1 : 0;
+  d.direct_combine = o.direct_combine && o.expert_kernels == ExpertKernels::sm90 ? 1 : 0;
+  d.score_partials = d.scores_from_experts ? static_cast<int32_t>(sm90::dgrad_w2_score_partials(shape)) : 0;
+  return d;
+}
+
+std::string arg_name(int slot, const char* field) { return "args[" + std::to_string(slot) + "]." + field; }
+
+void require_pointer(const void* p, int slot, const char* field, size_t alignment) {
+  require(p != nullptr, arg_name(slot, field), "must not be null");
+  require(reinterpret_cast<uintptr_t>(p) % alignment == 0, arg_name(slot, field),
+          "must be " + std::to_string(alignment) + "-byte aligned");
+}
+
+// `backward`: the forward's inputs of a backward call (its out_TD is never used and may be null).
+void validate_forward_args(const ForwardArgs& a, int slot, const ForwardArgs& first, ExpertKernels kernels,
+                           bool backward) {
+  require_pointer(a.x_TD, slot, "x_TD", 16);
+  require_pointer(a.ids_TK, slot, "ids_TK", 4);
+  require_pointer(a.scores_TK, slot, "scores_TK", a.scores_dtype == DType::fp32 ? 4 : 2);
+  require_pointer(a.w13, slot, "w13", 16);
+  require_pointer(a.w2, slot, "w2", 16);
+  if (!backward) require_pointer(a.out_TD, slot, "out_TD", 16);
+  require(a.scores_dtype == first.scores_dtype, arg_name(slot, "scores_dtype"),
+          "must be the same on every rank of one call");
+  require(a.w13_layout == first.w13_layout, arg_name(slot, "w13_layout"), "must be the same on every rank of one call");
+  require((a.clip_counts_E2 == nullptr) == (first.clip_counts_E2 == nullptr), arg_name(slot, "clip_counts_E2"),
+          "must be set on every rank of one call or on none");
+  if (a.clip_counts_E2) require_pointer(a.clip_counts_E2, slot, "clip_counts_E2", 8);
+  if (a.w13_layout != W13Layout::gate_up_blocked && kernels != ExpertKernels::sm90) {
+    throw NotAvailable(arg_name(slot, "w13_layout") +
+                       ": gate_up_interleaved is not implemented by the EP stand-in kernels (the SM90 expert "
+                       "kernels take both layouts)");
+  }
+}
+
+}  // namespace
+
+const char* to_string(Stage s) {
+  switch (s) {
+    case Stage::route: return "route";
+    case Stage::dispatch: return "dispatch";
+    case Stage::fanout: return "fanout";
+    case Stage::experts: return "experts";
+    case Stage::combine_push: return "combine_push";
+    case Stage::combine_reduce: return "combine_reduce";
+    case Stage::grad_scores: return "grad_scores";
+    case Stage::replica_grads: return "replica_grads";
+    case Stage::recompute: return "recompute";
+    case Stage::redispatch: return "redispatch";
+    case Stage::recompute_rows: return "recompute_rows";
+    case Stage::end: return "end";
+  }
+  return "?";
+}
+
+int64_t StagedPipeline::replica_slots(const Config& c, int64_t ep_size, const PipelineOptions& o) {
+  if (c.balance != Balance::exact) return 0;
+  return o.replica_slots < 0 ? c.num_local_experts(ep_size) : o.replica_slots;
+}
+
+int64_t StagedPipeline::capacity_rows(const Config& c, int64_t ep_size, const PipelineOptions& o) {
+  const bool exact = c.balance == Balance::exact;
+  const int64_t routed = exact ? row_limit(c, o)
+                               : static_cast<int64_t>(std::ceil(c.receive_capacity_factor * c.num_local_input_tokens *
+                                                                c.top_k));
+  const int64_t groups = c.num_local_experts(ep_size) + replica_slots(c, ep_size, o);
+  const int64_t padding = groups * (kGroupAlignment - 1);
+  return (routed + padding + kGroupAlignment - 1) / kGroupAlignment * kGroupAlignment;
+}
+
+size_t StagedPipeline::workspace_bytes(const Config& c, int64_t ep_size, const PipelineOptions& o) {
+  validate_config(c, ep_size, o);
+  return plan_workspace(make_dims(c, ep_size, o), !c.inference, 1 + o.activation_records).total;
+}
+
+
+std::unique_ptr<StagedPipeline> StagedPipeline::create_virtual(const Config& config, int64_t ep_size,
+                                                               const PipelineOptions& options) {
+  validate_config(config, ep_size, options);
+  auto transport = comm::VirtualTransport::create(static_cast<int>(ep_size), workspace_bytes(config, ep_size, options),
+                                                  options.timeout_ns);
+  return create(config, std::move(transport), options);
+}
+
+std::unique_ptr<StagedPipeline> StagedPipeline::create(const Config& config,
+                                                       std::unique_ptr<comm::Transport> transport,
+                                                       ExpertKernels expert_kernels) {
+  PipelineOptions options;
+  options.expert_kernels = expert_kernels;
+  return create(config, std::move(transport), options);
+}
+
+std::unique_ptr<StagedPipeline> StagedPipeline::create(const Config& config,
+                                                       std::unique_ptr<comm::Transport> transport,
+                                                       const PipelineOptions& options) {
+  require(transport != nullptr, "transport", "must not be null");
+  validate_config(config, transport->world_size(), options);
+  require(transport->launch_ranks() <= kMaxLaunchRanks, "transport",
+          "a launch carries at most " + std::to_string(kMaxLaunchRanks) + " ranks");
+  require(transport->workspace_bytes() >= workspace_bytes(config, transport->world_size(), options), "transport",
+          "workspace smaller than StagedPipeline::workspace_bytes()");
+  return std::unique_ptr<StagedPipeline>(new StagedPipeline(config, std::move(transport), options));
+}
+
+StagedPipeline::StagedPipeline(const Config& config, std::unique_ptr<comm::Transport> transport,
+                               const PipelineOptions& options)
+    : config_(config), expert_kernels_(options.expert_kernels), transport_(std::move(transport)) {
+  const bool training = !config.inference;
+  launch_.tables = transport_->device_tables();
+  launch_.launch_ranks = transport_->launch_ranks();
+  launch_.dims = make_dims(config, transport_->world_size(), options);
+  launch_.ws = plan_workspace(launch_.dims, training, 1 + options.activation_records, &record_windows_);
+  record_order_ = {options.activation_records, options.light_activation_records, options.partial_activation_records};
+  partial_rows_ = static_cast<int32_t>(options.partial_record_rows);
+  for (int r = 0; r < options.light_activation_records + options.partial_activation_records; ++r)
+    record_windows_.push_back(record_windows_[0]);
+  int device = 0;
+  cuda_check(cudaGetDevice(&device), "cudaGetDevice");
+  cuda_check(cudaDeviceGetAttribute(&launch_.num_sms, cudaDevAttrMultiProcessorCount, device),
+             "cudaDeviceGetAttribute(multiprocessors)");
+  const EpDims& d = launch_.dims;
+  const size_t cap = d.capacity_rows;
+  auto alloc = [&](size_t bytes) {
+    const size_t allocated = std::max<size_t>(bytes, 16);
+    void* p = nullptr;
+    cuda_check(cudaMalloc(&p, allocated), "cudaMalloc(EP scratch)");
+    allocations_.push_back(p);
+    allocated_bytes_ += allocated;
+    return p;
+  };
+  try {
+    for (int r = 0; r < records(); ++r) {
+      for (int s = 0; s < launch_.launch_ranks; ++s) {
+        RecordBuffers b;
+        b.dest_row_TK = static_cast<int32_t*>(alloc(sizeof(int32_t) * d.T * d.K));
+        b.dest_rank_TK = static_cast<int32_t*>(alloc(sizeof(int32_t) * d.T * d.K));
+        b.group_offsets = static_cast<int32_t*>(alloc(sizeof(int32_t) * (d.groups + 1)));
+        b.group_counts = static_cast<int32_t*>(alloc(sizeof(int32_t) * d.groups));
+        cuda_check(cudaMemset(b.group_offsets, 0, sizeof(int32_t) * (d.groups + 1)), "cudaMemset");
+        cuda_check(cudaMemset(b.group_counts, 0, sizeof(int32_t) * d.groups), "cudaMemset");
+        if (d.balanced) {
+          b.plan_kept_E = static_cast<int32_t*>(alloc(sizeof(int32_t) * d.E));
+          b.plan_piece_first_E = static_cast<int32_t*>(alloc(sizeof(int32_t) * (d.E + 1)));
+          b.plan_pieces = static_cast<plan::shared::ReplicaPiece*>(
+              alloc(sizeof(plan::shared::ReplicaPiece) * std::max(1, d.world * d.replica_slots)));
+          b.plan_group_offsets_RG = static_cast<int32_t*>(alloc(sizeof(int32_t) * d.world * (d.groups + 1)));
+          b.plan_stats = static_cast<int32_t*>(alloc(sizeof(int32_t) * kPlanStats));
+          cuda_check(cudaMemset(b.plan_piece_first_E, 0, sizeof(int32_t) * (d.E + 1)), "cudaMemset");
+        }
+        const size_t h13_rows = record_order_.partial_kind(r) ? size_t(partial_rows_) : cap;
+        b.h13_R2F = static_cast<bf16*>(alloc(sizeof(bf16) * h13_rows * 2 * d.F));
+        record_buffers_.push_back(b);
+      }
+    }
+    for (int s = 0; s < launch_.launch_ranks; ++s) {
+      RankScratch& rs = launch_.scratch.rank[s];
+      rs.workspace = transport_->local_workspace(s);
+      rs.error_code = &transport_->device_error(s)->code;
+      rs.chunk_offsets_CE = static_cast<int32_t*>(alloc(sizeof(int32_t) * d.num_chunks * d.E));
+      rs.tail_offsets = static_cast<int32_t*>(alloc(sizeof(int32_t) * d.groups));
+      rs.tail_counts = static_cast<int32_t*>(alloc(sizeof(int32_t) * d.groups));
+      rs.a_RF = static_cast<bf16*>(alloc(sizeof(bf16) * cap * d.F));
+      // The direct combine stores y / grad_x rows in the owners' combine slots: no grouped copy.
+      if (!d.direct_combine) rs.rows_out_RD = static_cast<bf16*>(alloc(sizeof(bf16) * cap * d.D));
+      if (training) {
+        if (d.scores_from_experts) {
+          rs.grad_score_partials_RP = static_cast<float*>(alloc(sizeof(float) * cap * d.score_partials));
+        } else {
+          rs.grad_y_RD = static_cast<bf16*>(alloc(sizeof(bf16) * cap * d.D));
+        }
+        rs.grad_h13_R2F = static_cast<bf16*>(alloc(sizeof(bf16) * cap * 2 * d.F));
+      }
+    }
+    launch_.gemm_tile_counters = static_cast<int32_t*>(alloc(2 * sizeof(int32_t)));
+    cuda_check(cudaMemset(launch_.gemm_tile_counters, 0, 2 * sizeof(int32_t)), "cudaMemset");
+    launch_ = launch_for(0);
+    if (d.balanced) configure_balance_plan(launch_);
+  } catch (...) {
+    for (void* p : allocations_) cudaFree(p);
+    throw;
+  }
+}
+
+StagedPipeline::~StagedPipeline() {
+  cudaDeviceSynchronize();  // kernels may still read these buffers
+  for (void* p : allocations_) cudaFree(p);
+}
+
+LaunchIo StagedPipeline::forward_io(std::span<const ForwardArgs> args, bool backward) const {
+  require(static_cast<int>(args.size()) == launch_.launch_ranks, "args",
+          "needs one entry per launch slot (" + std::to_string(launch_.launch_ranks) + "), got " +
+              std::to_string(args.size()));
+  LaunchIo io;
+  for (int s = 0; s < launch_.launch_ranks; ++s) {
+    const ForwardArgs& a = args[s];
+    validate_forward_args(a, s, args[0], expert_kernels_, backward);
+    RankIo& r = io.rank[s];
+    r.x_TD = static_cast<const bf16*>(a.x_TD);
+    r.ids_TK = a.ids_TK;
+    r.scores_TK = a.scores_TK;
+    r.w13_E2FD = static_cast<const bf16*>(a.w13);
+    r.w2_EDF = static_cast<const bf16*>(a.w2);
+    r.out_TD = static_cast<bf16*>(a.out_TD);
+    r.clip_counts_E2 = backward ? nullptr : a.clip_counts_E2;
+  }
+  return io;
+}
+
+EpLaunch StagedPipeline::launch_for(int record) const {
+  EpLaunch l = launch_;
+  for (int s = 0; s < l.launch_ranks; ++s) {
+    const RecordBuffers& b = record_buffers_[size_t(record) * l.launch_ranks + s];
+    RankScratch& rs = l.scratch.rank[s];
+    rs.dest_row_TK = b.dest_row_TK;
+    rs.dest_rank_TK = b.dest_rank_TK;
+    rs.group_offsets = b.group_offsets;
+    rs.group_counts = b.group_counts;
+    rs.plan_kept_E = b.plan_kept_E;
+    rs.plan_piece_first_E = b.plan_piece_first_E;
+    rs.plan_pieces = b.plan_pieces;
+    rs.plan_group_offsets_RG = b.plan_group_offsets_RG;
+    rs.plan_stats = b.plan_stats;
+    rs.h13_R2F = b.h13_R2F;
+    rs.h13_hi_R2F = record_buffers_[s].h13_R2F;  // the working record's (rows past a partial record's)
+    rs.h13_split = record_order_.partial_kind(record) ? partial_rows_ : l.dims.capacity_rows;
+  }
+  const RecordWindow& w = record_windows_[record];
+  l.ws.row_origin = w.row_origin;
+  l.ws.row_primary = w.row_primary;
+  l.ws.row_score = w.row_score;
+  l.ws.recv_x = w.recv_x;
+  return l;
+}
+
+void StagedPipeline::check_record(int record) const {
+  require(record >= 0 && record < records(), "record",
+          "must be in [0, " + std::to_string(records()) + "), got " + std::to_string(record));
+}
+
+void StagedPipeline::dispatch_x_rows(const EpLaunch& l, const LaunchIo& io, cudaStream_t stream) {
+  launch_dispatch_forward(l, io, stream);
+  launch_fanout_rows(l, /*backward=*/false, stream);
+}
+
+void StagedPipeline::forward(std::span<const ForwardArgs> args, cudaStream_t stream, int record) {
+  check_record(record);
+  const LaunchIo io = forward_io(args, /*backward=*/false);
+  EpLaunch l = launch_for(record);
+  l.dims.scores_bf16 = args[0].scores_dtype == DType::bf16;
+  l.dims.w13_interleaved = args[0].w13_layout == W13Layout::gate_up_interleaved;
+  stage(Stage::route, stream);
+  launch_route(l, io, stream);
+  stage(Stage::dispatch, stream);
+  launch_dispatch_forward(l, io, stream);
+  replicas_in_window_ = record;
+  latest_forward_record_ = record;
+  stage(Stage::fanout, stream);
+  launch_fanout_rows(l, /*backward=*/false, stream);
+  stage(Stage::experts, stream);
+  expert_forward(l, io, expert_kernels_, stream);
+  const bool clip_counts = io.rank[0].clip_counts_E2 != nullptr;
+  if (clip_counts) launch_clip_count_groups(l, stream);
+  stage(Stage::combine_push, stream);
+  launch_combine_push(l, /*backward=*/false, stream);
+  stage(Stage::combine_reduce, stream);
+  if (clip_counts) launch_clip_count_reduce(l, io, stream);
+  launch_combine_reduce(l, io, /*backward=*/false, stream);
+  stage(Stage::end, stream);
+}
+
+void StagedPipeline::backward(std::span<const BackwardArgs> args, cudaStream_t stream, int record, bool recompute) {
+  if (config_.inference) throw InvalidArgument("inference", "the pipeline was created for inference: no backward");
+  check_record(record);
+  std::vector<ForwardArgs> fwd;
+  for (const BackwardArgs& a : args) fwd.push_back(a.forward);
+  LaunchIo io = forward_io(fwd, /*backward=*/true);
+  for (int s = 0; s < launch_.launch_ranks; ++s) {
+    const BackwardArgs& a = args[s];
+    require_pointer(a.grad_out_TD, s, "grad_out_TD", 16);
+    require_pointer(a.grad_x_TD, s, "grad_x_TD", 16);
+    require_pointer(a.grad_scores_TK, s, "grad_scores_TK", a.forward.scores_dtype == DType::fp32 ? 4 : 2);
+    require_pointer(a.grad_w13, s, "grad_w13", 16);
+    require_pointer(a.grad_w2, s, "grad_w2", 16);
+    require(a.accumulate_wgrad == args[0].accumulate_wgrad, arg_name(s, "accumulate_wgrad"),
+            "must be the same for every slot of one call");
+    require(a.wgrad_dtype == args[0].wgrad_dtype, arg_name(s, "wgrad_dtype"),
+            "must be the same for every slot of one call");
+    RankIo& r = io.rank[s];
+    r.grad_out_TD = static_cast<const bf16*>(a.grad_out_TD);
+    r.grad_x_TD = static_cast<bf16*>(a.grad_x_TD);
+    r.grad_scores_TK = a.grad_scores_TK;
+    r.grad_w13_E2FD = a.grad_w13;
+    r.grad_w2_EDF = a.grad_w2;
+  }
+  const DType wgrad_dtype = args[0].wgrad_dtype.value_or(config_.wgrad_dtype);
+  if (wgrad_dtype != DType::fp32 && expert_kernels_ != ExpertKernels::sm90) {
+    throw NotAvailable("wgrad_dtype=bf16: the EP stand-in kernels write fp32 weight gradients only");
+  }
+  EpLaunch l = launch_for(record);
+  l.dims.scores_bf16 = args[0].forward.scores_dtype == DType::bf16;
+  l.dims.w13_interleaved = args[0].forward.w13_layout == W13Layout::gate_up_interleaved;
+  l.dims.wgrad_bf16 = wgrad_dtype == DType::bf16 ? 1 : 0;
+  if (recompute) {
+    // Only what backward reads: the layout, the received x rows, h13 (and the replica weights).
+    if (!l.dims.scores_from_experts) {
+      throw NotAvailable("recompute: the stand-in experts' backward reads the forward's y; run its forward instead");
+    }
+    stage(Stage::recompute, stream);
+    launch_route(l, io, stream);
+    dispatch_x_rows(l, io, stream);
+    expert_forward_h13(l, io, expert_kernels_, /*tail_only=*/false, stream);
+    replicas_in_window_ = record;
+  }
+  if (!recompute && record_order_.shares_working_rows(record)) {
+    // The layout and h13 were kept, the x rows were not: send them again (and the replica weights).
+    stage(Stage::redispatch, stream);
+    dispatch_x_rows(l, io, stream);
+    replicas_in_window_ = record;
+    if (record_order_.partial_kind(record)) {  // h13 of the rows past what the record kept
+      stage(Stage::recompute_rows, stream);
+      launch_tail_groups(l, stream);
+      expert_forward_h13(l, io, expert_kernels_, /*tail_only=*/true, stream);
+    }
+  }
+  // Exact balance: the window's replica weights are those of the latest forward (or recompute).
+  const bool push_replicas = l.dims.balanced && replicas_in_window_ != record;
+  replicas_in_window_ = record;
+  if (!l.dims.scores_from_experts) {
+    stage(Stage::grad_scores, stream);
+    launch_grad_scores(l, io, stream);  // reads y from the combine buffer before grad_x rows replace it
+  }
+  stage(Stage::dispatch, stream);
+  launch_dispatch_backward(l, io, push_replicas, stream);
+  stage(Stage::fanout, stream);
+  // SM90 experts read grad_out rows in place (the scores are applied in DGRAD W2); the stand-in
+  // experts want score-scaled copies.
+  if (l.dims.scores_from_experts) launch_fanout_rows(l, /*backward=*/true, stream);
+  else launch_fanout_scale_grad(l, stream);
+  stage(Stage::experts, stream);
+  expert_backward(l, io, args[0].accumulate_wgrad, expert_kernels_, stream);
+  stage(Stage::combine_push, stream);
+  launch_combine_push(l, /*backward=*/true, stream);
+  if (l.dims.balanced) {
+    // After the combine barrier every rank's replica weight gradients are complete.
+    stage(Stage::replica_grads, stream);
+    launch_replica_grad_reduce(l, io, stream);
+  }
+  stage(Stage::combine_reduce, stream);
+  launch_combine_reduce(l, io, /*backward=*/true, stream);
+  stage(Stage::end, stream);
+}
+
+void StagedPipeline::check(cudaStream_t stream) {
+  cuda_check(cudaStreamSynchronize(stream), "EP pipeline: cudaStreamSynchronize");
+  const std::vector<comm::ErrorWord> errors = transport_->read_errors();
+  std::vector<const comm::ErrorWord*> found;
+  for (const comm::ErrorWord& e : errors) {
+    if (e.code != 0) found.push_back(&e);
+  }
+  // A grouped-GEMM pipeline wait past its bound (the launch drained instead of hanging).
+  std::string gemm_fault;
+  if (expert_kernels_ == ExpertKernels::sm90) {
+    const sm90::PipelineFault f = sm90::take_pipeline_fault(stream);
+    if (f.occurred) gemm_fault = "SM90 expert GEMM: " + sm90::describe(f);
+  }
+  if (found.empty() && gemm_fault.empty()) return;
+  if (found.empty()) throw DeviceError(gemm_fault);
+  // Root causes first: a timeout is usually the echo of another rank's failure.
+  std::stable_sort(found.begin(), found.end(), [](const comm::ErrorWord* a, const comm::ErrorWord* b) {
+    const bool at = a->code == static_cast<int32_t>(comm::ErrorCode::timeout);
+    const bool bt = b->code == static_cast<int32_t>(comm::ErrorCode::timeout);
+    return !at && bt;
+  });
+  std::string message = "EP device error: " + comm::describe(*found[0], transport_->timeout_ns());
+  for (size_t i = 1; i < found.size(); ++i) message += "; " + comm::describe(*found[i], transport_->timeout_ns());
+  if (!gemm_fault.empty()) message += "; " + gemm_fault;
+  message += " (call reset() before the next call)";
+  throw DeviceError(message);
+}
+
+void StagedPipeline::reset() { transport_->reset(); }
+
+LayoutSnapshot StagedPipeline::snapshot(int slot) const {
+  const EpLaunch latest = launch_for(latest_forward_record_);
+  const EpDims& d = latest.dims;
+  const RankScratch& rs = latest.scratch.rank[slot];
+  LayoutSnapshot s;
+  s.dest_row_TK.resize(static_cast<size_t>(d.T) * d.K);
+  s.group_offsets.resize(d.groups + 1);
+  s.group_counts.resize(d.groups);
+  s.dest_rank_TK.resize(static_cast<size_t>(d.T) * d.K);
+  s.row_origin.resize(d.capacity_rows);
+  s.row_primary.resize(d.capacity_rows);
+  auto get = [](std::vector<int32_t>& v, const void* src) {
+    cuda_check(cudaMemcpy(v.data(), src, v.size() * sizeof(int32_t), cudaMemcpyDeviceToHost), "snapshot");
+  };
+  cuda_check(cudaDeviceSynchronize(), "snapshot: cudaDeviceSynchronize");
+  get(s.dest_row_TK, rs.dest_row_TK);
+  get(s.group_offsets, rs.group_offsets);
+  get(s.group_counts, rs.group_counts);
+  get(s.row_origin, rs.workspace + latest.ws.row_origin);
+  get(s.row_primary, rs.workspace + latest.ws.row_primary);
+  get(s.dest_rank_TK, rs.dest_rank_TK);
+  return s;
+}
+
+PlanSnapshot StagedPipeline::plan_snapshot(int slot) const {
+  const EpDims& d = launch_.dims;
+  require(d.balanced, "plan_snapshot", "the pipeline does not balance (balance=capacity)");
+  const EpLaunch latest = launch_for(latest_forward_record_);
+  const RankScratch& rs = latest.scratch.rank[slot];
+  cuda_check(cudaDeviceSynchronize(), "plan_snapshot: cudaDeviceSynchronize");
+  PlanSnapshot p;
+  auto get = [](auto& v, const void* src) {
+    cuda_check(cudaMemcpy(v.data(), src, v.size() * sizeof(v[0]), cudaMemcpyDeviceToHost), "plan_snapshot");
+  };
+  std::vector<int32_t> first(d.E + 1), stats(kPlanStats);
+  p.kept_E.resize(d.E);
+  p.group_offsets_RG.resize(static_cast<size_t>(d.world) * (d.groups + 1));
+  get(first, rs.plan_piece_first_E);
+  get(stats, rs.plan_stats);
+  get(p.kept_E, rs.plan_kept_E);
+  get(p.group_offsets_RG, rs.plan_group_offsets_RG);
+  p.pieces.resize(first[d.E]);
+  if (!p.pieces.empty()) get(p.pieces, rs.plan_pieces);
+  p.exact = stats[kPlanExact] != 0;
+  p.moved_rows = stats[kPlanMovedRows];
+  p.max_rank_rows = stats[kPlanMaxRankRows];
+  return p;
+}
+
+}  // namespace poise::ep
