@@ -148,6 +148,12 @@ struct EpLaunch {
   // The SM90 expert GEMMs' tile counters (sm90::GroupedRows::tile_counters), int32 [2], zero
   // between launches; one for the pipeline, whose GEMMs run one after another on its stream.
   int32_t* gemm_tile_counters = nullptr;
+  // Where the expert GEMMs record a device fault (sm90::FaultWord): uint64 [1], zero until one occurs;
+  // the bound on their pipeline waits; fault injection for tests (each GEMM's CTA 0 never loads its
+  // first stage).
+  unsigned long long* gemm_fault_word = nullptr;
+  uint32_t gemm_wait_timeout_ns = 4'000'000'000u;
+  bool gemm_drop_first_stage = false;
 };
 
 }  // namespace poise::ep

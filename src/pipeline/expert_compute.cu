@@ -76,6 +76,7 @@ sm90::GroupedRows sm90_rows(const EpLaunch& l, int slot) {
   rows.max_rows = l.dims.capacity_rows;
   rows.first_replica = l.dims.balanced && l.dims.replica_slots > 0 ? l.dims.E_local : -1;
   rows.tile_counters = l.gemm_tile_counters;
+  rows.faults = {l.gemm_fault_word, l.gemm_wait_timeout_ns, l.gemm_drop_first_stage};
   return rows;
 }
 

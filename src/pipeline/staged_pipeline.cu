@@ -301,6 +301,8 @@ StagedPipeline::StagedPipeline(const Config& config, std::unique_ptr<comm::Trans
     }
     launch_.gemm_tile_counters = static_cast<int32_t*>(alloc(2 * sizeof(int32_t)));
     cuda_check(cudaMemset(launch_.gemm_tile_counters, 0, 2 * sizeof(int32_t)), "cudaMemset");
+    launch_.gemm_fault_word = static_cast<unsigned long long*>(alloc(sizeof(unsigned long long)));
+    cuda_check(cudaMemset(launch_.gemm_fault_word, 0, sizeof(unsigned long long)), "cudaMemset");
     launch_ = launch_for(0);
     if (d.balanced) configure_balance_plan(launch_);
   } catch (...) {
@@ -488,7 +490,7 @@ void StagedPipeline::check(cudaStream_t stream) {
   // A grouped-GEMM pipeline wait past its bound (the launch drained instead of hanging).
   std::string gemm_fault;
   if (expert_kernels_ == ExpertKernels::sm90) {
-    const sm90::PipelineFault f = sm90::take_pipeline_fault(stream);
+    const sm90::PipelineFault f = sm90::take_pipeline_fault({launch_.gemm_fault_word}, stream);
     if (f.occurred) gemm_fault = "SM90 expert GEMM: " + sm90::describe(f);
   }
   if (found.empty() && gemm_fault.empty()) return;

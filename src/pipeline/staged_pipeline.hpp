@@ -153,6 +153,13 @@ class StagedPipeline {
   // Clears error words and synchronization state; needed after a failed call. Collective.
   void reset();
 
+  // Fault injection (tests): the expert GEMMs' wait bound, and whether each GEMM's CTA 0 drops its
+  // first stage (its consumers' wait then times out and the launch drains).
+  void set_gemm_stall_for_tests(uint32_t wait_timeout_ns, bool drop_first_stage) {
+    launch_.gemm_wait_timeout_ns = wait_timeout_ns;
+    launch_.gemm_drop_first_stage = drop_first_stage;
+  }
+
   // Called on the host before each stage is enqueued (and with Stage::end after the last).
   void set_stage_hook(std::function<void(Stage, cudaStream_t)> hook) { hook_ = std::move(hook); }
 

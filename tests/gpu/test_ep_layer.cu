@@ -279,8 +279,7 @@ TEST(EpLayerErrors, StalledExpertGemmStageIsReportedThenRecovers) {
   EP_CUDA_OK(cudaStreamCreate(&stream));
   ASSERT_NO_THROW(w.pipeline().check(stream)) << "a fault left over from an earlier test";
 
-  sm90::set_pipeline_wait_timeout_for_tests(20'000'000u);  // 20 ms
-  sm90::drop_first_stage_for_tests(true);
+  w.pipeline().set_gemm_stall_for_tests(20'000'000u, true);  // 20 ms
   w.poison_outputs();
   w.forward(stream);
   std::string msg;
@@ -289,8 +288,7 @@ TEST(EpLayerErrors, StalledExpertGemmStageIsReportedThenRecovers) {
   } catch (const DeviceError& e) {
     msg = e.what();
   }
-  sm90::drop_first_stage_for_tests(false);
-  sm90::set_pipeline_wait_timeout_for_tests(sm90::kPipelineWaitTimeoutNs);
+  w.pipeline().set_gemm_stall_for_tests(sm90::kPipelineWaitTimeoutNs, false);
   ASSERT_FALSE(msg.empty()) << "a dropped GEMM stage was not reported";
   EXPECT_NE(msg.find("SM90 expert GEMM: a pipeline wait timed out (block "), std::string::npos) << msg;
   EXPECT_NE(msg.find("barrier at shared offset"), std::string::npos) << msg;

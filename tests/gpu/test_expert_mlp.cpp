@@ -140,6 +140,7 @@ struct Fixture {
   ExpertMlpShape shape;
   DeviceBuffer<int32_t> offsets, counts;
   DeviceBuffer<int32_t> tile_counters{std::vector<int32_t>{0, 0}};  // the dynamic tile order, as a Context runs it
+  DeviceBuffer<unsigned long long> fault_word{std::vector<unsigned long long>{0}};
   GroupedRows rows;
 
   explicit Fixture(const Case& c) : cs(c), l(make_layout(c.counts)), offsets(l.offsets), counts(l.counts) {
@@ -156,7 +157,9 @@ struct Fixture {
     rows.num_experts = static_cast<int64_t>(c.counts.size());
     rows.max_rows = l.rows;
     rows.tile_counters = tile_counters.ptr;
+    rows.faults.word = fault_word.ptr;
   }
+  sm90::PipelineFault take_fault() const { return sm90::take_pipeline_fault(rows.faults, nullptr); }
   int64_t E() const { return static_cast<int64_t>(cs.counts.size()); }
 };
 
@@ -225,74 +228,6 @@ TEST_P(ExpertMlpKernels, FpropW2ScoredMatchesFloat64) {
   for (int64_t r = 0; r < R; ++r)
     for (int64_t d = 0; d < D; ++d) y_ref[r * D + d] *= in.scores[r];
   expect_close(compare_rows_bf16(dy.download(), y_ref, fx.l, D), kBf16Tolerance, "y_RD (scores)");
-}
-
-// What a fused combine (sm90::FusedCombine) must leave in `got` ([T + 1][D]: T token rows, then a
-// guard row): the token rows' contents before (`before`, same shape) plus rows_ref[r] ([R][D],
-// float64) in token[r]'s row for every valid row r but those in `skipped`, and the guard row's
-// poison untouched.
-void expect_fused_combine_result(const Fixture& fx, const std::vector<uint16_t>& before, int64_t T,
-                                 const std::vector<int32_t>& token, const std::vector<double>& rows_ref,
-                                 std::vector<uint16_t> got, const std::vector<int64_t>& skipped, const char* what) {
-  const int64_t R = fx.l.rows, D = fx.cs.D;
-  std::vector<double> out_ref(T * D);
-  for (int64_t i = 0; i < T * D; ++i) out_ref[i] = from_bf16(before[i]);
-  for (int64_t r = 0; r < R; ++r)
-    if (fx.l.is_row_valid(r) && std::find(skipped.begin(), skipped.end(), r) == skipped.end())
-      for (int64_t d = 0; d < D; ++d) out_ref[token[r] * D + d] += rows_ref[r * D + d];
-  int64_t guard_lost = 0;
-  for (int64_t d = 0; d < D; ++d) guard_lost += got[T * D + d] != kBf16Poison;
-  EXPECT_EQ(guard_lost, 0) << what << ": the guard row after the token rows was written";
-  got.resize(T * D);
-  expect_close(compare_all(got, out_ref), kBf16Tolerance, what);
-}
-
-// A top-k combine fused into a rows GEMM (sm90::FusedCombine): every valid row's result is added
-// into its token's row of out_TD, which starts with random contents (the additions keep them). Rows
-// land on random tokens, several per token and some tokens none; padding rows point at a guard token
-// row that must keep its poison. run(combine) launches the GEMM; rows_ref: its float64 rows [R][D].
-void check_fused_combine(const Fixture& fx, uint64_t seed, const std::vector<double>& rows_ref,
-                         const std::function<void(const sm90::FusedCombine&)>& run, const char* what) {
-  const int64_t R = fx.l.rows, D = fx.cs.D;
-  int64_t valid_rows = 0;
-  for (int32_t c : fx.cs.counts) valid_rows += c;
-  const int64_t T = std::max<int64_t>(1, valid_rows / 3);  // the guard token row is T
-  std::vector<int32_t> token(R, static_cast<int32_t>(T));
-  std::mt19937_64 pick(seed);
-  for (int64_t r = 0; r < R; ++r)
-    if (fx.l.is_row_valid(r)) token[r] = static_cast<int32_t>(pick() % T);
-  Rng rng(seed + 1);
-  auto out = rng.bf16_normal(T * D, 1.0f);
-  out.resize((T + 1) * D, kBf16Poison);
-  DeviceBuffer<uint16_t> dout(out);
-  DeviceBuffer<int32_t> dtok(token);
-  run({dout.ptr, dtok.ptr, T});
-  cuda_ok(cudaDeviceSynchronize(), what);
-  expect_fused_combine_result(fx, out, T, token, rows_ref, dout.download(), {}, what);
-}
-
-TEST_P(ExpertMlpKernels, FusedCombineMatchesFloat64) {
-  Fixture fx(GetParam());
-  const int64_t R = fx.l.rows, D = fx.cs.D, F = fx.cs.F;
-  Rng rng(fx.cs.seed + 7);
-  // FPROP W2, score-scaled rows.
-  const FpropW2Inputs w2in(fx, rng);
-  auto y_ref = ref_rows_gemm(fx.l, to_double(w2in.a), F, to_double(w2in.w2), D, true);
-  for (int64_t r = 0; r < R; ++r)
-    for (int64_t d = 0; d < D; ++d) y_ref[r * D + d] *= w2in.scores[r];
-  check_fused_combine(fx, fx.cs.seed + 8, y_ref, [&](const sm90::FusedCombine& c) {
-    sm90::FpropW2Args args{w2in.da.ptr, w2in.dw2.ptr, w2in.ds.ptr, nullptr};
-    args.combine = c;
-    sm90::expert_mlp_fprop_w2(fx.rows, fx.shape, args, nullptr);
-  }, "out_TD (FPROP W2 fused combine)");
-  // DGRAD W13 (grad_x).
-  const DgradW13Inputs w13in(fx, rng);
-  const auto gx_ref = ref_rows_gemm(fx.l, to_double(w13in.gh), 2 * F, to_double(w13in.w13), D, false);
-  check_fused_combine(fx, fx.cs.seed + 9, gx_ref, [&](const sm90::FusedCombine& c) {
-    sm90::DgradW13Args args{w13in.dgh.ptr, w13in.dw13.ptr, nullptr};
-    args.combine = c;
-    sm90::expert_mlp_dgrad_w13(fx.rows, fx.shape, args, nullptr);
-  }, "grad_x_TD (DGRAD W13 fused combine)");
 }
 
 // Rows scattered to slots (sm90::RowScatter, the EP pipeline's direct combine): every valid row's
@@ -383,15 +318,16 @@ TEST(ExpertMlpRowScatter, OriginOutOfRangeIsReportedAndStoredNowhere) {
   DeviceBuffer<uint16_t> dy(std::vector<uint16_t>(R * D, kBf16Poison));
   sm90::expert_mlp_fprop_w2(fx.rows, fx.shape, {in.da.ptr, in.dw2.ptr, nullptr, dy.ptr}, nullptr);
   cuda_ok(cudaDeviceSynchronize(), "fprop_w2 grouped");
-  ASSERT_FALSE(sm90::take_pipeline_fault(nullptr).occurred) << "a fault left over from an earlier test";
+  ASSERT_FALSE(fx.take_fault().occurred) << "no fault before the bad origins";
   const std::vector<int64_t> bad_rows = {5, fx.l.offsets[2] + 7};  // valid rows of experts 0 and 2
   check_row_scatter(fx, 55, dy.download(), [&](const sm90::RowScatter& scatter) {
     sm90::FpropW2Args args{in.da.ptr, in.dw2.ptr, nullptr, nullptr};
     args.scatter = scatter;
     sm90::expert_mlp_fprop_w2(fx.rows, fx.shape, args, nullptr);
   }, "FPROP W2 scattered without the bad rows", bad_rows);
-  const sm90::PipelineFault fault = sm90::take_pipeline_fault(nullptr);
-  EXPECT_TRUE(fault.occurred && fault.bad_token) << "the out-of-range origins are reported";
+  const sm90::PipelineFault fault = fx.take_fault();
+  EXPECT_TRUE(fault.occurred && fault.bad_origin) << "the out-of-range origins are reported";
+  EXPECT_FALSE(fx.take_fault().occurred) << "the record is cleared once read";
 }
 
 TEST_P(ExpertMlpKernels, DgradW2SwigluBackwardMatchesFloat64) {
@@ -882,11 +818,13 @@ TEST(ExpertMlpGraph, ReplaysWithNewRoutingWithoutRecapture) {
   auto a = rng.bf16_normal(R * F, 1.0f);
   DeviceBuffer<uint16_t> da(a), dw(w2), dy(R * D);
   DeviceBuffer<int32_t> offsets(3), counts(3), tile_counters(std::vector<int32_t>{0, 0});
+  DeviceBuffer<unsigned long long> fault_word(std::vector<unsigned long long>{0});
   ExpertMlpShape shape;
   shape.hidden_dim = D;
   shape.intermediate_dim = F;
   GroupedRows rows{offsets.ptr, counts.ptr, E, R};
   rows.tile_counters = tile_counters.ptr;  // each replay must leave them zero for the next
+  rows.faults.word = fault_word.ptr;
 
   cudaStream_t stream;
   cuda_ok(cudaStreamCreate(&stream), "stream");
@@ -928,8 +866,8 @@ TEST(ExpertMlpGraph, ReplaysWithNewRoutingWithoutRecapture) {
 
 // A stage whose load never arrives (fault injection, CTA 0's first stage): every pipeline wait is
 // bounded, so the launch gives up instead of hanging the stream, take_pipeline_fault names the
-// CTA and barrier, and the next launch on the same CUDA context is correct again. Both launch
-// modes: the fprop W2 kernel runs on 2-CTA clusters unless POISE_SM90_CLUSTER=1.
+// CTA and barrier, and the next launch on the same CUDA context is correct again. The fprop W2
+// kernel runs on 2-CTA clusters.
 TEST(ExpertMlpWatchdog, StalledStageIsReportedAndTheNextLaunchIsCorrect) {
   if (!have_sm90()) GTEST_SKIP() << "needs an SM90 GPU";
   Fixture fx(Case{"watchdog", {300, 0, 129, 500}, 192, 128, W13Layout::gate_up_blocked, false, 41});
@@ -937,407 +875,23 @@ TEST(ExpertMlpWatchdog, StalledStageIsReportedAndTheNextLaunchIsCorrect) {
   Rng rng(43);
   const FpropW2Inputs in(fx, rng);
   DeviceBuffer<uint16_t> dy(std::vector<uint16_t>(R * D, kBf16Poison));
-  ASSERT_FALSE(sm90::take_pipeline_fault(nullptr).occurred) << "a fault left over from an earlier test";
-
-  sm90::set_pipeline_wait_timeout_for_tests(20'000'000u);  // 20 ms
-  sm90::drop_first_stage_for_tests(true);
-  sm90::expert_mlp_fprop_w2(fx.rows, fx.shape, {in.da.ptr, in.dw2.ptr, nullptr, dy.ptr}, nullptr);
-  const sm90::PipelineFault fault = sm90::take_pipeline_fault(nullptr);  // returns: the launch drained
-  sm90::drop_first_stage_for_tests(false);
-  sm90::set_pipeline_wait_timeout_for_tests(sm90::kPipelineWaitTimeoutNs);
+  GroupedRows stalled = fx.rows;
+  stalled.faults.wait_timeout_ns = 20'000'000u;  // 20 ms
+  stalled.faults.drop_first_stage_for_tests = true;
+  sm90::expert_mlp_fprop_w2(stalled, fx.shape, {in.da.ptr, in.dw2.ptr, nullptr, dy.ptr}, nullptr);
+  const sm90::PipelineFault fault = fx.take_fault();  // returns: the launch drained
   EXPECT_TRUE(fault.occurred);
-  // CTA 0 dropped the stage; on clusters its peers miss CTA 0's multicast halves and may time out
-  // first (quads, POISE_SM90_CLUSTER=4: CTAs 1 and 2).
-  const char* cluster = std::getenv("POISE_SM90_CLUSTER");
-  EXPECT_LT(fault.block, cluster && std::string(cluster) == "4" ? 4 : 2) << "only CTA 0 dropped a stage";
-  EXPECT_FALSE(sm90::take_pipeline_fault(nullptr).occurred) << "the record is cleared once read";
+  // CTA 0 dropped the stage; its pair peer misses CTA 0's multicast half and may time out first.
+  EXPECT_LT(fault.block, 2) << "only CTA 0 dropped a stage";
+  EXPECT_FALSE(fx.take_fault().occurred) << "the record is cleared once read";
   EXPECT_EQ(fx.tile_counters.download(), (std::vector<int32_t>{0, 0})) << "the drained launch reset its counters";
 
   dy.upload(std::vector<uint16_t>(R * D, kBf16Poison));
   sm90::expert_mlp_fprop_w2(fx.rows, fx.shape, {in.da.ptr, in.dw2.ptr, nullptr, dy.ptr}, nullptr);
   cuda_ok(cudaDeviceSynchronize(), "fprop_w2 after the fault");
-  EXPECT_FALSE(sm90::take_pipeline_fault(nullptr).occurred);
+  EXPECT_FALSE(fx.take_fault().occurred);
   const auto y_ref = ref_rows_gemm(fx.l, to_double(in.a), F, to_double(in.w2), D, true);
   expect_close(compare_rows_bf16(dy.download(), y_ref, fx.l, D), kBf16Tolerance, "y_RD after the fault");
-}
-
-// A fused combine's row whose token is out of range (past the end, negative) is added nowhere and
-// reported (take_pipeline_fault: bad_token); every other row lands, and nothing outside out_TD's
-// token rows is written (a guard row after them keeps its poison).
-TEST(ExpertMlpFusedCombine, TokenOutOfRangeIsReportedAndSkipped) {
-  if (!have_sm90()) GTEST_SKIP() << "needs an SM90 GPU";
-  Fixture fx(Case{"bad_token", {300, 0, 129}, 192, 128, W13Layout::gate_up_blocked, false, 51});
-  const int64_t R = fx.l.rows, D = fx.cs.D, F = fx.cs.F, T = 100;
-  Rng rng(52);
-  const FpropW2Inputs in(fx, rng);
-  std::vector<int32_t> token(R, 0);
-  for (int64_t r = 0; r < R; ++r) token[r] = static_cast<int32_t>(r % T);
-  const int64_t bad_rows[2] = {5, fx.l.offsets[2] + 7};  // valid rows of experts 0 and 2
-  token[bad_rows[0]] = static_cast<int32_t>(T);
-  token[bad_rows[1]] = -3;
-  auto out = rng.bf16_normal(T * D, 1.0f);
-  out.resize((T + 1) * D, kBf16Poison);
-  DeviceBuffer<uint16_t> dout(out);
-  DeviceBuffer<int32_t> dtok(token);
-  ASSERT_FALSE(sm90::take_pipeline_fault(nullptr).occurred) << "a fault left over from an earlier test";
-  sm90::FpropW2Args args{in.da.ptr, in.dw2.ptr, nullptr, nullptr};
-  args.combine = {dout.ptr, dtok.ptr, T};
-  sm90::expert_mlp_fprop_w2(fx.rows, fx.shape, args, nullptr);
-  const sm90::PipelineFault fault = sm90::take_pipeline_fault(nullptr);
-  EXPECT_TRUE(fault.occurred && fault.bad_token) << "the out-of-range tokens are reported";
-  EXPECT_FALSE(sm90::take_pipeline_fault(nullptr).occurred) << "the record is cleared once read";
-
-  expect_fused_combine_result(fx, out, T, token, ref_rows_gemm(fx.l, to_double(in.a), F, to_double(in.w2), D, true),
-                              dout.download(), {bad_rows[0], bad_rows[1]}, "out_TD without the bad rows");
-}
-
-// The top-k combine as WGRAD's side job (sm90::TokenCombine): the weight gradient is the same bits
-// as without it, and out_TD / sums_TK are the fp32 sums in k / p order, bit for bit, at every
-// shape (tokens of K = 3 distinct valid rows on WGRAD W13, and where there are rows enough K = 8
-// on WGRAD W2 and K = 16 on W13: row chunks of 640 / 256 / 128 bytes, several per row at most
-// shapes; none at all where no expert has rows).
-// How many of a WGRAD side combine's outputs differ from the sums in order, bit for bit: out_TD[t]
-// (bf16 of the fp32 sum over k of rows[row_of_tk[t*K + k]]) and sums_TK[t*K + k] (fp32 sum over p of
-// partials[row][p]); an index outside [0, R) counts as zeros and its sum as 0, as the kernel reads it.
-std::pair<int64_t, int64_t> side_combine_mismatches(const std::vector<int32_t>& row_of_tk, int64_t R, int64_t T,
-                                                    int64_t K, int64_t D, int64_t P, const std::vector<uint16_t>& rows,
-                                                    const std::vector<float>& partials,
-                                                    const std::vector<uint16_t>& out, const std::vector<float>& sums) {
-  auto bad = [&](int64_t i) { return row_of_tk[i] < 0 || row_of_tk[i] >= R; };
-  int64_t out_wrong = 0, sums_wrong = 0;
-  for (int64_t t = 0; t < T; ++t) {
-    for (int64_t d = 0; d < D; ++d) {
-      float acc = 0.0f;
-      for (int64_t k = 0; k < K; ++k) acc += bad(t * K + k) ? 0.0f : from_bf16(rows[row_of_tk[t * K + k] * D + d]);
-      out_wrong += out[t * D + d] != to_bf16(acc);
-    }
-    for (int64_t k = 0; k < K; ++k) {
-      float sum = 0.0f;
-      for (int64_t p = 0; p < P && !bad(t * K + k); ++p) sum += partials[row_of_tk[t * K + k] * P + p];
-      sums_wrong += std::memcmp(&sum, &sums[t * K + k], sizeof(float)) != 0;
-    }
-  }
-  return {out_wrong, sums_wrong};
-}
-
-TEST_P(ExpertMlpKernels, WgradSideCombineMatchesSumsInOrder) {
-  Fixture fx(GetParam());
-  const int64_t R = fx.l.rows, D = fx.cs.D, F = fx.cs.F, E = fx.E();
-  std::vector<int32_t> valid;
-  for (int64_t r = 0; r < R; ++r)
-    if (fx.l.is_row_valid(r)) valid.push_back(static_cast<int32_t>(r));
-  Rng rng(GetParam().seed + 700);
-  DeviceBuffer<uint16_t> dgh(random_rows(rng, fx.l, 2 * F, 1.0f)), dx(random_rows(rng, fx.l, D, 1.0f));
-  // WGRAD W2 carries the same side job: x's rows stand in for grad_y, a is random rows of F.
-  DeviceBuffer<uint16_t> da(random_rows(rng, fx.l, F, 1.0f));
-  // An fp32 weight gradient into a poisoned buffer, with or without a combine riding along.
-  auto wgrad_fp32 = [&](bool w2, const sm90::TokenCombine& combine) {
-    DeviceBuffer<float> gw(std::vector<float>(E * (w2 ? D * F : 2 * F * D), fp32_poison()));
-    if (w2) sm90::expert_mlp_wgrad_w2(fx.rows, fx.shape, dx.ptr, da.ptr, {gw.ptr, DType::fp32, false}, nullptr, combine);
-    else sm90::expert_mlp_wgrad_w13(fx.rows, fx.shape, dgh.ptr, dx.ptr, {gw.ptr, DType::fp32, false}, nullptr, combine);
-    cuda_ok(cudaDeviceSynchronize(), w2 ? "wgrad w2" : "wgrad w13");
-    return gw.download();
-  };
-  const auto plain = wgrad_fp32(false, {}), plain_w2 = wgrad_fp32(true, {});
-  for (const int64_t K : {int64_t{3}, int64_t{8}, int64_t{16}}) {
-    const int64_t T = static_cast<int64_t>(valid.size()) / K;
-    if (K > 3 && T == 0) continue;
-    const bool on_w2 = K == 8;  // which WGRAD carries the combine
-    constexpr int64_t P = 3;
-    std::vector<int32_t> shuffled = valid;
-    std::mt19937 shuffle_rng(static_cast<uint32_t>(GetParam().seed + K));
-    std::shuffle(shuffled.begin(), shuffled.end(), shuffle_rng);
-    const std::vector<int32_t> row_of_tk(shuffled.begin(), shuffled.begin() + T * K);
-    const auto rows = random_rows(rng, fx.l, D, 1.0f);
-    const auto partials = rng.uniform(R * P, -1.0f, 1.0f);
-    DeviceBuffer<int32_t> drow(row_of_tk);
-    DeviceBuffer<uint16_t> drows(rows), dout(std::vector<uint16_t>(T * D, kBf16Poison));
-    DeviceBuffer<float> dpart(partials), dsums(std::vector<float>(T * K, fp32_poison()));
-    const std::vector<float>& expected = on_w2 ? plain_w2 : plain;
-    const auto side = wgrad_fp32(on_w2, {drow.ptr, T, K, drows.ptr, dout.ptr, dpart.ptr, P, dsums.ptr});
-    EXPECT_EQ(std::memcmp(expected.data(), side.data(), expected.size() * sizeof(float)), 0)
-        << (on_w2 ? "grad_w2" : "grad_w13") << " changed, K " << K;
-    const auto [out_wrong, sums_wrong] =
-        side_combine_mismatches(row_of_tk, R, T, K, D, P, rows, partials, dout.download(), dsums.download());
-    EXPECT_EQ(out_wrong, 0) << "of " << T * D << " combined elements, K " << K;
-    EXPECT_EQ(sums_wrong, 0) << "of " << T * K << " score sums, K " << K;
-  }
-}
-
-// A WGRAD side combine's row index outside [0, R) (past the end, negative) is read nowhere: its piece
-// counts as zeros and its score sum as 0, it is reported (take_pipeline_fault: bad_row), and the
-// weight gradient and every other token are as without it. Both WGRADs (they share the side job).
-TEST(ExpertMlpWgradSideCombine, RowOutOfRangeIsReportedAndReadAsZero) {
-  if (!have_sm90()) GTEST_SKIP() << "needs an SM90 GPU";
-  Fixture fx(Case{"bad_row", {300, 0, 129}, 192, 128, W13Layout::gate_up_blocked, false, 53});
-  const int64_t R = fx.l.rows, D = fx.cs.D, F = fx.cs.F, E = fx.E(), K = 4, P = 2;
-  std::vector<int32_t> row_of_tk;
-  for (int64_t r = 0; r < R; ++r)
-    if (fx.l.is_row_valid(r)) row_of_tk.push_back(static_cast<int32_t>(r));
-  std::shuffle(row_of_tk.begin(), row_of_tk.end(), std::mt19937(54));
-  const int64_t T = static_cast<int64_t>(row_of_tk.size()) / K;
-  row_of_tk.resize(T * K);
-  row_of_tk[1] = static_cast<int32_t>(R);   // token 0
-  row_of_tk[(T - 1) * K + 3] = -2;          // the last token
-  Rng rng(55);
-  const auto rows = random_rows(rng, fx.l, D, 1.0f);
-  const auto partials = rng.uniform(R * P, -1.0f, 1.0f);
-  // WGRAD W2 reads x's rows as grad_y and random rows of F as a.
-  DeviceBuffer<uint16_t> dgh(random_rows(rng, fx.l, 2 * F, 1.0f)), dx(random_rows(rng, fx.l, D, 1.0f)),
-      da(random_rows(rng, fx.l, F, 1.0f)), drows(rows), dout(T * D);
-  DeviceBuffer<int32_t> drow(row_of_tk);
-  DeviceBuffer<float> dpart(partials), dsums(T * K);
-  for (const bool w2 : {false, true}) {
-    const char* name = w2 ? "WGRAD W2" : "WGRAD W13";
-    dout.upload(std::vector<uint16_t>(T * D, kBf16Poison));
-    dsums.upload(std::vector<float>(T * K, fp32_poison()));
-    auto wgrad = [&](const sm90::TokenCombine& combine) {
-      DeviceBuffer<float> gw(std::vector<float>(E * 2 * F * D, fp32_poison()));
-      if (w2) sm90::expert_mlp_wgrad_w2(fx.rows, fx.shape, dx.ptr, da.ptr, {gw.ptr, DType::fp32, false}, nullptr, combine);
-      else sm90::expert_mlp_wgrad_w13(fx.rows, fx.shape, dgh.ptr, dx.ptr, {gw.ptr, DType::fp32, false}, nullptr, combine);
-      cuda_ok(cudaDeviceSynchronize(), name);
-      return gw.download();
-    };
-    const auto plain = wgrad({});
-    ASSERT_FALSE(sm90::take_pipeline_fault(nullptr).occurred) << "a fault left over before " << name;
-    const auto side = wgrad({drow.ptr, T, K, drows.ptr, dout.ptr, dpart.ptr, P, dsums.ptr});
-    const sm90::PipelineFault fault = sm90::take_pipeline_fault(nullptr);
-    EXPECT_TRUE(fault.occurred && fault.bad_row && !fault.bad_token) << "the out-of-range rows are reported, " << name;
-    EXPECT_EQ(std::memcmp(plain.data(), side.data(), plain.size() * sizeof(float)), 0) << "grad_w changed, " << name;
-
-    const auto [out_wrong, sums_wrong] =
-        side_combine_mismatches(row_of_tk, R, T, K, D, P, rows, partials, dout.download(), dsums.download());
-    EXPECT_EQ(out_wrong, 0) << "of " << T * D << " combined elements, " << name;
-    EXPECT_EQ(sums_wrong, 0) << "of " << T * K << " score sums, " << name;
-  }
-}
-
-// ---- streamed rows: the x gather / grad_out scatter under FPROP W13 / DGRAD W2 ----
-
-// token_of_row_R of a layout: every valid row a random token in [0, T); rows no expert owns an index
-// far out of range (a gather that read them would record a fault).
-std::vector<int32_t> random_token_of_row(const RowLayout& l, int64_t T, Rng& rng) {
-  std::vector<int32_t> tor(l.rows, 0x7fffffff);
-  std::uniform_int_distribution<int32_t> token(0, static_cast<int32_t>(T - 1));
-  for (int64_t r = 0; r < l.rows; ++r)
-    if (l.is_row_valid(r)) tor[r] = token(rng.gen);
-  return tor;
-}
-
-// The grouped rows a gather must leave: token rows at valid rows (zeros for a token out of range),
-// the poison elsewhere.
-std::vector<uint16_t> gathered_rows(const RowLayout& l, const std::vector<int32_t>& tor,
-                                    const std::vector<uint16_t>& src_TD, int64_t T, int64_t D) {
-  std::vector<uint16_t> rows(l.rows * D, kBf16Poison);
-  for (int64_t r = 0; r < l.rows; ++r) {
-    if (!l.is_row_valid(r)) continue;
-    const bool in_range = tor[r] >= 0 && tor[r] < T;
-    for (int64_t d = 0; d < D; ++d) rows[r * D + d] = in_range ? src_TD[tor[r] * D + d] : 0;
-  }
-  return rows;
-}
-
-// The streamed GEMMs' workspace (sm90::StreamedRows) and what a call leaves in it.
-struct StreamedWords {
-  int64_t blocks;
-  DeviceBuffer<uint32_t> words;
-  explicit StreamedWords(int64_t max_rows)
-      : blocks((max_rows + 127) / 128),
-        words(std::vector<uint32_t>(static_cast<size_t>(sm90::streamed_rows_words(max_rows)), 0u)) {}
-  sm90::StreamedRows ready() const { return {words.ptr}; }
-  // After `gemms` streamed GEMMs: the generation counts them, the CTA and row counters are zero.
-  void expect_settled(uint32_t gemms, const std::string& when) const {
-    const auto w = words.download();
-    EXPECT_EQ(w[0], gemms) << "generation " << when;
-    EXPECT_EQ(w[1], 0u) << "CTAs done " << when;
-    int64_t counting = 0;
-    for (int64_t b = 0; b < blocks; ++b) counting += w[2 + blocks + b] != 0;
-    EXPECT_EQ(counting, 0) << "row blocks with a rows-done count left " << when;
-  }
-};
-
-struct StreamedOutputs {
-  std::vector<uint16_t> x_rows, gy_rows, a, h13, gh13, as;
-  std::vector<float> gs;
-};
-
-// The forward's and backward's first GEMMs over rows gathered from token rows: as separate copies
-// first (the host's gather, uploaded) or streamed (gather_rows_streamed, then the GEMM at once).
-struct StreamedRowsCase {
-  Fixture fx;
-  int64_t T;
-  std::vector<int32_t> tor;
-  std::vector<uint16_t> x_TD, gout_TD;
-  DeviceBuffer<int32_t> dtor;
-  DeviceBuffer<uint16_t> dx_TD, dgout_TD, dw13, dw2;
-  DeviceBuffer<float> ds;
-  int64_t P;
-  DeviceBuffer<uint16_t> x_rows, gy_rows, a, h13, gh13, as;
-  DeviceBuffer<float> gs;
-
-  StreamedRowsCase(const Case& c, int64_t tokens, Rng rng)
-      : fx(c), T(tokens), tor(random_token_of_row(fx.l, T, rng)), x_TD(rng.bf16_normal(T * c.D, 1.0f)),
-        gout_TD(rng.bf16_normal(T * c.D, 1.0f)), dtor(tor), dx_TD(x_TD), dgout_TD(gout_TD),
-        dw13(rng.bf16_normal(fx.E() * 2 * c.F * c.D, 2.0f / std::sqrt(float(c.D)))),
-        dw2(rng.bf16_normal(fx.E() * c.D * c.F, 1.0f / std::sqrt(float(c.F)))), ds(rng.uniform(fx.l.rows, 0.1f, 1.0f)),
-        P(sm90::dgrad_w2_score_partials(fx.shape)), x_rows(fx.l.rows * c.D), gy_rows(fx.l.rows * c.D),
-        a(fx.l.rows * c.F), h13(fx.l.rows * 2 * c.F), gh13(fx.l.rows * 2 * c.F), as(fx.l.rows * c.F),
-        gs(fx.l.rows * P) {}
-
-  void poison() {
-    const int64_t R = fx.l.rows, D = fx.cs.D, F = fx.cs.F;
-    for (auto* b : {&x_rows, &gy_rows}) b->upload(std::vector<uint16_t>(R * D, kBf16Poison));
-    for (auto* b : {&a, &as}) b->upload(std::vector<uint16_t>(R * F, kBf16Poison));
-    for (auto* b : {&h13, &gh13}) b->upload(std::vector<uint16_t>(R * 2 * F, kBf16Poison));
-    gs.upload(std::vector<float>(R * P, fp32_poison()));
-  }
-  sm90::DgradW2Args dgrad_w2_args() const {
-    return {gy_rows.ptr, dw2.ptr, h13.ptr, ds.ptr, gh13.ptr, as.ptr, gs.ptr};
-  }
-  // The copies first: the rows as the host gathers them, then the plain GEMMs.
-  StreamedOutputs copies_first() {
-    poison();
-    x_rows.upload(gathered_rows(fx.l, tor, x_TD, T, fx.cs.D));
-    gy_rows.upload(gathered_rows(fx.l, tor, gout_TD, T, fx.cs.D));
-    sm90::expert_mlp_fprop_w13(fx.rows, fx.shape, {x_rows.ptr, dw13.ptr, a.ptr, h13.ptr}, nullptr);
-    sm90::expert_mlp_dgrad_w2(fx.rows, fx.shape, dgrad_w2_args(), nullptr);
-    cuda_ok(cudaDeviceSynchronize(), "copies first");
-    return download();
-  }
-  // The streamed pairs on `stream` (enqueued only: the caller synchronizes or captures).
-  void enqueue_streamed(const GroupedRows& rows, const StreamedWords& w, int ctas, cudaStream_t stream) {
-    sm90::gather_rows_streamed(rows, {dtor.ptr, T, fx.cs.D, dx_TD.ptr, x_rows.ptr, ctas}, w.ready(), stream);
-    sm90::FpropW13Args fprop{x_rows.ptr, dw13.ptr, a.ptr, h13.ptr};
-    fprop.x_ready = w.ready();
-    sm90::expert_mlp_fprop_w13(rows, fx.shape, fprop, stream);
-    sm90::gather_rows_streamed(rows, {dtor.ptr, T, fx.cs.D, dgout_TD.ptr, gy_rows.ptr, ctas}, w.ready(), stream);
-    sm90::DgradW2Args dgrad = dgrad_w2_args();
-    dgrad.grad_y_ready = w.ready();
-    sm90::expert_mlp_dgrad_w2(rows, fx.shape, dgrad, stream);
-  }
-  StreamedOutputs download() const {
-    return {x_rows.download(), gy_rows.download(), a.download(), h13.download(), gh13.download(), as.download(),
-            gs.download()};
-  }
-};
-
-void expect_same_outputs(const StreamedOutputs& got, const StreamedOutputs& want, const std::string& what) {
-  EXPECT_TRUE(got.x_rows == want.x_rows) << "x_RD (gathered rows, padding keeps its poison), " << what;
-  EXPECT_TRUE(got.gy_rows == want.gy_rows) << "grad_y_RD (gathered rows), " << what;
-  EXPECT_TRUE(got.a == want.a) << "a_RF, " << what;
-  EXPECT_TRUE(got.h13 == want.h13) << "h13_R2F, " << what;
-  EXPECT_TRUE(got.gh13 == want.gh13) << "grad_h13_R2F, " << what;
-  EXPECT_TRUE(got.as == want.as) << "s * a (dgrad), " << what;
-  EXPECT_TRUE(std::memcmp(got.gs.data(), want.gs.data(), got.gs.size() * sizeof(float)) == 0)
-      << "grad_score_partials_RP, " << what;
-}
-
-// FPROP W13 and DGRAD W2 over rows that are still being gathered equal, bit for bit, the same GEMMs
-// after the copies, in every launch mode: few and many gather CTAs (with one, the GEMM waits on
-// nearly every block), the static tile order, and a CUDA graph replayed (the generation makes each
-// replay's published words stale for the next). Enough tiles that every CTA takes several, zero-row
-// and one-row experts, D = 64 x 11, F = 64 x 7. The forward's outputs are checked against float64
-// once, so the bitwise reference is itself right.
-TEST(ExpertMlpStreamedRows, GemmsOverStreamedRowsEqualCopiesFirstBitwise) {
-  if (!have_sm90()) GTEST_SKIP() << "needs an SM90 GPU";
-  StreamedRowsCase c(Case{"streamed", {300, 0, 2000, 64, 129, 700, 1, 513, 0, 1500, 77, 640, 256, 900, 3, 400},
-                          704, 448, W13Layout::gate_up_blocked, false, 81},
-                     1500, Rng(81));
-  const Fixture& fx = c.fx;
-  ASSERT_FALSE(sm90::take_pipeline_fault(nullptr).occurred) << "a fault left over from an earlier test";
-  const StreamedOutputs reference = c.copies_first();
-  {
-    const int64_t D = fx.cs.D, F = fx.cs.F;
-    const auto h = ref_rows_gemm(fx.l, to_double(reference.x_rows), D, to_double(c.dw13.download()), 2 * F, true);
-    expect_close(compare_rows_bf16(reference.h13, h, fx.l, 2 * F), kBf16Tolerance, "h13 (copies first)");
-  }
-  int device = 0, sms = 0;
-  cuda_ok(cudaGetDevice(&device), "device");
-  cuda_ok(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "SMs");
-  StreamedWords words(fx.l.rows);
-  uint32_t gemms = 0;
-  GroupedRows static_rows = fx.rows;
-  static_rows.tile_counters = nullptr;
-  struct Mode {
-    const char* name;
-    const GroupedRows* rows;
-    int ctas;
-  };
-  for (const Mode& m : {Mode{"16 gather CTAs", &fx.rows, 16}, Mode{"1 gather CTA", &fx.rows, 1},
-                        Mode{"a gather CTA per SM", &fx.rows, sms}, Mode{"static tile order", &static_rows, 16}}) {
-    c.poison();
-    c.enqueue_streamed(*m.rows, words, m.ctas, nullptr);
-    cuda_ok(cudaDeviceSynchronize(), m.name);
-    gemms += 2;
-    expect_same_outputs(c.download(), reference, m.name);
-    words.expect_settled(gemms, std::string("after ") + m.name);
-  }
-  // A graph of both pairs, one gather CTA, replayed twice.
-  cudaStream_t stream;
-  cuda_ok(cudaStreamCreate(&stream), "stream");
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  cuda_ok(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "begin capture");
-  c.enqueue_streamed(fx.rows, words, 1, stream);
-  cuda_ok(cudaStreamEndCapture(stream, &graph), "end capture");
-  cuda_ok(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
-  for (int replay = 0; replay < 2; ++replay) {
-    c.poison();
-    cuda_ok(cudaGraphLaunch(exec, stream), "graph launch");
-    cuda_ok(cudaStreamSynchronize(stream), "replay");
-    gemms += 2;
-    expect_same_outputs(c.download(), reference, "graph replay " + std::to_string(replay));
-    words.expect_settled(gemms, "after graph replay " + std::to_string(replay));
-  }
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
-  cudaStreamDestroy(stream);
-  EXPECT_FALSE(sm90::take_pipeline_fault(nullptr).occurred);
-}
-
-// A valid row whose token is out of range (past the end, negative) is written as zeros and reported
-// (take_pipeline_fault: bad_token); the GEMM over it equals the GEMM over those zeros.
-TEST(ExpertMlpStreamedRows, TokenOutOfRangeIsWrittenAsZerosAndReported) {
-  if (!have_sm90()) GTEST_SKIP() << "needs an SM90 GPU";
-  StreamedRowsCase c(Case{"streamed_bad_token", {300, 0, 129}, 192, 128, W13Layout::gate_up_blocked, false, 82}, 100,
-                     Rng(82));
-  ASSERT_FALSE(sm90::take_pipeline_fault(nullptr).occurred) << "a fault left over from an earlier test";
-  c.tor[5] = static_cast<int32_t>(c.T) + 7;
-  c.tor[c.fx.l.offsets[2] + 128] = -3;
-  c.dtor.upload(c.tor);
-  const StreamedOutputs reference = c.copies_first();  // the host's gather writes zeros there too
-  StreamedWords words(c.fx.l.rows);
-  c.poison();
-  c.enqueue_streamed(c.fx.rows, words, 4, nullptr);
-  const sm90::PipelineFault fault = sm90::take_pipeline_fault(nullptr);
-  EXPECT_TRUE(fault.occurred && fault.bad_token) << sm90::describe(fault);
-  expect_same_outputs(c.download(), reference, "bad tokens");
-  words.expect_settled(2, "after the bad tokens");
-}
-
-// A streamed GEMM whose rows are never published (no gather before it) gives up after the bound,
-// reports it (take_pipeline_fault: streamed_rows), and the next pair on the same words is correct.
-TEST(ExpertMlpStreamedRows, UnpublishedRowsTimeOutAndTheNextPairIsCorrect) {
-  if (!have_sm90()) GTEST_SKIP() << "needs an SM90 GPU";
-  StreamedRowsCase c(Case{"streamed_timeout", {300, 0, 129, 500}, 192, 128, W13Layout::gate_up_blocked, false, 83},
-                     200, Rng(83));
-  ASSERT_FALSE(sm90::take_pipeline_fault(nullptr).occurred) << "a fault left over from an earlier test";
-  const StreamedOutputs reference = c.copies_first();
-  StreamedWords words(c.fx.l.rows);
-  sm90::set_pipeline_wait_timeout_for_tests(20'000'000u);  // 20 ms
-  sm90::FpropW13Args fprop{c.x_rows.ptr, c.dw13.ptr, c.a.ptr, c.h13.ptr};
-  fprop.x_ready = words.ready();
-  sm90::expert_mlp_fprop_w13(c.fx.rows, c.fx.shape, fprop, nullptr);
-  const sm90::PipelineFault fault = sm90::take_pipeline_fault(nullptr);  // returns: the launch drained
-  sm90::set_pipeline_wait_timeout_for_tests(sm90::kPipelineWaitTimeoutNs);
-  EXPECT_TRUE(fault.occurred && fault.streamed_rows) << sm90::describe(fault);
-  words.expect_settled(1, "after the timed-out GEMM");
-  c.poison();
-  c.enqueue_streamed(c.fx.rows, words, 16, nullptr);
-  cuda_ok(cudaDeviceSynchronize(), "the pair after the fault");
-  EXPECT_FALSE(sm90::take_pipeline_fault(nullptr).occurred);
-  expect_same_outputs(c.download(), reference, "after the timeout");
-  words.expect_settled(3, "after the pair");
 }
 
 // Each kind of device fault reads as what it is (runs without a GPU: ctest's test_expert_mlp_validation).
@@ -1352,25 +906,17 @@ TEST(ExpertMlpValidation, PipelineFaultsAreDescribedByKind) {
   EXPECT_EQ(sm90::describe(f), "a pipeline wait timed out (block 3, thread 130, barrier at shared offset 114752, "
                                "parity 1); that launch's outputs are invalid");
   f.barrier = f.parity = 0;
-  f.bad_token = true;
-  EXPECT_EQ(sm90::describe(f), "a row's token_of_row_R entry was outside [0, tokens) or its row_origin_R entry "
-                               "outside the owners' slots (block 3, thread 130): a fused combine added that row "
-                               "nowhere, a row scatter stored it nowhere, a streamed gather wrote it as zeros");
-  f.bad_token = false;
-  f.bad_row = true;
-  EXPECT_EQ(sm90::describe(f), "a side combine's row_of_tk named a row outside [0, R) (block 3, thread 130): "
-                               "that piece was read as zeros");
-  f.bad_row = false;
-  f.streamed_rows = true;
-  EXPECT_EQ(sm90::describe(f), "a wait for a streamed row block timed out (block 3, thread 130): its writer did "
-                               "not publish it (StreamedRows); that launch's outputs are invalid");
+  f.bad_origin = true;
+  EXPECT_EQ(sm90::describe(f), "a row's row_origin_R entry named no slot of its owners (block 3, thread 130): the "
+                               "row scatter stored it nowhere");
 }
 
 // Host validation names the argument and launches nothing, before any TMA descriptor is encoded
 // (runs without a GPU too: ctest's test_expert_mlp_validation, label cpu).
 TEST(ExpertMlpValidation, RejectsBadArgumentsByName) {
   int32_t* fake = reinterpret_cast<int32_t*>(0x1000);
-  const GroupedRows rows{fake, fake, 4, 1024};
+  GroupedRows rows{fake, fake, 4, 1024};
+  rows.faults.word = reinterpret_cast<unsigned long long*>(fake);
   ExpertMlpShape shape;
   shape.hidden_dim = 256;
   shape.intermediate_dim = 128;
@@ -1418,29 +964,14 @@ TEST(ExpertMlpValidation, RejectsBadArgumentsByName) {
   sm90::DgradW2Args dgrad_split{fake, fake, fake, nullptr, fake, nullptr, nullptr};
   dgrad_split.h13_split = {128, nullptr};
   EXPECT_EQ(name_of([&] { sm90::expert_mlp_dgrad_w2(rows, shape, dgrad_split, nullptr); }), "h13_split.hi_R2F");
-  auto fused_combine = [&](void* y, void* out, const int32_t* token_of_row, int64_t tokens) {
-    sm90::FpropW2Args f{fake, fake, nullptr, y};
-    f.combine = {out, token_of_row, tokens};
-    return name_of([&] { sm90::expert_mlp_fprop_w2(rows, shape, f, nullptr); });
-  };
-  EXPECT_EQ(fused_combine(nullptr, nullptr, fake, 4), "y_RD");
-  EXPECT_EQ(fused_combine(fake, fake, fake, 4), "y_RD");
-  EXPECT_EQ(fused_combine(nullptr, reinterpret_cast<uint8_t*>(fake) + 8, fake, 4), "combine.out_TD");
-  EXPECT_EQ(fused_combine(nullptr, fake, nullptr, 4), "combine.token_of_row_R");
-  EXPECT_EQ(fused_combine(nullptr, fake, fake, 0), "combine.tokens");
-  sm90::DgradW13Args dgrad_combine{fake, fake, fake};
-  dgrad_combine.combine = {fake, fake, 4};
-  EXPECT_EQ(name_of([&] { sm90::expert_mlp_dgrad_w13(rows, shape, dgrad_combine, nullptr); }), "grad_x_RD");
-  auto row_scatter = [&](void* y, const sm90::RowScatter& scatter, void* out = nullptr) {
+  auto row_scatter = [&](void* y, const sm90::RowScatter& scatter) {
     sm90::FpropW2Args f{fake, fake, nullptr, y};
     f.scatter = scatter;
-    f.combine.out_TD = out;
     return name_of([&] { sm90::expert_mlp_fprop_w2(rows, shape, f, nullptr); });
   };
   char* const* fake_bases = reinterpret_cast<char* const*>(fake);
   const int32_t* fake_origin = reinterpret_cast<const int32_t*>(fake);
   EXPECT_EQ(row_scatter(fake, {fake_origin, fake_bases, 0, 8, 2}), "y_RD");
-  EXPECT_EQ(row_scatter(nullptr, {fake_origin, fake_bases, 0, 8, 2}, fake), "combine.out_TD");
   EXPECT_EQ(row_scatter(nullptr, {fake_origin, nullptr, 0, 8, 2}), "scatter.owner_bases");
   EXPECT_EQ(row_scatter(nullptr, {fake_origin, fake_bases, 8, 8, 2}), "scatter.slot_offset");
   EXPECT_EQ(row_scatter(nullptr, {fake_origin, fake_bases, 0, 0, 2}), "scatter.slots_per_owner");
@@ -1448,44 +979,13 @@ TEST(ExpertMlpValidation, RejectsBadArgumentsByName) {
   sm90::DgradW13Args dgrad_scatter{fake, fake, fake};
   dgrad_scatter.scatter = {fake_origin, fake_bases, 0, 8, 2};
   EXPECT_EQ(name_of([&] { sm90::expert_mlp_dgrad_w13(rows, shape, dgrad_scatter, nullptr); }), "grad_x_RD");
-  auto wgrad_combine = [&](const sm90::TokenCombine& c) {
-    return name_of([&] { sm90::expert_mlp_wgrad_w13(rows, shape, fake, fake, {fake, DType::fp32, false}, nullptr, c); });
-  };
-  float* fake_f = reinterpret_cast<float*>(fake);
-  EXPECT_EQ(wgrad_combine({fake, 4, 0, fake, fake}), "combine.top_k");
-  EXPECT_EQ(wgrad_combine({fake, 4, 17, fake, fake}), "combine.top_k");
-  EXPECT_EQ(wgrad_combine({nullptr, 4, 8, fake, fake}), "combine.row_of_tk");
-  EXPECT_EQ(wgrad_combine({fake, 4, 8, nullptr, fake}), "combine.rows_RD");
-  EXPECT_EQ(wgrad_combine({fake, -1, 8, fake, fake}), "combine.tokens");
-  EXPECT_EQ(wgrad_combine({fake, int64_t{1} << 28, 8, fake, fake}), "combine.tokens");
-  EXPECT_EQ(wgrad_combine({fake, 4, 8, fake, fake, fake_f, 3, nullptr}), "combine.sums_TK");
-  EXPECT_EQ(wgrad_combine({fake, 4, 8, fake, fake, fake_f, 0, fake_f}), "combine.partials");
-  auto gather = [&](sm90::RowGather g, uint32_t* words) {
-    return name_of([&] { sm90::gather_rows_streamed(rows, g, {words}, nullptr); });
-  };
-  uint32_t* fake_w = reinterpret_cast<uint32_t*>(fake);
-  const sm90::RowGather good{fake, 4, 256, fake, fake, 16};
-  EXPECT_EQ(gather({nullptr, 4, 256, fake, fake, 16}, fake_w), "token_of_row_R");
-  EXPECT_EQ(gather({fake, 0, 256, fake, fake, 16}, fake_w), "tokens");
-  EXPECT_EQ(gather({fake, 4, 100, fake, fake, 16}, fake_w), "dim");
-  EXPECT_EQ(gather({fake, 4, 256, reinterpret_cast<uint8_t*>(fake) + 8, fake, 16}, fake_w), "src_TD");
-  EXPECT_EQ(gather({fake, 4, 256, fake, nullptr, 16}, fake_w), "dst_RD");
-  EXPECT_EQ(gather({fake, 4, 256, fake, fake, 0}, fake_w), "ctas");
-  EXPECT_EQ(gather(good, nullptr), "ready.words");
-  EXPECT_EQ(gather(good, reinterpret_cast<uint32_t*>(0x1002)), "ready.words");
-  EXPECT_EQ(name_of([&] { sm90::gather_rows_streamed(no_experts, good, {fake_w}, nullptr); }), "num_experts");
-  sm90::FpropW13Args streamed_fprop = ok;
-  streamed_fprop.x_ready = {reinterpret_cast<uint32_t*>(0x1002)};
-  EXPECT_EQ(name_of([&] { sm90::expert_mlp_fprop_w13(rows, shape, streamed_fprop, nullptr); }), "x_ready.words");
-  sm90::DgradW2Args streamed_dgrad{fake, fake, fake, nullptr, fake, nullptr, nullptr};
-  streamed_dgrad.grad_y_ready = {reinterpret_cast<uint32_t*>(0x1002)};
-  EXPECT_EQ(name_of([&] { sm90::expert_mlp_dgrad_w2(rows, shape, streamed_dgrad, nullptr); }), "grad_y_ready.words");
-  const GroupedRows no_rows{fake, fake, 4, 0};
-  EXPECT_EQ(name_of([&] {
-              sm90::expert_mlp_wgrad_w13(no_rows, shape, fake, fake, {fake, DType::fp32, false}, nullptr,
-                                         {fake, 4, 8, fake, fake});
-            }),
-            "combine.tokens");
+  GroupedRows no_fault_word = rows;
+  no_fault_word.faults.word = nullptr;
+  EXPECT_EQ(name_of([&] { sm90::expert_mlp_fprop_w13(no_fault_word, shape, ok, nullptr); }), "faults.word");
+  GroupedRows no_wait = rows;
+  no_wait.faults.wait_timeout_ns = 0;
+  EXPECT_EQ(name_of([&] { sm90::expert_mlp_fprop_w13(no_wait, shape, ok, nullptr); }), "faults.wait_timeout_ns");
+  EXPECT_EQ(name_of([&] { sm90::take_pipeline_fault(no_fault_word.faults, nullptr); }), "faults.word");
 }
 
 // The SwiGLU-backward GEMM loads h13 by TMA: a buffer TMA cannot read is named before any launch.
@@ -1493,7 +993,8 @@ TEST(ExpertMlpValidation, RejectsBadArgumentsByName) {
 TEST(ExpertMlpValidation, MisalignedH13IsNamedBeforeLaunch) {
   if (!have_sm90()) GTEST_SKIP() << "needs an SM90 GPU (the driver encodes the operand descriptors first)";
   int32_t* fake = reinterpret_cast<int32_t*>(0x1000);
-  const GroupedRows rows{fake, fake, 4, 1024};
+  GroupedRows rows{fake, fake, 4, 1024};
+  rows.faults.word = reinterpret_cast<unsigned long long*>(fake);
   ExpertMlpShape shape;
   shape.hidden_dim = 256;
   shape.intermediate_dim = 128;

@@ -6,13 +6,10 @@
 
 #include <cstdint>
 
+#include "gemm/sm90/kernel_params.hpp"
+
 namespace poise::sm90 {
 
-struct ActivationParams {
-  int32_t clamped = 0;  // 0: swiglu, 1: swiglu_clamped
-  float alpha = 1.702f;
-  float limit = 7.0f;
-};
 
 // 2^x flushing subnormals: one MUFU.EX2. __expf's non-flushing ex2 adds a range test and two
 // predicated multiplies per element (3 of the SwiGLU-backward epilogue's ~30 instructions); a
@@ -25,17 +22,8 @@ __device__ __forceinline__ float exp2_flush(float x) {
 // __fdividef: one MUFU.RCP, no IEEE-division slow path (whose branches and calls, inlined per
 // element, made the SwiGLU-backward epilogue 13k instructions long and i-cache bound).
 // exp(-x) = inf gives 0, the right limit.
-// POISE_SIGMOID_FOR_TIMING=1 (timing experiments only, wrong results): a MUFU-free stand-in,
-// to measure what the sigmoid's two MUFU operations cost the SwiGLU epilogues.
-#ifndef POISE_SIGMOID_FOR_TIMING
-#define POISE_SIGMOID_FOR_TIMING 0
-#endif
 __device__ __forceinline__ float fast_sigmoid(float x) {
-#if POISE_SIGMOID_FOR_TIMING
-  return fminf(fmaxf(fmaf(x, 0.25f, 0.5f), 0.0f), 1.0f);
-#else
   return __fdividef(1.0f, 1.0f + exp2_flush(x * -1.4426950408889634f));
-#endif
 }
 
 // kClamped selects the activation at compile time; epilogues branch once, outside their loops.

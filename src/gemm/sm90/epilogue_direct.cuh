@@ -1,18 +1,17 @@
 // Direct epilogue stores: a consumer warpgroup's accumulators leave as bf16 rows from registers,
 // without a TMA store. In the cooperative 128 x 256 mainloop the TMA fill and the two warpgroups'
 // wgmma reads already take about the whole shared-memory bandwidth (~125 of 128 bytes per cycle),
-// so staging a whole tile through shared memory for a TMA store adds its bytes to the tile's time
-// (performance.md, v13 / v14).
+// so staging a whole tile through shared memory for a TMA store adds its bytes to the tile's time.
 //
-// Warp-staged (v20a): the wgmma fragment (ptx/wgmma.cuh: lane l holds, for rows l / 4 and + 8 of its
+// Warp-staged: the wgmma fragment (ptx/wgmma.cuh: lane l holds, for rows l / 4 and + 8 of its
 // warp's 16, columns 8j + 2 (l % 4), + 1 of every 8-column group j) is stmatrix's layout. A warp
 // writes its 16 rows x 64 columns (one chunk) as bf16 with four stmatrix into a 2 KiB warp-private
 // buffer and reads them back as whole 128-byte row pieces: lane L gets 16-byte unit L % 8 of the
 // warp's rows 4p + L / 8, p = 0..3, and each warp store writes 4 whole 128-byte lines. Per 16 bytes
 // that is a quarter stmatrix, one load and one store; the quad shuffle transposes it replaced took
-// ~40 instructions (3 shuffles, ~16 selects, predicate shuffling; 0.4-1.3% slower). Only __syncwarp
-// orders the buffer. Rows are 128 bytes apart with unit u of row r at u ^ (r % 8): conflict-free
-// for both sides. (Storing the fragment as is wrote 4 bytes per lane, half sectors: v1.)
+// ~40 instructions (3 shuffles, ~16 selects, predicate shuffling). Only __syncwarp orders the
+// buffer. Rows are 128 bytes apart with unit u of row r at u ^ (r % 8): conflict-free for both
+// sides. (Storing the fragment as is writes 4 bytes per lane: half sectors.)
 #pragma once
 
 #include <cuda_bf16.h>
@@ -20,7 +19,6 @@
 #include <utility>
 
 #include "gemm/sm90/epilogue_staging.cuh"
-#include "gemm/sm90/ptx/global_reduce.cuh"
 #include "gemm/sm90/ptx/shared_memory.cuh"
 
 namespace poise::sm90 {
@@ -73,8 +71,7 @@ __device__ __forceinline__ uint32_t warp_staging(uint8_t* warpgroup_buf, int thr
 // Stores d (a 64 x kBlockN fragment) as bf16, scaled per fragment row half by scale[h], through the
 // warp's part of the warpgroup's staging buffer `buf`; row(r): column 0 of the tile in slab row r
 // (nullptr: the row is not written); only the first `columns` columns are stored (a multiple of 64).
-// kAdd: each 16-byte piece is added to what the row holds, in the L2 (ptx::red_add_bf16x8).
-template <int kBlockN, bool kAdd = false, class RowPtr>
+template <int kBlockN, class RowPtr>
 __device__ __forceinline__ void store_bf16_rows_direct(const float (&d)[kBlockN / 2], int thread, uint8_t* buf,
                                                        RowPtr&& row, const float (&scale)[2], int columns) {
   const int lane = thread % 32, warp_row = 16 * (thread / 32);
@@ -90,9 +87,7 @@ __device__ __forceinline__ void store_bf16_rows_direct(const float (&d)[kBlockN 
 #pragma unroll
     for (int p = 0; p < 4; ++p) {
       if (!row_ptr[p]) continue;
-      __nv_bfloat16* at = row_ptr[p] + 64 * c + 8 * warp_staged_unit(lane);
-      if constexpr (kAdd) ptx::red_add_bf16x8(at, seg[p]);
-      else *reinterpret_cast<uint4*>(at) = seg[p];
+      *reinterpret_cast<uint4*>(row_ptr[p] + 64 * c + 8 * warp_staged_unit(lane)) = seg[p];
     }
   }
 }
@@ -100,14 +95,14 @@ __device__ __forceinline__ void store_bf16_rows_direct(const float (&d)[kBlockN 
 // A warpgroup's tile packed as bf16 rows, held in registers while the next tile's mainloop starts:
 // v[c][p] is this lane's piece p of chunk c. Epilogues with kDeferredParts > 0 pack into it instead
 // of storing; the kernel stores part q (pieces i with i % kParts == q) right after issuing the wgmmas
-// of the next tile's K block q, so the stores drain while the tensor cores work (grouped_gemm.cuh).
+// of the next tile's K block q, so the stores drain while the tensor cores work (consumer.cuh).
 template <int kBlockN>
 struct PendingRows {
   static constexpr int kChunks = kBlockN / 64;
   uint4 v[kChunks][4];
-  // Few registers, held through the next tile's K loop (four row pointers cost wgrad 1.4-2%,
-  // performance.md v20d): the lane's rows are 4 apart in the output, so one pointer, the row
-  // stride, and which of the four are written.
+  // Few registers, held through the next tile's K loop (four row pointers cost the wgrad GEMMs
+  // 1.4-2%): the lane's rows are 4 apart in the output, so one pointer, the row stride, and which of
+  // the four are written.
   __nv_bfloat16* first_row_ptr;  // column 0 of the tile in warp row warp_staged_row(0)
   int32_t row_elems;             // output row stride (elements)
   int32_t rows_mask;             // bit p: row warp_staged_row(p) is written

@@ -3,8 +3,7 @@
 //  - hands the whole 64 x 128-byte box to the TMA engine (when all 64 rows may be written), or
 //  - copies the valid rows out with 16-byte stores (the last, partial slab of an expert).
 // (Storing straight from the wgmma fragment writes 4 bytes x 8 rows per instruction: half-filled
-// sectors, measured at ~1.4 TB/s chip-wide in v1; copying rows out by hand still kept the
-// warpgroup busy storing: v6.)
+// sectors.)
 //
 // Buffer layout: 64 rows x 128 bytes with the TMA 128-byte swizzle (16-byte unit u of row r lives
 // at unit u ^ (r % 8)), 1024-byte aligned. Fragment writes (rows 16w + l/4 [+8], 4 bytes at
@@ -56,12 +55,8 @@ __device__ __forceinline__ uint4 stage_get_u128(const uint8_t* buf, int row, int
 
 // Before writing the warpgroup's staging buffers: the TMA stores issued from them (by thread 0)
 // have read them, and every thread is done with the previous contents.
-// (POISE_UNSAFE_SKIP_STAGING_WAIT: timing experiments only, outputs may be corrupted.)
-#ifndef POISE_UNSAFE_SKIP_STAGING_WAIT
-#define POISE_UNSAFE_SKIP_STAGING_WAIT 0
-#endif
 __device__ __forceinline__ void acquire_staging(int consumer, int thread) {
-  if (!POISE_UNSAFE_SKIP_STAGING_WAIT && thread == 0) ptx::tma_store_wait_read();
+  if (thread == 0) ptx::tma_store_wait_read();
   consumer_warpgroup_sync(consumer);
 }
 
@@ -117,13 +112,14 @@ __device__ __forceinline__ void emit_staged(const uint8_t* buf, int consumer, in
 }
 
 // Emits a fully written buffer into a target that may hold values to add to: plain emit_staged
-// when not `accumulate`; else TMA reduce-add of the whole box (`tma_reduce` and all 64 rows below
-// M), or row copies that read the target back and write `combine(new, old)` per 16-byte unit.
+// when not `accumulate`; else TMA reduce-add of the whole box (all 64 rows below M, done in the
+// memory system), or row copies that read the target back and write `combine(new, old)` per
+// 16-byte unit (a partial slab).
 template <class RowDst, class Combine>
 __device__ __forceinline__ void emit_staged_add(const uint8_t* buf, int consumer, int thread, bool accumulate,
-                                                bool tma_reduce, int32_t valid, const CUtensorMap* map, int32_t col,
-                                                int64_t row, RowDst&& row_dst, Combine&& combine) {
-  if (accumulate && tma_reduce && valid >= 64) {
+                                                int32_t valid, const CUtensorMap* map, int32_t col, int64_t row,
+                                                RowDst&& row_dst, Combine&& combine) {
+  if (accumulate && valid >= 64) {
     emit_staged(buf, consumer, thread, true, map, col, row, row_dst, /*reduce_add=*/true);
   } else if (accumulate) {
     consumer_warpgroup_sync(consumer);
@@ -133,7 +129,7 @@ __device__ __forceinline__ void emit_staged_add(const uint8_t* buf, int consumer
   }
 }
 
-// Epilogues that stage in ring stages (grouped_gemm.cuh, Epilogue::kRingStages): a warp releases a
+// Epilogues that stage in ring stages (Epilogue::kRingStages): a warp releases a
 // stage once done with it, except the warpgroup's first warp when its thread 0 issued TMA stores
 // from the stage: it releases the stage after the next chunk's stores were issued and all but
 // those have read shared memory (bulk groups), or at the end of the tile (finish).
@@ -167,18 +163,11 @@ struct RingStageRelease {
 // group) when all 64 rows may be written, else by row copies. The stage's next writer is a TMA
 // load, so every thread orders its staging writes before the async proxy either way.
 // store(i) issues box i's TMA store; copy(i) copies box i's valid rows out.
-// POISE_RING_EMIT_NO_BARRIER_FOR_TIMING=1 (timing experiments only, wrong results): whole boxes
-// leave without the fence and the warpgroup barrier, to measure what that synchronisation costs.
-#ifndef POISE_RING_EMIT_NO_BARRIER_FOR_TIMING
-#define POISE_RING_EMIT_NO_BARRIER_FOR_TIMING 0
-#endif
 template <class TmaStore, class CopyOut>
 __device__ __forceinline__ void emit_ring_stage(int consumer, int thread, bool whole, int boxes, TmaStore&& store,
                                                 CopyOut&& copy) {
-  if (!(POISE_RING_EMIT_NO_BARRIER_FOR_TIMING && whole)) {
-    ptx::fence_async_shared();
-    consumer_warpgroup_sync(consumer);
-  }
+  ptx::fence_async_shared();
+  consumer_warpgroup_sync(consumer);
   if (whole) {
     if (thread == 0) {
       for (int i = 0; i < boxes; ++i) store(i);

@@ -1,0 +1,49 @@
+// What the host passes the grouped-GEMM kernels, as plain structs (host and device compilers).
+#pragma once
+
+#include <cstdint>
+
+namespace poise::sm90 {
+
+inline constexpr int kMaxExperts = 1024;
+inline constexpr int kTileM = 128;          // rows of a tile: two consumer warpgroups x 64
+inline constexpr int kTileK = 64;           // K elements per pipeline stage
+inline constexpr int kBlockN = 256;         // columns of a tile
+inline constexpr int kStages = 4;           // 4 stages of 48 KiB leave room for one staging buffer per consumer
+inline constexpr int kThreadsPerCta = 384;  // producer warpgroup + two consumer warpgroups
+
+// Which GEMM dimension the expert-grouped rows are: M (fprop, dgrad: A = rows) or K (wgrad:
+// the sum runs over an expert's rows).
+enum class RowsAre { M, K };
+
+// What the scheduler and the producer need to know about one grouped GEMM.
+struct GroupedGemmShape {
+  const int32_t* row_offsets_E = nullptr;  // device [E]: first row of each expert (multiple of 128)
+  const int32_t* row_counts_E = nullptr;   // device [E]: rows of each expert
+  int32_t num_experts = 0;
+  int32_t m_blocks = 0;          // rows-as-K: ceil(M / 128)
+  int32_t n_blocks = 0;          // tiles along N
+  int32_t k_blocks = 0;          // rows-as-M: K / 64
+  int32_t b_rows_per_expert = 0; // rows-as-M: rows of B's 2D view that belong to one expert
+  int32_t b_split_rows = 0;      // fprop blocked SwiGLU: gate-to-up row distance in B (F); 0 = one box
+  // Experts [first_replica, num_experts) are replicas: rows-as-M GEMMs read their B block from the
+  // kernel's second map at index e - first_replica; rows-as-K GEMMs give a replica without rows
+  // no tiles (nobody reads its gradient). num_experts when there are none.
+  int32_t first_replica = 0;
+  // Rows-as-M GEMMs: device int32 [2] (next tile, claimers done), zero between launches; tiles are
+  // then taken in order by whichever cluster is free (tile_queue.cuh). Null: the static order.
+  int32_t* tile_counters = nullptr;
+  // Where the launch records its first device fault (fault.cuh), and the bound on every wait.
+  unsigned long long* fault_word = nullptr;
+  uint32_t wait_timeout_ns = 0;
+  int32_t drop_first_stage = 0;  // fault injection (tests): CTA 0 never loads its first stage
+};
+
+// The SwiGLU variant of the fprop and dgrad epilogues (activation.cuh).
+struct ActivationParams {
+  int32_t clamped = 0;  // 0: swiglu, 1: swiglu_clamped
+  float alpha = 1.702f;
+  float limit = 7.0f;
+};
+
+}  // namespace poise::sm90
