@@ -4,9 +4,9 @@ implementations and autograd, and poise.routed_experts.
 Ops (namespace "poise"; importing this module registers them):
 
   routed_experts_forward(x_TD, ids_TK, scores_TK, w13, w2, context_handle, w13_layout,
-                         accumulate_wgrad, deterministic_combine) -> out_TD
+                         accumulate_wgrad) -> out_TD
   routed_experts_backward(grad_out_TD, x_TD, ids_TK, scores_TK, w13, w2, context_handle,
-                          w13_layout, deterministic_combine) -> (grad_x_TD, grad_scores_TK, grad_w13, grad_w2)
+                          w13_layout) -> (grad_x_TD, grad_scores_TK, grad_w13, grad_w2)
   routed_experts_backward_accumulate(..., grad_w13_acc!, grad_w2_acc!) -> (grad_x_TD, grad_scores_TK)
   routed_experts_forward_clip_counts(same as forward) -> (out_TD, clip_counts_E2)
       the forward that also counts the clamped SwiGLU's clipped inputs (int64 [E_local, 2]:
@@ -196,13 +196,13 @@ def _check_call(context: Context, x_TD, ids_TK, scores_TK, w13, w2, w13_layout) 
 @torch.library.custom_op("poise::routed_experts_forward", mutates_args=())
 def routed_experts_forward(
     x_TD: Tensor, ids_TK: Tensor, scores_TK: Tensor, w13: Tensor, w2: Tensor,
-    context_handle: int, w13_layout: str, accumulate_wgrad: bool, deterministic_combine: bool,
+    context_handle: int, w13_layout: str, accumulate_wgrad: bool,
 ) -> Tensor:
     return _forward_impl(x_TD, ids_TK, scores_TK, w13, w2, context_handle, w13_layout, clip_counts=False)
 
 
 @routed_experts_forward.register_fake
-def _(x_TD, ids_TK, scores_TK, w13, w2, context_handle, w13_layout, accumulate_wgrad, deterministic_combine):
+def _(x_TD, ids_TK, scores_TK, w13, w2, context_handle, w13_layout, accumulate_wgrad):
     _check_call(_open_context(context_handle), x_TD, ids_TK, scores_TK, w13, w2, w13_layout)
     return torch.empty_like(x_TD)
 
@@ -210,7 +210,7 @@ def _(x_TD, ids_TK, scores_TK, w13, w2, context_handle, w13_layout, accumulate_w
 @torch.library.custom_op("poise::routed_experts_forward_clip_counts", mutates_args=())
 def routed_experts_forward_clip_counts(
     x_TD: Tensor, ids_TK: Tensor, scores_TK: Tensor, w13: Tensor, w2: Tensor,
-    context_handle: int, w13_layout: str, accumulate_wgrad: bool, deterministic_combine: bool,
+    context_handle: int, w13_layout: str, accumulate_wgrad: bool,
 ) -> tuple[Tensor, Tensor]:
     return _forward_impl(x_TD, ids_TK, scores_TK, w13, w2, context_handle, w13_layout, clip_counts=True)
 
@@ -224,7 +224,7 @@ def _forward_impl(x_TD, ids_TK, scores_TK, w13, w2, context_handle: int, w13_lay
 
 
 @routed_experts_forward_clip_counts.register_fake
-def _(x_TD, ids_TK, scores_TK, w13, w2, context_handle, w13_layout, accumulate_wgrad, deterministic_combine):
+def _(x_TD, ids_TK, scores_TK, w13, w2, context_handle, w13_layout, accumulate_wgrad):
     context = _open_context(context_handle)
     _check_call(context, x_TD, ids_TK, scores_TK, w13, w2, w13_layout)
     return torch.empty_like(x_TD), x_TD.new_empty(clip_counts_shape(context), dtype=torch.int64)
@@ -237,13 +237,13 @@ def clip_counts_shape(context: Context) -> tuple[int, int]:
 @torch.library.custom_op("poise::routed_experts_backward", mutates_args=())
 def routed_experts_backward(
     grad_out_TD: Tensor, x_TD: Tensor, ids_TK: Tensor, scores_TK: Tensor, w13: Tensor, w2: Tensor,
-    context_handle: int, w13_layout: str, deterministic_combine: bool,
+    context_handle: int, w13_layout: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return _backward_impl((grad_out_TD, x_TD, ids_TK, scores_TK, w13, w2, context_handle, w13_layout), None)
 
 
 @routed_experts_backward.register_fake
-def _(grad_out_TD, x_TD, ids_TK, scores_TK, w13, w2, context_handle, w13_layout, deterministic_combine):
+def _(grad_out_TD, x_TD, ids_TK, scores_TK, w13, w2, context_handle, w13_layout):
     _open_backward(context_handle, grad_out_TD, x_TD, ids_TK, scores_TK, w13, w2, w13_layout)
     return torch.empty_like(x_TD), torch.empty_like(scores_TK), torch.empty_like(w13), torch.empty_like(w2)
 
@@ -251,7 +251,7 @@ def _(grad_out_TD, x_TD, ids_TK, scores_TK, w13, w2, context_handle, w13_layout,
 @torch.library.custom_op("poise::routed_experts_backward_accumulate", mutates_args=("grad_w13_acc", "grad_w2_acc"))
 def routed_experts_backward_accumulate(
     grad_out_TD: Tensor, x_TD: Tensor, ids_TK: Tensor, scores_TK: Tensor, w13: Tensor, w2: Tensor,
-    context_handle: int, w13_layout: str, deterministic_combine: bool, grad_w13_acc: Tensor, grad_w2_acc: Tensor,
+    context_handle: int, w13_layout: str, grad_w13_acc: Tensor, grad_w2_acc: Tensor,
 ) -> tuple[Tensor, Tensor]:
     return _backward_impl((grad_out_TD, x_TD, ids_TK, scores_TK, w13, w2, context_handle, w13_layout),
                           (grad_w13_acc, grad_w2_acc))
@@ -273,8 +273,7 @@ def _backward_impl(args: tuple, accumulate: Optional[tuple[Tensor, Tensor]], inp
 
 
 @routed_experts_backward_accumulate.register_fake
-def _(grad_out_TD, x_TD, ids_TK, scores_TK, w13, w2, context_handle, w13_layout, deterministic_combine,
-      grad_w13_acc, grad_w2_acc):
+def _(grad_out_TD, x_TD, ids_TK, scores_TK, w13, w2, context_handle, w13_layout, grad_w13_acc, grad_w2_acc):
     context = _open_backward(context_handle, grad_out_TD, x_TD, ids_TK, scores_TK, w13, w2, w13_layout)
     _check_accumulation(context, w13, w2, grad_w13_acc, grad_w2_acc)
     return torch.empty_like(x_TD), torch.empty_like(scores_TK)
@@ -300,12 +299,12 @@ def _check_accumulation(context: Context, w13, w2, grad_w13_acc, grad_w2_acc) ->
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    x_TD, ids_TK, scores_TK, w13, w2, handle, w13_layout, accumulate_wgrad, deterministic_combine = inputs
+    x_TD, ids_TK, scores_TK, w13, w2, handle, w13_layout, accumulate_wgrad = inputs
     ctx.save_for_backward(x_TD, ids_TK, scores_TK, w13, w2)
     # The handle, not the Context: an autograd graph kept alive (say, until interpreter exit) must
     # not keep the context's buffers alive with it. Backward finds the context by its handle.
     ctx.context_handle = handle
-    ctx.w13_layout, ctx.deterministic_combine = w13_layout, deterministic_combine
+    ctx.w13_layout = w13_layout
     # With accumulation the parameters themselves are needed: their .main_grad / .grad.
     ctx.weights = (w13, w2) if accumulate_wgrad else None
 
@@ -315,8 +314,7 @@ def _backward(ctx, grad_out_TD):
     needs = ctx.needs_input_grad
     # Autograd may hand a broadcast (stride 0) or otherwise strided gradient: the ops need rows.
     grad_out_TD = grad_out_TD.contiguous()
-    args = (grad_out_TD, x_TD, ids_TK, scores_TK, w13, w2, ctx.context_handle, ctx.w13_layout,
-            ctx.deterministic_combine)
+    args = (grad_out_TD, x_TD, ids_TK, scores_TK, w13, w2, ctx.context_handle, ctx.w13_layout)
     if ctx.weights is None:
         grad_x, grad_scores, grad_w13, grad_w2 = _run_backward(args, None)
     else:
@@ -326,7 +324,7 @@ def _backward(ctx, grad_out_TD):
         grad_x, grad_scores = _run_backward(args, buffers)
         grad_w13 = grad_w2 = None  # already added into the buffers: autograd must not add them again
     return (grad_x if needs[0] else None, None, grad_scores if needs[2] else None,
-            grad_w13 if needs[3] else None, grad_w2 if needs[4] else None, None, None, None, None)
+            grad_w13 if needs[3] else None, grad_w2 if needs[4] else None, None, None, None)
 
 
 def _run_backward(args: tuple, accumulate: Optional[tuple[Tensor, Tensor]]) -> tuple:
@@ -340,7 +338,7 @@ def _run_backward(args: tuple, accumulate: Optional[tuple[Tensor, Tensor]]) -> t
         if accumulate is None:
             return torch.ops.poise.routed_experts_backward(*args)
         return torch.ops.poise.routed_experts_backward_accumulate(*args, *accumulate)
-    return _backward_impl(args[:8], accumulate, inputs_checked=True)
+    return _backward_impl(args, accumulate, inputs_checked=True)
 
 
 torch.library.register_autograd("poise::routed_experts_forward", _backward, setup_context=_setup_context)
@@ -395,11 +393,9 @@ class _EagerForward(torch.autograd.Function):
     state and backward (_setup_context, _backward) under a plain autograd.Function."""
 
     @staticmethod
-    def forward(ctx, x_TD, ids_TK, scores_TK, w13, w2, handle, w13_layout, accumulate_wgrad, deterministic_combine,
-                clip_counts):
+    def forward(ctx, x_TD, ids_TK, scores_TK, w13, w2, handle, w13_layout, accumulate_wgrad, clip_counts):
         result = _forward_impl(x_TD, ids_TK, scores_TK, w13, w2, handle, w13_layout, clip_counts)
-        _setup_context(ctx, (x_TD, ids_TK, scores_TK, w13, w2, handle, w13_layout, accumulate_wgrad,
-                             deterministic_combine), result)
+        _setup_context(ctx, (x_TD, ids_TK, scores_TK, w13, w2, handle, w13_layout, accumulate_wgrad), result)
         if clip_counts:
             ctx.mark_non_differentiable(result[1])  # integers: no gradient flows back through them
         return result
@@ -471,9 +467,7 @@ def routed_experts(
         _check_before_the_op(x_TD, ids_TK, scores_TK, w13, w2, context, options)
         if _plain_eager((x_TD, ids_TK, scores_TK, w13, w2)):
             return _EagerForward.apply(x_TD, ids_TK, scores_TK, w13, w2, context.handle, w13_layout,
-                                       options.accumulate_wgrad, options.deterministic_combine,
-                                       options.clip_statistics)
+                                       options.accumulate_wgrad, options.clip_statistics)
     op = (torch.ops.poise.routed_experts_forward_clip_counts if options.clip_statistics
           else torch.ops.poise.routed_experts_forward)
-    return op(x_TD, ids_TK, scores_TK, w13, w2, context.handle, w13_layout, options.accumulate_wgrad,
-              options.deterministic_combine)
+    return op(x_TD, ids_TK, scores_TK, w13, w2, context.handle, w13_layout, options.accumulate_wgrad)

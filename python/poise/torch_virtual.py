@@ -8,9 +8,9 @@ single-GPU benchmarks use it; a training job runs one rank per process (poise.ro
 Ops (namespace "poise"; importing this module registers them):
 
   routed_experts_virtual_forward(x_TD[], ids_TK[], scores_TK[], w13[], w2[], context_handle,
-                                 w13_layout, deterministic_combine) -> out_TD[]
+                                 w13_layout) -> out_TD[]
   routed_experts_virtual_backward(grad_out_TD[], x_TD[], ids_TK[], scores_TK[], w13[], w2[],
-                                  context_handle, w13_layout, deterministic_combine)
+                                  context_handle, w13_layout)
       -> (grad_x_TD[], grad_scores_TK[], grad_w13[], grad_w2[])
 
 Each list holds one tensor per rank, in rank order. See docs/pytorch.md.
@@ -74,7 +74,7 @@ def _open_backward(context_handle, grad_out_TD, lists, w13_layout) -> tuple[Cont
 @torch.library.custom_op("poise::routed_experts_virtual_forward", mutates_args=())
 def routed_experts_virtual_forward(
     x_TD: list[Tensor], ids_TK: list[Tensor], scores_TK: list[Tensor], w13: list[Tensor], w2: list[Tensor],
-    context_handle: int, w13_layout: str, deterministic_combine: bool,
+    context_handle: int, w13_layout: str,
 ) -> list[Tensor]:
     context = _open_context(context_handle)
     per_rank = _check_lists(context, (x_TD, ids_TK, scores_TK, w13, w2), w13_layout)
@@ -82,7 +82,7 @@ def routed_experts_virtual_forward(
 
 
 @routed_experts_virtual_forward.register_fake
-def _(x_TD, ids_TK, scores_TK, w13, w2, context_handle, w13_layout, deterministic_combine):
+def _(x_TD, ids_TK, scores_TK, w13, w2, context_handle, w13_layout):
     _check_lists(_open_context(context_handle), (x_TD, ids_TK, scores_TK, w13, w2), w13_layout)
     return [torch.empty_like(x) for x in x_TD]
 
@@ -90,7 +90,7 @@ def _(x_TD, ids_TK, scores_TK, w13, w2, context_handle, w13_layout, deterministi
 @torch.library.custom_op("poise::routed_experts_virtual_forward_clip_counts", mutates_args=())
 def routed_experts_virtual_forward_clip_counts(
     x_TD: list[Tensor], ids_TK: list[Tensor], scores_TK: list[Tensor], w13: list[Tensor], w2: list[Tensor],
-    context_handle: int, w13_layout: str, deterministic_combine: bool,
+    context_handle: int, w13_layout: str,
 ) -> tuple[list[Tensor], list[Tensor]]:
     """routed_experts_virtual_forward that also returns every rank's SwiGLU clip counts."""
     context = _open_context(context_handle)
@@ -99,7 +99,7 @@ def routed_experts_virtual_forward_clip_counts(
 
 
 @routed_experts_virtual_forward_clip_counts.register_fake
-def _(x_TD, ids_TK, scores_TK, w13, w2, context_handle, w13_layout, deterministic_combine):
+def _(x_TD, ids_TK, scores_TK, w13, w2, context_handle, w13_layout):
     context = _open_context(context_handle)
     _check_lists(context, (x_TD, ids_TK, scores_TK, w13, w2), w13_layout)
     return ([torch.empty_like(x) for x in x_TD],
@@ -109,14 +109,14 @@ def _(x_TD, ids_TK, scores_TK, w13, w2, context_handle, w13_layout, deterministi
 @torch.library.custom_op("poise::routed_experts_virtual_backward", mutates_args=())
 def routed_experts_virtual_backward(
     grad_out_TD: list[Tensor], x_TD: list[Tensor], ids_TK: list[Tensor], scores_TK: list[Tensor],
-    w13: list[Tensor], w2: list[Tensor], context_handle: int, w13_layout: str, deterministic_combine: bool,
+    w13: list[Tensor], w2: list[Tensor], context_handle: int, w13_layout: str,
 ) -> tuple[list[Tensor], list[Tensor], list[Tensor], list[Tensor]]:
     context, per_rank = _open_backward(context_handle, grad_out_TD, (x_TD, ids_TK, scores_TK, w13, w2), w13_layout)
     return _engine(context).backward_ranks(list(grad_out_TD), per_rank, w13_layout, None)
 
 
 @routed_experts_virtual_backward.register_fake
-def _(grad_out_TD, x_TD, ids_TK, scores_TK, w13, w2, context_handle, w13_layout, deterministic_combine):
+def _(grad_out_TD, x_TD, ids_TK, scores_TK, w13, w2, context_handle, w13_layout):
     _open_backward(context_handle, grad_out_TD, (x_TD, ids_TK, scores_TK, w13, w2), w13_layout)
     return ([torch.empty_like(x) for x in x_TD], [torch.empty_like(s) for s in scores_TK],
             [torch.empty_like(w) for w in w13], [torch.empty_like(w) for w in w2])
@@ -126,14 +126,14 @@ def _(grad_out_TD, x_TD, ids_TK, scores_TK, w13, w2, context_handle, w13_layout,
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    x_TD, ids_TK, scores_TK, w13, w2, handle, w13_layout, deterministic_combine = inputs
+    x_TD, ids_TK, scores_TK, w13, w2, handle, w13_layout = inputs
     ranks = len(x_TD)
     ctx.ranks = ranks
     ctx.save_for_backward(*x_TD, *ids_TK, *scores_TK, *w13, *w2)
     # Per differentiable list, which ranks' tensors want a grad (needs_input_grad is flattened in
     # an order this code should not depend on).
     ctx.wants = [[t.requires_grad for t in tensors] for tensors in (x_TD, scores_TK, w13, w2)]
-    ctx.context_handle, ctx.w13_layout, ctx.deterministic_combine = handle, w13_layout, deterministic_combine
+    ctx.context_handle, ctx.w13_layout = handle, w13_layout
 
 
 def _backward(ctx, grad_out_TD):
@@ -142,10 +142,10 @@ def _backward(ctx, grad_out_TD):
     # A rank whose output did not reach the loss may get None; autograd may hand strided grads.
     grad_out_TD = [torch.zeros_like(x) if g is None else g.contiguous() for g, x in zip(grad_out_TD, x_TD)]
     grads = torch.ops.poise.routed_experts_virtual_backward(
-        grad_out_TD, x_TD, ids_TK, scores_TK, w13, w2, ctx.context_handle, ctx.w13_layout, ctx.deterministic_combine)
+        grad_out_TD, x_TD, ids_TK, scores_TK, w13, w2, ctx.context_handle, ctx.w13_layout)
     grad_x, grad_scores, grad_w13, grad_w2 = (
         [g if want else None for g, want in zip(per_rank, wants)] for per_rank, wants in zip(grads, ctx.wants))
-    return grad_x, [None] * R, grad_scores, grad_w13, grad_w2, None, None, None
+    return grad_x, [None] * R, grad_scores, grad_w13, grad_w2, None, None
 
 
 torch.library.register_autograd("poise::routed_experts_virtual_forward", _backward, setup_context=_setup_context)
@@ -194,4 +194,4 @@ def routed_experts_virtual(
                                              "create a training context")
     op = (torch.ops.poise.routed_experts_virtual_forward_clip_counts if options.clip_statistics
           else torch.ops.poise.routed_experts_virtual_forward)
-    return op(*lists, context.handle, w13_layout, options.deterministic_combine)
+    return op(*lists, context.handle, w13_layout)
