@@ -149,7 +149,7 @@ def test_poise_routed_experts_is_lazy_and_torch_free_at_import():
     import sys
 
     code = ("import sys, poise; assert 'torch' not in sys.modules; f = poise.routed_experts; "
-            "assert 'torch' in sys.modules and f is poise.torch_ops.routed_experts; "
+            "assert 'torch' in sys.modules and f is poise.torch.api.routed_experts; "
             "assert hasattr(__import__('torch').ops.poise, 'routed_experts_forward'); print('ok')")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.stdout.strip() == "ok", result.stderr

@@ -286,12 +286,12 @@ def test_torch_compile_fullgraph(config, context):
         assert torch.equal(got, inputs[name].grad), name
 
 
-# ---- plain eager calls skip torch.library's dispatch (torch_ops._plain_eager) --------------------
+# ---- plain eager calls skip torch.library's dispatch (poise.torch.autograd.plain_eager) -------------
 
 
 def run_layer(config, options, eager_bypass, monkeypatch, seed=3):
     """One forward+backward with the eager bypass on or off: (grad_fn name, outputs, grads, main_grads)."""
-    monkeypatch.setattr(poise.torch_ops, "EAGER_BYPASS", eager_bypass)
+    monkeypatch.setattr(poise.torch.autograd, "EAGER_BYPASS", eager_bypass)
     inputs = layer_inputs(config, seed=seed)
     for name in ("w13", "w2"):  # as a model holds them
         inputs[name] = torch.nn.Parameter(inputs[name].detach())
@@ -315,7 +315,7 @@ def test_plain_eager_skips_the_op_dispatch_with_the_same_bits(options, monkeypat
     config = make_config(activation="swiglu_clamped", swiglu_limit=0.25)
     bypass = run_layer(config, options, True, monkeypatch)
     ops = run_layer(config, options, False, monkeypatch)
-    assert bypass[0] == "_EagerForwardBackward" and ops[0] != bypass[0], (bypass[0], ops[0])
+    assert bypass[0] == "EagerForwardBackward" and ops[0] != bypass[0], (bypass[0], ops[0])
     for got, want in zip([*bypass[1], *bypass[3]], [*ops[1], *ops[3]]):
         assert torch.equal(got, want)
     for got, want in zip(bypass[2], ops[2]):
@@ -341,20 +341,20 @@ class ScaledTensor(torch.Tensor):
 def test_tensor_subclasses_take_the_ops(config, context):
     inputs = layer_inputs(config)
     inputs["x_TD"] = inputs["x_TD"].detach().as_subclass(ScaledTensor).requires_grad_()
-    assert type(call(inputs, context).grad_fn).__name__ != "_EagerForwardBackward"
+    assert type(call(inputs, context).grad_fn).__name__ != "EagerForwardBackward"
 
 
 def test_dispatch_modes_and_the_profiler_see_the_ops(config, context):
     """Anything that intercepts ops gets the torch.library ops, forward and backward."""
     with torch.device("cpu"):  # a torch function mode
-        assert type(call(layer_inputs(config), context).grad_fn).__name__ != "_EagerForwardBackward"
+        assert type(call(layer_inputs(config), context).grad_fn).__name__ != "EagerForwardBackward"
     inputs = layer_inputs(config)
     with OpNames() as mode:
         out = call(inputs, context)
         out.backward(torch.ones_like(out))
     assert "poise.routed_experts_forward.default" in mode.names
     assert "poise.routed_experts_backward.default" in mode.names
-    assert type(out.grad_fn).__name__ != "_EagerForwardBackward"
+    assert type(out.grad_fn).__name__ != "EagerForwardBackward"
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], acc_events=True) as profile:
         out = call(layer_inputs(config), context)
         out.backward(torch.ones_like(out))
@@ -369,7 +369,7 @@ def test_plain_eager_backward_checks_grad_out(config, context):
     args = (bad, inputs["x_TD"], inputs["ids_TK"], inputs["scores_TK"], inputs["w13"], inputs["w2"], context.handle,
             "gate_up_blocked")
     with pytest.raises(poise.InvalidArgument, match="grad_out_TD"):
-        poise.torch_ops._run_backward(args, None)
+        poise.torch.autograd.run_backward(args, None)
 
 
 @pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
@@ -378,7 +378,7 @@ def test_create_graph_backward_takes_the_ops(config, context, monkeypatch):
     differentiation then refuses to go through them); the bypass must not hand back plain tensors."""
     requires = []
     for bypass in (False, True):
-        monkeypatch.setattr(poise.torch_ops, "EAGER_BYPASS", bypass)
+        monkeypatch.setattr(poise.torch.autograd, "EAGER_BYPASS", bypass)
         inputs = layer_inputs(config)
         out = call(inputs, context)
         out.backward(torch.ones_like(out), create_graph=True)

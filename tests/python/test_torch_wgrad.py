@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import poise
-from poise import reference, torch_ops, torch_virtual  # noqa: F401 (the modules register the ops)
+import poise.torch  # noqa: F401 (registers the ops)
+from poise import reference
 
 ACCUMULATE = poise.ExecutionOptions(accumulate_wgrad=True)
 
