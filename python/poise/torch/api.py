@@ -45,7 +45,7 @@ def routed_experts(
         # Dynamo cannot trace into the C++ objects: the op's fake implementation checks instead.
         _refuse_compiled_accumulation(options)
     else:
-        _check_one_rank_call(x_TD, ids_TK, scores_TK, w13, w2, context, options)
+        _check_before_the_op(x_TD, ids_TK, scores_TK, w13, w2, context, options)
         if autograd.plain_eager((x_TD, ids_TK, scores_TK, w13, w2)):
             return autograd.EagerForward.apply(x_TD, ids_TK, scores_TK, w13, w2, context.handle, w13_layout,
                                                options.accumulate_wgrad, options.clip_statistics)
@@ -90,7 +90,7 @@ def routed_experts_virtual(
 # ---- checks before the op ------------------------------------------------------------------------
 
 
-def _check_one_rank_call(x_TD, ids_TK, scores_TK, w13, w2, context, options) -> None:
+def _check_before_the_op(x_TD, ids_TK, scores_TK, w13, w2, context, options) -> None:
     """What the op's schema would reject less helpfully, and what only the caller knows (grad mode)."""
     _check_context(context)
     _check_options(options)

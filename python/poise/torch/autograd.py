@@ -20,7 +20,7 @@ from torch import Tensor
 
 from ..context import context_from_handle
 from ..errors import InvalidArgument
-from . import ops  # noqa: F401 (the ops must exist before their autograd is registered)
+from . import ops  # the ops whose autograd is registered here; the bypass runs their implementation
 from .checks import check_accumulation_buffer, wgrad_dtype
 
 # ---- one rank ------------------------------------------------------------------------------------

@@ -40,7 +40,7 @@ from .checks import (check_accumulation, check_grad_out, check_one_rank_call, ch
 from .engines import engine_of
 
 
-def clip_counts_shape(context: Context) -> tuple[int, int]:
+def _clip_counts_shape(context: Context) -> tuple[int, int]:
     return (context._cpp.config.num_local_experts(context.ep_size), 2)
 
 
@@ -73,7 +73,7 @@ def routed_experts_forward_clip_counts(
 def _(x_TD, ids_TK, scores_TK, w13, w2, context_handle, w13_layout, accumulate_wgrad):
     context = open_context(context_handle)
     check_one_rank_call(context, x_TD, ids_TK, scores_TK, w13, w2, w13_layout)
-    return torch.empty_like(x_TD), x_TD.new_empty(clip_counts_shape(context), dtype=torch.int64)
+    return torch.empty_like(x_TD), x_TD.new_empty(_clip_counts_shape(context), dtype=torch.int64)
 
 
 def forward_on_engine(x_TD, ids_TK, scores_TK, w13, w2, context_handle: int, w13_layout: str, clip_counts: bool):
@@ -176,7 +176,7 @@ def _(x_TD, ids_TK, scores_TK, w13, w2, context_handle, w13_layout):
     context = open_context(context_handle)
     check_rank_lists(context, (x_TD, ids_TK, scores_TK, w13, w2), w13_layout)
     return ([torch.empty_like(x) for x in x_TD],
-            [x.new_empty(clip_counts_shape(context), dtype=torch.int64) for x in x_TD])
+            [x.new_empty(_clip_counts_shape(context), dtype=torch.int64) for x in x_TD])
 
 
 @torch.library.custom_op("poise::routed_experts_virtual_backward", mutates_args=())
