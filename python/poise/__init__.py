@@ -1,7 +1,7 @@
 """Poise: the routed experts of Mixture-of-Experts layers across expert-parallel GPUs.
 
 Importing poise does no CUDA work and needs no GPU: Config, plan_memory and the errors are pure
-host code. The PyTorch parts (poise.routed_experts, poise.routed_experts_virtual, poise.torch_ops,
+host code. The PyTorch parts (poise.routed_experts, poise.routed_experts_virtual, poise.torch,
 poise.reference) import torch on first use. See docs/python.md and docs/pytorch.md.
 """
 
@@ -31,7 +31,8 @@ __all__ = [
 __version__ = "0.1.0"
 
 # The PyTorch parts load on first use, so `import poise` imports neither torch nor numpy.
-_LAZY_MODULES = ("reference", "torch_ops", "torch_checks", "torch_virtual")
+_LAZY_MODULES = ("reference", "torch")
+_TORCH_ENTRY_POINTS = ("routed_experts", "routed_experts_virtual")
 
 
 def __getattr__(name: str):
@@ -39,8 +40,6 @@ def __getattr__(name: str):
 
     if name in _LAZY_MODULES:
         return importlib.import_module(f".{name}", __name__)
-    if name == "routed_experts":
-        return importlib.import_module(".torch_ops", __name__).routed_experts
-    if name == "routed_experts_virtual":
-        return importlib.import_module(".torch_virtual", __name__).routed_experts_virtual
+    if name in _TORCH_ENTRY_POINTS:
+        return getattr(importlib.import_module(".torch", __name__), name)
     raise AttributeError(f"module 'poise' has no attribute {name!r}")

@@ -11,18 +11,20 @@ from .errors import InvalidArgument
 class ExecutionOptions:
     """How one routed_experts call runs (the layer's shapes and buffers live in the Config).
 
+    Results are bitwise reproducible run to run: the same inputs, Config, EP size and options give
+    the same bits, forward and backward. Every sum has a fixed order (the combine adds each token's
+    top-k picks in fp32 in k order, one writer per slot, no float atomics), so no option trades
+    reproducibility for speed.
+
     accumulate_wgrad: backward adds the weight grads into the existing accumulation buffers
         (``w.main_grad`` if the parameter has one, else ``w.grad``) in place, and autograd gets
         ``None`` for w13 and w2 (docs/pytorch.md, "Weight-gradient accumulation").
-    deterministic_combine: the weighted top-k sum of every token is added in a fixed order, so
-        two runs give identical bits. The CPU reference is always deterministic.
     clip_statistics: routed_experts also returns, per local expert, how many gate inputs the
         clamped SwiGLU clipped (above swiglu_limit) and how many up inputs (outside
         [-limit, limit]): int64 [E_local, 2], over the expert's rows on every rank.
     """
 
     accumulate_wgrad: bool = False
-    deterministic_combine: bool = True
     clip_statistics: bool = False
 
     def validate(self) -> None:

@@ -149,7 +149,30 @@ def test_poise_routed_experts_is_lazy_and_torch_free_at_import():
     import sys
 
     code = ("import sys, poise; assert 'torch' not in sys.modules; f = poise.routed_experts; "
-            "assert 'torch' in sys.modules and f is poise.torch_ops.routed_experts; "
+            "assert 'torch' in sys.modules and f is poise.torch.api.routed_experts; "
             "assert hasattr(__import__('torch').ops.poise, 'routed_experts_forward'); print('ok')")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.stdout.strip() == "ok", result.stderr
+
+
+def test_the_ops_load_no_oracles_or_input_generators():
+    """A CUDA context needs nothing of poise.reference; a CPU context only its engine."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch, poise\n"
+        "loaded = lambda: sorted(m for m in sys.modules if m.startswith('poise.reference'))\n"
+        "poise.routed_experts, poise.routed_experts_virtual\n"
+        "assert loaded() == [], loaded()\n"
+        "config = poise.Config(num_local_input_tokens=8, hidden_dim=64, intermediate_dim=64, top_k=2, num_experts=4)\n"
+        "x_TD, scores_TK = torch.randn(8, 64).bfloat16(), torch.ones(8, 2)\n"
+        "ids_TK = torch.tensor([[0, 1]] * 8, dtype=torch.int32)\n"
+        "w13, w2 = torch.randn(4, 128, 64).bfloat16(), torch.randn(4, 64, 64).bfloat16()\n"
+        "with poise.create_context(config=config, device='cpu') as context:\n"
+        "    poise.routed_experts(x_TD, ids_TK, scores_TK, w13, w2, context)\n"
+        "assert loaded() == ['poise.reference', 'poise.reference.arrays', 'poise.reference.engines'], loaded()\n"
+        "print('ok')\n"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.stdout.strip() == "ok", result.stderr

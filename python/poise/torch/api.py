@@ -1,0 +1,137 @@
+"""The user entry points: poise.routed_experts (one rank) and poise.routed_experts_virtual (every
+rank of a virtual-ranks context). Each checks what only the caller knows (grad mode, the Python
+types the op schema would reject less helpfully), then calls the op, or in plain eager mode the
+op's implementation directly (autograd.EagerForward)."""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Union
+
+import torch
+from torch import Tensor
+
+from ..context import Context
+from ..errors import InvalidArgument, NotAvailable
+from ..options import ExecutionOptions
+from . import autograd
+from .checks import INPUT_NAMES, check_rank_lists
+
+
+def routed_experts(
+    x_TD: Tensor,
+    ids_TK: Tensor,
+    scores_TK: Tensor,
+    w13: Tensor,
+    w2: Tensor,
+    context: Context,
+    options: Optional[ExecutionOptions] = None,
+    *,
+    w13_layout: str = "gate_up_blocked",
+) -> Union[Tensor, tuple[Tensor, Tensor]]:
+    """The routed experts of one MoE layer on this rank: out_TD[t] = sum_k scores_TK[t,k] * expert(x_TD[t]).
+
+    x_TD bf16 [T, D]; ids_TK int32 [T, K] global expert ids (distinct per token); scores_TK bf16 or
+    fp32 [T, K]; w13 bf16 [E_local, 2, F, D] / [E_local, 2F, D] / [E_local*2F, D] (gate rows then up
+    rows per expert, or interleaved with w13_layout='gate_up_interleaved'); w2 bf16 [E_local, D, F]
+    / [E_local*D, F]. Returns out_TD bf16 [T, D]. Differentiable in x_TD, scores_TK, w13 and w2.
+    Collective over the context's EP group. Raises poise.InvalidArgument naming the argument.
+    With ``options.clip_statistics`` returns (out_TD, clip_counts): int64 [E_local, 2] on out's
+    device, for each local expert the gate inputs above ``swiglu_limit`` and the up inputs outside
+    [-limit, limit] over all its rows on every rank (counted on h13 as saved, bf16; zeros for
+    plain SwiGLU).
+    """
+    options = ExecutionOptions() if options is None else options
+    if torch.compiler.is_compiling():
+        # Dynamo cannot trace into the C++ objects: the op's fake implementation checks instead.
+        _refuse_compiled_accumulation(options)
+    else:
+        _check_before_the_op(x_TD, ids_TK, scores_TK, w13, w2, context, options)
+        if autograd.plain_eager((x_TD, ids_TK, scores_TK, w13, w2)):
+            return autograd.EagerForward.apply(x_TD, ids_TK, scores_TK, w13, w2, context.handle, w13_layout,
+                                               options.accumulate_wgrad, options.clip_statistics)
+    op = (torch.ops.poise.routed_experts_forward_clip_counts if options.clip_statistics
+          else torch.ops.poise.routed_experts_forward)
+    return op(x_TD, ids_TK, scores_TK, w13, w2, context.handle, w13_layout, options.accumulate_wgrad)
+
+
+def routed_experts_virtual(
+    x_TD: Sequence[Tensor],
+    ids_TK: Sequence[Tensor],
+    scores_TK: Sequence[Tensor],
+    w13: Sequence[Tensor],
+    w2: Sequence[Tensor],
+    context: Context,
+    options: Optional[ExecutionOptions] = None,
+    *,
+    w13_layout: str = "gate_up_blocked",
+) -> Union[list[Tensor], tuple[list[Tensor], list[Tensor]]]:
+    """poise.routed_experts for every rank of a virtual-ranks context: each argument is a list of
+    one tensor per rank (rank order, shapes and dtypes of poise.routed_experts); returns each rank's
+    out_TD. Differentiable in every rank's x_TD, scores_TK, w13 and w2 (one backward call runs all
+    ranks, as the ranks' backwards are collective). Raises poise.InvalidArgument naming the argument
+    (with 'rank r: ' for a per-rank tensor). With ``options.clip_statistics`` returns (outs,
+    clip_counts): one int64 [E_local, 2] per rank, as poise.routed_experts documents."""
+    options = ExecutionOptions() if options is None else options
+    _check_options(options)
+    if options.accumulate_wgrad:
+        raise NotAvailable("accumulate_wgrad with virtual ranks: not wired to Python in this build (use "
+                           "poise.routed_experts on a one-rank context, or poise.reference.Engine's accumulate_into)")
+    _check_context(context)
+    lists = [list(v) if isinstance(v, (list, tuple)) else v for v in (x_TD, ids_TK, scores_TK, w13, w2)]
+    if not torch.compiler.is_compiling():
+        check_rank_lists(context, lists, w13_layout)  # before the op: its schema would reject less helpfully
+        differentiable = [t for name, tensors in zip(INPUT_NAMES, lists) if name != "ids_TK" for t in tensors]
+        _refuse_grad_on_inference(context, differentiable)
+    op = (torch.ops.poise.routed_experts_virtual_forward_clip_counts if options.clip_statistics
+          else torch.ops.poise.routed_experts_virtual_forward)
+    return op(*lists, context.handle, w13_layout)
+
+
+# ---- checks before the op ------------------------------------------------------------------------
+
+
+def _check_before_the_op(x_TD, ids_TK, scores_TK, w13, w2, context, options) -> None:
+    """What the op's schema would reject less helpfully, and what only the caller knows (grad mode)."""
+    _check_context(context)
+    _check_options(options)
+    tensors = {"x_TD": x_TD, "scores_TK": scores_TK, "w13": w13, "w2": w2}
+    for name, value in (("ids_TK", ids_TK), *tensors.items()):
+        if not isinstance(value, Tensor):
+            raise InvalidArgument(name, f"must be a torch.Tensor, got {type(value).__name__}")
+    _refuse_grad_on_inference(context, tensors.values())
+    if options.accumulate_wgrad and _wants_grad(tensors.values()):
+        for name in ("w13", "w2"):
+            weight = tensors[name]
+            if weight.requires_grad and not weight.is_leaf:
+                raise InvalidArgument(name, "accumulate_wgrad adds into the parameter's .main_grad/.grad, so pass "
+                                            "the parameter itself (a leaf tensor), not a view or a result")
+
+
+def _check_context(context) -> None:
+    if not isinstance(context, Context):
+        raise InvalidArgument("context", f"must be a poise.Context, got {type(context).__name__}")
+    context._require_open()
+
+
+def _check_options(options) -> None:
+    if not isinstance(options, ExecutionOptions):
+        raise InvalidArgument("options", f"must be a poise.ExecutionOptions or None, got {type(options).__name__}")
+    options.validate()
+
+
+def _wants_grad(differentiable_inputs) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in differentiable_inputs)
+
+
+def _refuse_grad_on_inference(context: Context, differentiable_inputs) -> None:
+    if _wants_grad(differentiable_inputs) and context._cpp.config.inference:
+        raise InvalidArgument("context", "was created with inference=true: run under torch.no_grad() or "
+                                         "create a training context")
+
+
+def _refuse_compiled_accumulation(options: ExecutionOptions) -> None:
+    # AOTAutograd traces backward on functional tensors, not the parameters whose buffers
+    # accumulate_wgrad must find.
+    if options.accumulate_wgrad:
+        raise NotAvailable("accumulate_wgrad under torch.compile: the weight-gradient buffers are found on the "
+                           "parameters at backward time, which a compiled backward does not see; run it eagerly")

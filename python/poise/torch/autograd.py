@@ -1,0 +1,171 @@
+"""Autograd of the forward ops, and the plain-eager bypass of torch.library's dispatch.
+
+Backward of a one-rank forward runs poise::routed_experts_backward, or with accumulate_wgrad
+poise::routed_experts_backward_accumulate, which adds the weight grads into the parameters'
+``.main_grad`` / ``.grad`` in place (autograd then gets None for w13 and w2). Backward of a
+virtual-ranks forward runs poise::routed_experts_virtual_backward for every rank at once.
+
+The plain-eager bypass: an eager call on plain tensors gains nothing from torch.library's dispatch
+and autograd wrappers but their host time, so ``EagerForward`` runs the same engine calls, checks,
+saved state and backward under a plain autograd.Function. Anything that traces or intercepts ops
+takes the ops.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+from ..context import context_from_handle
+from ..errors import InvalidArgument
+from . import ops  # the ops whose autograd is registered here; the bypass runs their implementation
+from .checks import check_accumulation_buffer, wgrad_dtype
+
+# ---- one rank ------------------------------------------------------------------------------------
+
+
+def _setup_one_rank(ctx, inputs, output) -> None:
+    x_TD, ids_TK, scores_TK, w13, w2, handle, w13_layout, accumulate_wgrad = inputs
+    ctx.save_for_backward(x_TD, ids_TK, scores_TK, w13, w2)
+    # The handle, not the Context: an autograd graph kept alive (say, until interpreter exit) must
+    # not keep the context's buffers alive with it. Backward finds the context by its handle.
+    ctx.context_handle = handle
+    ctx.w13_layout = w13_layout
+    # With accumulation the parameters themselves are needed: their .main_grad / .grad.
+    ctx.weights = (w13, w2) if accumulate_wgrad else None
+
+
+def _backward_one_rank(ctx, grad_out_TD):
+    x_TD, ids_TK, scores_TK, w13, w2 = ctx.saved_tensors
+    needs = ctx.needs_input_grad
+    # Autograd may hand a broadcast (stride 0) or otherwise strided gradient: the ops need rows.
+    args = (grad_out_TD.contiguous(), x_TD, ids_TK, scores_TK, w13, w2, ctx.context_handle, ctx.w13_layout)
+    if ctx.weights is None:
+        grad_x, grad_scores, grad_w13, grad_w2 = run_backward(args, None)
+    else:
+        grad_x, grad_scores = run_backward(args, _accumulation_buffers(ctx.weights, ctx.context_handle, needs[3:5]))
+        grad_w13 = grad_w2 = None  # already added into the buffers: autograd must not add them again
+    return (grad_x if needs[0] else None, None, grad_scores if needs[2] else None,
+            grad_w13 if needs[3] else None, grad_w2 if needs[4] else None, None, None, None)
+
+
+def run_backward(args: tuple, accumulate: Optional[tuple[Tensor, Tensor]]) -> tuple:
+    """The backward op of ``args`` (and the accumulation buffers), or in plain eager mode its engine
+    call directly. The inputs were checked by the forward whose graph this is (autograd refuses saved
+    tensors modified in place since), so only grad_out and the buffers are checked here."""
+    tensors = args[:6] if accumulate is None else (*args[:6], *accumulate)
+    # Grad mode on in a backward means create_graph=True: the ops' autograd fallback marks what a
+    # second differentiation cannot go through; a direct call would hand back plain tensors.
+    if torch.is_grad_enabled() or not plain_eager(tensors):
+        if accumulate is None:
+            return torch.ops.poise.routed_experts_backward(*args)
+        return torch.ops.poise.routed_experts_backward_accumulate(*args, *accumulate)
+    return ops.backward_on_engine(args, accumulate, inputs_checked=True)
+
+
+def _accumulation_buffers(weights: tuple[Tensor, Tensor], handle: int, needs: tuple[bool, bool]) -> tuple:
+    """Where the weight grads are added: the parameters' buffers, or scratch zeros for a weight
+    whose grad is not wanted (the kernels write both)."""
+    config = context_from_handle(handle)._cpp.config
+    return tuple(accumulation_buffer(weight, name, config) if need
+                 else torch.zeros_like(weight, dtype=wgrad_dtype(config))
+                 for weight, name, need in zip(weights, ("w13", "w2"), needs))
+
+
+def accumulation_buffer(weight: Tensor, name: str, config: Any) -> Tensor:
+    """Where accumulate_wgrad adds a weight's grad: ``weight.main_grad`` if the attribute exists
+    (Megatron's gradient_accumulation_fusion contract), else ``weight.grad`` (created as zeros when
+    None, if the weight's dtype is Config.wgrad_dtype). Checked: shape, device, dtype, contiguity."""
+    dtype = wgrad_dtype(config)
+    if hasattr(weight, "main_grad"):
+        buffer, label = weight.main_grad, f"{name}.main_grad"
+    else:
+        label = f"{name}.grad"
+        if weight.grad is None:
+            if weight.dtype != dtype:
+                raise InvalidArgument(
+                    name, f"accumulate_wgrad adds {dtype} grads (Config.wgrad_dtype={config.wgrad_dtype}) but "
+                          f"{name} is {weight.dtype} and has no .main_grad: give it a {dtype} .main_grad buffer")
+            weight.grad = torch.zeros_like(weight, memory_format=torch.contiguous_format)
+        buffer = weight.grad
+    check_accumulation_buffer(label, buffer, weight, config)
+    return buffer
+
+
+torch.library.register_autograd("poise::routed_experts_forward", _backward_one_rank, setup_context=_setup_one_rank)
+# The counts are integers: no gradient flows back through them.
+torch.library.register_autograd("poise::routed_experts_forward_clip_counts",
+                                lambda ctx, grad_out_TD, _grad_counts: _backward_one_rank(ctx, grad_out_TD),
+                                setup_context=_setup_one_rank)
+
+
+# ---- virtual ranks -------------------------------------------------------------------------------
+
+
+def _setup_virtual(ctx, inputs, output) -> None:
+    x_TD, ids_TK, scores_TK, w13, w2, handle, w13_layout = inputs
+    ctx.ranks = len(x_TD)
+    ctx.save_for_backward(*x_TD, *ids_TK, *scores_TK, *w13, *w2)
+    # Per differentiable list, which ranks' tensors want a grad (needs_input_grad is flattened in
+    # an order this code should not depend on).
+    ctx.wants = [[t.requires_grad for t in tensors] for tensors in (x_TD, scores_TK, w13, w2)]
+    ctx.context_handle, ctx.w13_layout = handle, w13_layout
+
+
+def _backward_virtual(ctx, grad_out_TD):
+    saved, R = ctx.saved_tensors, ctx.ranks
+    x_TD, ids_TK, scores_TK, w13, w2 = (list(saved[i * R:(i + 1) * R]) for i in range(5))
+    # A rank whose output did not reach the loss may get None; autograd may hand strided grads.
+    grad_out_TD = [torch.zeros_like(x) if g is None else g.contiguous() for g, x in zip(grad_out_TD, x_TD)]
+    grads = torch.ops.poise.routed_experts_virtual_backward(grad_out_TD, x_TD, ids_TK, scores_TK, w13, w2,
+                                                            ctx.context_handle, ctx.w13_layout)
+    grad_x, grad_scores, grad_w13, grad_w2 = (
+        [g if want else None for g, want in zip(per_rank, wants)] for per_rank, wants in zip(grads, ctx.wants))
+    return grad_x, [None] * R, grad_scores, grad_w13, grad_w2, None, None
+
+
+torch.library.register_autograd("poise::routed_experts_virtual_forward", _backward_virtual,
+                                setup_context=_setup_virtual)
+torch.library.register_autograd("poise::routed_experts_virtual_forward_clip_counts",
+                                lambda ctx, grad_out_TD, _grad_counts: _backward_virtual(ctx, grad_out_TD),
+                                setup_context=_setup_virtual)
+
+
+# ---- plain eager calls without the torch.library dispatch ----------------------------------------
+
+# Tests switch it off to run the ops' own path eagerly.
+EAGER_BYPASS = True
+# Parameters are tensors that only mark themselves as module state (their __torch_function__ is
+# disabled); any other subclass may override ops and takes the ops' path.
+_PLAIN_TENSOR_TYPES = (Tensor, torch.nn.Parameter)
+
+
+def plain_eager(tensors) -> bool:
+    """Whether a call may skip torch.library's dispatch and autograd wrappers: plain tensors or
+    parameters, not compiling, and nothing that traces or intercepts ops (make_fx / FakeTensor /
+    other dispatch modes, torch function modes such as ``with torch.device(...)``, functorch
+    transforms), no profiler that should see the op by name. Everything else takes the ops, which
+    run the same engine calls with the same checks."""
+    return (EAGER_BYPASS and not torch.compiler.is_compiling() and not torch.autograd.profiler._is_profiler_enabled
+            and torch._C._len_torch_dispatch_stack() == 0 and torch._C._len_torch_function_stack() == 0
+            and not torch._C._are_functorch_transforms_active()
+            and all(type(t) in _PLAIN_TENSOR_TYPES for t in tensors))
+
+
+class EagerForward(torch.autograd.Function):
+    """poise::routed_experts_forward(_clip_counts) called directly: the op's implementation, saved
+    state and backward (_setup_one_rank, _backward_one_rank) under a plain autograd.Function."""
+
+    @staticmethod
+    def forward(ctx, x_TD, ids_TK, scores_TK, w13, w2, handle, w13_layout, accumulate_wgrad, clip_counts):
+        result = ops.forward_on_engine(x_TD, ids_TK, scores_TK, w13, w2, handle, w13_layout, clip_counts)
+        _setup_one_rank(ctx, (x_TD, ids_TK, scores_TK, w13, w2, handle, w13_layout, accumulate_wgrad), result)
+        if clip_counts:
+            ctx.mark_non_differentiable(result[1])  # integers: no gradient flows back through them
+        return result
+
+    @staticmethod
+    def backward(ctx, grad_out_TD, *_grad_counts):
+        return (*_backward_one_rank(ctx, grad_out_TD), None)

@@ -1,0 +1,203 @@
+"""Host-side checks of a routed_experts call, before anything runs.
+
+Every mistake a host can see (type, device, dtype, shape, T differing from the Config, contiguity,
+a closed context, a call of the wrong kind for its context) raises poise.InvalidArgument naming the
+argument. The real and the fake (meta) implementations of the ops run the same checks, so
+FakeTensor tracing reports them too; poise.reference.Engine checks its tensors with them as well.
+Expert ids out of range are data: the CPU reference checks them on the host, the GPU reports them
+through its device error word.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Collection, Sequence
+
+import torch
+
+from ..context import Context, context_from_handle
+from ..errors import InvalidArgument
+
+SCORES_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+WGRAD_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# The weights are bf16 (check_inputs), so are the weight grads the non-accumulating ops return:
+# autograd would cast any other dtype to the weights' anyway.
+WEIGHT_GRAD_DTYPE_NAME = "bf16"
+W13_LAYOUTS = ("gate_up_blocked", "gate_up_interleaved")
+INPUT_NAMES = ("x_TD", "ids_TK", "scores_TK", "w13", "w2")
+_BF16 = (torch.bfloat16,)
+_INT32 = (torch.int32,)
+
+
+# ---- tensors -------------------------------------------------------------------------------------
+
+
+def _shape(t: torch.Tensor) -> str:
+    return "[" + ", ".join(str(s) for s in t.shape) + "]"
+
+
+def device_matches(device: torch.device, context_device: str) -> bool:
+    """'cpu' and 'cuda' match any device of that type; 'cuda:N' only device N."""
+    kind, _, index = context_device.partition(":")
+    return device.type == kind and (not index or device.index == int(index))
+
+
+def check_tensor(
+    name: str,
+    value: Any,
+    *,
+    device: str,
+    dtypes: Collection[torch.dtype],
+    shapes: Sequence[tuple[int, ...]],
+    shape_rule: Callable[[], str],
+    prefix: str = "",
+) -> None:
+    """One tensor argument: type, device, dtype, shape (one of ``shapes``, tuples), contiguity.
+    ``shape_rule`` writes the expected shape for the message: it runs only for a refused call (this
+    check is on every eager call's host path)."""
+    if not isinstance(value, torch.Tensor):
+        raise InvalidArgument(name, f"{prefix}must be a torch.Tensor, got {type(value).__name__}")
+    if not device_matches(value.device, device):
+        raise InvalidArgument(name, f"{prefix}must be on the context's device {device}, got {value.device}")
+    if value.dtype not in dtypes:
+        wanted = " or ".join(str(d) for d in dtypes)
+        hint = f": convert with {name}.to(torch.int32)" if value.dtype == torch.int64 and torch.int32 in dtypes else ""
+        raise InvalidArgument(name, f"{prefix}must be {wanted}, got {value.dtype}{hint}")
+    if tuple(value.shape) not in shapes:
+        raise InvalidArgument(name, f"{prefix}must have shape {shape_rule()}, got {_shape(value)}")
+    if not value.is_contiguous():
+        raise InvalidArgument(name, f"{prefix}must be contiguous (call .contiguous()), got strides {value.stride()}")
+
+
+def check_rows(name: str, value: torch.Tensor, config: Any, prefix: str = "") -> None:
+    """A clearer message for the most common shape mistake: a T that is not the Config's."""
+    T = config.num_local_input_tokens
+    if isinstance(value, torch.Tensor) and value.dim() == 2 and value.shape[0] != T:
+        raise InvalidArgument(
+            name,
+            f"{prefix}has {value.shape[0]} rows but the Config's num_local_input_tokens is {T} "
+            "(every call has exactly T rows: pad with rows whose scores are zero)",
+        )
+
+
+def check_inputs(
+    config: Any, ep_size: int, device: str, x_TD: Any, ids_TK: Any, scores_TK: Any, w13: Any, w2: Any, prefix: str = ""
+) -> None:
+    """The five inputs of one rank. ``config`` is a poise.Config or the C++ Config (same fields)."""
+    T, D, F = config.num_local_input_tokens, config.hidden_dim, config.intermediate_dim
+    K, L = config.top_k, config.num_experts // ep_size
+    for name, value in (("x_TD", x_TD), ("ids_TK", ids_TK), ("scores_TK", scores_TK)):
+        check_rows(name, value, config, prefix)
+    check_tensor("x_TD", x_TD, device=device, dtypes=_BF16, shapes=[(T, D)],
+                 shape_rule=lambda: f"[T={T}, D={D}]", prefix=prefix)
+    check_tensor("ids_TK", ids_TK, device=device, dtypes=_INT32, shapes=[(T, K)],
+                 shape_rule=lambda: f"[T={T}, K={K}]", prefix=prefix)
+    check_tensor("scores_TK", scores_TK, device=device, dtypes=SCORES_DTYPES, shapes=[(T, K)],
+                 shape_rule=lambda: f"[T={T}, K={K}]", prefix=prefix)
+    check_tensor("w13", w13, device=device, dtypes=_BF16,
+                 shapes=[(L, 2, F, D), (L, 2 * F, D), (L * 2 * F, D)],
+                 shape_rule=lambda: (f"[E_local, 2, F, D], [E_local, 2F, D] or [E_local*2F, D] with E_local={L}, "
+                                     f"F={F}, D={D}"),
+                 prefix=prefix)
+    check_tensor("w2", w2, device=device, dtypes=_BF16, shapes=[(L, D, F), (L * D, F)],
+                 shape_rule=lambda: f"[E_local, D, F] or [E_local*D, F] with E_local={L}, D={D}, F={F}", prefix=prefix)
+
+
+def check_grad_out(config: Any, device: str, grad_out_TD: Any, prefix: str = "") -> None:
+    T, D = config.num_local_input_tokens, config.hidden_dim
+    check_tensor("grad_out_TD", grad_out_TD, device=device, dtypes=_BF16, shapes=[(T, D)],
+                 shape_rule=lambda: f"[T={T}, D={D}]", prefix=prefix)
+
+
+def check_w13_layout(w13_layout: Any) -> None:
+    if w13_layout not in W13_LAYOUTS:
+        raise InvalidArgument("w13_layout", f"must be one of {W13_LAYOUTS}, got {w13_layout!r}")
+
+
+def wgrad_dtype(config: Any) -> torch.dtype:
+    """The dtype weight grads are accumulated in (Config.wgrad_dtype): the accumulating ops' buffers."""
+    return WGRAD_DTYPES[config.wgrad_dtype]
+
+
+def check_accumulation_buffer(name: str, target: Any, weight: torch.Tensor, config: Any, prefix: str = "") -> None:
+    """An accumulation buffer: a contiguous tensor of the weight's shape and device, in wgrad_dtype."""
+    dtype = wgrad_dtype(config)
+    if not isinstance(target, torch.Tensor):
+        raise InvalidArgument(name, f"{prefix}must be a torch.Tensor, got {type(target).__name__}")
+    if target.shape != weight.shape or target.device != weight.device:
+        raise InvalidArgument(name, f"{prefix}must have the weight's shape {list(weight.shape)} and device "
+                                    f"{weight.device}, got {list(target.shape)} on {target.device}")
+    if target.dtype != dtype:
+        raise InvalidArgument(name, f"{prefix}must be {dtype} (Config.wgrad_dtype={config.wgrad_dtype}), "
+                                    f"got {target.dtype}")
+    if not target.is_contiguous():
+        raise InvalidArgument(name, f"{prefix}must be contiguous")
+
+
+def check_same_scores_dtype(scores_TK: Sequence[torch.Tensor]) -> None:
+    """Every rank's scores in one dtype: the engines are built for one."""
+    dtypes = {s.dtype for s in scores_TK}
+    if len(dtypes) != 1:
+        raise InvalidArgument("scores_TK", f"every rank must use the same dtype, got {sorted(map(str, dtypes))}")
+
+
+# ---- one call against its context ----------------------------------------------------------------
+
+
+def open_context(handle: int) -> Context:
+    """The live, open Context an op's ``context_handle`` names."""
+    context = context_from_handle(handle)
+    context._require_open()
+    return context
+
+
+def check_training(context: Context) -> None:
+    if context._cpp.config.inference:
+        raise InvalidArgument("context", "was created with inference=true; backward needs a training context")
+
+
+def check_one_rank_call(context: Context, x_TD, ids_TK, scores_TK, w13, w2, w13_layout) -> None:
+    """The tensors of one rank's call on a one-rank context."""
+    if context.virtual_ranks:
+        raise InvalidArgument("context", "is a virtual-ranks context (all ranks in this process): call "
+                                         "poise.routed_experts_virtual with one tensor per rank")
+    check_w13_layout(w13_layout)
+    check_inputs(context._cpp.config, context.ep_size, context.device, x_TD, ids_TK, scores_TK, w13, w2)
+
+
+def check_accumulation(context: Context, w13, w2, grad_w13_acc, grad_w2_acc) -> None:
+    """The two buffers a one-rank backward adds the weight grads into."""
+    check_accumulation_buffer("grad_w13_acc", grad_w13_acc, w13, context._cpp.config)
+    check_accumulation_buffer("grad_w2_acc", grad_w2_acc, w2, context._cpp.config)
+
+
+def _check_one_list_per_input(lists: Sequence[Any], ranks: int) -> None:
+    for name, values in zip(INPUT_NAMES, lists):
+        if not isinstance(values, (list, tuple)) or len(values) != ranks:
+            got = f"{len(values)} items" if isinstance(values, (list, tuple)) else type(values).__name__
+            raise InvalidArgument(name, f"must be a list of one tensor per rank ({ranks}), got {got}")
+
+
+def check_rank_lists(context: Context, lists: Sequence[Any], w13_layout: str) -> list[tuple]:
+    """The per-rank lists of a virtual-ranks call (x_TD, ids_TK, scores_TK, w13, w2 in that order);
+    returns one (x_TD, ids_TK, scores_TK, w13, w2) tuple per rank."""
+    if not context.virtual_ranks:
+        raise InvalidArgument("context", "drives one rank: create it with virtual_ranks=True for "
+                                         "poise.routed_experts_virtual, or call poise.routed_experts")
+    check_w13_layout(w13_layout)
+    _check_one_list_per_input(lists, context.ep_size)
+    per_rank = list(zip(*lists))
+    for r, inputs in enumerate(per_rank):
+        check_inputs(context._cpp.config, context.ep_size, context.device, *inputs, prefix=f"rank {r}: ")
+    check_same_scores_dtype([inputs[2] for inputs in per_rank])
+    devices = {inputs[0].device for inputs in per_rank}
+    if len(devices) != 1:  # a 'cpu' context matches any CPU tensor; virtual GPU ranks share one device
+        raise InvalidArgument("x_TD", f"every rank's tensors must be on one device, got {sorted(map(str, devices))}")
+    return per_rank
+
+
+def check_rank_grad_outs(context: Context, grad_out_TD: Any) -> None:
+    """grad_out_TD of a virtual-ranks backward: one tensor per rank."""
+    if not isinstance(grad_out_TD, (list, tuple)) or len(grad_out_TD) != context.ep_size:
+        raise InvalidArgument("grad_out_TD", f"must be a list of one tensor per rank ({context.ep_size})")
+    for r, grad in enumerate(grad_out_TD):
+        check_grad_out(context._cpp.config, context.device, grad, prefix=f"rank {r}: ")

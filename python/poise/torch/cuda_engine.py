@@ -1,0 +1,167 @@
+"""The engine of a CUDA context: device pointers and the current stream into the C++ entry points.
+
+No DLPack conversion and no hidden stream synchronization: the tensors' addresses go to
+poise._poise.routed_experts_{forward,backward} (one rank) or *_ranks (every launch rank of a
+virtual-ranks context), which launch on the caller's current stream.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+import torch
+from torch import Tensor
+
+from .. import _poise
+from ..context import Context
+from .checks import SCORES_DTYPES, WEIGHT_GRAD_DTYPE_NAME
+from .saved_state import call_identity
+
+# (index, generation) of a C++ activation record; (-1, 0) names none, so the C++ side rebuilds it.
+NO_RECORD = (-1, 0)
+
+
+class CudaEngine:
+    """A CUDA context's calls.
+
+    ``forward_ranks`` / ``backward_ranks`` take one (x_TD, ids_TK, scores_TK, w13, w2) tuple per
+    launch rank: one for a one-rank context, ep_size for a virtual-ranks context.
+
+    Each forward returns the C++ activation record (index, generation) that holds what its backward
+    needs (a layer of the selected activation slot, or the working buffers); the engine remembers it
+    by the inputs' identity and hands it to the backward, which runs from it, or first rebuilds the
+    forward's routing, dispatch and W13 GEMM when a later forward overwrote it (decided on the host
+    from generations, so a captured CUDA graph replays the same sequence).
+    """
+
+    # Records remembered (oldest dropped first): a dropped one costs its backward a recompute.
+    _MAX_RECORDS = 256
+
+    def __init__(self, context: Context):
+        self._cpp = context._cpp  # not the Context: it owns this engine
+        self._virtual_ranks = context.virtual_ranks
+        self._ep_size = context.ep_size
+        self._records: dict[tuple, tuple[int, int]] = {}
+        self.forward_calls = 0
+        self.backward_calls = 0
+
+    @property
+    def recomputed_forwards(self) -> int:
+        """Backwards that rebuilt their forward (counted by the C++ context)."""
+        return self._cpp.recomputed_forwards
+
+    def reset(self) -> None:
+        self._records.clear()
+
+    # ---- one rank (poise.routed_experts) -----------------------------------------------------------
+
+    def forward(self, x_TD, ids_TK, scores_TK, w13, w2, w13_layout: str, clip_counts: bool = False):
+        """out_TD, or (out_TD, clip_counts_E2) with ``clip_counts``."""
+        outs = self.forward_ranks([(x_TD, ids_TK, scores_TK, w13, w2)], w13_layout, clip_counts)
+        return (outs[0][0], outs[1][0]) if clip_counts else outs[0]
+
+    def backward(self, grad_out_TD, x_TD, ids_TK, scores_TK, w13, w2, w13_layout: str, accumulate):
+        grads = self.backward_ranks([grad_out_TD], [(x_TD, ids_TK, scores_TK, w13, w2)], w13_layout,
+                                    None if accumulate is None else [accumulate])
+        return tuple(per_rank[0] for per_rank in grads)
+
+    # ---- every launch rank ---------------------------------------------------------------------------
+
+    def forward_ranks(self, ranks: list[tuple], w13_layout: str, clip_counts: bool = False):
+        """Per rank out_TD, or (out_TD list, clip_counts_E2 list) with ``clip_counts``."""
+        out_TD = [torch.empty_like(inputs[0]) for inputs in ranks]
+        counts = [self._empty_clip_counts(inputs[0].device) for inputs in ranks] if clip_counts else None
+        # Nothing requires grad: no backward follows, take no slot position. (Grad mode cannot tell:
+        # the op runs inside an autograd.Function forward, where it is always off.)
+        keep = any(t.requires_grad for inputs in ranks for t in inputs)
+        key = _identity(ranks)
+        self._records.pop(key, None)
+        record = self._launch_forward(ranks, w13_layout, out_TD, counts, keep)
+        if keep:
+            self._remember(key, record)
+        self.forward_calls += 1
+        return (out_TD, counts) if clip_counts else out_TD
+
+    def backward_ranks(self, grad_out_TD: list[Tensor], ranks: list[tuple], w13_layout: str,
+                       accumulate: Optional[list[tuple[Tensor, Tensor]]]):
+        """Returns per-rank lists (grad_x_TD, grad_scores_TK, grad_w13, grad_w2); the weight grads in
+        the weights' dtype, or with ``accumulate`` (a (grad_w13, grad_w2) pair of Config.wgrad_dtype
+        buffers per rank) added into those buffers, which are returned."""
+        record = self._records.pop(_identity(ranks), NO_RECORD)  # not remembered: a no_grad forward, or dropped
+        grads = ([torch.empty_like(inputs[0]) for inputs in ranks], [torch.empty_like(inputs[2]) for inputs in ranks],
+                 *_weight_grad_outputs(ranks, accumulate))
+        # Autograd would cast fp32 grads to the weights' bf16: without accumulation the kernels write
+        # bf16 instead (the same bits, half the bytes, no cast pass). None: Config.wgrad_dtype.
+        wgrad_dtype_name = WEIGHT_GRAD_DTYPE_NAME if accumulate is None else None
+        self._launch_backward(ranks, w13_layout, grad_out_TD, grads, accumulate is not None, record,
+                              wgrad_dtype_name)
+        self.backward_calls += 1
+        return grads
+
+    # ---- helpers -------------------------------------------------------------------------------------
+
+    def _empty_clip_counts(self, device: torch.device) -> Tensor:
+        return torch.empty(self._cpp.config.num_local_experts(self._ep_size), 2, dtype=torch.int64, device=device)
+
+    def _remember(self, key: tuple, record: tuple[int, int]) -> None:
+        self._records[key] = record
+        while len(self._records) > self._MAX_RECORDS:
+            self._records.pop(next(iter(self._records)))
+
+    def _launch_forward(self, ranks: list[tuple], w13_layout: str, out_TD: list[Tensor],
+                        clip_counts: Optional[list[Tensor]], keep_for_backward: bool) -> tuple[int, int]:
+        device = ranks[0][0].device
+        stream = torch.cuda.current_stream(device).cuda_stream
+        scores_dtype = SCORES_DTYPES[ranks[0][2].dtype]
+        with torch.cuda.device(device):  # the pipeline allocates on the current device
+            if self._virtual_ranks:
+                return _poise.routed_experts_forward_ranks(
+                    self._cpp, _column(ranks, 0), _column(ranks, 1), _column(ranks, 2), scores_dtype, _column(ranks, 3),
+                    w13_layout, _column(ranks, 4), _addresses(out_TD), stream,
+                    _addresses(clip_counts) if clip_counts else [], keep_for_backward)
+            (x, ids, scores, w13, w2), = ranks  # the scalar entry point: no lists on the one-rank hot path
+            return _poise.routed_experts_forward(
+                self._cpp, x.data_ptr(), ids.data_ptr(), scores.data_ptr(), scores_dtype, w13.data_ptr(),
+                w13_layout, w2.data_ptr(), out_TD[0].data_ptr(), stream,
+                clip_counts[0].data_ptr() if clip_counts else 0, keep_for_backward)
+
+    def _launch_backward(self, ranks: list[tuple], w13_layout: str, grad_out_TD: list[Tensor], grads: tuple,
+                         accumulate: bool, record: tuple[int, int], wgrad_dtype_name: Optional[str]) -> None:
+        grad_x_TD, grad_scores_TK, grad_w13, grad_w2 = grads
+        device = ranks[0][0].device
+        stream = torch.cuda.current_stream(device).cuda_stream
+        scores_dtype = SCORES_DTYPES[ranks[0][2].dtype]
+        with torch.cuda.device(device):
+            if self._virtual_ranks:
+                _poise.routed_experts_backward_ranks(
+                    self._cpp, _column(ranks, 0), _column(ranks, 1), _column(ranks, 2), scores_dtype, _column(ranks, 3),
+                    w13_layout, _column(ranks, 4), _addresses(grad_out_TD), _addresses(grad_x_TD),
+                    _addresses(grad_scores_TK), _addresses(grad_w13), _addresses(grad_w2), accumulate,
+                    stream, record, wgrad_dtype_name)
+                return
+            (x, ids, scores, w13, w2), = ranks  # the scalar entry point: no lists on the one-rank hot path
+            _poise.routed_experts_backward(
+                self._cpp, x.data_ptr(), ids.data_ptr(), scores.data_ptr(), scores_dtype, w13.data_ptr(),
+                w13_layout, w2.data_ptr(), grad_out_TD[0].data_ptr(), grad_x_TD[0].data_ptr(),
+                grad_scores_TK[0].data_ptr(), grad_w13[0].data_ptr(), grad_w2[0].data_ptr(),
+                accumulate, stream, record, wgrad_dtype_name)
+
+
+def _weight_grad_outputs(ranks: list[tuple], accumulate: Optional[list[tuple[Tensor, Tensor]]]) -> tuple[list, list]:
+    """(grad_w13, grad_w2) per rank: new tensors of the weights' dtype, or the accumulation buffers."""
+    if accumulate is None:
+        return [torch.empty_like(inputs[3]) for inputs in ranks], [torch.empty_like(inputs[4]) for inputs in ranks]
+    return [pair[0] for pair in accumulate], [pair[1] for pair in accumulate]
+
+
+def _addresses(tensors: Iterable[Tensor]) -> list[int]:
+    return [t.data_ptr() for t in tensors]
+
+
+def _column(ranks: list[tuple], input_index: int) -> list[int]:
+    """Every rank's address of one input (0 x_TD, 1 ids_TK, 2 scores_TK, 3 w13, 4 w2)."""
+    return _addresses(r[input_index] for r in ranks)
+
+
+def _identity(ranks: list[tuple]) -> tuple:
+    return call_identity([t for inputs in ranks for t in inputs])
