@@ -305,9 +305,10 @@ def print_table(records):
           f"{'x':>5}  {'TF/s fwd':>8} {'fwdbwd':>6}  {'err out':>7} {'grad_x':>7}")
     for r in records:
         e = r["rel_err_vs_baseline"]
-        print(f"{r['shape']:<21} {r['routing']:<12} {r['skew']:5.2f}  {r['poise_fwd_ms']:6.2f} ({r['baseline_fwd_ms']:6.2f}) "
-              f"{r['speedup_fwd']:5.2f}  {r['poise_fwdbwd_ms']:7.2f} ({r['baseline_fwdbwd_ms']:7.2f}) "
-              f"{r['speedup_fwdbwd']:5.2f}  {r['poise_fwd_tflops']:8.0f} {r['poise_fwdbwd_tflops']:6.0f}  "
+        print(f"{r['shape']:<21} {r['routing']:<12} {r['skew']:5.2f}  "
+              f"{r['poise_fwd_ms']:6.2f} ({r['baseline_fwd_ms']:6.2f}) {r['speedup_fwd']:5.2f}  "
+              f"{r['poise_fwdbwd_ms']:7.2f} ({r['baseline_fwdbwd_ms']:7.2f}) {r['speedup_fwdbwd']:5.2f}  "
+              f"{r['poise_fwd_tflops']:8.0f} {r['poise_fwdbwd_tflops']:6.0f}  "
               f"{e['out']:7.1e} {e['grad_x']:7.1e}{'' if r['correct'] else '  WRONG'}")
 
 

@@ -234,7 +234,9 @@ class Layer {
   }
 
   void poison_outputs(cudaStream_t stream) {
-    for (auto* b : {&out_, &grad_x_}) CUDA_CHECK(cudaMemsetAsync(b->ptr, 0xFF, b->n * sizeof(__nv_bfloat16), stream));  // NaN
+    for (auto* b : {&out_, &grad_x_}) {
+      CUDA_CHECK(cudaMemsetAsync(b->ptr, 0xFF, b->n * sizeof(__nv_bfloat16), stream));  // bf16 NaN
+    }
   }
 
   unsigned long long nonfinite_outputs(cudaStream_t stream) {
@@ -345,8 +347,10 @@ void write_json(const std::string& path, const std::string& label, const std::st
   if (!f) throw std::runtime_error("cannot open " + path + " for writing");
   std::fprintf(f, "{\n \"benchmark\": \"routed_experts_bench\",\n \"label\": %s,\n \"device\": %s,\n",
                json_string(label).c_str(), json_string(device).c_str());
-  std::fprintf(f, " \"repeats\": %d,\n \"timing\": \"each call from an idle GPU (CUDA events), fwd and fwdbwd "
-               "interleaved, medians after %d warm-up calls; one rank, balance capacity, factor 1\",\n \"cases\": [",
+  std::fprintf(f,
+               " \"repeats\": %d,\n \"timing\": \"each call from an idle GPU (CUDA events), fwd and fwdbwd "
+               "interleaved, medians after %d warm-up calls; one rank, balance capacity, factor 1; bf16 weight "
+               "grads\",\n \"cases\": [",
                repeats, kWarmupCalls);
   for (size_t i = 0; i < results.size(); ++i) {
     const CaseResult& r = results[i];
@@ -387,7 +391,9 @@ Args parse_args(int argc, char** argv) {
   const std::string usage = "usage: routed_experts_bench OUT.json [--label NAME] [--repeats N]";
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
-    if ((arg == "--label" || arg == "--repeats") && i + 1 >= argc) throw std::invalid_argument(arg + ": missing value\n" + usage);
+    if ((arg == "--label" || arg == "--repeats") && i + 1 >= argc) {
+      throw std::invalid_argument(arg + ": missing value\n" + usage);
+    }
     if (arg == "--label") {
       a.label = argv[++i];
     } else if (arg == "--repeats") {

@@ -87,3 +87,22 @@ def test_records_hold_medians_speedups_tflops_and_errors(bench):
     assert rec["poise_fwdbwd_tflops"] == pytest.approx(3 * flops / 15.0 / 1e9)
     assert rec["correct"] and rec["rel_err_vs_baseline"] == errors and rec["block_ms"] == block_ms
     assert not bench.case_record("qwen3_30b_a3b", 3.0, 3.0, block_ms, {**errors, "grad_x": 0.5})["correct"]
+
+
+def test_compare_takes_medians_per_label_and_ratios_to_the_first(bench):
+    spec = importlib.util.spec_from_file_location("routed_experts_compare", BENCH.parent / "compare.py")
+    compare = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(compare)
+
+    def run(label, fwd, fwdbwd):
+        return {"label": label, "cases": [{"shape": "qwen3_30b_a3b", "routing": "balanced", "fwd_ms": fwd,
+                                           "fwdbwd_ms": fwdbwd}]}
+
+    runs = [run("new", 1.0, 4.0), run("old", 2.0, 6.0), run("new", 3.0, 2.0), run("old", 2.2, 5.0),
+            run("new", 1.2, 3.0)]
+    medians = compare.medians_by_label(runs)
+    assert list(medians) == ["new", "old"]
+    assert medians["new"][("qwen3_30b_a3b", "balanced")] == {"fwd_ms": 1.2, "fwdbwd_ms": 3.0, "runs": 3}
+    assert medians["old"][("qwen3_30b_a3b", "balanced")] == {"fwd_ms": 2.1, "fwdbwd_ms": 5.5, "runs": 2}
+    old_line = compare.table(medians).splitlines()[-1].split()
+    assert old_line[0] == "old" and old_line[-2:] == ["1.750", "1.833"]
