@@ -11,7 +11,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -194,8 +193,7 @@ poise::Config config_of(const Shape& s) {
 class Layer {
  public:
   Layer(const Shape& s, const std::vector<int32_t>& ids)
-      : s_(s),
-        x_(s.T * s.D), w13_(s.E * 2 * s.F * s.D), w2_(s.E * s.D * s.F), out_(s.T * s.D), grad_out_(s.T * s.D),
+      : x_(s.T * s.D), w13_(s.E * 2 * s.F * s.D), w2_(s.E * s.D * s.F), out_(s.T * s.D), grad_out_(s.T * s.D),
         grad_x_(s.T * s.D), grad_w13_(w13_.n), grad_w2_(w2_.n), ids_(s.T * s.K), scores_(s.T * s.K),
         grad_scores_(s.T * s.K) {
     normal_bf16(x_, 1, 1.0f);
@@ -251,7 +249,6 @@ class Layer {
   }
 
  private:
-  Shape s_;
   DeviceBuffer<__nv_bfloat16> x_, w13_, w2_, out_, grad_out_, grad_x_, grad_w13_, grad_w2_;
   DeviceBuffer<int32_t> ids_;
   DeviceBuffer<float> scores_, grad_scores_;
