@@ -1,19 +1,32 @@
 #!/usr/bin/env bash
 # Packs what a device call needs from this machine's build into .carry/ (see scripts/device_session.sh):
-# the C++ GPU test binaries, the demo and, with --bench, the expert-MLP bench library, stripped and in
-# one xz tarball (about 4 MB instead of about 58: the device tool carries at most 64 MiB with the tree),
-# plus .carry/COMMIT. device_session.sh unpacks .carry/bins.tar.xz before its parts run.
+# the C++ GPU test binaries, the demo and, with --bench, routed_experts_bench, stripped and in one xz
+# tarball (about 4 MB instead of about 58: the device tool carries at most 64 MiB with the tree), plus
+# .carry/COMMIT. --extra FILE (repeatable) packs FILE too, under its own name: e.g. a
+# routed_experts_bench_old built against another libpoise (bench/routed_experts/README.md).
+# device_session.sh unpacks .carry/bins.tar.xz before its parts run.
 #
-#   scripts/pack_carry.sh [--bench] [BUILD_DIR]      (default BUILD_DIR: build-lead)
+#   scripts/pack_carry.sh [--bench] [--extra FILE]... [BUILD_DIR]      (default BUILD_DIR: build-lead)
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 bench=0
-if [ "${1:-}" = "--bench" ]; then bench=1; shift; fi
+extras=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --bench) bench=1; shift ;;
+    --extra) [ $# -ge 2 ] || { echo "--extra needs a FILE" >&2; exit 2; }
+             [ -f "$2" ] || { echo "--extra $2: no such file" >&2; exit 2; }
+             extras+=("$2"); shift 2 ;;
+    --*) echo "unknown option $1" >&2; exit 2 ;;
+    *) break ;;
+  esac
+done
 build=${1:-$root/build-lead}
 stage=$(mktemp -d)
 trap 'rm -rf "$stage"' EXIT
 cp "$build"/tests/gpu/test_* "$build"/apps/demo/poise_demo "$stage"/
-[ "$bench" = 1 ] && cp "$build"/bench/expert_mlp/libpoise_expert_mlp_bench.so "$stage"/
+[ "$bench" = 1 ] && cp "$build"/bench/routed_experts_bench "$stage"/
+[ ${#extras[@]} -gt 0 ] && cp "${extras[@]}" "$stage"/
 strip --strip-unneeded "$stage"/*
 rm -rf "$root/.carry"
 mkdir -p "$root/.carry"

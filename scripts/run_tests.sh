@@ -16,7 +16,5 @@ rm -rf "$install_dir"
 echo "== Python package (pip install .)"
 python3 -m pip install -q --disable-pip-version-check --no-build-isolation "$repo"
 echo "== Python tests (pytest -m 'not gpu')"
-# The bench glue library's argument checks run on a CPU too (tests/python/test_bench_arguments.py).
-export POISE_BENCH_LIB="$BUILD_DIR/bench/expert_mlp/libpoise_expert_mlp_bench.so"
 (cd "$repo" && python3 -m pytest -q -m "not gpu" tests/python)
 echo "== all CPU tests passed in $(( $(date +%s) - start )) s"

@@ -3,11 +3,10 @@ reported instead of raised (CPU machines have none)."""
 import datetime
 import importlib.util
 import pathlib
-import sys
 
 import pytest
 
-BENCH_DIR = pathlib.Path(__file__).resolve().parents[2] / "bench" / "expert_mlp"
+BENCH_DIR = pathlib.Path(__file__).resolve().parents[2] / "bench"
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +46,7 @@ def test_without_nvidia_smi_nothing_is_sampled_and_identity_says_why(smi, monkey
 
 
 def test_block_clocks_are_medians_per_repeat_with_none_for_empty_windows(smi):
-    sys.path.insert(0, str(BENCH_DIR))
-    spec = importlib.util.spec_from_file_location("bench_expert_mlp", BENCH_DIR / "bench_expert_mlp.py")
+    spec = importlib.util.spec_from_file_location("routed_experts_bench", BENCH_DIR / "routed_experts" / "bench.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     t0 = 1_800_000_000.0
