@@ -3,7 +3,7 @@
 For each shape, the median time of one forward+backward, four ways:
   (a) eager:  poise.routed_experts + out.backward (validation, autograd, output allocation:
               everything a training step pays per layer; plain eager calls skip torch.library's
-              dispatch, torch_ops._plain_eager);
+              dispatch, poise.torch.autograd.plain_eager);
   (a') ops:   the same with that bypass off (through the torch.library ops: what calls under a
               dispatch mode or the profiler pay);
   (b) raw:    the same C++ entry points through the raw binding poise._poise.routed_experts_forward /
@@ -98,10 +98,10 @@ def interleaved(eager, iterations: int, rounds: int = 3) -> tuple[float, float, 
     times = {True: ([], []), False: ([], [])}
     for _ in range(rounds):
         for bypass in (True, False):
-            poise.torch_ops.EAGER_BYPASS = bypass
+            poise.torch.autograd.EAGER_BYPASS = bypass
             times[bypass][0].append(median_ms(eager, iterations))
             times[bypass][1].append(host_us(eager, iterations))
-    poise.torch_ops.EAGER_BYPASS = True
+    poise.torch.autograd.EAGER_BYPASS = True
     return tuple(statistics.median(values) for bypass in (True, False) for values in times[bypass])
 
 

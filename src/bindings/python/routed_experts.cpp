@@ -1,4 +1,4 @@
-// The GPU entry points on raw device pointers and a CUDA stream, for poise.torch_ops' CUDA path:
+// The GPU entry points on raw device pointers and a CUDA stream, for poise.torch's CUDA engine:
 // torch passes data_ptr() and torch.cuda.current_stream().cuda_stream, so no DLPack conversion (and
 // none of its stream synchronization) sits on the hot path. Pointers arrive as integers; the C++
 // side validates them (InvalidArgument) and enqueues the staged GPU pipeline on the stream.
