@@ -1,9 +1,11 @@
 """poise.Config: the static description of one MoE layer's routed experts across an EP group.
 
 The field names, defaults and meanings are those of the C++ ``poise::Config``
-(include/poise/config.hpp). This module only holds the data; the rules are checked by the C++
-``Config::validate`` (the one source of truth), reached through ``to_cpp`` below, the one place
-where a Python Config becomes a C++ one.
+(include/poise/config.hpp). A Config is checked when it is built (and rebuilt by
+``dataclasses.replace``): each field's Python type here, every rule that holds for any EP size by the
+C++ ``Config::validate`` (the one source of truth), reached through ``to_cpp`` below, the one place
+where a Python Config becomes a C++ one. The rules that need the EP size run on use
+(``validate(ep_size)``, ``plan_memory``, ``create_context``).
 """
 
 from __future__ import annotations
@@ -23,19 +25,19 @@ WgradDType = Literal["fp32", "bf16", "float32", "bfloat16"]
 class Config:
     """One MoE layer's routed experts: shapes, balance, activation slots, scratch sizes.
 
-    A Config is plain data: build it freely, then ``validate(ep_size)``, ``plan_memory`` or
-    ``create_context`` check it and raise ``poise.InvalidArgument`` naming the field at fault.
+    Building one with a bad field raises ``poise.InvalidArgument`` naming it (a bool is no integer);
+    ``validate(ep_size)``, ``plan_memory`` and ``create_context`` add the rules of the EP size.
     """
 
-    num_local_input_tokens: int = 0
+    num_local_input_tokens: int
     """T: physical rows per rank and call (padding rows carry zero scores)."""
-    hidden_dim: int = 0
+    hidden_dim: int
     """D: a multiple of 64."""
-    intermediate_dim: int = 0
+    intermediate_dim: int
     """F: a multiple of 64."""
-    top_k: int = 0
+    top_k: int
     """K: experts per token, at most num_experts."""
-    num_experts: int = 0
+    num_experts: int
     """E: divisible by the EP size."""
 
     activation: Activation = "swiglu"
@@ -68,9 +70,22 @@ class Config:
     inference: bool = False
     """No backward: no activation slots, no weight-gradient buffers."""
 
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            _check_type(field.name, field.type, getattr(self, field.name))
+        to_cpp(self).validate(1)  # every rule that holds for any EP size
+
     def validate(self, ep_size: int) -> None:
         """Raises poise.InvalidArgument (with ``.name``) if this Config cannot run on ep_size ranks."""
         to_cpp(self).validate(as_index("ep_size", ep_size))
+
+
+def _check_type(name: str, annotation: str, value: object) -> None:
+    """bool is an int subclass and nanobind converts it: name it here, as C++ would a wrong type."""
+    if isinstance(value, bool) and annotation != "bool":
+        raise InvalidArgument(name, f"must be {annotation}, got bool {value!r}")
+    if annotation == "bool" and not isinstance(value, bool):
+        raise InvalidArgument(name, f"must be bool, got {type(value).__name__} {value!r}")
 
 
 def _dtype_name(value: object) -> object:

@@ -12,9 +12,12 @@
 //
 // State lives in shared memory; outputs go to the rank's private scratch (plan_*), which
 // route_assign reads to place every (token, k) entry.
-#include "runtime/cuda_check.hpp"
+#include <string>
+
 #include "ep/data_path.hpp"
 #include "ep/rank_view.cuh"
+#include "poise/errors.hpp"
+#include "runtime/cuda_check.hpp"
 
 namespace poise::ep {
 namespace {
@@ -163,10 +166,22 @@ __global__ void __launch_bounds__(kPlanThreads)
 size_t balance_plan_smem_bytes(const EpDims& dims) { return sizeof(int32_t) * plan_smem(dims).words; }
 
 void configure_balance_plan(const EpLaunch& l) {
-  // Above 48 KiB the kernel must opt in (E = 1024 with B = E_local at R = 8 needs about 45 KiB).
-  runtime::cuda_check(cudaFuncSetAttribute(balance_plan_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        static_cast<int>(balance_plan_smem_bytes(l.dims))),
-                   "cudaFuncSetAttribute(balance_plan_kernel)");
+  // Above 48 KiB the kernel must opt in. The attribute belongs to the kernel, not to this pipeline:
+  // it is set to everything the device allows, so no pipeline's setting can fall below what
+  // another (of a larger shape) launches with.
+  int device = 0, optin = 0;
+  runtime::cuda_check(cudaGetDevice(&device), "cudaGetDevice");
+  runtime::cuda_check(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
+                      "cudaDeviceGetAttribute(MaxSharedMemoryPerBlockOptin)");
+  cudaFuncAttributes attributes{};
+  runtime::cuda_check(cudaFuncGetAttributes(&attributes, balance_plan_kernel), "cudaFuncGetAttributes(balance_plan_kernel)");
+  const int dynamic_max = optin - static_cast<int>(attributes.sharedSizeBytes);
+  if (static_cast<int64_t>(balance_plan_smem_bytes(l.dims)) > dynamic_max) {
+    throw NotAvailable("balance=exact: the balance planner needs " + std::to_string(balance_plan_smem_bytes(l.dims)) +
+                       " bytes of shared memory, more than the device's " + std::to_string(dynamic_max));
+  }
+  runtime::cuda_check(cudaFuncSetAttribute(balance_plan_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, dynamic_max),
+                      "cudaFuncSetAttribute(balance_plan_kernel)");
 }
 
 void launch_balance_plan(const EpLaunch& l, cudaStream_t stream) {

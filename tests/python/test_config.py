@@ -1,4 +1,5 @@
-"""poise.Config mirrors the C++ Config: same fields, same defaults, C++ validation with named errors."""
+"""poise.Config mirrors the C++ Config: same fields, same defaults, C++ validation with named errors,
+checked when built (the rules of the EP size on use)."""
 
 import dataclasses
 import math
@@ -24,11 +25,17 @@ def test_field_names_are_the_cpp_ones_in_order(cpp_fields):
 
 def test_defaults_equal_the_cpp_defaults():
     cpp_default = _poise.Config()  # the C++ default constructor
-    python_default = poise.Config()
+    python_default = make()  # the shape fields have no default
     for field in dataclasses.fields(poise.Config):
-        assert getattr(python_default, field.name) == getattr(cpp_default, field.name), field.name
-    # And the conversion of the defaults is the identity both ways.
+        if field.name not in VALID:
+            assert getattr(python_default, field.name) == getattr(cpp_default, field.name), field.name
+    # And the conversion is the identity both ways.
     assert from_cpp(to_cpp(python_default)) == python_default
+
+
+def test_the_shape_fields_are_required():
+    with pytest.raises(TypeError, match="num_local_input_tokens"):
+        poise.Config(hidden_dim=1024, intermediate_dim=512, top_k=4, num_experts=16)
 
 
 def test_round_trip_of_every_field_through_cpp():
@@ -39,7 +46,7 @@ def test_round_trip_of_every_field_through_cpp():
         wgrad_dtype="bf16", inference=False,
     )
     assert from_cpp(to_cpp(config)) == config
-    other = make(activation_slot_capacity_factor=0.75, inference=True, activation_slot_bytes=None)
+    other = make(activation_slot_capacity_factor=0.75)
     assert from_cpp(to_cpp(other)).activation_slot_capacity_factor == 0.75
 
 
@@ -115,6 +122,10 @@ RULES = [
     (dict(swiglu_alpha="fast"), EP_SIZE, "swiglu_alpha"),
     (dict(activation=None), EP_SIZE, "activation"),
     (dict(inference="yes"), EP_SIZE, "inference"),
+    (dict(inference=1), EP_SIZE, "inference"),
+    (dict(top_k=True), EP_SIZE, "top_k"),
+    (dict(num_activation_slots=False), EP_SIZE, "num_activation_slots"),
+    (dict(swiglu_limit=True), EP_SIZE, "swiglu_limit"),
     (dict(activation_slot_bytes=1.5), EP_SIZE, "activation_slot_bytes"),
     (dict(), 4.0, "ep_size"),
     (dict(), True, "ep_size"),
@@ -137,9 +148,8 @@ def _entry_points():
 @pytest.mark.parametrize("entry", sorted(_entry_points()))
 @pytest.mark.parametrize("changes, ep_size, name", RULES, ids=[f"{r[2]}-{i}" for i, r in enumerate(RULES)])
 def test_every_rule_raises_invalid_argument_naming_the_field(entry, changes, ep_size, name):
-    config = make(**changes)
-    with pytest.raises(poise.InvalidArgument) as raised:
-        _entry_points()[entry](config, ep_size)
+    with pytest.raises(poise.InvalidArgument) as raised:  # building the Config, or using it
+        _entry_points()[entry](make(**changes), ep_size)
     error = raised.value
     assert error.name == name
     assert str(error).startswith(f"{name}: ")
@@ -161,12 +171,16 @@ def test_validate_rejects_a_non_config():
         poise.plan_memory(dict(VALID), EP_SIZE)
 
 
-def test_the_python_config_holds_data_without_checking_it():
-    # Building an invalid Config is allowed (the defaults are invalid too): the checks run on use.
-    config = poise.Config(top_k=-3, activation="nonsense")
-    assert config.top_k == -3
-    with pytest.raises(poise.InvalidArgument):
-        config.validate(1)
+def test_a_config_is_checked_when_built():
+    with pytest.raises(poise.InvalidArgument) as raised:
+        make(top_k=-3)
+    assert raised.value.name == "top_k"
+    with pytest.raises(poise.InvalidArgument) as raised:
+        dataclasses.replace(make(), activation="nonsense")
+    assert raised.value.name == "activation"
+    make(num_experts=18, top_k=2)  # divisibility by the EP size is checked on use
+    with pytest.raises(poise.InvalidArgument, match="num_experts"):
+        make(num_experts=18, top_k=2).validate(EP_SIZE)
 
 
 def test_error_types_are_the_documented_hierarchy():

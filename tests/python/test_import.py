@@ -30,7 +30,7 @@ config = poise.Config(num_local_input_tokens=4096, hidden_dim=7168, intermediate
 config.validate(8)
 poise.plan_memory(config, 8).explain()
 try:
-    poise.Config(top_k=0).validate(1)
+    poise.Config(num_local_input_tokens=4096, hidden_dim=7168, intermediate_dim=2048, top_k=0, num_experts=256)
 except poise.InvalidArgument:
     pass
 """
