@@ -112,7 +112,7 @@ __device__ inline void arrive_then_barrier(const PeerTable& pt, int blocks_per_r
 // Warp-cooperative copy of `bytes` (a multiple of 16, both ends 16-byte aligned; the ranges do not
 // overlap). Each lane issues kCopyBatch loads before their stores: the compiler cannot hoist a load
 // above the previous store (it cannot rule out aliasing), and one 16-byte load in flight per lane
-// left a fanout of 14 KiB rows at ~1.8 TB/s (session 23).
+// leaves a fanout of 14 KiB rows at ~1.8 TB/s.
 inline constexpr int kCopyBatch = 4;
 __device__ __forceinline__ void warp_copy_16B(void* dst, const void* src, size_t bytes, int lane) {
   const uint4* s = static_cast<const uint4*>(src);
@@ -132,8 +132,8 @@ __device__ __forceinline__ void warp_copy_16B(void* dst, const void* src, size_t
 // warp_copy_16B of one source to several destinations: the row of every lane in `lanes` (each
 // lane's `dst`), the source read once. A warp serially copying one row to each would wait a load
 // latency per destination (the EP1 dispatch writing a token's 8 rows ran at ~1.9 TB/s that way).
-// Every lane runs every iteration: the shuffles need the whole warp (a first version whose lanes
-// left the chunk loop at different counts hung the GPU tests, session 24).
+// Every lane runs every iteration: the shuffles need the whole warp (lanes that leave the chunk loop
+// at different counts hang it).
 __device__ __forceinline__ void warp_copy_16B_to_lanes(void* dst, unsigned lanes, const void* src, size_t bytes,
                                                        int lane) {
   const uint4* s = static_cast<const uint4*>(src);

@@ -9,7 +9,7 @@
 //    A for its peer and computes nothing).
 // The last-block pairs come after all full pairs, or, with `beside`, each right after the full
 // pairs of the two N blocks it covers: it then reads their weight slices while the L2 holds them
-// (performance.md v30: DeepSeek-V3 fprop W13 3.79 -> 2.97 GB of DRAM reads).
+// (DeepSeek-V3's fprop W13 reads 2.97 instead of 3.79 GB from DRAM).
 #pragma once
 
 #include <cstdint>
