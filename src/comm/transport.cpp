@@ -25,6 +25,9 @@ const char* to_string(ErrorCode code) {
     case ErrorCode::timeout: return "timeout";
     case ErrorCode::capacity_overflow: return "capacity overflow";
     case ErrorCode::bad_expert_id: return "expert id out of range";
+    case ErrorCode::duplicate_expert_id: return "expert picked twice by one token";
+    case ErrorCode::peer_failed: return "a peer rank failed";
+    case ErrorCode::expert_gemm_fault: return "expert GEMM fault";
   }
   return "unknown error";
 }
@@ -44,7 +47,15 @@ std::string describe(const ErrorWord& e, uint64_t timeout_ns) {
          << " rows (padding included), more than its planned receive capacity; raise "
             "receive_capacity_factor";
       break;
-    case ErrorCode::bad_expert_id: os << "ids_TK holds expert id " << e.value << ", outside [0, E)"; break;
+    case ErrorCode::bad_expert_id:
+      os << "ids_TK holds expert id " << e.value << " at token " << e.token << ", outside [0, E)";
+      break;
+    case ErrorCode::duplicate_expert_id:
+      os << "ids_TK picks expert " << e.value << " more than once at token " << e.token
+         << " (a token's top_k experts must be distinct)";
+      break;
+    case ErrorCode::peer_failed: os << "stopped: rank " << e.peer << " failed (its error names the cause)"; break;
+    case ErrorCode::expert_gemm_fault: os << "an expert GEMM recorded a device fault"; break;
     default: os << "error code " << e.code;
   }
   return os.str();

@@ -41,19 +41,27 @@ enum class Phase : int32_t {
 
 enum class ErrorCode : int32_t {
   ok = 0,
-  timeout = 1,            // peer `peer` did not signal within the bound; value = awaited epoch
-  capacity_overflow = 2,  // rank `peer` needs `value` receive rows, more than planned
-  bad_expert_id = 3,      // an ids_TK entry outside [0, E); value = the id
+  timeout = 1,             // peer `peer` did not signal within the bound; value = awaited epoch
+  capacity_overflow = 2,   // rank `peer` needs `value` receive rows, more than planned
+  bad_expert_id = 3,       // ids_TK[token] holds `value`, outside [0, E)
+  duplicate_expert_id = 4, // token `token` picks expert `value` more than once
+  peer_failed = 5,         // rank `peer` failed (its own error names the cause); this rank stopped
+  expert_gemm_fault = 6,   // an expert GEMM of this rank recorded a device fault (value: its fault word)
 };
 
 // The first error a rank hits. Written once per call (first writer wins); cleared by reset().
 struct ErrorWord {
-  int32_t code = 0;   // ErrorCode
-  int32_t phase = 0;  // Phase
-  int32_t rank = -1;  // the rank that recorded it
-  int32_t peer = -1;  // the other rank involved, -1 if none
-  int64_t value = 0;  // code-specific detail (see ErrorCode)
+  int32_t code = 0;    // ErrorCode
+  int32_t phase = 0;   // Phase
+  int32_t rank = -1;   // the rank that recorded it
+  int32_t peer = -1;   // the other rank involved, -1 if none
+  int64_t value = 0;   // code-specific detail (see ErrorCode)
+  int64_t token = -1;  // the token whose input was bad, -1 if none
 };
+
+// A signal value no barrier epoch reaches: a rank that fails writes it into every peer's slot, so
+// peers waiting on it stop at once (ErrorCode::peer_failed) instead of after their timeout.
+inline constexpr uint64_t kFailedSignal = ~uint64_t{0};
 
 // One rank's view of the group. Lives in device memory; kernels read it by reference.
 struct PeerTable {

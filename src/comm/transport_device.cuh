@@ -4,8 +4,9 @@
 // "my stores to you are done" with a release store (system scope) of a growing epoch into its
 // own slot of the peer's signal array, and a waiter reads its slots with acquire loads. A wait
 // never spins forever: past PeerTable::timeout_ns it records {rank, phase, peer} in the rank's
-// error word and gives up. Once a rank's error word is set, every later kernel of that rank
-// skips its work and its waits, so a broken call ends quickly on every rank.
+// error word and gives up. A rank that records an error tells every peer at once (kFailedSignal in
+// its signal slots), and once a rank's error word is set, every later kernel of that rank skips
+// its work and its waits, so a broken call ends quickly on every rank, until reset().
 #pragma once
 
 #include <cstdint>
@@ -44,29 +45,39 @@ __device__ __forceinline__ bool rank_failed(const PeerTable& pt) {
   return load_volatile(&pt.error->code) != 0;
 }
 
-// First error wins; later ones are dropped (the first is the cause).
-__device__ __forceinline__ void report_error(const PeerTable& pt, ErrorCode code, Phase phase, int peer,
-                                             int64_t value) {
-  if (atomicCAS(&pt.error->code, 0, static_cast<int32_t>(code)) == 0) {
-    pt.error->phase = static_cast<int32_t>(phase);
-    pt.error->rank = pt.rank;
-    pt.error->peer = peer;
-    pt.error->value = value;
-    __threadfence_system();
-  }
-}
-
 // Rank `pt.rank` tells `peer` it reached epoch `epoch`.
 __device__ __forceinline__ void signal_peer(const PeerTable& pt, int peer, uint64_t epoch) {
   store_release_sys(peer_ptr<uint64_t>(pt, peer, 0) + pt.rank, epoch);
 }
 
-// Waits until `peer` reached `epoch`. False on timeout (error recorded) or if the rank failed.
+// First error wins; later ones are dropped (the first is the cause). The first also tells every
+// peer (kFailedSignal), whose waits on this rank then stop with ErrorCode::peer_failed.
+__device__ __forceinline__ void report_error(const PeerTable& pt, ErrorCode code, Phase phase, int peer,
+                                             int64_t value, int64_t token = -1) {
+  if (atomicCAS(&pt.error->code, 0, static_cast<int32_t>(code)) == 0) {
+    pt.error->phase = static_cast<int32_t>(phase);
+    pt.error->rank = pt.rank;
+    pt.error->peer = peer;
+    pt.error->value = value;
+    pt.error->token = token;
+    __threadfence_system();
+    for (int p = 0; p < pt.world; ++p) {
+      if (p != pt.rank) signal_peer(pt, p, kFailedSignal);
+    }
+  }
+}
+
+// Waits until `peer` reached `epoch`. False on timeout (error recorded), if the peer failed (error
+// recorded) or if this rank failed.
 __device__ inline bool wait_peer(const PeerTable& pt, int peer, uint64_t epoch, Phase phase) {
   const uint64_t* slot = peer_ptr<uint64_t>(pt, pt.rank, 0) + peer;
-  if (load_acquire_sys(slot) >= epoch) return true;
   const uint64_t start = global_timer_ns();
-  while (load_acquire_sys(slot) < epoch) {
+  for (uint64_t seen = load_acquire_sys(slot);; seen = load_acquire_sys(slot)) {
+    if (seen == kFailedSignal) {
+      report_error(pt, ErrorCode::peer_failed, phase, peer, 0);
+      return false;
+    }
+    if (seen >= epoch) return true;
     if (rank_failed(pt)) return false;
     if (global_timer_ns() - start > pt.timeout_ns) {
       report_error(pt, ErrorCode::timeout, phase, peer, static_cast<int64_t>(epoch));
@@ -74,7 +85,6 @@ __device__ inline bool wait_peer(const PeerTable& pt, int peer, uint64_t epoch, 
     }
     __nanosleep(128);
   }
-  return true;
 }
 
 // All ranks meet. Called by ONE thread per rank; orders everything this rank made visible

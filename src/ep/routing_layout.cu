@@ -48,6 +48,22 @@ __device__ void rank_chunk_entries(const int32_t* ids, int begin, int end, int E
   }
 }
 
+// Every entry's expert id is in [0, E) and differs from the token's earlier picks: a bad entry is
+// recorded (the call stops on every rank) with its value and token.
+__device__ void check_ids(const PeerTable& pt, const int32_t* ids, int begin, int end, const EpDims& dims, int lane) {
+  for (int i = begin + lane; i < end; i += 32) {
+    const int e = ids[i];
+    const int token = i / dims.K, first = token * dims.K;
+    if (e < 0 || e >= dims.E) {
+      comm::report_error(pt, ErrorCode::bad_expert_id, Phase::route_count, -1, e, token);
+      continue;
+    }
+    for (int j = first; j < i; ++j) {
+      if (ids[j] == e) comm::report_error(pt, ErrorCode::duplicate_expert_id, Phase::route_count, -1, e, token);
+    }
+  }
+}
+
 __global__ void __launch_bounds__(kThreads) route_count_kernel(const PeerTable* tables, EpDims dims, LaunchIo io,
                                                                LaunchScratch scratch, int blocks_per_rank) {
   extern __shared__ int32_t warp_counts[];  // [kWarps][E]
@@ -63,10 +79,7 @@ __global__ void __launch_bounds__(kThreads) route_count_kernel(const PeerTable* 
   __syncwarp();
   const int begin = chunk * kTokensPerChunk * dims.K;
   const int end = min(dims.T, (chunk + 1) * kTokensPerChunk) * dims.K;
-  for (int i = begin + lane; i < end; i += 32) {
-    const int e = ids[i];
-    if (e < 0 || e >= dims.E) comm::report_error(pt, ErrorCode::bad_expert_id, Phase::route_count, -1, e);
-  }
+  check_ids(pt, ids, begin, end, dims, lane);
   rank_chunk_entries(ids, begin, end, dims.E, counts, lane, [](int, int, int) {});
   int32_t* out = scratch.rank[slot].chunk_offsets_CE + static_cast<size_t>(chunk) * dims.E;
   for (int e = lane; e < dims.E; e += 32) out[e] = counts[e];
