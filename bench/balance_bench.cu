@@ -225,7 +225,6 @@ int main(int argc, char** argv) {
   std::vector<size_t> workspace(3, 0);
   for (int mode = 0; mode < 2; ++mode) {
     PipelineOptions o;
-    o.expert_kernels = ExpertKernels::sm90;
     o.replica_slots = B;
     o.balance_tolerance = mode == 0 ? 0.0 : 0.1;
     const Config c = layer_config(T, D, F, E, K, Balance::exact, 1.0);
@@ -245,7 +244,6 @@ int main(int argc, char** argv) {
     const double factor = std::max(1.0, skews[i]) * 1.02;  // a little room over the exact peak
     const Config c = layer_config(T, D, F, E, K, Balance::capacity, factor);
     PipelineOptions o;
-    o.expert_kernels = ExpertKernels::sm90;
     const size_t cap = StagedPipeline::capacity_rows(c, R, o);
     const size_t need = R * (StagedPipeline::workspace_bytes(c, R, o) + cap * (size_t(2) * D + size_t(6) * F) * 2);
     size_t free = 0, total = 0;

@@ -81,11 +81,10 @@ std::unique_ptr<Context> Context::create(const Config& config, int64_t ep_size, 
 }
 
 // The pipeline runs what the memory plan sized: its replica slots, the layers its activation slots
-// keep, the SM90 expert kernels.
+// keep.
 static ep::PipelineOptions pipeline_options(const Context& context) {
   const MemoryPlan& plan = context.plan();
   return {.timeout_ns = context.options().wait_timeout_ns,
-          .expert_kernels = ep::ExpertKernels::sm90,
           .balance_tolerance = context.config().balance_tolerance,
           .replica_slots = plan.num_replica_slots,
           .activation_records = context.config().inference

@@ -41,15 +41,10 @@ struct EpDims {
   int32_t scores_bf16 = 0;   // scores_TK dtype: 1 bf16, 0 fp32 (per call)
   int32_t w13_interleaved = 0;  // W13 rows: 1 gate/up interleaved, 0 blocked (per call)
   int32_t wgrad_bf16 = 0;    // the call's weight gradients: 1 bf16, 0 fp32 (per backward call: BackwardArgs / Config)
-  // SM90 experts: FPROP W2 / DGRAD W13 store each y / grad_x row straight into its owner's combine
-  // slot (sm90::RowScatter), so combine-push copies no rows (PipelineOptions::direct_combine).
-  int32_t direct_combine = 0;
-  // Backward, SM90 experts: grad_out rows go to the experts unscaled; DGRAD W2 applies the scores
-  // and computes the scores' gradients per row in score_partials pieces, which combine-push sends
-  // to the owners (grad_scores_TK window region). 0: the stand-in experts (fanout scales grad_out
-  // rows, the owner computes <grad_out, y> from the forward's combine buffer).
-  int32_t scores_from_experts = 0;
-  int32_t score_partials = 0;  // P: pieces per row of the scores' gradients (scores_from_experts)
+  // Backward: grad_out rows go to the experts unscaled; DGRAD W2 applies the scores and computes
+  // the scores' gradients per row in score_partials pieces, which combine-push sums and sends to
+  // the owners (grad_scores_TK window region).
+  int32_t score_partials = 0;  // P: pieces per row of the scores' gradients
   int32_t swiglu_clamped = 0;
   float swiglu_alpha = 1.702f;
   float swiglu_limit = 7.0f;
@@ -99,9 +94,7 @@ struct RankScratch {
   int32_t* tail_offsets = nullptr;      // [groups]
   int32_t* tail_counts = nullptr;       // [groups]
   bf16* a_RF = nullptr;                 // [capacity][F] SwiGLU output (saved)
-  bf16* rows_out_RD = nullptr;          // [capacity][D] y rows (forward), grad_x rows (backward)
-  bf16* grad_y_RD = nullptr;            // [capacity][D] score * grad_out per row (backward, stand-in experts)
-  float* grad_score_partials_RP = nullptr;  // [capacity][score_partials] (backward, SM90 experts)
+  float* grad_score_partials_RP = nullptr;  // [capacity][score_partials] (backward)
   bf16* grad_h13_R2F = nullptr;         // [capacity][2F] (backward)
 };
 

@@ -87,14 +87,6 @@ void validate_config(const Config& c, int64_t ep_size, const PipelineOptions& o)
                 o.partial_record_rows < StagedPipeline::capacity_rows(c, ep_size, o),
             "partial_record_rows", "must be a positive multiple of 128 below the receive rows");
   }
-  if (o.activation_records + o.light_activation_records + o.partial_activation_records > 0 &&
-      o.expert_kernels != ExpertKernels::sm90) {
-    throw NotAvailable("activation_records: the EP stand-in kernels' backward reads the latest forward's y");
-  }
-  if (!c.inference && c.wgrad_dtype != DType::fp32 && o.expert_kernels != ExpertKernels::sm90) {
-    throw NotAvailable("wgrad_dtype=bf16: the EP stand-in kernels write fp32 weight gradients only (the SM90 "
-                       "expert kernels write both)");
-  }
   const double rows = std::max(c.receive_capacity_factor, 1.0 + o.balance_tolerance) * c.num_local_input_tokens * c.top_k;
   require(c.num_local_input_tokens * c.top_k * ep_size < (int64_t{1} << 31) && rows < double(1 << 30),
           "num_local_input_tokens", "T*K*ep_size must fit in 31 bits");
@@ -125,9 +117,7 @@ EpDims make_dims(const Config& c, int64_t ep_size, const PipelineOptions& o) {
   d.swiglu_clamped = c.activation == Activation::swiglu_clamped;
   d.swiglu_alpha = static_cast<float>(c.swiglu_alpha);
   d.swiglu_limit = static_cast<float>(c.swiglu_limit);
-  d.scores_from_experts = o.expert_kernels == ExpertKernels::sm90 ? 1 : 0;
-  d.direct_combine = o.direct_combine && o.expert_kernels == ExpertKernels::sm90 ? 1 : 0;
-  d.score_partials = d.scores_from_experts ? static_cast<int32_t>(sm90::dgrad_w2_score_partials(shape)) : 0;
+  d.score_partials = static_cast<int32_t>(sm90::dgrad_w2_score_partials(shape));
   return d;
 }
 
@@ -140,8 +130,7 @@ void require_pointer(const void* p, int slot, const char* field, size_t alignmen
 }
 
 // `backward`: the forward's inputs of a backward call (its out_TD is never used and may be null).
-void validate_forward_args(const ForwardArgs& a, int slot, const ForwardArgs& first, ExpertKernels kernels,
-                           bool backward) {
+void validate_forward_args(const ForwardArgs& a, int slot, const ForwardArgs& first, bool backward) {
   require_pointer(a.x_TD, slot, "x_TD", 16);
   require_pointer(a.ids_TK, slot, "ids_TK", 4);
   require_pointer(a.scores_TK, slot, "scores_TK", a.scores_dtype == DType::fp32 ? 4 : 2);
@@ -154,11 +143,6 @@ void validate_forward_args(const ForwardArgs& a, int slot, const ForwardArgs& fi
   require((a.clip_counts_E2 == nullptr) == (first.clip_counts_E2 == nullptr), arg_name(slot, "clip_counts_E2"),
           "must be set on every rank of one call or on none");
   if (a.clip_counts_E2) require_pointer(a.clip_counts_E2, slot, "clip_counts_E2", 8);
-  if (a.w13_layout != W13Layout::gate_up_blocked && kernels != ExpertKernels::sm90) {
-    throw NotAvailable(arg_name(slot, "w13_layout") +
-                       ": gate_up_interleaved is not implemented by the EP stand-in kernels (the SM90 expert "
-                       "kernels take both layouts)");
-  }
 }
 
 }  // namespace
@@ -171,7 +155,6 @@ const char* to_string(Stage s) {
     case Stage::experts: return "experts";
     case Stage::combine_push: return "combine_push";
     case Stage::combine_reduce: return "combine_reduce";
-    case Stage::grad_scores: return "grad_scores";
     case Stage::replica_grads: return "replica_grads";
     case Stage::recompute: return "recompute";
     case Stage::redispatch: return "redispatch";
@@ -212,14 +195,6 @@ std::unique_ptr<StagedPipeline> StagedPipeline::create_virtual(const Config& con
 
 std::unique_ptr<StagedPipeline> StagedPipeline::create(const Config& config,
                                                        std::unique_ptr<comm::Transport> transport,
-                                                       ExpertKernels expert_kernels) {
-  PipelineOptions options;
-  options.expert_kernels = expert_kernels;
-  return create(config, std::move(transport), options);
-}
-
-std::unique_ptr<StagedPipeline> StagedPipeline::create(const Config& config,
-                                                       std::unique_ptr<comm::Transport> transport,
                                                        const PipelineOptions& options) {
   require(transport != nullptr, "transport", "must not be null");
   validate_config(config, transport->world_size(), options);
@@ -232,7 +207,7 @@ std::unique_ptr<StagedPipeline> StagedPipeline::create(const Config& config,
 
 StagedPipeline::StagedPipeline(const Config& config, std::unique_ptr<comm::Transport> transport,
                                const PipelineOptions& options)
-    : config_(config), expert_kernels_(options.expert_kernels), transport_(std::move(transport)) {
+    : config_(config), transport_(std::move(transport)) {
   const bool training = !config.inference;
   launch_.tables = transport_->device_tables();
   launch_.launch_ranks = transport_->launch_ranks();
@@ -288,14 +263,8 @@ StagedPipeline::StagedPipeline(const Config& config, std::unique_ptr<comm::Trans
       rs.tail_offsets = static_cast<int32_t*>(alloc(sizeof(int32_t) * d.groups));
       rs.tail_counts = static_cast<int32_t*>(alloc(sizeof(int32_t) * d.groups));
       rs.a_RF = static_cast<bf16*>(alloc(sizeof(bf16) * cap * d.F));
-      // The direct combine stores y / grad_x rows in the owners' combine slots: no grouped copy.
-      if (!d.direct_combine) rs.rows_out_RD = static_cast<bf16*>(alloc(sizeof(bf16) * cap * d.D));
       if (training) {
-        if (d.scores_from_experts) {
-          rs.grad_score_partials_RP = static_cast<float*>(alloc(sizeof(float) * cap * d.score_partials));
-        } else {
-          rs.grad_y_RD = static_cast<bf16*>(alloc(sizeof(bf16) * cap * d.D));
-        }
+        rs.grad_score_partials_RP = static_cast<float*>(alloc(sizeof(float) * cap * d.score_partials));
         rs.grad_h13_R2F = static_cast<bf16*>(alloc(sizeof(bf16) * cap * 2 * d.F));
       }
     }
@@ -321,7 +290,7 @@ LaunchIo StagedPipeline::forward_io(std::span<const ForwardArgs> args, bool back
   LaunchIo io;
   for (int s = 0; s < launch_.launch_ranks; ++s) {
     const ForwardArgs& a = args[s];
-    validate_forward_args(a, s, args[0], expert_kernels_, backward);
+    validate_forward_args(a, s, args[0], backward);
     RankIo& r = io.rank[s];
     r.x_TD = static_cast<const bf16*>(a.x_TD);
     r.ids_TK = a.ids_TK;
@@ -385,7 +354,7 @@ void StagedPipeline::forward(std::span<const ForwardArgs> args, cudaStream_t str
   stage(Stage::fanout, stream);
   launch_fanout_rows(l, /*backward=*/false, stream);
   stage(Stage::experts, stream);
-  expert_forward(l, io, expert_kernels_, stream);
+  expert_forward(l, io, stream);
   const bool clip_counts = io.rank[0].clip_counts_E2 != nullptr;
   if (clip_counts) launch_clip_count_groups(l, stream);
   stage(Stage::combine_push, stream);
@@ -421,22 +390,16 @@ void StagedPipeline::backward(std::span<const BackwardArgs> args, cudaStream_t s
     r.grad_w2_EDF = a.grad_w2;
   }
   const DType wgrad_dtype = args[0].wgrad_dtype.value_or(config_.wgrad_dtype);
-  if (wgrad_dtype != DType::fp32 && expert_kernels_ != ExpertKernels::sm90) {
-    throw NotAvailable("wgrad_dtype=bf16: the EP stand-in kernels write fp32 weight gradients only");
-  }
   EpLaunch l = launch_for(record);
   l.dims.scores_bf16 = args[0].forward.scores_dtype == DType::bf16;
   l.dims.w13_interleaved = args[0].forward.w13_layout == W13Layout::gate_up_interleaved;
   l.dims.wgrad_bf16 = wgrad_dtype == DType::bf16 ? 1 : 0;
   if (recompute) {
     // Only what backward reads: the layout, the received x rows, h13 (and the replica weights).
-    if (!l.dims.scores_from_experts) {
-      throw NotAvailable("recompute: the stand-in experts' backward reads the forward's y; run its forward instead");
-    }
     stage(Stage::recompute, stream);
     launch_route(l, io, stream);
     dispatch_x_rows(l, io, stream);
-    expert_forward_h13(l, io, expert_kernels_, /*tail_only=*/false, stream);
+    expert_forward_h13(l, io, /*tail_only=*/false, stream);
     replicas_in_window_ = record;
   }
   if (!recompute && record_order_.shares_working_rows(record)) {
@@ -447,25 +410,18 @@ void StagedPipeline::backward(std::span<const BackwardArgs> args, cudaStream_t s
     if (record_order_.partial_kind(record)) {  // h13 of the rows past what the record kept
       stage(Stage::recompute_rows, stream);
       launch_tail_groups(l, stream);
-      expert_forward_h13(l, io, expert_kernels_, /*tail_only=*/true, stream);
+      expert_forward_h13(l, io, /*tail_only=*/true, stream);
     }
   }
   // Exact balance: the window's replica weights are those of the latest forward (or recompute).
   const bool push_replicas = l.dims.balanced && replicas_in_window_ != record;
   replicas_in_window_ = record;
-  if (!l.dims.scores_from_experts) {
-    stage(Stage::grad_scores, stream);
-    launch_grad_scores(l, io, stream);  // reads y from the combine buffer before grad_x rows replace it
-  }
   stage(Stage::dispatch, stream);
   launch_dispatch_backward(l, io, push_replicas, stream);
   stage(Stage::fanout, stream);
-  // SM90 experts read grad_out rows in place (the scores are applied in DGRAD W2); the stand-in
-  // experts want score-scaled copies.
-  if (l.dims.scores_from_experts) launch_fanout_rows(l, /*backward=*/true, stream);
-  else launch_fanout_scale_grad(l, stream);
+  launch_fanout_rows(l, /*backward=*/true, stream);  // the experts read grad_out rows in place, unscaled
   stage(Stage::experts, stream);
-  expert_backward(l, io, args[0].accumulate_wgrad, expert_kernels_, stream);
+  expert_backward(l, io, args[0].accumulate_wgrad, stream);
   stage(Stage::combine_push, stream);
   launch_combine_push(l, /*backward=*/true, stream);
   if (l.dims.balanced) {
@@ -487,10 +443,8 @@ void StagedPipeline::check(cudaStream_t stream) {
   }
   // A grouped-GEMM pipeline wait past its bound (the launch drained instead of hanging).
   std::string gemm_fault;
-  if (expert_kernels_ == ExpertKernels::sm90) {
-    const sm90::PipelineFault f = sm90::take_pipeline_fault(stream);
-    if (f.occurred) gemm_fault = "SM90 expert GEMM: " + sm90::describe(f);
-  }
+  const sm90::PipelineFault f = sm90::take_pipeline_fault(stream);
+  if (f.occurred) gemm_fault = "SM90 expert GEMM: " + sm90::describe(f);
   if (found.empty() && gemm_fault.empty()) return;
   if (found.empty()) throw DeviceError(gemm_fault);
   // Root causes first: a timeout is usually the echo of another rank's failure.

@@ -1,7 +1,11 @@
 // StagedPipeline: routed_experts forward and backward over EP ranks, as separate kernels:
 //
 //   forward:  route -> dispatch -> fanout -> experts (W13+SwiGLU, W2) -> combine push -> combine reduce
-//   backward: grad_scores -> dispatch grad_out -> fanout+scale -> experts backward -> combine push -> reduce
+//   backward: dispatch grad_out -> fanout -> experts backward -> combine push -> combine reduce
+//
+// The experts are the SM90 grouped GEMMs (pipeline/expert_compute.hpp). Their rows GEMMs store
+// each y / grad_x row straight into its owner's combine slot, and DGRAD W2 applies the routing
+// scores and computes their gradients, which combine-push sends home.
 //
 // One pipeline serves every rank this process drives: all R virtual ranks (one grid per stage,
 // split by rank), or the single rank of a process-per-GPU NCCL group. Arguments come per launch
@@ -43,7 +47,6 @@
 
 #include "comm/transport.hpp"
 #include "ep/ep_params.hpp"
-#include "pipeline/expert_compute.hpp"
 #include "poise/config.hpp"
 #include "poise/context.hpp"
 
@@ -56,7 +59,6 @@ enum class Stage {
   experts,
   combine_push,
   combine_reduce,
-  grad_scores,
   replica_grads,  // exact balance, backward: replica weight gradients added to their owners'
   recompute,      // backward: the forward's route, dispatch, fanout and W13 GEMM again
   redispatch,     // backward from a light record: the forward's dispatch and fanout of x rows again
@@ -80,7 +82,6 @@ struct RecordOrder {
 
 struct PipelineOptions {
   uint64_t timeout_ns = 10'000'000'000ull;  // bound on every wait for a peer
-  ExpertKernels expert_kernels = ExpertKernels::standin;
   // Exact balance only. Extra rows a rank may compute, as a fraction of T*K (0: exact balance);
   // a tolerance moves only what exceeds (1 + tolerance) * T*K and so cuts replica traffic.
   double balance_tolerance = 0.0;
@@ -92,10 +93,6 @@ struct PipelineOptions {
   int light_activation_records = 0;
   int partial_activation_records = 0;
   int64_t partial_record_rows = 0;  // a multiple of 128, below the receive rows
-  // SM90 experts: the rows GEMMs store their output rows straight into the owners' combine slots
-  // (through the peer table's LSA addresses) instead of grouped rows that combine-push then copies;
-  // the same bytes in the same slots. false: grouped rows + push (A/B, tests).
-  bool direct_combine = true;
 };
 
 // Host copy of one slot's routing layout (tests, diagnostics).
@@ -130,12 +127,10 @@ class StagedPipeline {
   // All ep_size ranks in this process on the current GPU (virtual ranks).
   static std::unique_ptr<StagedPipeline> create_virtual(const Config& config, int64_t ep_size,
                                                         const PipelineOptions& options = {});
-  // Over an existing transport (e.g. comm::NcclTransport), whose workspace holds workspace_bytes().
+  // Over an existing transport (e.g. comm::NcclTransport), whose workspace holds workspace_bytes()
+  // (options.timeout_ns is the transport's own and is ignored here).
   static std::unique_ptr<StagedPipeline> create(const Config& config, std::unique_ptr<comm::Transport> transport,
-                                                ExpertKernels expert_kernels = ExpertKernels::standin);
-  // Same, with every option (timeout_ns is the transport's own and is ignored here).
-  static std::unique_ptr<StagedPipeline> create(const Config& config, std::unique_ptr<comm::Transport> transport,
-                                                const PipelineOptions& options);
+                                                const PipelineOptions& options = {});
   ~StagedPipeline();
 
   // Host-validates (InvalidArgument naming "args[slot].field") then enqueues. args: one per launch slot.
@@ -206,7 +201,6 @@ class StagedPipeline {
   void dispatch_x_rows(const EpLaunch& l, const LaunchIo& io, cudaStream_t stream);
 
   Config config_;
-  ExpertKernels expert_kernels_;
   std::unique_ptr<comm::Transport> transport_;
   EpLaunch launch_;
   std::vector<void*> allocations_;
