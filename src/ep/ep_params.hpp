@@ -50,7 +50,8 @@ struct EpDims {
   float swiglu_limit = 7.0f;
 };
 
-// Byte offsets inside every rank's symmetric workspace. [0, kSignalBytes) holds the signals.
+// Byte offsets inside every rank's symmetric workspace, as core/workspace_layout.hpp lays it out.
+// [0, kSignalBytes) holds the signals.
 struct WorkspaceOffsets {
   size_t counts_RE = 0;    // int32 [world][E]: rows each rank routes to each expert (all-gathered)
   size_t row_origin = 0;   // int32 [capacity]: src_rank*T*K + t*K + k of each received row
@@ -67,7 +68,6 @@ struct WorkspaceOffsets {
   size_t replica_w2 = 0;        // bf16 [B][D][F]
   size_t replica_grad_w13 = 0;  // fp32 [B][2F][D] (training)
   size_t replica_grad_w2 = 0;   // fp32 [B][D][F]  (training)
-  size_t total = 0;
 };
 
 // One rank's private device buffers (and where its own workspace and error word are).
@@ -96,6 +96,9 @@ struct RankScratch {
   bf16* a_RF = nullptr;                 // [capacity][F] SwiGLU output (saved)
   float* grad_score_partials_RP = nullptr;  // [capacity][score_partials] (backward)
   bf16* grad_h13_R2F = nullptr;         // [capacity][2F] (backward)
+  // The SM90 expert GEMMs' tile counters (sm90::GroupedRows::tile_counters), int32 [2], zero
+  // between launches; the rank's GEMMs run one after another on the pipeline's stream.
+  int32_t* gemm_tile_counters = nullptr;
 };
 
 // One rank's call arguments (see poise::ForwardArgs / BackwardArgs).
@@ -138,9 +141,6 @@ struct EpLaunch {
   WorkspaceOffsets ws;
   LaunchScratch scratch;
   int num_sms = 0;  // of the device the pipeline runs on (persistent grid sizing)
-  // The SM90 expert GEMMs' tile counters (sm90::GroupedRows::tile_counters), int32 [2], zero
-  // between launches; one for the pipeline, whose GEMMs run one after another on its stream.
-  int32_t* gemm_tile_counters = nullptr;
 };
 
 }  // namespace poise::ep

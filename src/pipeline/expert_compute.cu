@@ -28,7 +28,7 @@ sm90::GroupedRows sm90_rows(const EpLaunch& l, int slot) {
   rows.num_experts = l.dims.groups;
   rows.max_rows = l.dims.capacity_rows;
   rows.first_replica = l.dims.balanced && l.dims.replica_slots > 0 ? l.dims.E_local : -1;
-  rows.tile_counters = l.gemm_tile_counters;
+  rows.tile_counters = l.scratch.rank[slot].gemm_tile_counters;
   return rows;
 }
 

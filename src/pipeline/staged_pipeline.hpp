@@ -46,6 +46,7 @@
 #include <vector>
 
 #include "comm/transport.hpp"
+#include "core/workspace_layout.hpp"
 #include "ep/ep_params.hpp"
 #include "poise/config.hpp"
 #include "poise/context.hpp"
@@ -82,9 +83,6 @@ struct RecordOrder {
 
 struct PipelineOptions {
   uint64_t timeout_ns = 10'000'000'000ull;  // bound on every wait for a peer
-  // Exact balance only. Extra rows a rank may compute, as a fraction of T*K (0: exact balance);
-  // a tolerance moves only what exceeds (1 + tolerance) * T*K and so cuts replica traffic.
-  double balance_tolerance = 0.0;
   // Replica slots per rank, B in [0, E_local]; -1: E_local (training default: always exact).
   // Fewer slots save memory; the plan is then exact when slots allow and overflows otherwise.
   int64_t replica_slots = -1;
@@ -121,6 +119,8 @@ class StagedPipeline {
   static int64_t capacity_rows(const Config& config, int64_t ep_size, const PipelineOptions& options = {});
   // Bytes of the symmetric workspace each rank must register.
   static size_t workspace_bytes(const Config& config, int64_t ep_size, const PipelineOptions& options = {});
+  // Device bytes a pipeline will hold per rank: the workspace and the rank's buffers.
+  static size_t bytes_per_rank(const Config& config, int64_t ep_size, const PipelineOptions& options = {});
   // Replica slots B the options give (exact balance; 0 in capacity mode).
   static int64_t replica_slots(const Config& config, int64_t ep_size, const PipelineOptions& options = {});
 
@@ -151,10 +151,10 @@ class StagedPipeline {
   // Called on the host before each stage is enqueued (and with Stage::end after the last).
   void set_stage_hook(std::function<void(Stage, cudaStream_t)> hook) { hook_ = std::move(hook); }
 
-  // Device bytes held per launch rank: the symmetric workspace and this pipeline's buffers (what a
-  // Context's MemoryPlan accounts for; tests compare the two).
+  // Device bytes held per launch rank: the symmetric workspace and the rank's buffers, as the
+  // workspace layout lists them (what a Context's MemoryPlan sums).
   size_t device_bytes_per_rank() const {
-    return transport_->workspace_bytes() + allocated_bytes_ / static_cast<size_t>(launch_ranks());
+    return transport_->workspace_bytes() + static_cast<size_t>(layout_.buffers.bytes);
   }
 
   int world_size() const { return transport_->world_size(); }
@@ -181,9 +181,6 @@ class StagedPipeline {
     int32_t* plan_stats = nullptr;
     bf16* h13_R2F = nullptr;
   };
-  struct RecordWindow {
-    size_t row_origin = 0, row_primary = 0, row_score = 0, recv_x = 0;
-  };
 
   StagedPipeline(const StagedPipeline&) = delete;
   StagedPipeline& operator=(const StagedPipeline&) = delete;
@@ -197,16 +194,17 @@ class StagedPipeline {
   // launch_ with `record`'s buffers and window regions in place of the working record's.
   EpLaunch launch_for(int record) const;
   void check_record(int record) const;
+  void allocate_rank_buffers(int slot);
   // A forward's dispatch of x rows (with the replica weight push) and fanout, from l's layout.
   void dispatch_x_rows(const EpLaunch& l, const LaunchIo& io, cudaStream_t stream);
 
   Config config_;
   std::unique_ptr<comm::Transport> transport_;
+  layout::WorkspaceLayout layout_;  // what the workspace and each rank's buffers hold
   EpLaunch launch_;
-  std::vector<void*> allocations_;
-  size_t allocated_bytes_ = 0;  // their sizes, all launch ranks together
+  std::vector<void*> allocations_;             // [slot]: the rank's buffers
   std::vector<RecordBuffers> record_buffers_;  // [record * launch_ranks + slot]
-  std::vector<RecordWindow> record_windows_;   // [record]
+  std::vector<layout::RecordRows> record_windows_;  // [record]
   RecordOrder record_order_;
   int32_t partial_rows_ = 0;
   int replicas_in_window_ = -1;                // record whose replica weights the window holds

@@ -35,10 +35,10 @@ std::unique_ptr<EpWorld> make_world(const BalanceCase& b, uint64_t seed, Balance
   if (mode == Balance::capacity) c.capacity_factor = c.R;  // room for any routing
   PipelineOptions o;
   o.timeout_ns = 2'000'000'000ull;
-  o.balance_tolerance = b.tolerance;
   auto world = std::make_unique<EpWorld>(c, seed, o.timeout_ns, [=](const Config& config) {
     Config x = config;
     x.balance = mode;
+    x.balance_tolerance = b.tolerance;
     return StagedPipeline::create_virtual(x, c.R, o);
   });
   if (b.all_on_rank0) {
@@ -304,14 +304,14 @@ Config host_check_config() {
 }
 
 TEST(EpBalanceErrors, HostRejectsBadOptions) {
-  const Config cfg = host_check_config();
+  Config cfg = host_check_config();
   PipelineOptions o;
   o.replica_slots = 5;  // E_local = 4 at R = 4
   EXPECT_THROW(StagedPipeline::workspace_bytes(cfg, 4, o), InvalidArgument);
   o.replica_slots = -1;
-  o.balance_tolerance = -0.1;
+  cfg.balance_tolerance = 16.5;  // past what the pipeline supports
   EXPECT_THROW(StagedPipeline::workspace_bytes(cfg, 4, o), InvalidArgument);
-  o.balance_tolerance = 0.0;
+  cfg.balance_tolerance = 0.0;
   // Memory depends only on the configuration: B = E_local slots of weights and fp32 gradients.
   const size_t with_slots = StagedPipeline::workspace_bytes(cfg, 4, o);
   o.replica_slots = 0;
