@@ -110,7 +110,6 @@ TEST(MemoryPlan, CapacityModeKeepsEveryReceivedRowOnTheDevice) {
   Config c = deepseek_v3();
   c.balance = Balance::capacity;
   c.receive_capacity_factor = 2.0;
-  c.device_scratch_capacity_factor = 1.25;  // no effect until host-backed rows exist
   const MemoryPlan p = plan_memory(c, 8);
   EXPECT_EQ(p.num_replica_slots, 0);
   EXPECT_EQ(p.replica_weight_bytes, 0);
