@@ -225,17 +225,16 @@ int main(int argc, char** argv) {
   std::vector<size_t> workspace(3, 0);
   for (int mode = 0; mode < 2; ++mode) {
     PipelineOptions o;
-    o.expert_kernels = ExpertKernels::sm90;
     o.replica_slots = B;
-    o.balance_tolerance = mode == 0 ? 0.0 : 0.1;
-    const Config c = layer_config(T, D, F, E, K, Balance::exact, 1.0);
+    Config c = layer_config(T, D, F, E, K, Balance::exact, 1.0);
+    c.balance_tolerance = mode == 0 ? 0.0 : 0.1;
     workspace[mode] = StagedPipeline::workspace_bytes(c, R, o);
     auto p = StagedPipeline::create_virtual(c, R, o);
     results[mode] = run_interleaved(*p, b, all_skews, iterations, stream);
     for (size_t i = 0; i < skews.size(); ++i) {
       std::printf("exact tol %.1f  peak/mean %.1f: %s fwd %.3f ms fwd+bwd %.3f ms planner %.2f us moved %lld rows "
                   "pieces %zu used %.2f GB\n",
-                  o.balance_tolerance, skews[i], results[mode][i].ran ? "" : results[mode][i].why.c_str(),
+                  c.balance_tolerance, skews[i], results[mode][i].ran ? "" : results[mode][i].why.c_str(),
                   results[mode][i].fwd_ms, results[mode][i].fwd_bwd_ms, results[mode][i].planner_us,
                   (long long)results[mode][i].plan.moved_rows, results[mode][i].plan.pieces.size(),
                   results[mode][i].used / 1e9);
@@ -245,9 +244,7 @@ int main(int argc, char** argv) {
     const double factor = std::max(1.0, skews[i]) * 1.02;  // a little room over the exact peak
     const Config c = layer_config(T, D, F, E, K, Balance::capacity, factor);
     PipelineOptions o;
-    o.expert_kernels = ExpertKernels::sm90;
-    const size_t cap = StagedPipeline::capacity_rows(c, R, o);
-    const size_t need = R * (StagedPipeline::workspace_bytes(c, R, o) + cap * (size_t(2) * D + size_t(6) * F) * 2);
+    const size_t need = R * StagedPipeline::bytes_per_rank(c, R, o);
     size_t free = 0, total = 0;
     CHECK(cudaMemGetInfo(&free, &total));
     if (need + (size_t(2) << 30) > free) {

@@ -2,8 +2,7 @@
 // "link" is local memory: the figures bound the kernels' own cost, not NVLink's).
 //
 //   ep_bench [out.json] [R T D F E K] [iterations]
-// defaults: R=8 T=4096 D=7168 F=2048 E=256 K=8, 3 timed iterations after 1 warm-up, run once with the
-// SM90 expert kernels and once with the stand-in GEMMs (one pipeline alive at a time).
+// defaults: R=8 T=4096 D=7168 F=2048 E=256 K=8, 3 timed iterations after 1 warm-up.
 // Times every stage of the staged forward and backward with CUDA events (median over iterations),
 // counts bytes as rows received (every (t, k) row) and bytes actually written to other ranks
 // (one row per token and destination rank, + 12 bytes of metadata per entry).
@@ -111,115 +110,94 @@ int main(int argc, char** argv) {
   js << "  \"bytes_received_as_rows\": " << int64_t(bytes_received) << ",\n";
   js << "  \"dispatch_bytes_written_to_other_ranks\": " << int64_t(bytes_written_remote) << ",\n";
   js << "  \"combine_bytes_written_to_other_ranks\": " << int64_t(combine_bytes_remote) << ",\n";
-  js << "  \"expert_flops_forward\": " << flops_fwd << ",\n  \"runs\": [\n";
-  const ExpertKernels backends[] = {ExpertKernels::sm90, ExpertKernels::standin};
-  for (int b = 0; b < 2; ++b) {
-    const ExpertKernels kernels = backends[b];
-    PipelineOptions options;
-    options.expert_kernels = kernels;
-    // SM90: one whole and one light activation record besides the working one, to time a backward
-    // that finds its forward kept (record 1) against one that re-sends its x rows (light record 2)
-    // and one that rebuilds it (activation slots without room).
-    const bool records = kernels == ExpertKernels::sm90;
-    options.activation_records = records ? 1 : 0;
-    options.light_activation_records = records ? 1 : 0;
-    // ... and a partial record (record 3) keeping h13 of the first half of the receive rows.
-    const int64_t capacity = StagedPipeline::capacity_rows(cfg, R, options);
-    options.partial_activation_records = records ? 1 : 0;
-    options.partial_record_rows = records ? capacity / 2 / 128 * 128 : 0;
-    const int kept = records ? 1 : 0;
-    auto pipeline = StagedPipeline::create_virtual(cfg, R, options);
-    StageClock clock;
-    pipeline->set_stage_hook([&](Stage s, cudaStream_t st) { clock.hook(s, st); });
-    std::map<std::string, std::vector<double>> fwd_ms, bwd_ms;
-    std::map<std::string, std::vector<double>> recompute_ms;  // backward that rebuilds its forward
-    std::map<std::string, std::vector<double>> light_ms;      // backward from a light record
-    std::map<std::string, std::vector<double>> partial_ms;    // backward from a partial record
-    for (int it = 0; it < iterations + 1; ++it) {
-      pipeline->forward(fwd, stream, kept);
-      pipeline->check(stream);
-      auto f = clock.read();
-      pipeline->backward(bwd, stream, kept);
-      pipeline->check(stream);
-      auto bw = clock.read();
-      if (records) {
-        pipeline->forward(fwd, stream, kept);
-        pipeline->check(stream);
-        clock.read();
-        pipeline->backward(bwd, stream, 0, /*recompute=*/true);
-        pipeline->check(stream);
-        auto rc = clock.read();
-        pipeline->forward(fwd, stream, 2);
-        pipeline->check(stream);
-        clock.read();
-        pipeline->backward(bwd, stream, 2);
-        pipeline->check(stream);
-        auto lt = clock.read();
-        pipeline->forward(fwd, stream, 3);
-        pipeline->check(stream);
-        clock.read();
-        pipeline->backward(bwd, stream, 3);
-        pipeline->check(stream);
-        auto pt = clock.read();
-        if (it > 0) {
-          for (auto& [k, v] : rc) recompute_ms[k].push_back(v);
-          for (auto& [k, v] : lt) light_ms[k].push_back(v);
-          for (auto& [k, v] : pt) partial_ms[k].push_back(v);
-        }
-      }
-      if (it == 0) continue;  // warm-up
-      for (auto& [k, v] : f) fwd_ms[k].push_back(v);
-      for (auto& [k, v] : bw) bwd_ms[k].push_back(v);
-    }
-    // Median of a stage's times; 0 for a stage the pass does not have (never inserts a key).
-    auto m = [&](const std::map<std::string, std::vector<double>>& s, const char* k) {
-      const auto it = s.find(k);
-      return it == s.end() ? 0.0 : median(it->second);
-    };
-    const double dispatch_ms = m(fwd_ms, "dispatch"), fanout_ms = m(fwd_ms, "fanout");
-    const double push_ms = m(fwd_ms, "combine_push"), reduce_ms = m(fwd_ms, "combine_reduce");
-    const double fwd_total = m(fwd_ms, "total"), bwd_total = m(bwd_ms, "total");
-    std::printf("\nEP staged pipeline, expert kernels %s, %d virtual ranks on one %s, T=%d D=%d F=%d E=%d K=%d, median of %d\n",
-                to_string(kernels), R, prop.name, T, D, F, E, K, iterations);
-    std::printf("%-22s %10s %10s\n", "stage", "fwd ms", "bwd ms");
-    for (const char* s : {"route", "grad_scores", "dispatch", "fanout", "experts", "combine_push", "combine_reduce", "total"}) {
-      std::printf("%-22s %10.3f %10.3f\n", s, m(fwd_ms, s), m(bwd_ms, s));
-    }
-    std::printf("dispatch: %.2f GB received as rows, %.2f GB written to other ranks (%.2f of received), %.0f GB/s of rows received\n",
-                bytes_received / 1e9, bytes_written_remote / 1e9, bytes_written_remote / bytes_received,
-                bytes_received / 1e9 / ((dispatch_ms + fanout_ms) / 1e3));
-    std::printf("combine: %.2f GB pushed to other ranks, push+reduce %.3f ms\n", combine_bytes_remote / 1e9, push_ms + reduce_ms);
-    std::printf("layer forward %.3f ms, forward+backward %.3f ms (experts fwd %.1f TFLOP/s, bwd %.1f TFLOP/s)\n", fwd_total,
-                fwd_total + bwd_total, flops_fwd / (m(fwd_ms, "experts") / 1e3) / 1e12,
-                2 * flops_fwd / (m(bwd_ms, "experts") / 1e3) / 1e12);
-    if (records) {
-      std::printf("backward from a kept record %.3f ms; from a light record %.3f ms (redispatch stage %.3f ms); "
-                  "from a partial record keeping %lld of %lld rows %.3f ms (redispatch %.3f, recompute_rows %.3f ms); "
-                  "rebuilding the forward first %.3f ms (recompute stage %.3f ms; the whole forward %.3f ms)\n",
-                  bwd_total, m(light_ms, "total"), m(light_ms, "redispatch"), (long long)options.partial_record_rows,
-                  (long long)capacity, m(partial_ms, "total"), m(partial_ms, "redispatch"),
-                  m(partial_ms, "recompute_rows"), m(recompute_ms, "total"), m(recompute_ms, "recompute"), fwd_total);
-    }
-    js << "    {\"expert_kernels\": \"" << to_string(kernels) << "\",\n";
-    auto dump = [&](const char* name, std::map<std::string, std::vector<double>>& s) {
-      js << "     \"" << name << "_ms\": {";
-      bool first = true;
-      for (auto& [k, v] : s) {
-        js << (first ? "" : ", ") << "\"" << k << "\": " << median(v);
-        first = false;
-      }
-      js << "},\n";
-    };
-    dump("forward", fwd_ms);
-    dump("backward", bwd_ms);
-    if (records) dump("backward_recomputing_forward", recompute_ms);
-    if (records) dump("backward_from_light_record", light_ms);
-    if (records) dump("backward_from_partial_record", partial_ms);
-    js << "     \"layer_forward_ms\": " << fwd_total << ", \"layer_forward_backward_ms\": " << fwd_total + bwd_total
-       << "}" << (b == 0 ? ",\n" : "\n");
-    pipeline.reset();
+  js << "  \"expert_flops_forward\": " << flops_fwd << ",\n";
+  // One whole, one light and one partial activation record besides the working one, to time a
+  // backward that finds its forward kept (record 1), one that re-sends its x rows (light record 2),
+  // one that also recomputes h13 past the first half of the receive rows (partial record 3), and
+  // one that rebuilds its forward (activation slots without room).
+  PipelineOptions options;
+  options.activation_records = 1;
+  options.light_activation_records = 1;
+  const int64_t capacity = StagedPipeline::capacity_rows(cfg, R, options);
+  options.partial_activation_records = 1;
+  options.partial_record_rows = capacity / 2 / 128 * 128;
+  const int kept = 1, light = 2, partial = 3;
+  auto pipeline = StagedPipeline::create_virtual(cfg, R, options);
+  StageClock clock;
+  pipeline->set_stage_hook([&](Stage s, cudaStream_t st) { clock.hook(s, st); });
+  // A forward into `record`, then its backward (from `from`, rebuilding the forward first when
+  // recompute): the backward's stage times.
+  auto pass = [&](int record, int from, bool recompute, std::map<std::string, double>* forward_ms) {
+    pipeline->forward(fwd, stream, record);
+    pipeline->check(stream);
+    const auto f = clock.read();
+    if (forward_ms) *forward_ms = f;
+    pipeline->backward(bwd, stream, from, recompute);
+    pipeline->check(stream);
+    return clock.read();
+  };
+  std::map<std::string, std::vector<double>> fwd_ms, bwd_ms;
+  std::map<std::string, std::vector<double>> recompute_ms;  // backward that rebuilds its forward
+  std::map<std::string, std::vector<double>> light_ms;      // backward from a light record
+  std::map<std::string, std::vector<double>> partial_ms;    // backward from a partial record
+  for (int it = 0; it < iterations + 1; ++it) {
+    std::map<std::string, double> f;
+    const auto bw = pass(kept, kept, false, &f);
+    const auto rc = pass(kept, 0, true, nullptr);
+    const auto lt = pass(light, light, false, nullptr);
+    const auto pt = pass(partial, partial, false, nullptr);
+    if (it == 0) continue;  // warm-up
+    for (auto& [k, v] : f) fwd_ms[k].push_back(v);
+    for (auto& [k, v] : bw) bwd_ms[k].push_back(v);
+    for (auto& [k, v] : rc) recompute_ms[k].push_back(v);
+    for (auto& [k, v] : lt) light_ms[k].push_back(v);
+    for (auto& [k, v] : pt) partial_ms[k].push_back(v);
   }
-  js << "  ]\n}\n";
+  // Median of a stage's times; 0 for a stage the pass does not have (never inserts a key).
+  auto m = [&](const std::map<std::string, std::vector<double>>& s, const char* k) {
+    const auto it = s.find(k);
+    return it == s.end() ? 0.0 : median(it->second);
+  };
+  const double dispatch_ms = m(fwd_ms, "dispatch"), fanout_ms = m(fwd_ms, "fanout");
+  const double push_ms = m(fwd_ms, "combine_push"), reduce_ms = m(fwd_ms, "combine_reduce");
+  const double fwd_total = m(fwd_ms, "total"), bwd_total = m(bwd_ms, "total");
+  std::printf("\nEP staged pipeline, %d virtual ranks on one %s, T=%d D=%d F=%d E=%d K=%d, median of %d\n", R,
+              prop.name, T, D, F, E, K, iterations);
+  std::printf("%-22s %10s %10s\n", "stage", "fwd ms", "bwd ms");
+  for (const char* s : {"route", "dispatch", "fanout", "experts", "combine_push", "combine_reduce", "total"}) {
+    std::printf("%-22s %10.3f %10.3f\n", s, m(fwd_ms, s), m(bwd_ms, s));
+  }
+  std::printf("dispatch: %.2f GB received as rows, %.2f GB written to other ranks (%.2f of received), %.0f GB/s of rows received\n",
+              bytes_received / 1e9, bytes_written_remote / 1e9, bytes_written_remote / bytes_received,
+              bytes_received / 1e9 / ((dispatch_ms + fanout_ms) / 1e3));
+  std::printf("combine: %.2f GB stored to other ranks by the experts, push+reduce %.3f ms\n",
+              combine_bytes_remote / 1e9, push_ms + reduce_ms);
+  std::printf("layer forward %.3f ms, forward+backward %.3f ms (experts fwd %.1f TFLOP/s, bwd %.1f TFLOP/s)\n", fwd_total,
+              fwd_total + bwd_total, flops_fwd / (m(fwd_ms, "experts") / 1e3) / 1e12,
+              2 * flops_fwd / (m(bwd_ms, "experts") / 1e3) / 1e12);
+  std::printf("backward from a kept record %.3f ms; from a light record %.3f ms (redispatch stage %.3f ms); "
+              "from a partial record keeping %lld of %lld rows %.3f ms (redispatch %.3f, recompute_rows %.3f ms); "
+              "rebuilding the forward first %.3f ms (recompute stage %.3f ms; the whole forward %.3f ms)\n",
+              bwd_total, m(light_ms, "total"), m(light_ms, "redispatch"), (long long)options.partial_record_rows,
+              (long long)capacity, m(partial_ms, "total"), m(partial_ms, "redispatch"), m(partial_ms, "recompute_rows"),
+              m(recompute_ms, "total"), m(recompute_ms, "recompute"), fwd_total);
+  auto dump = [&](const char* name, std::map<std::string, std::vector<double>>& s) {
+    js << "  \"" << name << "_ms\": {";
+    bool first = true;
+    for (auto& [k, v] : s) {
+      js << (first ? "" : ", ") << "\"" << k << "\": " << median(v);
+      first = false;
+    }
+    js << "},\n";
+  };
+  dump("forward", fwd_ms);
+  dump("backward", bwd_ms);
+  dump("backward_recomputing_forward", recompute_ms);
+  dump("backward_from_light_record", light_ms);
+  dump("backward_from_partial_record", partial_ms);
+  js << "  \"layer_forward_ms\": " << fwd_total << ", \"layer_forward_backward_ms\": " << fwd_total + bwd_total
+     << "\n}\n";
+  pipeline.reset();
   std::printf("wrote %s\n", out_path.c_str());
   return 0;
 }

@@ -34,8 +34,7 @@ struct Config {
   std::optional<double> activation_slot_capacity_factor;  // x the balanced full-save bytes
   std::optional<int64_t> activation_slot_bytes;           // or an absolute size per slot
 
-  double device_scratch_capacity_factor = 1.0;  // device rows = factor * balanced rows
-  double host_overflow_scratch_factor = 0.0;    // host-backed (VMM) rows = factor * balanced rows
+  double host_overflow_scratch_factor = 0.0;  // host-backed (VMM) rows = factor * balanced rows
 
   DType wgrad_dtype = DType::fp32;
   bool inference = false;  // no backward: no activation slots, no weight-grad buffers

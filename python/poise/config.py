@@ -60,8 +60,6 @@ class Config:
     activation_slot_bytes: Optional[int] = None
     """Slot size in bytes (set this or activation_slot_capacity_factor)."""
 
-    device_scratch_capacity_factor: float = 1.0
-    """Device rows = factor * balanced rows (>= 1)."""
     host_overflow_scratch_factor: float = 0.0
     """Host-backed (VMM) overflow rows = factor * balanced rows."""
 

@@ -5,8 +5,9 @@
 #include <string>
 #include <vector>
 
-#include "runtime/device_info.hpp"
 #include "api/context_internal.hpp"
+#include "core/workspace_layout.hpp"
+#include "runtime/device_info.hpp"
 #include "pipeline/staged_pipeline.hpp"
 #include "poise/errors.hpp"
 
@@ -80,26 +81,16 @@ std::unique_ptr<Context> Context::create(const Config& config, int64_t ep_size, 
   return std::unique_ptr<Context>(new Context(config, ep_size, rank, options));
 }
 
-// The pipeline runs what the memory plan sized: its replica slots, the layers its activation slots
-// keep, the SM90 expert kernels.
+// The pipeline keeps what the memory plan sized: its replica slots and every activation slot's
+// records (layout::keep_of: the same numbers the plan summed).
 static ep::PipelineOptions pipeline_options(const Context& context) {
-  const MemoryPlan& plan = context.plan();
+  const layout::Keep keep = layout::keep_of(context.plan());
   return {.timeout_ns = context.options().wait_timeout_ns,
-          .expert_kernels = ep::ExpertKernels::sm90,
-          .balance_tolerance = context.config().balance_tolerance,
-          .replica_slots = plan.num_replica_slots,
-          .activation_records = context.config().inference
-                                    ? 0
-                                    : static_cast<int>(context.config().num_activation_slots *
-                                                       plan.activation_records_per_slot),
-          .light_activation_records = context.config().inference
-                                          ? 0
-                                          : static_cast<int>(context.config().num_activation_slots *
-                                                             plan.activation_light_records_per_slot),
-          .partial_activation_records = context.config().inference || plan.activation_partial_record_rows == 0
-                                            ? 0
-                                            : static_cast<int>(context.config().num_activation_slots),
-          .partial_record_rows = plan.activation_partial_record_rows};
+          .replica_slots = keep.replica_slots,
+          .activation_records = static_cast<int>(keep.whole_records),
+          .light_activation_records = static_cast<int>(keep.light_records),
+          .partial_activation_records = static_cast<int>(keep.partial_records),
+          .partial_record_rows = keep.partial_record_rows};
 }
 
 std::unique_ptr<Context> Context::create_virtual_ranks(const Config& config, int64_t ep_size,

@@ -17,7 +17,7 @@ struct ContextAccess {
 
   // A one-launch-rank context for rank `rank` of an ep_size group (config validated and planned
   // first), whose pipeline is make_pipeline(options): options are the ones the context's own
-  // pipelines get (its plan's replica slots, SM90 expert kernels, the wait timeout).
+  // pipelines get (its plan's replica slots and activation records, the wait timeout).
   static std::unique_ptr<Context> with_pipeline(const Config& config, int64_t ep_size, int64_t rank,
                                                 const ContextOptions& options, const MakePipeline& make_pipeline);
 

@@ -94,10 +94,6 @@ void Config::validate(int64_t ep_size) const {
     require(*activation_slot_bytes >= 0, "activation_slot_bytes",
             "must be >= 0, got " + show(*activation_slot_bytes));
   }
-  require(std::isfinite(device_scratch_capacity_factor) && device_scratch_capacity_factor >= 1.0,
-          "device_scratch_capacity_factor",
-          "must be >= 1 (the balanced rows always fit on the device), got " +
-              show(device_scratch_capacity_factor));
   require(std::isfinite(host_overflow_scratch_factor) && host_overflow_scratch_factor >= 0,
           "host_overflow_scratch_factor",
           "must be >= 0, got " + show(host_overflow_scratch_factor));

@@ -1,11 +1,10 @@
 // Combine: expert outputs back to the ranks that own their tokens, then the top-k sum.
 //
-// Push: every received row's output goes to its owner's combine buffer at slot t*K+k (one
-// writer per slot, no atomics). With the direct combine (EpDims::direct_combine) the SM90 rows
-// GEMM already stored it there, so push only sends the backward's score gradients and meets the
-// barrier, after which the owners read the slots. Reduce: the owner sums its K slots per token in fp32, k in
-// order, and rounds once to bf16, so the result does not depend on timing: combine is
-// deterministic by construction.
+// The experts' rows GEMMs store every received row's output (y, grad_x) straight into its owner's
+// combine buffer at slot t*K+k (one writer per slot, no atomics). Push then only sends backward's
+// score gradients and meets the barrier, after which the owners read their slots. Reduce: the
+// owner sums its K slots per token in fp32, k in order, and rounds once to bf16, so the result
+// does not depend on timing: combine is deterministic by construction.
 #include "runtime/cuda_check.hpp"
 #include "ep/data_path.hpp"
 #include "ep/rank_view.cuh"
@@ -17,39 +16,30 @@ namespace {
 using comm::PeerTable;
 using comm::Phase;
 
+// Backward: each received row's score gradient, its pieces summed in order (deterministic), into
+// its owner's grad_scores_TK slot.
+__device__ void push_score_grads(const PeerTable& pt, const EpDims& dims, const WorkspaceOffsets& ws,
+                                 const RankScratch& rs, int blocks_per_rank) {
+  const int32_t* row_origin = comm::peer_ptr<int32_t>(pt, pt.rank, ws.row_origin);
+  const int TK = dims.T * dims.K;
+  const bool lane0 = threadIdx.x % 32 == 0;
+  for_each_row_in_use(rs, dims.groups, blocks_per_rank, [&](int r) {
+    if (!lane0) return;
+    const int origin = row_origin[r];
+    const float* parts = rs.grad_score_partials_RP + static_cast<size_t>(r) * dims.score_partials;
+    float sum = 0.0f;
+    for (int p = 0; p < dims.score_partials; ++p) sum += parts[p];
+    comm::peer_ptr<float>(pt, origin / TK, ws.grad_scores_TK)[origin % TK] = sum;
+  });
+}
+
 template <bool kBackward>
 __global__ void __launch_bounds__(kThreads) combine_push_kernel(const PeerTable* tables, EpDims dims,
                                                                 WorkspaceOffsets ws, LaunchScratch scratch,
                                                                 int blocks_per_rank) {
   const int slot = rank_slot(blocks_per_rank);
   const PeerTable& pt = tables[slot];
-  // Nothing of a row left to send: the GEMM stored it (forward), and backward's score sums only
-  // come from the SM90 experts, which the direct combine implies.
-  const bool rows_pushed = !dims.direct_combine;
-  const bool scores_pushed = kBackward && dims.scores_from_experts;
-  if (!comm::rank_failed(pt) && (rows_pushed || scores_pushed)) {
-    const RankScratch& rs = scratch.rank[slot];
-    const int32_t* row_origin = comm::peer_ptr<int32_t>(pt, pt.rank, ws.row_origin);
-    const char* rows = reinterpret_cast<const char*>(rs.rows_out_RD);
-    const size_t row_bytes = static_cast<size_t>(dims.D) * sizeof(bf16);
-    const int TK = dims.T * dims.K;
-    const int lane = threadIdx.x % 32;
-    for_each_row_in_use(rs, dims.groups, blocks_per_rank, [&](int r) {
-      const int origin = row_origin[r];
-      const int owner = origin / TK;
-      const size_t entry = origin % TK;
-      if (rows_pushed) {
-        char* dst = comm::peer_ptr<char>(pt, owner, ws.combine) + entry * row_bytes;
-        comm::warp_copy_16B(dst, rows + static_cast<size_t>(r) * row_bytes, row_bytes, lane);
-      }
-      if (scores_pushed && lane == 0) {
-        const float* parts = rs.grad_score_partials_RP + static_cast<size_t>(r) * dims.score_partials;
-        float sum = 0.0f;
-        for (int p = 0; p < dims.score_partials; ++p) sum += parts[p];  // in order: deterministic
-        comm::peer_ptr<float>(pt, owner, ws.grad_scores_TK)[entry] = sum;
-      }
-    });
-  }
+  if (kBackward && !comm::rank_failed(pt)) push_score_grads(pt, dims, ws, scratch.rank[slot], blocks_per_rank);
   comm::arrive_then_barrier(pt, blocks_per_rank, kBackward ? Phase::combine_backward : Phase::combine);
 }
 
@@ -68,7 +58,7 @@ __global__ void __launch_bounds__(kThreads) combine_reduce_kernel(const PeerTabl
   const size_t total = static_cast<size_t>(dims.T) * vecs;
   const size_t first = static_cast<size_t>(blockIdx.x % blocks_per_rank) * kThreads + threadIdx.x;
   const size_t stride = static_cast<size_t>(blocks_per_rank) * kThreads;
-  if (!kWeighted && dims.scores_from_experts) {  // backward: the score gradients the experts pushed
+  if (!kWeighted) {  // backward: the score gradients the experts pushed
     const float* pushed = comm::peer_ptr<float>(pt, pt.rank, ws.grad_scores_TK);
     for (size_t i = first; i < static_cast<size_t>(dims.T) * dims.K; i += stride)
       store_score(rio.grad_scores_TK, i, dims.scores_bf16, pushed[i]);
@@ -84,35 +74,6 @@ __global__ void __launch_bounds__(kThreads) combine_reduce_kernel(const PeerTabl
       for (int j = 0; j < 8; ++j) acc[j] += w * y[j];
     }
     out[i] = pack8(acc);
-  }
-}
-
-// One warp per (t, k): <grad_out[t], y[t, k]>, lanes in a fixed order then a fixed tree.
-__global__ void __launch_bounds__(kThreads) grad_scores_kernel(const PeerTable* tables, EpDims dims,
-                                                               WorkspaceOffsets ws, LaunchIo io,
-                                                               int blocks_per_rank) {
-  const int slot = rank_slot(blocks_per_rank);
-  const PeerTable& pt = tables[slot];
-  if (comm::rank_failed(pt)) return;
-  const RankIo& rio = io.rank[slot];
-  const uint4* combine = comm::peer_ptr<uint4>(pt, pt.rank, ws.combine);
-  const uint4* grad_out = reinterpret_cast<const uint4*>(rio.grad_out_TD);
-  const int vecs = dims.D / 8;
-  const int lane = threadIdx.x % 32;
-  const int TK = dims.T * dims.K;
-  for (int entry = first_warp_item(blocks_per_rank); entry < TK; entry += warp_item_stride(blocks_per_rank)) {
-    const size_t t = entry / dims.K;
-    float sum = 0.0f;
-    for (int v = lane; v < vecs; v += 32) {
-      float g[8], y[8];
-      unpack8(grad_out[t * vecs + v], g);
-      unpack8(combine[static_cast<size_t>(entry) * vecs + v], y);
-#pragma unroll
-      for (int j = 0; j < 8; ++j) sum += g[j] * y[j];
-    }
-#pragma unroll
-    for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(kFullMask, sum, offset);
-    if (lane == 0) store_score(rio.grad_scores_TK, entry, dims.scores_bf16, sum);
   }
 }
 
@@ -149,12 +110,6 @@ void launch_combine_reduce(const EpLaunch& l, const LaunchIo& io, bool backward,
                                                                                  blocks);
   }
   runtime::cuda_check_launch("combine_reduce_kernel");
-}
-
-void launch_grad_scores(const EpLaunch& l, const LaunchIo& io, cudaStream_t stream) {
-  const int blocks = local_blocks(l, static_cast<size_t>(l.dims.T) * l.dims.K, kWarps);
-  grad_scores_kernel<<<l.launch_ranks * blocks, kThreads, 0, stream>>>(l.tables, l.dims, l.ws, io, blocks);
-  runtime::cuda_check_launch("grad_scores_kernel");
 }
 
 }  // namespace poise::ep

@@ -42,19 +42,15 @@ void launch_tail_groups(const EpLaunch& l, cudaStream_t stream);
 // Local, after dispatch: rows of a token's second, third... expert on a rank copied from its primary
 // row, in place in the receive rows of x (forward) or of grad_out (backward).
 void launch_fanout_rows(const EpLaunch& l, bool backward, cudaStream_t stream);
-// Local, backward: grad_y[row] = bf16(score[row] * grad_out[primary row]) for every received row.
-void launch_fanout_scale_grad(const EpLaunch& l, cudaStream_t stream);
 
-// Each received row's output (scratch rows_out_RD) written back into its owner's combine buffer
-// at slot t*K+k; backward with scores_from_experts, also the row's score gradient (its pieces
-// summed in order) into the owner's grad_scores_TK region. Ends in a barrier.
+// After the experts, which stored each row's output (y, grad_x) straight into its owner's combine
+// slot t*K+k: backward, each row's score gradient (its pieces summed in order) into the owner's
+// grad_scores_TK region; then a barrier, after which every owner's slots are complete.
 void launch_combine_push(const EpLaunch& l, bool backward, cudaStream_t stream);
 // Owner: out[t] = bf16(sum_k w_k * combine[t*K+k]) in fp32, k in order (deterministic);
-// w_k = score (forward, into out_TD) or 1 (backward, into grad_x_TD; with scores_from_experts it
-// also copies the pushed score gradients into grad_scores_TK).
+// w_k = score (forward, into out_TD) or 1 (backward, into grad_x_TD; it also copies the pushed
+// score gradients into grad_scores_TK).
 void launch_combine_reduce(const EpLaunch& l, const LaunchIo& io, bool backward, cudaStream_t stream);
-// Owner, backward, before combine_push overwrites y: grad_scores[t,k] = <grad_out[t], y[t,k]> (fp32).
-void launch_grad_scores(const EpLaunch& l, const LaunchIo& io, cudaStream_t stream);
 
 // Forward, clamped SwiGLU, when the call asks for clip counts (src/ep/clip_counts.cu): each
 // rank counts its h13 rows per group into its window (before the combine-push barrier), then every

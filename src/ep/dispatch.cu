@@ -78,10 +78,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const PeerTable* tab
         comm::peer_ptr<int32_t>(pt, dest, ws.row_primary)[row] = primary_row;
         comm::peer_ptr<float>(pt, dest, ws.row_score)[row] = load_score(rio.scores_TK, entry, dims.scores_bf16);
       }
-      // Backward with the stand-in experts scales copies of the primary rows (fanout_scale_grad):
-      // there the local rows are not written here.
-      const bool own_rows_here = !kBackward || dims.scores_from_experts;
-      const bool writes = active && (primary_lane == lane || (own_rows_here && dest == pt.rank));
+      const bool writes = active && (primary_lane == lane || dest == pt.rank);
       char* dst = writes ? comm::peer_ptr<char>(pt, dest, rows_region) + static_cast<size_t>(row) * row_bytes : nullptr;
       // The token row read once, stored to every row this warp writes (primaries on other ranks too).
       comm::warp_copy_16B_to_lanes(dst, __ballot_sync(kFullMask, writes), src_TD + static_cast<size_t>(t) * dims.D,
@@ -117,33 +114,6 @@ __global__ void __launch_bounds__(kThreads)
     const int primary = row_primary[r];
     if (primary != r && row_origin[r] / TK != pt.rank) {
       comm::warp_copy_16B(rows + r * row_bytes, rows + primary * row_bytes, row_bytes, lane);
-    }
-  });
-}
-
-// Backward: grad_y[row] = bf16(score * grad_out[primary]) for every received row.
-__global__ void __launch_bounds__(kThreads)
-    fanout_scale_grad_kernel(const PeerTable* tables, EpDims dims, WorkspaceOffsets ws, LaunchScratch scratch,
-                             int blocks_per_rank) {
-  const int slot = rank_slot(blocks_per_rank);
-  const PeerTable& pt = tables[slot];
-  if (comm::rank_failed(pt)) return;
-  const RankScratch& rs = scratch.rank[slot];
-  const int32_t* row_primary = comm::peer_ptr<int32_t>(pt, pt.rank, ws.row_primary);
-  const float* row_score = comm::peer_ptr<float>(pt, pt.rank, ws.row_score);
-  const uint4* grad_rows = comm::peer_ptr<uint4>(pt, pt.rank, ws.recv_grad);
-  uint4* grad_y = reinterpret_cast<uint4*>(rs.grad_y_RD);
-  const int vecs = dims.D / 8;
-  const int lane = threadIdx.x % 32;
-  for_each_row_in_use(rs, dims.groups, blocks_per_rank, [&](int r) {
-    const size_t primary = row_primary[r];
-    const float score = row_score[r];
-    for (int v = lane; v < vecs; v += 32) {
-      float f[8];
-      unpack8(grad_rows[primary * vecs + v], f);
-#pragma unroll
-      for (int i = 0; i < 8; ++i) f[i] *= score;
-      grad_y[static_cast<size_t>(r) * vecs + v] = pack8(f);
     }
   });
 }
@@ -195,13 +165,6 @@ void launch_fanout_rows(const EpLaunch& l, bool backward, cudaStream_t stream) {
   fanout_rows_kernel<<<l.launch_ranks * blocks, kThreads, 0, stream>>>(
       l.tables, l.dims, l.ws, backward ? l.ws.recv_grad : l.ws.recv_x, l.scratch, blocks);
   runtime::cuda_check_launch("fanout_rows_kernel");
-}
-
-void launch_fanout_scale_grad(const EpLaunch& l, cudaStream_t stream) {
-  const int blocks = local_blocks_per_rank(l);
-  fanout_scale_grad_kernel<<<l.launch_ranks * blocks, kThreads, 0, stream>>>(l.tables, l.dims, l.ws, l.scratch,
-                                                                            blocks);
-  runtime::cuda_check_launch("fanout_scale_grad_kernel");
 }
 
 }  // namespace poise::ep

@@ -41,21 +41,17 @@ struct EpDims {
   int32_t scores_bf16 = 0;   // scores_TK dtype: 1 bf16, 0 fp32 (per call)
   int32_t w13_interleaved = 0;  // W13 rows: 1 gate/up interleaved, 0 blocked (per call)
   int32_t wgrad_bf16 = 0;    // the call's weight gradients: 1 bf16, 0 fp32 (per backward call: BackwardArgs / Config)
-  // SM90 experts: FPROP W2 / DGRAD W13 store each y / grad_x row straight into its owner's combine
-  // slot (sm90::RowScatter), so combine-push copies no rows (PipelineOptions::direct_combine).
-  int32_t direct_combine = 0;
-  // Backward, SM90 experts: grad_out rows go to the experts unscaled; DGRAD W2 applies the scores
-  // and computes the scores' gradients per row in score_partials pieces, which combine-push sends
-  // to the owners (grad_scores_TK window region). 0: the stand-in experts (fanout scales grad_out
-  // rows, the owner computes <grad_out, y> from the forward's combine buffer).
-  int32_t scores_from_experts = 0;
-  int32_t score_partials = 0;  // P: pieces per row of the scores' gradients (scores_from_experts)
+  // Backward: grad_out rows go to the experts unscaled; DGRAD W2 applies the scores and computes
+  // the scores' gradients per row in score_partials pieces, which combine-push sums and sends to
+  // the owners (grad_scores_TK window region).
+  int32_t score_partials = 0;  // P: pieces per row of the scores' gradients
   int32_t swiglu_clamped = 0;
   float swiglu_alpha = 1.702f;
   float swiglu_limit = 7.0f;
 };
 
-// Byte offsets inside every rank's symmetric workspace. [0, kSignalBytes) holds the signals.
+// Byte offsets inside every rank's symmetric workspace, as core/workspace_layout.hpp lays it out.
+// [0, kSignalBytes) holds the signals.
 struct WorkspaceOffsets {
   size_t counts_RE = 0;    // int32 [world][E]: rows each rank routes to each expert (all-gathered)
   size_t row_origin = 0;   // int32 [capacity]: src_rank*T*K + t*K + k of each received row
@@ -72,7 +68,6 @@ struct WorkspaceOffsets {
   size_t replica_w2 = 0;        // bf16 [B][D][F]
   size_t replica_grad_w13 = 0;  // fp32 [B][2F][D] (training)
   size_t replica_grad_w2 = 0;   // fp32 [B][D][F]  (training)
-  size_t total = 0;
 };
 
 // One rank's private device buffers (and where its own workspace and error word are).
@@ -99,10 +94,12 @@ struct RankScratch {
   int32_t* tail_offsets = nullptr;      // [groups]
   int32_t* tail_counts = nullptr;       // [groups]
   bf16* a_RF = nullptr;                 // [capacity][F] SwiGLU output (saved)
-  bf16* rows_out_RD = nullptr;          // [capacity][D] y rows (forward), grad_x rows (backward)
-  bf16* grad_y_RD = nullptr;            // [capacity][D] score * grad_out per row (backward, stand-in experts)
-  float* grad_score_partials_RP = nullptr;  // [capacity][score_partials] (backward, SM90 experts)
+  float* grad_score_partials_RP = nullptr;  // [capacity][score_partials] (backward)
   bf16* grad_h13_R2F = nullptr;         // [capacity][2F] (backward)
+  // The SM90 expert GEMMs' tile counters (sm90::GroupedRows::tile_counters), int32 [2], zero
+  // between launches; the rank's GEMMs run one after another on the pipeline's stream.
+  int32_t* gemm_tile_counters = nullptr;
+  unsigned long long* gemm_fault_word = nullptr;  // where this rank's expert GEMMs record a device fault
 };
 
 // One rank's call arguments (see poise::ForwardArgs / BackwardArgs).
@@ -145,13 +142,8 @@ struct EpLaunch {
   WorkspaceOffsets ws;
   LaunchScratch scratch;
   int num_sms = 0;  // of the device the pipeline runs on (persistent grid sizing)
-  // The SM90 expert GEMMs' tile counters (sm90::GroupedRows::tile_counters), int32 [2], zero
-  // between launches; one for the pipeline, whose GEMMs run one after another on its stream.
-  int32_t* gemm_tile_counters = nullptr;
-  // Where the expert GEMMs record a device fault (sm90::FaultWord): uint64 [1], zero until one occurs;
-  // the bound on their pipeline waits; fault injection for tests (each GEMM's CTA 0 never loads its
-  // first stage).
-  unsigned long long* gemm_fault_word = nullptr;
+  // The expert GEMMs' bound on their pipeline waits, and fault injection for tests (each GEMM's CTA 0
+  // never loads its first stage). Their fault words: RankScratch::gemm_fault_word.
   uint32_t gemm_wait_timeout_ns = 4'000'000'000u;
   bool gemm_drop_first_stage = false;
 };

@@ -1,7 +1,7 @@
 #include "pipeline/staged_pipeline.hpp"
 
 #include <algorithm>
-#include <cmath>
+#include <stdexcept>
 #include <string>
 
 #include "runtime/cuda_check.hpp"
@@ -16,48 +16,12 @@ namespace {
 
 using runtime::cuda_check;
 
-constexpr size_t kRegionAlignment = 256;
-
-size_t align_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
-
-// The symmetric workspace; `windows` (nullable) receives each activation record's regions (the
-// received x rows and their metadata), record 0's also in the returned offsets.
-WorkspaceOffsets plan_workspace(const EpDims& d, bool training, int records,
-                                std::vector<StagedPipeline::RecordWindow>* windows = nullptr) {
-  WorkspaceOffsets w;
-  size_t at = comm::kSignalBytes;
-  auto region = [&](size_t bytes) {
-    at = align_up(at, kRegionAlignment);
-    const size_t start = at;
-    at += bytes;
-    return start;
-  };
-  const size_t cap = d.capacity_rows, row = static_cast<size_t>(d.D) * sizeof(bf16);
-  w.counts_RE = region(sizeof(int32_t) * d.world * d.E);
-  for (int r = 0; r < records; ++r) {
-    StagedPipeline::RecordWindow rw;
-    rw.row_origin = region(sizeof(int32_t) * cap);
-    rw.row_primary = region(sizeof(int32_t) * cap);
-    rw.row_score = region(sizeof(float) * cap);
-    rw.recv_x = region(cap * row);
-    if (windows) windows->push_back(rw);
-    if (r == 0) w.row_origin = rw.row_origin, w.row_primary = rw.row_primary, w.row_score = rw.row_score,
-                w.recv_x = rw.recv_x;
-  }
-  w.recv_grad = training ? region(cap * row) : 0;
-  w.combine = region(static_cast<size_t>(d.T) * d.K * row);
-  w.grad_scores_TK = training ? region(sizeof(float) * d.T * d.K) : 0;
-  w.clip_counts_G2 = region(sizeof(uint64_t) * 2 * d.groups);
-  if (d.balanced) {
-    const size_t B = d.replica_slots, w13 = size_t(2) * d.F * d.D, w2 = size_t(d.D) * d.F;
-    w.replica_w13 = region(B * w13 * sizeof(bf16));
-    w.replica_w2 = region(B * w2 * sizeof(bf16));
-    w.replica_grad_w13 = training ? region(B * w13 * sizeof(float)) : 0;
-    w.replica_grad_w2 = training ? region(B * w2 * sizeof(float)) : 0;
-  }
-  w.total = align_up(at, kRegionAlignment);
-  return w;
-}
+// The workspace layout (poise_core, host only) restates these sizes as plain numbers.
+static_assert(layout::kSignalBytes == comm::kSignalBytes);
+static_assert(layout::kReplicaPieceBytes == sizeof(plan::shared::ReplicaPiece));
+static_assert(layout::kPlanStats == kPlanStats);
+static_assert(layout::kTokensPerChunk == kTokensPerChunk);
+static_assert(kGroupAlignment == kExpertRowAlignment);
 
 void require(bool ok, const std::string& name, const std::string& rule) {
   if (!ok) throw InvalidArgument(name, rule);
@@ -66,8 +30,8 @@ void require(bool ok, const std::string& name, const std::string& rule) {
 void validate_config(const Config& c, int64_t ep_size, const PipelineOptions& o) {
   c.validate(ep_size);
   if (c.balance == Balance::exact) {
-    require(o.balance_tolerance >= 0.0 && o.balance_tolerance <= 16.0, "balance_tolerance",
-            "must be in [0, 16], got " + std::to_string(o.balance_tolerance));
+    require(c.balance_tolerance <= 16.0, "balance_tolerance",
+            "must be in [0, 16], got " + std::to_string(c.balance_tolerance));
     require(o.replica_slots >= -1 && o.replica_slots <= c.num_local_experts(ep_size), "replica_slots",
             "must be -1 (E_local) or in [0, E_local = " + std::to_string(c.num_local_experts(ep_size)) + "], got " +
                 std::to_string(o.replica_slots));
@@ -87,25 +51,21 @@ void validate_config(const Config& c, int64_t ep_size, const PipelineOptions& o)
                 o.partial_record_rows < StagedPipeline::capacity_rows(c, ep_size, o),
             "partial_record_rows", "must be a positive multiple of 128 below the receive rows");
   }
-  if (o.activation_records + o.light_activation_records + o.partial_activation_records > 0 &&
-      o.expert_kernels != ExpertKernels::sm90) {
-    throw NotAvailable("activation_records: the EP stand-in kernels' backward reads the latest forward's y");
-  }
-  if (!c.inference && c.wgrad_dtype != DType::fp32 && o.expert_kernels != ExpertKernels::sm90) {
-    throw NotAvailable("wgrad_dtype=bf16: the EP stand-in kernels write fp32 weight gradients only (the SM90 "
-                       "expert kernels write both)");
-  }
-  const double rows = std::max(c.receive_capacity_factor, 1.0 + o.balance_tolerance) * c.num_local_input_tokens * c.top_k;
+  const double rows = std::max(c.receive_capacity_factor, 1.0 + c.balance_tolerance) * c.num_local_input_tokens * c.top_k;
   require(c.num_local_input_tokens * c.top_k * ep_size < (int64_t{1} << 31) && rows < double(1 << 30),
           "num_local_input_tokens", "T*K*ep_size must fit in 31 bits");
 }
 
-int64_t row_limit(const Config& c, const PipelineOptions& o) {
-  const int64_t C = c.num_local_input_tokens * c.top_k;
-  return C + static_cast<int64_t>(std::floor(o.balance_tolerance * static_cast<double>(C)));
+// What the options keep besides one call's memory (the layout sizes it).
+layout::Keep keep_of(const Config& c, int64_t ep_size, const PipelineOptions& o) {
+  return {.replica_slots = StagedPipeline::replica_slots(c, ep_size, o),
+          .whole_records = o.activation_records,
+          .light_records = o.light_activation_records,
+          .partial_records = o.partial_activation_records,
+          .partial_record_rows = o.partial_record_rows};
 }
 
-EpDims make_dims(const Config& c, int64_t ep_size, const PipelineOptions& o) {
+EpDims make_dims(const Config& c, int64_t ep_size, const layout::WorkspaceLayout& l) {
   sm90::ExpertMlpShape shape;
   shape.intermediate_dim = c.intermediate_dim;
   EpDims d;
@@ -117,18 +77,40 @@ EpDims make_dims(const Config& c, int64_t ep_size, const PipelineOptions& o) {
   d.world = static_cast<int32_t>(ep_size);
   d.E_local = d.E / d.world;
   d.balanced = c.balance == Balance::exact;
-  d.replica_slots = static_cast<int32_t>(StagedPipeline::replica_slots(c, ep_size, o));
-  d.groups = d.E_local + d.replica_slots;
-  d.row_limit = d.balanced ? static_cast<int32_t>(row_limit(c, o)) : d.T * d.K;
-  d.capacity_rows = static_cast<int32_t>(StagedPipeline::capacity_rows(c, ep_size, o));
+  d.groups = static_cast<int32_t>(l.groups);
+  d.replica_slots = d.groups - d.E_local;
+  d.row_limit = static_cast<int32_t>(l.row_limit);
+  d.capacity_rows = static_cast<int32_t>(l.capacity_rows);
   d.num_chunks = (d.T + kTokensPerChunk - 1) / kTokensPerChunk;
   d.swiglu_clamped = c.activation == Activation::swiglu_clamped;
   d.swiglu_alpha = static_cast<float>(c.swiglu_alpha);
   d.swiglu_limit = static_cast<float>(c.swiglu_limit);
-  d.scores_from_experts = o.expert_kernels == ExpertKernels::sm90 ? 1 : 0;
-  d.direct_combine = o.direct_combine && o.expert_kernels == ExpertKernels::sm90 ? 1 : 0;
-  d.score_partials = d.scores_from_experts ? static_cast<int32_t>(sm90::dgrad_w2_score_partials(shape)) : 0;
+  d.score_partials = static_cast<int32_t>(sm90::dgrad_w2_score_partials(shape));
+  if (d.score_partials > l.score_partials) {
+    throw std::logic_error("EP pipeline: DGRAD W2 writes " + std::to_string(d.score_partials) +
+                           " score pieces per row, the workspace layout holds " + std::to_string(l.score_partials));
+  }
   return d;
+}
+
+// The kernels' view of the window: record 0's rows (launch_for switches them per record).
+WorkspaceOffsets workspace_offsets(const layout::Window& w) {
+  auto at = [](const layout::Region& r) { return static_cast<size_t>(r.offset); };
+  WorkspaceOffsets o;
+  o.counts_RE = at(w.counts_RE);
+  o.row_origin = at(w.records[0].row_origin);
+  o.row_primary = at(w.records[0].row_primary);
+  o.row_score = at(w.records[0].row_score);
+  o.recv_x = at(w.records[0].recv_x);
+  o.recv_grad = at(w.recv_grad);
+  o.combine = at(w.combine);
+  o.grad_scores_TK = at(w.grad_scores_TK);
+  o.clip_counts_G2 = at(w.clip_counts_G2);
+  o.replica_w13 = at(w.replica_w13);
+  o.replica_w2 = at(w.replica_w2);
+  o.replica_grad_w13 = at(w.replica_grad_w13);
+  o.replica_grad_w2 = at(w.replica_grad_w2);
+  return o;
 }
 
 std::string arg_name(int slot, const char* field) { return "args[" + std::to_string(slot) + "]." + field; }
@@ -140,8 +122,7 @@ void require_pointer(const void* p, int slot, const char* field, size_t alignmen
 }
 
 // `backward`: the forward's inputs of a backward call (its out_TD is never used and may be null).
-void validate_forward_args(const ForwardArgs& a, int slot, const ForwardArgs& first, ExpertKernels kernels,
-                           bool backward) {
+void validate_forward_args(const ForwardArgs& a, int slot, const ForwardArgs& first, bool backward) {
   require_pointer(a.x_TD, slot, "x_TD", 16);
   require_pointer(a.ids_TK, slot, "ids_TK", 4);
   require_pointer(a.scores_TK, slot, "scores_TK", a.scores_dtype == DType::fp32 ? 4 : 2);
@@ -154,11 +135,27 @@ void validate_forward_args(const ForwardArgs& a, int slot, const ForwardArgs& fi
   require((a.clip_counts_E2 == nullptr) == (first.clip_counts_E2 == nullptr), arg_name(slot, "clip_counts_E2"),
           "must be set on every rank of one call or on none");
   if (a.clip_counts_E2) require_pointer(a.clip_counts_E2, slot, "clip_counts_E2", 8);
-  if (a.w13_layout != W13Layout::gate_up_blocked && kernels != ExpertKernels::sm90) {
-    throw NotAvailable(arg_name(slot, "w13_layout") +
-                       ": gate_up_interleaved is not implemented by the EP stand-in kernels (the SM90 expert "
-                       "kernels take both layouts)");
-  }
+}
+
+// A region of a rank's buffers at `base`; null where the layout has none.
+template <class T>
+T* at(char* base, const layout::Region& r) {
+  return r.bytes > 0 ? reinterpret_cast<T*>(base + r.offset) : nullptr;
+}
+
+StagedPipeline::RecordBuffers record_pointers(char* base, const layout::RecordBuffers& r) {
+  StagedPipeline::RecordBuffers b;
+  b.dest_row_TK = at<int32_t>(base, r.dest_row_TK);
+  b.dest_rank_TK = at<int32_t>(base, r.dest_rank_TK);
+  b.group_offsets = at<int32_t>(base, r.group_offsets);
+  b.group_counts = at<int32_t>(base, r.group_counts);
+  b.plan_kept_E = at<int32_t>(base, r.plan_kept_E);
+  b.plan_piece_first_E = at<int32_t>(base, r.plan_piece_first_E);
+  b.plan_pieces = at<plan::shared::ReplicaPiece>(base, r.plan_pieces);
+  b.plan_group_offsets_RG = at<int32_t>(base, r.plan_group_offsets_RG);
+  b.plan_stats = at<int32_t>(base, r.plan_stats);
+  b.h13_R2F = at<bf16>(base, r.h13_R2F);
+  return b;
 }
 
 }  // namespace
@@ -171,7 +168,6 @@ const char* to_string(Stage s) {
     case Stage::experts: return "experts";
     case Stage::combine_push: return "combine_push";
     case Stage::combine_reduce: return "combine_reduce";
-    case Stage::grad_scores: return "grad_scores";
     case Stage::replica_grads: return "replica_grads";
     case Stage::recompute: return "recompute";
     case Stage::redispatch: return "redispatch";
@@ -187,34 +183,25 @@ int64_t StagedPipeline::replica_slots(const Config& c, int64_t ep_size, const Pi
 }
 
 int64_t StagedPipeline::capacity_rows(const Config& c, int64_t ep_size, const PipelineOptions& o) {
-  const bool exact = c.balance == Balance::exact;
-  const int64_t routed = exact ? row_limit(c, o)
-                               : static_cast<int64_t>(std::ceil(c.receive_capacity_factor * c.num_local_input_tokens *
-                                                                c.top_k));
-  const int64_t groups = c.num_local_experts(ep_size) + replica_slots(c, ep_size, o);
-  const int64_t padding = groups * (kGroupAlignment - 1);
-  return (routed + padding + kGroupAlignment - 1) / kGroupAlignment * kGroupAlignment;
+  return layout::capacity_rows(c, ep_size, replica_slots(c, ep_size, o));
 }
 
 size_t StagedPipeline::workspace_bytes(const Config& c, int64_t ep_size, const PipelineOptions& o) {
   validate_config(c, ep_size, o);
-  return plan_workspace(make_dims(c, ep_size, o), !c.inference, 1 + o.activation_records).total;
+  return static_cast<size_t>(layout::workspace_layout(c, ep_size, keep_of(c, ep_size, o)).window.bytes);
 }
 
+size_t StagedPipeline::bytes_per_rank(const Config& c, int64_t ep_size, const PipelineOptions& o) {
+  validate_config(c, ep_size, o);
+  const layout::WorkspaceLayout l = layout::workspace_layout(c, ep_size, keep_of(c, ep_size, o));
+  return static_cast<size_t>(l.window.bytes + l.buffers.bytes);
+}
 
 std::unique_ptr<StagedPipeline> StagedPipeline::create_virtual(const Config& config, int64_t ep_size,
                                                                const PipelineOptions& options) {
   validate_config(config, ep_size, options);
   auto transport = comm::VirtualTransport::create(static_cast<int>(ep_size), workspace_bytes(config, ep_size, options),
                                                   options.timeout_ns);
-  return create(config, std::move(transport), options);
-}
-
-std::unique_ptr<StagedPipeline> StagedPipeline::create(const Config& config,
-                                                       std::unique_ptr<comm::Transport> transport,
-                                                       ExpertKernels expert_kernels) {
-  PipelineOptions options;
-  options.expert_kernels = expert_kernels;
   return create(config, std::move(transport), options);
 }
 
@@ -232,83 +219,56 @@ std::unique_ptr<StagedPipeline> StagedPipeline::create(const Config& config,
 
 StagedPipeline::StagedPipeline(const Config& config, std::unique_ptr<comm::Transport> transport,
                                const PipelineOptions& options)
-    : config_(config), expert_kernels_(options.expert_kernels), transport_(std::move(transport)) {
-  const bool training = !config.inference;
+    : config_(config),
+      transport_(std::move(transport)),
+      layout_(layout::workspace_layout(config, transport_->world_size(),
+                                       keep_of(config, transport_->world_size(), options))) {
   launch_.tables = transport_->device_tables();
   launch_.launch_ranks = transport_->launch_ranks();
-  launch_.dims = make_dims(config, transport_->world_size(), options);
-  launch_.ws = plan_workspace(launch_.dims, training, 1 + options.activation_records, &record_windows_);
+  launch_.dims = make_dims(config, transport_->world_size(), layout_);
+  launch_.ws = workspace_offsets(layout_.window);
   record_order_ = {options.activation_records, options.light_activation_records, options.partial_activation_records};
   partial_rows_ = static_cast<int32_t>(options.partial_record_rows);
-  for (int r = 0; r < options.light_activation_records + options.partial_activation_records; ++r)
-    record_windows_.push_back(record_windows_[0]);
+  // Light and partial records use the working record's rows in the window.
+  record_windows_ = layout_.window.records;
+  record_windows_.resize(layout_.buffers.records.size(), layout_.window.records[0]);
   int device = 0;
   cuda_check(cudaGetDevice(&device), "cudaGetDevice");
   cuda_check(cudaDeviceGetAttribute(&launch_.num_sms, cudaDevAttrMultiProcessorCount, device),
              "cudaDeviceGetAttribute(multiprocessors)");
-  const EpDims& d = launch_.dims;
-  const size_t cap = d.capacity_rows;
-  auto alloc = [&](size_t bytes) {
-    const size_t allocated = std::max<size_t>(bytes, 16);
-    void* p = nullptr;
-    cuda_check(cudaMalloc(&p, allocated), "cudaMalloc(EP scratch)");
-    allocations_.push_back(p);
-    allocated_bytes_ += allocated;
-    return p;
-  };
   try {
-    for (int r = 0; r < records(); ++r) {
-      for (int s = 0; s < launch_.launch_ranks; ++s) {
-        RecordBuffers b;
-        b.dest_row_TK = static_cast<int32_t*>(alloc(sizeof(int32_t) * d.T * d.K));
-        b.dest_rank_TK = static_cast<int32_t*>(alloc(sizeof(int32_t) * d.T * d.K));
-        b.group_offsets = static_cast<int32_t*>(alloc(sizeof(int32_t) * (d.groups + 1)));
-        b.group_counts = static_cast<int32_t*>(alloc(sizeof(int32_t) * d.groups));
-        cuda_check(cudaMemset(b.group_offsets, 0, sizeof(int32_t) * (d.groups + 1)), "cudaMemset");
-        cuda_check(cudaMemset(b.group_counts, 0, sizeof(int32_t) * d.groups), "cudaMemset");
-        if (d.balanced) {
-          b.plan_kept_E = static_cast<int32_t*>(alloc(sizeof(int32_t) * d.E));
-          b.plan_piece_first_E = static_cast<int32_t*>(alloc(sizeof(int32_t) * (d.E + 1)));
-          b.plan_pieces = static_cast<plan::shared::ReplicaPiece*>(
-              alloc(sizeof(plan::shared::ReplicaPiece) * std::max(1, d.world * d.replica_slots)));
-          b.plan_group_offsets_RG = static_cast<int32_t*>(alloc(sizeof(int32_t) * d.world * (d.groups + 1)));
-          b.plan_stats = static_cast<int32_t*>(alloc(sizeof(int32_t) * kPlanStats));
-          cuda_check(cudaMemset(b.plan_piece_first_E, 0, sizeof(int32_t) * (d.E + 1)), "cudaMemset");
-        }
-        const size_t h13_rows = record_order_.partial_kind(r) ? size_t(partial_rows_) : cap;
-        b.h13_R2F = static_cast<bf16*>(alloc(sizeof(bf16) * h13_rows * 2 * d.F));
-        record_buffers_.push_back(b);
-      }
-    }
-    for (int s = 0; s < launch_.launch_ranks; ++s) {
-      RankScratch& rs = launch_.scratch.rank[s];
-      rs.workspace = transport_->local_workspace(s);
-      rs.error_code = &transport_->device_error(s)->code;
-      rs.chunk_offsets_CE = static_cast<int32_t*>(alloc(sizeof(int32_t) * d.num_chunks * d.E));
-      rs.tail_offsets = static_cast<int32_t*>(alloc(sizeof(int32_t) * d.groups));
-      rs.tail_counts = static_cast<int32_t*>(alloc(sizeof(int32_t) * d.groups));
-      rs.a_RF = static_cast<bf16*>(alloc(sizeof(bf16) * cap * d.F));
-      // The direct combine stores y / grad_x rows in the owners' combine slots: no grouped copy.
-      if (!d.direct_combine) rs.rows_out_RD = static_cast<bf16*>(alloc(sizeof(bf16) * cap * d.D));
-      if (training) {
-        if (d.scores_from_experts) {
-          rs.grad_score_partials_RP = static_cast<float*>(alloc(sizeof(float) * cap * d.score_partials));
-        } else {
-          rs.grad_y_RD = static_cast<bf16*>(alloc(sizeof(bf16) * cap * d.D));
-        }
-        rs.grad_h13_R2F = static_cast<bf16*>(alloc(sizeof(bf16) * cap * 2 * d.F));
-      }
-    }
-    launch_.gemm_tile_counters = static_cast<int32_t*>(alloc(2 * sizeof(int32_t)));
-    cuda_check(cudaMemset(launch_.gemm_tile_counters, 0, 2 * sizeof(int32_t)), "cudaMemset");
-    launch_.gemm_fault_word = static_cast<unsigned long long*>(alloc(sizeof(unsigned long long)));
-    cuda_check(cudaMemset(launch_.gemm_fault_word, 0, sizeof(unsigned long long)), "cudaMemset");
+    for (int s = 0; s < launch_.launch_ranks; ++s) allocate_rank_buffers(s);
     launch_ = launch_for(0);
-    if (d.balanced) configure_balance_plan(launch_);
+    if (launch_.dims.balanced) configure_balance_plan(launch_);
   } catch (...) {
     for (void* p : allocations_) cudaFree(p);
     throw;
   }
+}
+
+// Launch slot s's buffers: one allocation as the layout lists them, zeroed (group offsets, plan
+// piece counts and the GEMM tile counters must start at zero).
+void StagedPipeline::allocate_rank_buffers(int s) {
+  const layout::RankBuffers& lb = layout_.buffers;
+  void* p = nullptr;
+  cuda_check(cudaMalloc(&p, static_cast<size_t>(lb.bytes)), "cudaMalloc(EP rank buffers)");
+  allocations_.push_back(p);
+  cuda_check(cudaMemset(p, 0, static_cast<size_t>(lb.bytes)), "cudaMemset(EP rank buffers)");
+  char* base = static_cast<char*>(p);
+  record_buffers_.resize(lb.records.size() * launch_.launch_ranks);
+  for (size_t r = 0; r < lb.records.size(); ++r)
+    record_buffers_[r * launch_.launch_ranks + s] = record_pointers(base, lb.records[r]);
+  RankScratch& rs = launch_.scratch.rank[s];
+  rs.workspace = transport_->local_workspace(s);
+  rs.error_code = &transport_->device_error(s)->code;
+  rs.chunk_offsets_CE = at<int32_t>(base, lb.chunk_offsets_CE);
+  rs.tail_offsets = at<int32_t>(base, lb.tail_offsets);
+  rs.tail_counts = at<int32_t>(base, lb.tail_counts);
+  rs.a_RF = at<bf16>(base, lb.a_RF);
+  rs.grad_score_partials_RP = at<float>(base, lb.grad_score_partials_RP);
+  rs.grad_h13_R2F = at<bf16>(base, lb.grad_h13_R2F);
+  rs.gemm_tile_counters = at<int32_t>(base, lb.gemm_tile_counters);
+  rs.gemm_fault_word = at<unsigned long long>(base, lb.gemm_fault_word);
 }
 
 StagedPipeline::~StagedPipeline() {
@@ -323,7 +283,7 @@ LaunchIo StagedPipeline::forward_io(std::span<const ForwardArgs> args, bool back
   LaunchIo io;
   for (int s = 0; s < launch_.launch_ranks; ++s) {
     const ForwardArgs& a = args[s];
-    validate_forward_args(a, s, args[0], expert_kernels_, backward);
+    validate_forward_args(a, s, args[0], backward);
     RankIo& r = io.rank[s];
     r.x_TD = static_cast<const bf16*>(a.x_TD);
     r.ids_TK = a.ids_TK;
@@ -354,11 +314,11 @@ EpLaunch StagedPipeline::launch_for(int record) const {
     rs.h13_hi_R2F = record_buffers_[s].h13_R2F;  // the working record's (rows past a partial record's)
     rs.h13_split = record_order_.partial_kind(record) ? partial_rows_ : l.dims.capacity_rows;
   }
-  const RecordWindow& w = record_windows_[record];
-  l.ws.row_origin = w.row_origin;
-  l.ws.row_primary = w.row_primary;
-  l.ws.row_score = w.row_score;
-  l.ws.recv_x = w.recv_x;
+  const layout::RecordRows& w = record_windows_[record];
+  l.ws.row_origin = static_cast<size_t>(w.row_origin.offset);
+  l.ws.row_primary = static_cast<size_t>(w.row_primary.offset);
+  l.ws.row_score = static_cast<size_t>(w.row_score.offset);
+  l.ws.recv_x = static_cast<size_t>(w.recv_x.offset);
   return l;
 }
 
@@ -387,7 +347,7 @@ void StagedPipeline::forward(std::span<const ForwardArgs> args, cudaStream_t str
   stage(Stage::fanout, stream);
   launch_fanout_rows(l, /*backward=*/false, stream);
   stage(Stage::experts, stream);
-  expert_forward(l, io, expert_kernels_, stream);
+  expert_forward(l, io, stream);
   const bool clip_counts = io.rank[0].clip_counts_E2 != nullptr;
   if (clip_counts) launch_clip_count_groups(l, stream);
   stage(Stage::combine_push, stream);
@@ -423,22 +383,16 @@ void StagedPipeline::backward(std::span<const BackwardArgs> args, cudaStream_t s
     r.grad_w2_EDF = a.grad_w2;
   }
   const DType wgrad_dtype = args[0].wgrad_dtype.value_or(config_.wgrad_dtype);
-  if (wgrad_dtype != DType::fp32 && expert_kernels_ != ExpertKernels::sm90) {
-    throw NotAvailable("wgrad_dtype=bf16: the EP stand-in kernels write fp32 weight gradients only");
-  }
   EpLaunch l = launch_for(record);
   l.dims.scores_bf16 = args[0].forward.scores_dtype == DType::bf16;
   l.dims.w13_interleaved = args[0].forward.w13_layout == W13Layout::gate_up_interleaved;
   l.dims.wgrad_bf16 = wgrad_dtype == DType::bf16 ? 1 : 0;
   if (recompute) {
     // Only what backward reads: the layout, the received x rows, h13 (and the replica weights).
-    if (!l.dims.scores_from_experts) {
-      throw NotAvailable("recompute: the stand-in experts' backward reads the forward's y; run its forward instead");
-    }
     stage(Stage::recompute, stream);
     launch_route(l, io, stream);
     dispatch_x_rows(l, io, stream);
-    expert_forward_h13(l, io, expert_kernels_, /*tail_only=*/false, stream);
+    expert_forward_h13(l, io, /*tail_only=*/false, stream);
     replicas_in_window_ = record;
   }
   if (!recompute && record_order_.shares_working_rows(record)) {
@@ -449,25 +403,18 @@ void StagedPipeline::backward(std::span<const BackwardArgs> args, cudaStream_t s
     if (record_order_.partial_kind(record)) {  // h13 of the rows past what the record kept
       stage(Stage::recompute_rows, stream);
       launch_tail_groups(l, stream);
-      expert_forward_h13(l, io, expert_kernels_, /*tail_only=*/true, stream);
+      expert_forward_h13(l, io, /*tail_only=*/true, stream);
     }
   }
   // Exact balance: the window's replica weights are those of the latest forward (or recompute).
   const bool push_replicas = l.dims.balanced && replicas_in_window_ != record;
   replicas_in_window_ = record;
-  if (!l.dims.scores_from_experts) {
-    stage(Stage::grad_scores, stream);
-    launch_grad_scores(l, io, stream);  // reads y from the combine buffer before grad_x rows replace it
-  }
   stage(Stage::dispatch, stream);
   launch_dispatch_backward(l, io, push_replicas, stream);
   stage(Stage::fanout, stream);
-  // SM90 experts read grad_out rows in place (the scores are applied in DGRAD W2); the stand-in
-  // experts want score-scaled copies.
-  if (l.dims.scores_from_experts) launch_fanout_rows(l, /*backward=*/true, stream);
-  else launch_fanout_scale_grad(l, stream);
+  launch_fanout_rows(l, /*backward=*/true, stream);  // the experts read grad_out rows in place, unscaled
   stage(Stage::experts, stream);
-  expert_backward(l, io, args[0].accumulate_wgrad, expert_kernels_, stream);
+  expert_backward(l, io, args[0].accumulate_wgrad, stream);
   stage(Stage::combine_push, stream);
   launch_combine_push(l, /*backward=*/true, stream);
   if (l.dims.balanced) {
@@ -489,9 +436,9 @@ void StagedPipeline::check(cudaStream_t stream) {
   }
   // A grouped-GEMM pipeline wait past its bound (the launch drained instead of hanging).
   std::string gemm_fault;
-  if (expert_kernels_ == ExpertKernels::sm90) {
-    const sm90::PipelineFault f = sm90::take_pipeline_fault({launch_.gemm_fault_word}, stream);
-    if (f.occurred) gemm_fault = "SM90 expert GEMM: " + sm90::describe(f);
+  for (int s = 0; s < launch_.launch_ranks && gemm_fault.empty(); ++s) {
+    const sm90::PipelineFault f = sm90::take_pipeline_fault({launch_.scratch.rank[s].gemm_fault_word}, stream);
+    if (f.occurred) gemm_fault = "SM90 expert GEMM: " + sm90::describe(f) + " (launch slot " + std::to_string(s) + ")";
   }
   if (found.empty() && gemm_fault.empty()) return;
   if (found.empty()) throw DeviceError(gemm_fault);

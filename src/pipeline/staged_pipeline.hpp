@@ -1,7 +1,11 @@
 // StagedPipeline: routed_experts forward and backward over EP ranks, as separate kernels:
 //
 //   forward:  route -> dispatch -> fanout -> experts (W13+SwiGLU, W2) -> combine push -> combine reduce
-//   backward: grad_scores -> dispatch grad_out -> fanout+scale -> experts backward -> combine push -> reduce
+//   backward: dispatch grad_out -> fanout -> experts backward -> combine push -> combine reduce
+//
+// The experts are the SM90 grouped GEMMs (pipeline/expert_compute.hpp). Their rows GEMMs store
+// each y / grad_x row straight into its owner's combine slot, and DGRAD W2 applies the routing
+// scores and computes their gradients, which combine-push sends home.
 //
 // One pipeline serves every rank this process drives: all R virtual ranks (one grid per stage,
 // split by rank), or the single rank of a process-per-GPU NCCL group. Arguments come per launch
@@ -42,8 +46,8 @@
 #include <vector>
 
 #include "comm/transport.hpp"
+#include "core/workspace_layout.hpp"
 #include "ep/ep_params.hpp"
-#include "pipeline/expert_compute.hpp"
 #include "poise/config.hpp"
 #include "poise/context.hpp"
 
@@ -56,7 +60,6 @@ enum class Stage {
   experts,
   combine_push,
   combine_reduce,
-  grad_scores,
   replica_grads,  // exact balance, backward: replica weight gradients added to their owners'
   recompute,      // backward: the forward's route, dispatch, fanout and W13 GEMM again
   redispatch,     // backward from a light record: the forward's dispatch and fanout of x rows again
@@ -80,10 +83,6 @@ struct RecordOrder {
 
 struct PipelineOptions {
   uint64_t timeout_ns = 10'000'000'000ull;  // bound on every wait for a peer
-  ExpertKernels expert_kernels = ExpertKernels::standin;
-  // Exact balance only. Extra rows a rank may compute, as a fraction of T*K (0: exact balance);
-  // a tolerance moves only what exceeds (1 + tolerance) * T*K and so cuts replica traffic.
-  double balance_tolerance = 0.0;
   // Replica slots per rank, B in [0, E_local]; -1: E_local (training default: always exact).
   // Fewer slots save memory; the plan is then exact when slots allow and overflows otherwise.
   int64_t replica_slots = -1;
@@ -92,10 +91,6 @@ struct PipelineOptions {
   int light_activation_records = 0;
   int partial_activation_records = 0;
   int64_t partial_record_rows = 0;  // a multiple of 128, below the receive rows
-  // SM90 experts: the rows GEMMs store their output rows straight into the owners' combine slots
-  // (through the peer table's LSA addresses) instead of grouped rows that combine-push then copies;
-  // the same bytes in the same slots. false: grouped rows + push (A/B, tests).
-  bool direct_combine = true;
 };
 
 // Host copy of one slot's routing layout (tests, diagnostics).
@@ -124,18 +119,18 @@ class StagedPipeline {
   static int64_t capacity_rows(const Config& config, int64_t ep_size, const PipelineOptions& options = {});
   // Bytes of the symmetric workspace each rank must register.
   static size_t workspace_bytes(const Config& config, int64_t ep_size, const PipelineOptions& options = {});
+  // Device bytes a pipeline will hold per rank: the workspace and the rank's buffers.
+  static size_t bytes_per_rank(const Config& config, int64_t ep_size, const PipelineOptions& options = {});
   // Replica slots B the options give (exact balance; 0 in capacity mode).
   static int64_t replica_slots(const Config& config, int64_t ep_size, const PipelineOptions& options = {});
 
   // All ep_size ranks in this process on the current GPU (virtual ranks).
   static std::unique_ptr<StagedPipeline> create_virtual(const Config& config, int64_t ep_size,
                                                         const PipelineOptions& options = {});
-  // Over an existing transport (e.g. comm::NcclTransport), whose workspace holds workspace_bytes().
+  // Over an existing transport (e.g. comm::NcclTransport), whose workspace holds workspace_bytes()
+  // (options.timeout_ns is the transport's own and is ignored here).
   static std::unique_ptr<StagedPipeline> create(const Config& config, std::unique_ptr<comm::Transport> transport,
-                                                ExpertKernels expert_kernels = ExpertKernels::standin);
-  // Same, with every option (timeout_ns is the transport's own and is ignored here).
-  static std::unique_ptr<StagedPipeline> create(const Config& config, std::unique_ptr<comm::Transport> transport,
-                                                const PipelineOptions& options);
+                                                const PipelineOptions& options = {});
   ~StagedPipeline();
 
   // Host-validates (InvalidArgument naming "args[slot].field") then enqueues. args: one per launch slot.
@@ -163,10 +158,10 @@ class StagedPipeline {
   // Called on the host before each stage is enqueued (and with Stage::end after the last).
   void set_stage_hook(std::function<void(Stage, cudaStream_t)> hook) { hook_ = std::move(hook); }
 
-  // Device bytes held per launch rank: the symmetric workspace and this pipeline's buffers (what a
-  // Context's MemoryPlan accounts for; tests compare the two).
+  // Device bytes held per launch rank: the symmetric workspace and the rank's buffers, as the
+  // workspace layout lists them (what a Context's MemoryPlan sums).
   size_t device_bytes_per_rank() const {
-    return transport_->workspace_bytes() + allocated_bytes_ / static_cast<size_t>(launch_ranks());
+    return transport_->workspace_bytes() + static_cast<size_t>(layout_.buffers.bytes);
   }
 
   int world_size() const { return transport_->world_size(); }
@@ -193,9 +188,6 @@ class StagedPipeline {
     int32_t* plan_stats = nullptr;
     bf16* h13_R2F = nullptr;
   };
-  struct RecordWindow {
-    size_t row_origin = 0, row_primary = 0, row_score = 0, recv_x = 0;
-  };
 
   StagedPipeline(const StagedPipeline&) = delete;
   StagedPipeline& operator=(const StagedPipeline&) = delete;
@@ -209,17 +201,17 @@ class StagedPipeline {
   // launch_ with `record`'s buffers and window regions in place of the working record's.
   EpLaunch launch_for(int record) const;
   void check_record(int record) const;
+  void allocate_rank_buffers(int slot);
   // A forward's dispatch of x rows (with the replica weight push) and fanout, from l's layout.
   void dispatch_x_rows(const EpLaunch& l, const LaunchIo& io, cudaStream_t stream);
 
   Config config_;
-  ExpertKernels expert_kernels_;
   std::unique_ptr<comm::Transport> transport_;
+  layout::WorkspaceLayout layout_;  // what the workspace and each rank's buffers hold
   EpLaunch launch_;
-  std::vector<void*> allocations_;
-  size_t allocated_bytes_ = 0;  // their sizes, all launch ranks together
+  std::vector<void*> allocations_;             // [slot]: the rank's buffers
   std::vector<RecordBuffers> record_buffers_;  // [record * launch_ranks + slot]
-  std::vector<RecordWindow> record_windows_;   // [record]
+  std::vector<layout::RecordRows> record_windows_;  // [record]
   RecordOrder record_order_;
   int32_t partial_rows_ = 0;
   int replicas_in_window_ = -1;                // record whose replica weights the window holds

@@ -57,7 +57,6 @@ TEST(Config, RejectsEachBrokenRule) {
                   "activation_slot_bytes");
   expect_rejected([](Config& c) { c.activation_slot_capacity_factor = -0.5; }, "activation_slot_capacity_factor");
   expect_rejected([](Config& c) { c.activation_slot_bytes = -1; }, "activation_slot_bytes");
-  expect_rejected([](Config& c) { c.device_scratch_capacity_factor = 0.9; }, "device_scratch_capacity_factor");
   expect_rejected([](Config& c) { c.host_overflow_scratch_factor = -1; }, "host_overflow_scratch_factor");
   expect_rejected([](Config& c) { c.inference = true; c.activation_slot_bytes = 4096; }, "activation_slot_bytes");
   expect_rejected([](Config&) {}, "ep_size", 0);

@@ -1,6 +1,10 @@
 // plan_memory: regions add up, scale the way the formulas in docs/memory_plan.md say, and explain() shows them.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <vector>
+
+#include "core/workspace_layout.hpp"
 #include "poise/errors.hpp"
 #include "poise/memory_plan.hpp"
 
@@ -106,7 +110,6 @@ TEST(MemoryPlan, CapacityModeKeepsEveryReceivedRowOnTheDevice) {
   Config c = deepseek_v3();
   c.balance = Balance::capacity;
   c.receive_capacity_factor = 2.0;
-  c.device_scratch_capacity_factor = 1.25;  // no effect until host-backed rows exist
   const MemoryPlan p = plan_memory(c, 8);
   EXPECT_EQ(p.num_replica_slots, 0);
   EXPECT_EQ(p.replica_weight_bytes, 0);
@@ -114,7 +117,10 @@ TEST(MemoryPlan, CapacityModeKeepsEveryReceivedRowOnTheDevice) {
   EXPECT_EQ(p.total_rows, p.device_rows);
   EXPECT_EQ(p.host_overflow_scratch_bytes, 0);
   EXPECT_EQ(p.total_virtual_bytes, p.total_device_bytes);
-  EXPECT_EQ(p.device_scratch_bytes, p.device_rows * 5 * 2048 * 2);  // h13, a, grad_h13 of every row
+  // h13, a, grad_h13 and the score-gradient pieces of every row, and the working routing layout.
+  const int64_t row_bytes = 5 * 2048 * 2 + 2048 / 64 * 4;
+  EXPECT_GE(p.device_scratch_bytes, p.device_rows * row_bytes);
+  EXPECT_LT(p.device_scratch_bytes, p.device_rows * row_bytes + (1 << 20));
   c.host_overflow_scratch_factor = 0.5;
   EXPECT_THROW(plan_memory(c, 8), NotAvailable);
 }
@@ -142,6 +148,74 @@ TEST(MemoryPlan, ExplainNamesEveryRegion) {
                              "host overflow scratch", "total device", "total virtual", "EP=8"}) {
     EXPECT_NE(text.find(region), std::string::npos) << region << "\n" << text;
   }
+}
+
+// The plan sums the workspace layout the pipeline allocates: its totals are the layout's bytes,
+// the window rounded up to whole 2 MiB granules; its slots are the kept records' regions.
+TEST(MemoryPlan, SumsTheWorkspaceLayout) {
+  std::vector<Config> configs(6, deepseek_v3());
+  configs[1].inference = true;
+  configs[2].balance = Balance::capacity;
+  configs[3].num_activation_slots = 3, configs[3].max_moe_layers_per_activation_slot = 4;
+  configs[4].max_moe_layers_per_activation_slot = 4, configs[4].activation_slot_capacity_factor = 0.6;
+  configs[5].balance_tolerance = 0.1, configs[5].num_activation_slots = 0;
+  for (int64_t ep : {1, 8}) {
+    for (const Config& c : configs) {
+      const MemoryPlan p = plan_memory(c, ep);
+      const layout::WorkspaceLayout l = layout::workspace_layout(c, ep, layout::keep_of(p));
+      const int64_t held = l.window.bytes + l.buffers.bytes;
+      EXPECT_GE(p.total_device_bytes, held);
+      EXPECT_LT(p.total_device_bytes, held + (2 << 20));
+      EXPECT_EQ(p.device_rows, l.capacity_rows);
+      EXPECT_EQ(p.replica_weight_bytes, l.window.replica_bytes());
+      EXPECT_EQ(p.activation_slots_total_bytes, c.num_activation_slots * p.activation_slot_bytes);
+      const int64_t slots = c.inference ? 0 : c.num_activation_slots;
+      EXPECT_EQ(int64_t(l.buffers.records.size()),
+                1 + slots * (p.activation_records_per_slot + p.activation_light_records_per_slot +
+                             (p.activation_partial_record_rows > 0)));
+    }
+  }
+}
+
+// Every region lies inside its block, on a 256-byte boundary, and no two overlap.
+void expect_disjoint(std::vector<layout::Region> regions, int64_t block_bytes) {
+  std::erase_if(regions, [](const layout::Region& r) { return r.bytes == 0; });
+  std::sort(regions.begin(), regions.end(), [](const auto& a, const auto& b) { return a.offset < b.offset; });
+  int64_t end = 0;
+  for (const layout::Region& r : regions) {
+    EXPECT_EQ(r.offset % layout::kRegionAlignment, 0);
+    EXPECT_GE(r.offset, end);
+    end = r.offset + r.bytes;
+  }
+  EXPECT_LE(end, block_bytes);
+}
+
+TEST(WorkspaceLayout, RegionsAreAlignedAndDisjoint) {
+  const Config c = deepseek_v3();
+  const layout::Keep keep{.replica_slots = 32, .whole_records = 2, .light_records = 1, .partial_records = 1,
+                          .partial_record_rows = 1024};
+  const layout::WorkspaceLayout l = layout::workspace_layout(c, 8, keep);
+  const layout::Window& w = l.window;
+  std::vector<layout::Region> window{w.signals, w.counts_RE, w.recv_grad, w.combine, w.grad_scores_TK,
+                                     w.clip_counts_G2, w.replica_w13, w.replica_w2, w.replica_grad_w13,
+                                     w.replica_grad_w2};
+  ASSERT_EQ(w.records.size(), 3u);
+  for (const layout::RecordRows& r : w.records)
+    window.insert(window.end(), {r.row_origin, r.row_primary, r.row_score, r.recv_x});
+  EXPECT_EQ(w.signals.offset, 0);
+  expect_disjoint(window, w.bytes);
+  const layout::RankBuffers& b = l.buffers;
+  std::vector<layout::Region> buffers{b.chunk_offsets_CE, b.tail_offsets, b.tail_counts, b.a_RF,
+                                      b.grad_score_partials_RP, b.grad_h13_R2F, b.gemm_tile_counters};
+  ASSERT_EQ(b.records.size(), 5u);
+  for (const layout::RecordBuffers& r : b.records)
+    buffers.insert(buffers.end(), {r.dest_row_TK, r.dest_rank_TK, r.group_offsets, r.group_counts, r.plan_kept_E,
+                                   r.plan_piece_first_E, r.plan_pieces, r.plan_group_offsets_RG, r.plan_stats,
+                                   r.h13_R2F});
+  expect_disjoint(buffers, b.bytes);
+  // A partial record keeps h13 of its rows only; the others of every receive row.
+  EXPECT_EQ(b.records[4].h13_R2F.bytes, 1024 * 2 * c.intermediate_dim * 2);
+  EXPECT_EQ(b.records[0].h13_R2F.bytes, l.capacity_rows * 2 * c.intermediate_dim * 2);
 }
 
 TEST(MemoryPlan, InvalidConfigNamesField) {

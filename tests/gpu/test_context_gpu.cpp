@@ -158,10 +158,9 @@ TEST_P(ContextGpuSlots, KeptLayersRunFromTheirSlotTheRestRecompute) {
   c.max_moe_layers_per_activation_slot = 3;
   const int64_t R = 4;
   const MemoryPlan sizes = plan_memory(c, R);
-  // record = layout + rows * (2D + 4F) bytes, light record = layout + rows * 4F
+  // light record = routing layout + h13 of every receive row (4F bytes a row)
   const int64_t h13_row_bytes = 4 * c.intermediate_dim;
-  const int64_t receive_rows = (sizes.activation_record_bytes - sizes.activation_light_record_bytes) / (2 * c.hidden_dim);
-  const int64_t layout_bytes = sizes.activation_light_record_bytes - receive_rows * h13_row_bytes;
+  const int64_t layout_bytes = sizes.activation_light_record_bytes - sizes.device_rows * h13_row_bytes;
   c.activation_slot_bytes = sizes.activation_record_bytes + sizes.activation_light_record_bytes + layout_bytes +
                             256 * h13_row_bytes;
   const MemoryPlan plan = plan_memory(c, R);

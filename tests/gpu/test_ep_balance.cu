@@ -6,7 +6,7 @@
 //  - out, grad_x, grad_scores, grad_w13, grad_w2 match the float64 model (replica weight grads
 //    reduced to the owners), and match capacity mode (rows bitwise, weight grads to fp32 order);
 //  - routings: random, one hot expert, all K experts of a token on one rank, an idle rank,
-//    every token on rank 0's experts (peak/mean = R); R in {1, 2, 4, 8}; stand-in and SM90 GEMMs;
+//    every token on rank 0's experts (peak/mean = R); R in {1, 2, 4, 8};
 //  - one captured graph replays correctly across routings (static memory and launches).
 #include <gtest/gtest.h>
 
@@ -35,11 +35,10 @@ std::unique_ptr<EpWorld> make_world(const BalanceCase& b, uint64_t seed, Balance
   if (mode == Balance::capacity) c.capacity_factor = c.R;  // room for any routing
   PipelineOptions o;
   o.timeout_ns = 2'000'000'000ull;
-  o.expert_kernels = c.kernels;
-  o.balance_tolerance = b.tolerance;
   auto world = std::make_unique<EpWorld>(c, seed, o.timeout_ns, [=](const Config& config) {
     Config x = config;
     x.balance = mode;
+    x.balance_tolerance = b.tolerance;
     return StagedPipeline::create_virtual(x, c.R, o);
   });
   if (b.all_on_rank0) {
@@ -191,42 +190,32 @@ TEST_P(EpBalance, MatchesFloat64ModelAndCapacityMode) {
   EP_CUDA_OK(cudaStreamDestroy(stream));
 }
 
-constexpr ExpertKernels kSm90 = ExpertKernels::sm90;
-
 INSTANTIATE_TEST_SUITE_P(
-    StandIn, EpBalance,
+    Routings, EpBalance,
     ::testing::Values(BalanceCase{LayerCase{1, 100, 192, 128, 8, 4}},
                       BalanceCase{LayerCase{2, 77, 128, 192, 8, 3}},
                       BalanceCase{LayerCase{4, 64, 192, 128, 16, 4}},
                       BalanceCase{LayerCase{8, 48, 192, 128, 32, 4}},
                       BalanceCase{LayerCase{4, 64, 128, 128, 16, 4, Routing::hot_expert}},
+                      BalanceCase{LayerCase{4, 64, 192, 128, 16, 4, Routing::hot_expert}},
                       BalanceCase{LayerCase{8, 40, 128, 128, 16, 2, Routing::hot_expert}},
                       BalanceCase{LayerCase{8, 40, 128, 128, 32, 4, Routing::same_rank}},
                       BalanceCase{LayerCase{4, 64, 192, 192, 16, 4, Routing::skip_last}},
                       BalanceCase{LayerCase{8, 40, 128, 128, 32, 4}, true},
+                      BalanceCase{LayerCase{8, 40, 128, 128, 32, 4, Routing::random, 2.0, Activation::swiglu,
+                                            DType::fp32, true},
+                                  true},
                       BalanceCase{LayerCase{2, 64, 128, 128, 8, 2, Routing::hot_expert, 2.0, Activation::swiglu_clamped,
                                             DType::bf16, false, 0.75}},
                       BalanceCase{LayerCase{8, 48, 128, 128, 16, 2, Routing::hot_expert, 2.0, Activation::swiglu,
                                             DType::fp32, true}},
+                      BalanceCase{LayerCase{4, 64, 192, 128, 16, 4, Routing::hot_expert, 2.0, Activation::swiglu_clamped,
+                                            DType::fp32, false, 0.75, W13Layout::gate_up_interleaved, DType::bf16}},
+                      BalanceCase{LayerCase{8, 40, 128, 192, 32, 4, Routing::random, 2.0, Activation::swiglu,
+                                            DType::bf16, true, 7.0, W13Layout::gate_up_blocked, DType::bf16},
+                                  true},
                       BalanceCase{LayerCase{8, 40, 128, 128, 32, 4}, true, 0.25},
                       BalanceCase{LayerCase{4, 64, 128, 128, 16, 4, Routing::hot_expert}, false, 0.1}),
-    balance_case_name);
-
-INSTANTIATE_TEST_SUITE_P(
-    Sm90, EpBalance,
-    ::testing::Values(
-        BalanceCase{LayerCase{2, 77, 128, 192, 8, 3, Routing::random, 2.0, Activation::swiglu, DType::fp32, false, 7.0,
-                              kSm90}},
-        BalanceCase{LayerCase{4, 64, 192, 128, 16, 4, Routing::hot_expert, 2.0, Activation::swiglu, DType::fp32, false,
-                              7.0, kSm90}},
-        BalanceCase{LayerCase{8, 40, 128, 128, 32, 4, Routing::random, 2.0, Activation::swiglu, DType::fp32, true, 7.0,
-                              kSm90},
-                    true},
-        BalanceCase{LayerCase{4, 64, 192, 128, 16, 4, Routing::hot_expert, 2.0, Activation::swiglu_clamped, DType::fp32,
-                              false, 0.75, kSm90, W13Layout::gate_up_interleaved, DType::bf16}},
-        BalanceCase{LayerCase{8, 40, 128, 192, 32, 4, Routing::random, 2.0, Activation::swiglu, DType::bf16, true, 7.0,
-                              kSm90, W13Layout::gate_up_blocked, DType::bf16},
-                    true}),
     balance_case_name);
 
 TEST(EpBalanceGraph, ReplayFollowsNewRoutingWithStaticMemory) {
@@ -315,14 +304,14 @@ Config host_check_config() {
 }
 
 TEST(EpBalanceErrors, HostRejectsBadOptions) {
-  const Config cfg = host_check_config();
+  Config cfg = host_check_config();
   PipelineOptions o;
   o.replica_slots = 5;  // E_local = 4 at R = 4
   EXPECT_THROW(StagedPipeline::workspace_bytes(cfg, 4, o), InvalidArgument);
   o.replica_slots = -1;
-  o.balance_tolerance = -0.1;
+  cfg.balance_tolerance = 16.5;  // past what the pipeline supports
   EXPECT_THROW(StagedPipeline::workspace_bytes(cfg, 4, o), InvalidArgument);
-  o.balance_tolerance = 0.0;
+  cfg.balance_tolerance = 0.0;
   // Memory depends only on the configuration: B = E_local slots of weights and fp32 gradients.
   const size_t with_slots = StagedPipeline::workspace_bytes(cfg, 4, o);
   o.replica_slots = 0;
@@ -341,7 +330,6 @@ TEST(EpRecordErrors, HostRejectsBadRecordOptions) {
     return "<accepted>";
   };
   PipelineOptions o;
-  o.expert_kernels = ExpertKernels::sm90;
   o.activation_records = -1;
   EXPECT_EQ(name_of(o), "activation_records");
   o.activation_records = 0;
@@ -360,10 +348,6 @@ TEST(EpRecordErrors, HostRejectsBadRecordOptions) {
   const size_t one = StagedPipeline::workspace_bytes(cfg, 4, o);
   o.activation_records = 2;
   EXPECT_GT(StagedPipeline::workspace_bytes(cfg, 4, o), one);
-  // The stand-in experts' backward reads the latest forward's y: no records with them.
-  o.expert_kernels = ExpertKernels::standin;
-  EXPECT_THROW(StagedPipeline::workspace_bytes(cfg, 4, o), NotAvailable);
-  o.expert_kernels = ExpertKernels::sm90;
   cfg.inference = true;
   o.partial_activation_records = 0;
   EXPECT_EQ(name_of(o), "activation_records");

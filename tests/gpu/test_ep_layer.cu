@@ -66,14 +66,11 @@ TEST_P(EpLayer, ForwardBackwardMatchFloat64Model) {
   ASSERT_NO_FATAL_FAILURE(run_pass(w, stream));
   check_layout(w, model);
 
-  std::vector<std::vector<uint16_t>> first_out(c.R), first_grad_x(c.R);
-  std::vector<std::vector<uint8_t>> first_grad_scores(c.R);
+  std::vector<std::vector<uint16_t>> first_out(c.R);
   for (int r = 0; r < c.R; ++r) {
     SCOPED_TRACE("rank " + std::to_string(r));
     RankDevice& d = w.dev()[r];
     first_out[r] = d.out->download<uint16_t>(size_t(c.T) * c.D);
-    first_grad_x[r] = d.grad_x->download<uint16_t>(size_t(c.T) * c.D);
-    first_grad_scores[r] = d.grad_scores->download<uint8_t>(size_t(c.T) * c.K * 4);
     check_rows(bf16_values(first_out[r]), model[r].out_TD, c.T, c.D, "out_TD");
     check_rows(bf16_values(d.grad_x->download<uint16_t>(size_t(c.T) * c.D)), model[r].grad_x_TD, c.T, c.D,
                "grad_x_TD", &model[r].grad_x_clamp_slack_T);
@@ -91,25 +88,6 @@ TEST_P(EpLayer, ForwardBackwardMatchFloat64Model) {
     EXPECT_EQ(w.dev()[r].out->download<uint16_t>(size_t(c.T) * c.D), first_out[r]) << "rank " << r << " run 2";
   }
 
-  // SM90 experts store their rows straight into the owners' combine slots (the direct combine, the
-  // default); grouped rows copied there by combine-push must give the same bits.
-  if (c.kernels == ExpertKernels::sm90) {
-    EpWorld pushed(c, seed, 2'000'000'000ull, [&](const Config& config) {
-      PipelineOptions o;
-      o.timeout_ns = 2'000'000'000ull;
-      o.expert_kernels = c.kernels;
-      o.direct_combine = false;
-      return StagedPipeline::create_virtual(config, c.R, o);
-    });
-    ASSERT_NO_FATAL_FAILURE(run_pass(pushed, stream));
-    for (int r = 0; r < c.R; ++r) {
-      RankDevice& d = pushed.dev()[r];
-      EXPECT_EQ(d.out->download<uint16_t>(size_t(c.T) * c.D), first_out[r]) << "rank " << r << " out, pushed rows";
-      EXPECT_EQ(d.grad_x->download<uint16_t>(size_t(c.T) * c.D), first_grad_x[r]) << "rank " << r << " grad_x, pushed rows";
-      EXPECT_EQ(d.grad_scores->download<uint8_t>(size_t(c.T) * c.K * 4), first_grad_scores[r])
-          << "rank " << r << " grad_scores, pushed rows";
-    }
-  }
   EP_CUDA_OK(cudaStreamDestroy(stream));
 }
 
@@ -121,30 +99,16 @@ INSTANTIATE_TEST_SUITE_P(
         LayerCase{4, 64, 192, 128, 16, 4},
         LayerCase{8, 48, 192, 128, 32, 4},
         LayerCase{4, 64, 128, 128, 16, 4, Routing::hot_expert, 3.0},
+        LayerCase{4, 64, 192, 128, 16, 4, Routing::hot_expert, 3.0},
         LayerCase{8, 40, 128, 128, 32, 4, Routing::same_rank, 2.0},
         LayerCase{4, 64, 192, 192, 16, 4, Routing::skip_last, 2.0},
         LayerCase{2, 64, 128, 128, 8, 2, Routing::random, 2.0, Activation::swiglu_clamped, DType::bf16, false, 0.75},
-        LayerCase{8, 48, 128, 128, 16, 2, Routing::random, 2.0, Activation::swiglu, DType::fp32, true}),
-    [](const ::testing::TestParamInfo<LayerCase>& info) { return case_name(info.param); });
-
-// The same data path around the SM90 wgmma expert kernels (src/gemm/sm90).
-constexpr ExpertKernels kSm90 = ExpertKernels::sm90;
-INSTANTIATE_TEST_SUITE_P(
-    Sm90Experts, EpLayer,
-    ::testing::Values(
-        LayerCase{1, 100, 192, 128, 8, 4, Routing::random, 2.0, Activation::swiglu, DType::fp32, false, 7.0, kSm90},
-        LayerCase{2, 77, 128, 192, 8, 3, Routing::random, 2.0, Activation::swiglu, DType::fp32, false, 7.0, kSm90},
-        LayerCase{4, 64, 192, 128, 16, 4, Routing::hot_expert, 3.0, Activation::swiglu, DType::fp32, false, 7.0, kSm90},
-        LayerCase{8, 40, 128, 128, 32, 4, Routing::same_rank, 2.0, Activation::swiglu, DType::fp32, false, 7.0, kSm90},
-        LayerCase{4, 64, 192, 192, 16, 4, Routing::skip_last, 2.0, Activation::swiglu, DType::fp32, false, 7.0, kSm90},
-        LayerCase{2, 64, 128, 128, 8, 2, Routing::random, 2.0, Activation::swiglu_clamped, DType::bf16, false, 0.75,
-                  kSm90},
-        LayerCase{8, 48, 128, 128, 16, 2, Routing::random, 2.0, Activation::swiglu, DType::fp32, true, 7.0, kSm90},
+        LayerCase{8, 48, 128, 128, 16, 2, Routing::random, 2.0, Activation::swiglu, DType::fp32, true},
         LayerCase{4, 64, 192, 128, 16, 4, Routing::random, 2.0, Activation::swiglu_clamped, DType::fp32, false, 0.75,
-                  kSm90, W13Layout::gate_up_interleaved},
-        LayerCase{4, 64, 128, 192, 16, 4, Routing::hot_expert, 3.0, Activation::swiglu, DType::fp32, false, 7.0, kSm90,
+                  W13Layout::gate_up_interleaved},
+        LayerCase{4, 64, 128, 192, 16, 4, Routing::hot_expert, 3.0, Activation::swiglu, DType::fp32, false, 7.0,
                   W13Layout::gate_up_blocked, DType::bf16},
-        LayerCase{2, 64, 128, 128, 8, 2, Routing::random, 2.0, Activation::swiglu, DType::bf16, true, 7.0, kSm90,
+        LayerCase{2, 64, 128, 128, 8, 2, Routing::random, 2.0, Activation::swiglu, DType::bf16, true, 7.0,
                   W13Layout::gate_up_interleaved, DType::bf16}),
     [](const ::testing::TestParamInfo<LayerCase>& info) { return case_name(info.param); });
 
@@ -189,10 +153,10 @@ TEST(EpLayerGraph, ReplayFollowsNewRouting) {
 }
 
 // More rows for one rank than planned: reported on every rank (the numbers are global), nothing
-// written, and the pipeline works again after reset().
-void overflow_then_recover(ExpertKernels kernels) {
-  LayerCase c{2, 256, 128, 128, 4, 2, Routing::random, 1.0};
-  c.kernels = kernels;
+// written (no expert GEMM touches a row past the capacity), and the pipeline works again after reset().
+TEST(EpLayerErrors, CapacityOverflowIsReportedThenRecovers) {
+  if (!have_sm90_gpu()) GTEST_SKIP() << "needs an SM90 GPU";
+  const LayerCase c{2, 256, 128, 128, 4, 2, Routing::random, 1.0};
   EpWorld w(c, fresh_seed(), 500'000'000ull);
   // Every token of both ranks to experts 0 and 1 (rank 0): rank 0 needs 2*T*K rows, capacity ~T*K.
   for (int r = 0; r < c.R; ++r) {
@@ -228,16 +192,6 @@ void overflow_then_recover(ExpertKernels kernels) {
   EP_CUDA_OK(cudaStreamDestroy(stream));
 }
 
-TEST(EpLayerErrors, CapacityOverflowIsReportedThenRecovers) {
-  if (!have_sm90_gpu()) GTEST_SKIP() << "needs an SM90 GPU";
-  overflow_then_recover(ExpertKernels::standin);
-}
-
-TEST(EpLayerErrors, CapacityOverflowWithSm90ExpertsTouchesNoRowPastCapacity) {
-  if (!have_sm90_gpu()) GTEST_SKIP() << "needs an SM90 GPU";
-  overflow_then_recover(ExpertKernels::sm90);
-}
-
 // An expert id out of range on one rank: that rank reports it; the others stop at the counts
 // exchange with a bounded wait instead of hanging.
 TEST(EpLayerErrors, BadExpertIdIsReportedWithoutHang) {
@@ -270,8 +224,7 @@ TEST(EpLayerErrors, BadExpertIdIsReportedWithoutHang) {
 // silent wrong result, and the next pass on the same CUDA context is correct again.
 TEST(EpLayerErrors, StalledExpertGemmStageIsReportedThenRecovers) {
   if (!have_sm90_gpu()) GTEST_SKIP() << "needs an SM90 GPU";
-  LayerCase c{2, 64, 128, 128, 8, 2, Routing::random, 2.0};
-  c.kernels = ExpertKernels::sm90;
+  const LayerCase c{2, 64, 128, 128, 8, 2, Routing::random, 2.0};
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   EpWorld w(c, seed, 2'000'000'000ull);
@@ -339,17 +292,10 @@ TEST(EpLayerErrors, HostRejectsBadArgumentsBeforeLaunch) {
   args = w.forward_args();
   args[1].w13_layout = W13Layout::gate_up_interleaved;
   EXPECT_EQ(forward_name(args), "args[1].w13_layout");
-  // Backward: one weight-gradient dtype per call; bf16 needs the SM90 expert kernels (this world runs
-  // the stand-ins, which write fp32 only) and is refused before anything is launched.
+  // Backward: one weight-gradient dtype per call, refused before anything is launched.
   auto bwd = w.backward_args();
   bwd[1].wgrad_dtype = DType::bf16;
   EXPECT_EQ(rejected_name([&] { w.pipeline().backward(bwd, nullptr); }), "args[1].wgrad_dtype");
-  bwd = w.backward_args();
-  for (BackwardArgs& a : bwd) a.wgrad_dtype = DType::bf16;
-  EXPECT_THROW(w.pipeline().backward(bwd, nullptr), NotAvailable);
-  Config bf16_grads = make_config(c);
-  bf16_grads.wgrad_dtype = DType::bf16;
-  EXPECT_THROW(StagedPipeline::create_virtual(bf16_grads, 2), NotAvailable);
   Config exact = make_config(c);
   exact.balance = Balance::exact;
   PipelineOptions too_many_slots;  // exact balance is supported (test_ep_balance.cu); its options are checked

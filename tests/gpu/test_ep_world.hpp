@@ -19,7 +19,6 @@ struct LayerCase {
   DType scores = DType::fp32;
   bool accumulate = false;
   double swiglu_limit = 7.0;
-  ExpertKernels kernels = ExpertKernels::standin;
   W13Layout layout = W13Layout::gate_up_blocked;  // the device weights' row order (the model is blocked)
   DType wgrad = DType::fp32;                      // Config::wgrad_dtype
 };
@@ -30,7 +29,7 @@ inline std::string case_name(const LayerCase& c) {
          (c.activation == Activation::swiglu_clamped ? "_clamped" : "") +
          (c.scores == DType::bf16 ? "_bf16scores" : "") + (c.accumulate ? "_accumulate" : "") +
          (c.layout == W13Layout::gate_up_interleaved ? "_interleaved" : "") +
-         (c.wgrad == DType::bf16 ? "_bf16wgrad" : "") + "_" + to_string(c.kernels);
+         (c.wgrad == DType::bf16 ? "_bf16wgrad" : "");
 }
 
 inline Config make_config(const LayerCase& c) {
@@ -116,7 +115,6 @@ class EpWorld {
     config_ = make_config(c);
     PipelineOptions options;
     options.timeout_ns = timeout_ns;
-    options.expert_kernels = c.kernels;
     pipeline_ = make ? make(config_) : StagedPipeline::create_virtual(config_, c.R, options);
     const int EL = c.E / c.R;
     const size_t TD = size_t(c.T) * c.D, TK = size_t(c.T) * c.K;

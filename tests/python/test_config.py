@@ -42,7 +42,7 @@ def test_round_trip_of_every_field_through_cpp():
     config = make(
         activation="swiglu_clamped", swiglu_alpha=1.5, swiglu_limit=9.0, balance="capacity",
         receive_capacity_factor=1.25, num_activation_slots=3, max_moe_layers_per_activation_slot=2,
-        activation_slot_bytes=12345, device_scratch_capacity_factor=1.5, host_overflow_scratch_factor=0.5,
+        activation_slot_bytes=12345, host_overflow_scratch_factor=0.5,
         wgrad_dtype="bf16", inference=False,
     )
     assert from_cpp(to_cpp(config)) == config
@@ -109,7 +109,6 @@ RULES = [
     (dict(activation_slot_capacity_factor=-0.5), EP_SIZE, "activation_slot_capacity_factor"),
     (dict(activation_slot_capacity_factor=math.inf), EP_SIZE, "activation_slot_capacity_factor"),
     (dict(activation_slot_bytes=-1), EP_SIZE, "activation_slot_bytes"),
-    (dict(device_scratch_capacity_factor=0.5), EP_SIZE, "device_scratch_capacity_factor"),
     (dict(host_overflow_scratch_factor=-0.25), EP_SIZE, "host_overflow_scratch_factor"),
     (dict(inference=True, activation_slot_bytes=1 << 20), EP_SIZE, "activation_slot_bytes"),
     (dict(inference=True, activation_slot_capacity_factor=1.0), EP_SIZE, "activation_slot_bytes"),

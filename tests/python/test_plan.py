@@ -28,7 +28,7 @@ VARIANTS = [
     dict(inference=True),
     dict(balance="capacity", receive_capacity_factor=1.5),
     dict(balance="capacity", receive_capacity_factor=3.0),
-    dict(balance="capacity", receive_capacity_factor=3.0, device_scratch_capacity_factor=1.25,
+    dict(balance="capacity", receive_capacity_factor=3.0,
          num_activation_slots=3, max_moe_layers_per_activation_slot=2),
     dict(hidden_dim=64 * 15, intermediate_dim=64 * 7, top_k=1),
     dict(activation_slot_capacity_factor=0.25, wgrad_dtype="bf16"),
@@ -199,7 +199,7 @@ def test_plans_compare_by_value():
 
 def test_capacity_mode_plans_every_received_row_on_the_device():
     """The pipeline keeps the scratch of every row the dispatch accepts on the device (host-backed
-    overflow rows are not built), so the plan counts receive rows, not device_scratch_capacity_factor's."""
+    overflow rows are not built), so the plan counts every receive row."""
     config = poise.Config(**{**BASE, "balance": "capacity", "receive_capacity_factor": 2.0})
     p = poise.plan_memory(config, EP_SIZE)
     T, K = config.num_local_input_tokens, config.top_k

@@ -35,7 +35,6 @@ void bind_config(nb::module_& m) {
       .def_rw("max_moe_layers_per_activation_slot", &Config::max_moe_layers_per_activation_slot)
       .def_rw("activation_slot_capacity_factor", &Config::activation_slot_capacity_factor)
       .def_rw("activation_slot_bytes", &Config::activation_slot_bytes)
-      .def_rw("device_scratch_capacity_factor", &Config::device_scratch_capacity_factor)
       .def_rw("host_overflow_scratch_factor", &Config::host_overflow_scratch_factor)
       .def_prop_rw(
           "wgrad_dtype", [](const Config& c) { return std::string(to_string(c.wgrad_dtype)); },
