@@ -4,12 +4,16 @@
 //  - A Context is created collectively: every rank of the EP group creates it with the same Config.
 //  - A Context drives launch_ranks() ranks from this process: 1 (one GPU per rank), or all ep_size
 //    virtual ranks sharing the current GPU (create_virtual_ranks; tests and single-GPU development).
-//  - Calls do not synchronize with the host. Device-side faults (expert id out of range, capacity
-//    overflow, a peer that never arrives, an expert-GEMM pipeline wait past its 4 s bound) set an
-//    error word; check() waits for the stream and throws DeviceError naming the rank and phase (or
-//    the GEMM's block and barrier).
+//  - Calls do not synchronize with the host. Device-side faults (an expert id out of range or picked
+//    twice by one token, capacity overflow, a peer that never arrives, an expert-GEMM pipeline wait
+//    past its 4 s bound) stop the call on every rank and fill its outputs (and gradients) with NaN.
+//    A fault stays until reset(): every later call's outputs are NaN too, and a call raises
+//    DeviceError at its entry, naming the fault (kind, rank, phase, value, token), once the faulted
+//    call has ended on the device (read from host-mapped memory, no sync); at the latest the call
+//    after the faulted one. check() waits for the stream and raises at once;
+//    ContextOptions::sync_check (or POISE_SYNC_CHECK=1) does that after every call.
 //  - It is sequentially reusable: one call in flight per context, calls ordered on the stream.
-//  - After an aborted call (an exception, a device timeout), call reset() before the next call.
+//  - After a fault or an aborted call, call reset() (collective) before the next call.
 //  - close() releases every buffer; it is collective too. The destructor closes if needed.
 #pragma once
 
@@ -84,6 +88,9 @@ struct ActivationRecord {
 
 struct ContextOptions {
   uint64_t wait_timeout_ns = 10'000'000'000ull;  // bound on every wait for a peer; then DeviceError
+  // Debugging a bad batch: every call waits for its stream and raises DeviceError in that call (not
+  // during a CUDA graph capture). Also on when the environment sets POISE_SYNC_CHECK=1.
+  bool sync_check = false;
 };
 
 class Context {

@@ -2,6 +2,7 @@
 // GPU pipeline (src/pipeline/staged_pipeline.hpp) over virtual ranks or a communicator (context_nccl.cpp).
 #include "poise/context.hpp"
 
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -119,10 +120,20 @@ void ContextAccess::release_after_pipeline(Context& context, std::shared_ptr<voi
   context.state_->release_after_pipeline = std::move(resource);
 }
 
+namespace {
+
+bool sync_check_from_environment() {
+  const char* v = std::getenv("POISE_SYNC_CHECK");
+  return v != nullptr && std::string(v) == "1";
+}
+
+}  // namespace
+
 Context::Context(const Config& config, int64_t ep_size, int64_t rank, const ContextOptions& options)
     : state_(std::make_unique<State>()) {
   state_->plan = plan_memory(config, ep_size);  // validates config
   state_->options = options;
+  state_->options.sync_check = options.sync_check || sync_check_from_environment();
   state_->rank = rank;
 }
 
@@ -263,11 +274,21 @@ static ep::StagedPipeline& pipeline_with_records(Context& context, std::unique_p
   return pipeline;
 }
 
+// ContextOptions::sync_check: the call's faults raise in the call (not while a graph is captured).
+static void sync_check(Context& context, Stream stream) {
+  if (!context.options().sync_check) return;
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &capture) == cudaSuccess && capture != cudaStreamCaptureStatusNone) return;
+  context.check(stream);
+}
+
 ActivationRecord routed_experts_forward(Context& context, std::span<const ForwardArgs> args_per_rank, Stream stream,
                                         bool keep_for_backward) {
   require_open(context);
   require_one_set_per_launch_rank(context, args_per_rank);
   for (const ForwardArgs& a : args_per_rank) validate_forward(a);
+  // A fault of an earlier call raises here, at the entry of a later one (no sync; context.hpp).
+  if (context.state_->pipeline) context.state_->pipeline->raise_if_faulted();
   if (!context.config().inference && context.config().num_activation_slots == 0) {
     throw InvalidArgument("num_activation_slots", "must be >= 1 for a training forward (backward needs a slot)");
   }
@@ -297,6 +318,7 @@ ActivationRecord routed_experts_forward(Context& context, std::span<const Forwar
   if (takes_position) ++st.next_position;
   st.generation[record] = st.next_generation();
   st.latest = {record, st.generation[record]};
+  sync_check(context, stream);
   return st.latest;
 }
 
@@ -308,6 +330,7 @@ void routed_experts_backward(Context& context, std::span<const BackwardArgs> arg
     throw InvalidArgument("context", "was created with inference=true; backward needs a training context");
   }
   for (const BackwardArgs& b : args_per_rank) validate_backward(b);
+  if (context.state_->pipeline) context.state_->pipeline->raise_if_faulted();
   Context::State& st = *context.state_;
   ep::StagedPipeline& pipeline = pipeline_with_records(context, st.pipeline, st.generation);
   const ActivationRecord want = record ? *record : st.latest;
@@ -326,6 +349,7 @@ void routed_experts_backward(Context& context, std::span<const BackwardArgs> arg
     ++st.recomputed_forwards;
     st.generation[0] = st.next_generation();  // a token naming the working record is now stale
   }
+  sync_check(context, stream);
 }
 
 }  // namespace poise

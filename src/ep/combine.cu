@@ -13,6 +13,7 @@
 namespace poise::ep {
 namespace {
 
+using comm::ErrorCode;
 using comm::PeerTable;
 using comm::Phase;
 
@@ -39,6 +40,13 @@ __global__ void __launch_bounds__(kThreads) combine_push_kernel(const PeerTable*
                                                                 int blocks_per_rank) {
   const int slot = rank_slot(blocks_per_rank);
   const PeerTable& pt = tables[slot];
+  // Every expert GEMM of the call has run: a fault one recorded stops the call on every rank here,
+  // before the owners sum rows it may have left wrong.
+  const unsigned long long gemm_fault = *reinterpret_cast<volatile unsigned long long*>(scratch.rank[slot].gemm_fault_word);
+  if (gemm_fault != 0) {
+    comm::report_error(pt, ErrorCode::expert_gemm_fault, kBackward ? Phase::combine_backward : Phase::combine, -1,
+                       static_cast<int64_t>(gemm_fault));
+  }
   if (kBackward && !comm::rank_failed(pt)) push_score_grads(pt, dims, ws, scratch.rank[slot], blocks_per_rank);
   comm::arrive_then_barrier(pt, blocks_per_rank, kBackward ? Phase::combine_backward : Phase::combine);
 }

@@ -52,6 +52,11 @@ void launch_combine_push(const EpLaunch& l, bool backward, cudaStream_t stream);
 // score gradients into grad_scores_TK).
 void launch_combine_reduce(const EpLaunch& l, const LaunchIo& io, bool backward, cudaStream_t stream);
 
+// The last launch of every call (src/ep/call_end.cu): a rank that faulted has its fault copied to
+// EpLaunch::fault_records (host-mapped) and the call's outputs (forward: out_TD; backward: grad_x,
+// grad_scores, grad_w13, grad_w2) filled with NaN.
+void launch_call_end(const EpLaunch& l, const LaunchIo& io, bool backward, cudaStream_t stream);
+
 // Forward, clamped SwiGLU, when the call asks for clip counts (src/ep/clip_counts.cu): each
 // rank counts its h13 rows per group into its window (before the combine-push barrier), then every
 // owner adds its own group and its experts' replica pieces into RankIo::clip_counts_E2 (after it).

@@ -146,6 +146,16 @@ struct EpLaunch {
   // never loads its first stage). Their fault words: RankScratch::gemm_fault_word.
   uint32_t gemm_wait_timeout_ns = 4'000'000'000u;
   bool gemm_drop_first_stage = false;
+  // [launch_ranks] in host-mapped memory: each rank's first fault as the host sees it without a
+  // sync (the call-end kernel writes it; reset() clears it).
+  struct FaultRecord* fault_records = nullptr;
+};
+
+// A rank's fault as the host reads it from mapped memory: its error word, and its expert GEMMs'
+// fault word. code == 0 and gemm_fault_word == 0: no fault.
+struct FaultRecord {
+  comm::ErrorWord error;
+  unsigned long long gemm_fault_word = 0;
 };
 
 }  // namespace poise::ep

@@ -145,7 +145,11 @@ class StagedPipeline {
   // Waits for `stream`, then throws DeviceError describing the first device error (rank, phase),
   // root causes (bad id, overflow) before the timeouts they caused. No-op when all is well.
   void check(cudaStream_t stream);
-  // Clears error words and synchronization state; needed after a failed call. Collective.
+  // Without a sync: throws DeviceError when a call that already ended faulted (a fault stays until
+  // reset(); the faulted call's outputs were filled with NaN). A call still running is not seen.
+  void raise_if_faulted() const;
+  // Clears error words, fault records and synchronization state; needed after a failed call.
+  // Collective. Waits for the device first.
   void reset();
 
   // Fault injection (tests): the expert GEMMs' wait bound, and whether each GEMM's CTA 0 drops its
@@ -202,6 +206,10 @@ class StagedPipeline {
   EpLaunch launch_for(int record) const;
   void check_record(int record) const;
   void allocate_rank_buffers(int slot);
+  void allocate_fault_records();
+  // The faults the call-end kernel copied to the host (no sync), and a message of them, root causes first.
+  std::vector<comm::ErrorWord> recorded_faults() const;
+  std::string describe_faults(std::vector<comm::ErrorWord> faults) const;
   // A forward's dispatch of x rows (with the replica weight push) and fanout, from l's layout.
   void dispatch_x_rows(const EpLaunch& l, const LaunchIo& io, cudaStream_t stream);
 
@@ -217,6 +225,7 @@ class StagedPipeline {
   int replicas_in_window_ = -1;                // record whose replica weights the window holds
   int latest_forward_record_ = 0;
   std::function<void(Stage, cudaStream_t)> hook_;
+  FaultRecord* fault_records_ = nullptr;  // host-mapped [launch_ranks] (EpLaunch::fault_records)
 };
 
 }  // namespace poise::ep

@@ -174,8 +174,11 @@ struct PipelineFault {
   uint32_t barrier = 0;     // the barrier's shared-memory offset
   uint32_t parity = 0;      // the phase parity it waited for
 };
-// Waits for `stream`, returns and clears the fault `faults.word` holds.
+// Waits for `stream`, returns the fault `faults.word` holds; take_ also clears it.
+PipelineFault read_pipeline_fault(const FaultWord& faults, cudaStream_t stream);
 PipelineFault take_pipeline_fault(const FaultWord& faults, cudaStream_t stream);
+// The fault a fault word's value holds (read elsewhere, e.g. copied to the host by the EP pipeline).
+PipelineFault unpack_pipeline_fault(unsigned long long word);
 // The fault in words, by kind, with where it was recorded; "" when none occurred.
 std::string describe(const PipelineFault& fault);
 

@@ -16,15 +16,25 @@ void check_cuda(cudaError_t err, const char* what) {
 
 }  // namespace
 
-PipelineFault take_pipeline_fault(const FaultWord& faults, cudaStream_t stream) {
+PipelineFault read_pipeline_fault(const FaultWord& faults, cudaStream_t stream) {
   if (faults.word == nullptr) throw InvalidArgument("faults.word", "must be a device pointer");
   unsigned long long word = 0;
-  check_cuda(cudaMemcpyAsync(&word, faults.word, sizeof(word), cudaMemcpyDeviceToHost, stream), "take_pipeline_fault");
+  check_cuda(cudaMemcpyAsync(&word, faults.word, sizeof(word), cudaMemcpyDeviceToHost, stream), "read_pipeline_fault");
+  check_cuda(cudaStreamSynchronize(stream), "read_pipeline_fault: cudaStreamSynchronize");
+  return unpack_pipeline_fault(word);
+}
+
+PipelineFault take_pipeline_fault(const FaultWord& faults, cudaStream_t stream) {
+  const PipelineFault f = read_pipeline_fault(faults, stream);
+  if (!f.occurred) return f;
+  check_cuda(cudaMemsetAsync(faults.word, 0, sizeof(unsigned long long), stream), "take_pipeline_fault");
   check_cuda(cudaStreamSynchronize(stream), "take_pipeline_fault: cudaStreamSynchronize");
+  return f;
+}
+
+PipelineFault unpack_pipeline_fault(unsigned long long word) {
   PipelineFault f;
   if (word == 0) return f;
-  check_cuda(cudaMemsetAsync(faults.word, 0, sizeof(word), stream), "take_pipeline_fault");
-  check_cuda(cudaStreamSynchronize(stream), "take_pipeline_fault: cudaStreamSynchronize");
   using Word = PipelineFaultWord;
   f.occurred = true;
   f.block = static_cast<int32_t>(Word::block(word));
