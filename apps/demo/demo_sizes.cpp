@@ -4,6 +4,8 @@
 
 #include <cstdio>
 
+#include "demo_check.hpp"
+
 namespace poise::demo {
 
 double expert_macs(const Config& c, int64_t ranks) {
@@ -30,6 +32,7 @@ double host_bytes(const Flags& f, const MemoryPlan& plan, const HostWork& work) 
   if (work.gpu_results) floats += R * (2.0 * T * D + T * K + local * expert);
   double bytes = 4.0 * floats;
   if (work.dense) bytes += 8.0 * R * (2.0 * T * D + T * K + local * expert);
+  if (work.sampled) bytes += sampled_check_host_bytes(c);
   return bytes;
 }
 

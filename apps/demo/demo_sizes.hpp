@@ -24,9 +24,9 @@ Check default_check(const Config& config, int64_t ranks);
 
 // Host bytes of the CPU work: the routing (always), the inputs as floats (random_inputs, grad_out),
 // the CPU reference engine's state and results, the GPU results read back for a full check, the
-// dense float64 check.
+// dense float64 check, the sampled check's expert weights.
 struct HostWork {
-  bool inputs = false, engine = false, gpu_results = false, dense = false;
+  bool inputs = false, engine = false, gpu_results = false, dense = false, sampled = false;
 };
 double host_bytes(const Flags& flags, const MemoryPlan& plan, const HostWork& work);
 double physical_memory_bytes();

@@ -149,7 +149,8 @@ void fit_memory(Setup& s) {
   const HostWork work{.inputs = !s.gpu || s.check == Check::full,
                       .engine = !s.gpu,
                       .gpu_results = s.gpu && s.check == Check::full,
-                      .dense = s.check == Check::full};
+                      .dense = s.check == Check::full,
+                      .sampled = s.check == Check::sampled};
   const double need = host_bytes(f, s.plan, work), physical = physical_memory_bytes();
   if (need > physical) {
     std::string what = work.engine ? "the CPU reference engine (the whole layer in fp32 on the host)" : "the inputs";
@@ -407,7 +408,7 @@ int check_sampled(const Setup& s, const char* what, const std::vector<ref::Sampl
         ++experts_read;  // calls never overlap
         weights(e, w13, w2);
       },
-      s.options());
+      s.options(), sampled_check_threads(s.config()));
   std::vector<float> out, grad_x, grad_scores;
   std::vector<double> want_out, want_grad_x, want_grad_scores;
   for (size_t i = 0; i < tokens.size(); ++i) {
