@@ -10,6 +10,7 @@
 
 #include <bit>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -174,5 +175,53 @@ std::vector<RankInputs> random_inputs(const Config& config, int64_t ep_size,
 
 // bf16 N(0,1) grad_out_TD for every rank.
 std::vector<std::vector<float>> random_grad_out(const Config& config, int64_t ep_size, uint64_t seed);
+
+// Routing alone (ids and scores per rank), drawn as random_inputs draws it but from its own random
+// stream: for layers whose x and weights are generated elsewhere (on a GPU).
+struct RandomRouting {
+  std::vector<std::vector<int32_t>> ids_TK;   // [R][T*K]
+  std::vector<std::vector<float>> scores_TK;  // [R][T*K] in options.scores_dtype
+};
+RandomRouting random_routing(const Config& config, int64_t ep_size, const RandomInputsSpec& spec,
+                             const Options& options);
+
+// ---- without running the layer -----------------------------------------------------------------
+
+// The RoutingStats a forward with these ids reports (same balance plan, same layout), computed from
+// the ids alone: for layers too large to run on the engine. ids_TK_per_rank: [R][T*K], validated.
+RoutingStats routing_stats(const Config& config, int64_t ep_size,
+                           const std::vector<std::vector<int32_t>>& ids_TK_per_rank, const Options& options);
+
+// The float64 oracle for a sample of tokens: out, grad_x and grad_scores of a token depend only on
+// its own inputs and on the weights of the K experts it visits, so they can be computed for a few
+// tokens of a layer too large for dense_float64. (Weight gradients sum over every token: not here.)
+struct SampledToken {
+  int64_t rank = 0, token = 0;    // where the token lives (for reports)
+  std::vector<float> x_D;         // bf16 [D]
+  std::vector<int32_t> ids_K;     // [K] global expert ids, distinct
+  std::vector<float> scores_K;    // [K] in options.scores_dtype
+  std::vector<float> grad_out_D;  // bf16 [D]
+};
+
+struct SampledFloat64Result {
+  std::vector<std::vector<double>> out_D, grad_x_D, grad_scores_K;  // per sampled token
+};
+
+// Fills the bf16 weights of one global expert: w13_2FD [2F, D] (options.w13_layout), w2_DF [D, F].
+using ExpertWeightsFn = std::function<void(int64_t expert, std::vector<float>& w13_2FD, std::vector<float>& w2_DF)>;
+
+// Calls expert_weights once per distinct expert the tokens visit, never two calls at once; the
+// arithmetic runs on up to `threads` threads (0: the hardware's).
+SampledFloat64Result sampled_float64(const Config& config, int64_t ep_size, const std::vector<SampledToken>& tokens,
+                                     const ExpertWeightsFn& expert_weights, const Options& options, int threads = 0);
+
+// The tokens tokens_per_rank[r] of rank r, taken from full inputs (what sampled_float64 reads).
+std::vector<SampledToken> sample_tokens(const Config& config, int64_t ep_size,
+                                        const std::vector<RankInputs>& inputs_per_rank,
+                                        const std::vector<std::vector<float>>& grad_out_TD_per_rank,
+                                        const std::vector<std::vector<int64_t>>& tokens_per_rank);
+// Reads an expert's weights from its owner's RankInputs (the inputs must outlive the function).
+ExpertWeightsFn expert_weights_from(const Config& config, int64_t ep_size,
+                                    const std::vector<RankInputs>& inputs_per_rank);
 
 }  // namespace poise::reference

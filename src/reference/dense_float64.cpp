@@ -1,8 +1,14 @@
 // The float64 oracle: the layer written as plainly as possible, with no ranks, no routing layout
 // and no rounding. Deliberately shares no code with the engine.
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <exception>
 #include <limits>
+#include <map>
+#include <mutex>
+#include <string>
+#include <thread>
 
 #include "poise/reference.hpp"
 #include "reference/validate.hpp"
@@ -163,6 +169,171 @@ double relative_error(const std::vector<std::vector<float>>& got, const std::vec
   sums.mismatched = got.size() != want.size();
   for (size_t r = 0; r < std::min(got.size(), want.size()); ++r) sums.add(got[r], want[r]);
   return sums.relative();
+}
+
+// ---- the sampled oracle --------------------------------------------------------------------------
+
+namespace {
+
+// One (token, k) pair's share of its token's outputs: y (out = sum_k score * y), the part of grad_x
+// that flows through this expert, and grad_score = <grad_out, y>.
+struct PairResult {
+  std::vector<double> y_D, grad_x_D;
+  double grad_score = 0.0;
+};
+
+void require_sampled_token(const Config& config, int64_t index, const SampledToken& token) {
+  const std::string at = "sampled token " + std::to_string(index) + ": ";
+  const auto D = static_cast<size_t>(config.hidden_dim), K = static_cast<size_t>(config.top_k);
+  if (token.x_D.size() != D || token.grad_out_D.size() != D || token.ids_K.size() != K || token.scores_K.size() != K) {
+    throw InvalidArgument("tokens", at + "needs D values of x and grad_out and K ids and scores");
+  }
+  for (size_t k = 0; k < K; ++k) {
+    const int32_t e = token.ids_K[k];
+    if (e < 0 || e >= config.num_experts) {
+      throw InvalidArgument("tokens", at + "expert id " + std::to_string(e) + " is out of range");
+    }
+    if (std::find(token.ids_K.begin(), token.ids_K.begin() + k, e) != token.ids_K.begin() + k) {
+      throw InvalidArgument("tokens", at + "picks expert " + std::to_string(e) + " twice");
+    }
+  }
+}
+
+PairResult pair_float64(const DenseLayer& L, const SampledToken& token, int64_t k, const std::vector<float>& w13,
+                        const std::vector<float>& w2) {
+  const int64_t D = L.D, F = L.F;
+  const double score = token.scores_K[k];
+  std::vector<double> h(2 * F), a(F), grad_a(F, 0.0), grad_h(2 * F);
+  for (int64_t j = 0; j < 2 * F; ++j) {
+    double sum = 0.0;
+    for (int64_t d = 0; d < D; ++d) sum += double{token.x_D[d]} * w13[j * D + d];
+    h[j] = sum;
+  }
+  for (int64_t f = 0; f < F; ++f) a[f] = L.act(h[L.gate_row(f)], h[L.up_row(f)]);
+  PairResult r{std::vector<double>(D), std::vector<double>(D, 0.0), 0.0};
+  for (int64_t d = 0; d < D; ++d) {
+    double sum = 0.0;
+    for (int64_t f = 0; f < F; ++f) sum += a[f] * w2[d * F + f];
+    r.y_D[d] = sum;
+    r.grad_score += double{token.grad_out_D[d]} * sum;
+    const double grad_y = score * token.grad_out_D[d];
+    for (int64_t f = 0; f < F; ++f) grad_a[f] += grad_y * w2[d * F + f];
+  }
+  for (int64_t f = 0; f < F; ++f) {
+    const auto [dg, du] = L.act_grad(h[L.gate_row(f)], h[L.up_row(f)]);
+    grad_h[L.gate_row(f)] = grad_a[f] * dg;
+    grad_h[L.up_row(f)] = grad_a[f] * du;
+  }
+  for (int64_t j = 0; j < 2 * F; ++j) {
+    for (int64_t d = 0; d < D; ++d) r.grad_x_D[d] += grad_h[j] * w13[j * D + d];
+  }
+  return r;
+}
+
+}  // namespace
+
+SampledFloat64Result sampled_float64(const Config& config, int64_t ep_size, const std::vector<SampledToken>& tokens,
+                                     const ExpertWeightsFn& expert_weights, const Options& options, int threads) {
+  validate_setup(config, ep_size, options);
+  const DenseLayer L{config, ep_size, options};
+  const int64_t D = L.D, F = L.F, K = L.K;
+  // The (token, k) pairs of each expert, so every expert's weights are fetched once.
+  std::map<int64_t, std::vector<std::pair<size_t, int64_t>>> pairs_of_expert;
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    require_sampled_token(config, static_cast<int64_t>(i), tokens[i]);
+    for (int64_t k = 0; k < K; ++k) pairs_of_expert[tokens[i].ids_K[k]].push_back({i, k});
+  }
+  const std::vector<std::pair<int64_t, std::vector<std::pair<size_t, int64_t>>>> work(pairs_of_expert.begin(),
+                                                                                       pairs_of_expert.end());
+  std::vector<PairResult> pairs(tokens.size() * K);
+  std::atomic<size_t> next{0};
+  std::mutex fetch;
+  std::exception_ptr failure;
+  auto worker = [&] {
+    std::vector<float> w13, w2;
+    try {
+      for (size_t i = next++; i < work.size(); i = next++) {
+        const int64_t expert = work[i].first;
+        {
+          std::lock_guard<std::mutex> lock(fetch);
+          if (failure) return;
+          expert_weights(expert, w13, w2);
+        }
+        if (static_cast<int64_t>(w13.size()) != 2 * F * D || static_cast<int64_t>(w2.size()) != D * F) {
+          throw InvalidArgument("expert_weights", "expert " + std::to_string(expert) + ": expected 2F*D and D*F values");
+        }
+        for (const auto& [token, k] : work[i].second) pairs[token * K + k] = pair_float64(L, tokens[token], k, w13, w2);
+      }
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(fetch);
+      if (!failure) failure = std::current_exception();
+    }
+  };
+  const size_t hardware = std::max(1u, std::thread::hardware_concurrency());
+  const size_t count = std::min(work.size(), threads > 0 ? static_cast<size_t>(threads) : hardware);
+  std::vector<std::thread> pool;
+  for (size_t i = 1; i < count; ++i) pool.emplace_back(worker);
+  worker();
+  for (std::thread& t : pool) t.join();
+  if (failure) std::rethrow_exception(failure);
+
+  // Sum each token's pairs in k order, as dense_float64 does.
+  SampledFloat64Result result;
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    std::vector<double> out(D, 0.0), grad_x(D, 0.0), grad_scores(K);
+    for (int64_t k = 0; k < K; ++k) {
+      const PairResult& p = pairs[i * K + k];
+      const double score = tokens[i].scores_K[k];
+      for (int64_t d = 0; d < D; ++d) {
+        out[d] += score * p.y_D[d];
+        grad_x[d] += p.grad_x_D[d];
+      }
+      grad_scores[k] = p.grad_score;
+    }
+    result.out_D.push_back(std::move(out));
+    result.grad_x_D.push_back(std::move(grad_x));
+    result.grad_scores_K.push_back(std::move(grad_scores));
+  }
+  return result;
+}
+
+std::vector<SampledToken> sample_tokens(const Config& config, int64_t ep_size,
+                                        const std::vector<RankInputs>& inputs_per_rank,
+                                        const std::vector<std::vector<float>>& grad_out_TD_per_rank,
+                                        const std::vector<std::vector<int64_t>>& tokens_per_rank) {
+  validate_setup(config, ep_size, {});
+  if (static_cast<int64_t>(inputs_per_rank.size()) != ep_size ||
+      static_cast<int64_t>(grad_out_TD_per_rank.size()) != ep_size ||
+      static_cast<int64_t>(tokens_per_rank.size()) != ep_size) {
+    throw InvalidArgument("sample_tokens", "needs inputs, grad_out and tokens for every rank");
+  }
+  const int64_t T = config.num_local_input_tokens, D = config.hidden_dim, K = config.top_k;
+  std::vector<SampledToken> sampled;
+  for (int64_t r = 0; r < ep_size; ++r) {
+    const RankInputs& in = inputs_per_rank[r];
+    for (int64_t t : tokens_per_rank[r]) {
+      if (t < 0 || t >= T) throw InvalidArgument("tokens_per_rank", "token " + std::to_string(t) + " is not in [0, T)");
+      sampled.push_back({r, t, std::vector<float>(in.x_TD.begin() + t * D, in.x_TD.begin() + (t + 1) * D),
+                         std::vector<int32_t>(in.ids_TK.begin() + t * K, in.ids_TK.begin() + (t + 1) * K),
+                         std::vector<float>(in.scores_TK.begin() + t * K, in.scores_TK.begin() + (t + 1) * K),
+                         std::vector<float>(grad_out_TD_per_rank[r].begin() + t * D,
+                                            grad_out_TD_per_rank[r].begin() + (t + 1) * D)});
+    }
+  }
+  return sampled;
+}
+
+ExpertWeightsFn expert_weights_from(const Config& config, int64_t ep_size, const std::vector<RankInputs>& inputs_per_rank) {
+  const int64_t local = config.num_local_experts(ep_size);
+  const int64_t block13 = 2 * config.intermediate_dim * config.hidden_dim;
+  const int64_t block2 = config.hidden_dim * config.intermediate_dim;
+  return [&inputs_per_rank, local, block13, block2](int64_t expert, std::vector<float>& w13_2FD,
+                                                    std::vector<float>& w2_DF) {
+    const RankInputs& owner = inputs_per_rank.at(expert / local);
+    const int64_t slot = expert % local;
+    w13_2FD.assign(owner.w13.begin() + slot * block13, owner.w13.begin() + (slot + 1) * block13);
+    w2_DF.assign(owner.w2.begin() + slot * block2, owner.w2.begin() + (slot + 1) * block2);
+  };
 }
 
 }  // namespace poise::reference

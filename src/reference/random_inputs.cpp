@@ -23,6 +23,56 @@ std::vector<double> expert_popularity(int64_t num_experts, int64_t ep_size, doub
   return weight;
 }
 
+// Draws one token's K distinct experts (each by popularity among those not yet picked), then its
+// scores, a softmax over K random logits (zero for a padding row).
+class TokenRouter {
+ public:
+  TokenRouter(std::mt19937_64& rng, const std::vector<double>& popularity, int64_t top_k, DType scores_dtype)
+      : rng_(rng), popularity_(popularity), K_(top_k), scores_dtype_(scores_dtype), exp_logits_(top_k) {}
+
+  void draw(bool padding, int32_t* ids_K, float* scores_K) {
+    const auto E = static_cast<int64_t>(popularity_.size());
+    weight_ = popularity_;
+    for (int64_t k = 0; k < K_; ++k) {
+      double total = 0.0;
+      for (double w : weight_) total += w;
+      double pick = uniform_(rng_) * total;
+      int64_t e = 0;
+      while (e < E - 1 && (weight_[e] == 0.0 || pick >= weight_[e])) pick -= weight_[e++];
+      while (weight_[e] == 0.0) --e;  // rounding at the end of the range: the last unpicked expert
+      weight_[e] = 0.0;
+      ids_K[k] = static_cast<int32_t>(e);
+    }
+    float sum = 0.0f;
+    for (int64_t k = 0; k < K_; ++k) {
+      exp_logits_[k] = std::exp(logit_(rng_));
+      sum += exp_logits_[k];
+    }
+    for (int64_t k = 0; k < K_; ++k) {
+      float score = padding ? 0.0f : exp_logits_[k] / sum;
+      if (scores_dtype_ == DType::bf16) score = round_to_bf16(score);
+      scores_K[k] = score;
+    }
+  }
+
+ private:
+  std::mt19937_64& rng_;
+  const std::vector<double>& popularity_;
+  int64_t K_;
+  DType scores_dtype_;
+  std::uniform_real_distribution<double> uniform_{0.0, 1.0};
+  std::normal_distribution<float> logit_{0.0f, 1.0f};
+  std::vector<double> weight_;
+  std::vector<float> exp_logits_;
+};
+
+void validate_spec(const Config& config, const RandomInputsSpec& spec) {
+  if (!(spec.skew >= 1.0)) throw InvalidArgument("skew", "must be >= 1 (1 = uniform), got " + std::to_string(spec.skew));
+  if (spec.padding_rows < 0 || spec.padding_rows > config.num_local_input_tokens) {
+    throw InvalidArgument("padding_rows", "must be in [0, T], got " + std::to_string(spec.padding_rows));
+  }
+}
+
 std::vector<float> normal_bf16(std::mt19937_64& rng, int64_t count, float stddev) {
   std::normal_distribution<float> normal(0.0f, stddev);
   std::vector<float> values(count);
@@ -35,13 +85,10 @@ std::vector<float> normal_bf16(std::mt19937_64& rng, int64_t count, float stddev
 std::vector<RankInputs> random_inputs(const Config& config, int64_t ep_size, const RandomInputsSpec& spec,
                                       const Options& options) {
   validate_setup(config, ep_size, options);
-  if (!(spec.skew >= 1.0)) throw InvalidArgument("skew", "must be >= 1 (1 = uniform), got " + std::to_string(spec.skew));
-  if (spec.padding_rows < 0 || spec.padding_rows > config.num_local_input_tokens) {
-    throw InvalidArgument("padding_rows", "must be in [0, T], got " + std::to_string(spec.padding_rows));
-  }
+  validate_spec(config, spec);
   const int64_t T = config.num_local_input_tokens, D = config.hidden_dim, F = config.intermediate_dim;
-  const int64_t K = config.top_k, E = config.num_experts, local = config.num_local_experts(ep_size);
-  const std::vector<double> popularity = expert_popularity(E, ep_size, spec.skew);
+  const int64_t K = config.top_k, local = config.num_local_experts(ep_size);
+  const std::vector<double> popularity = expert_popularity(config.num_experts, ep_size, spec.skew);
 
   std::vector<RankInputs> inputs(ep_size);
   for (int64_t r = 0; r < ep_size; ++r) {
@@ -52,38 +99,31 @@ std::vector<RankInputs> random_inputs(const Config& config, int64_t ep_size, con
     in.w2 = normal_bf16(rng, local * D * F, 1.0f / std::sqrt(static_cast<float>(F)));
     in.ids_TK.resize(T * K);
     in.scores_TK.resize(T * K);
-    std::uniform_real_distribution<double> uniform(0.0, 1.0);
-    std::normal_distribution<float> logit(0.0f, 1.0f);
-    std::vector<double> weight;
-    std::vector<float> exp_logits(K);
+    TokenRouter router(rng, popularity, K, options.scores_dtype);
     for (int64_t t = 0; t < T; ++t) {
-      // K distinct experts, each drawn by popularity among those not yet picked.
-      weight = popularity;
-      for (int64_t k = 0; k < K; ++k) {
-        double total = 0.0;
-        for (double w : weight) total += w;
-        double pick = uniform(rng) * total;
-        int64_t e = 0;
-        while (e < E - 1 && (weight[e] == 0.0 || pick >= weight[e])) pick -= weight[e++];
-        while (weight[e] == 0.0) --e;  // rounding at the end of the range: the last unpicked expert
-        weight[e] = 0.0;
-        in.ids_TK[t * K + k] = static_cast<int32_t>(e);
-      }
-      // Scores: a softmax over K random logits; padding rows score zero.
-      const bool padding = t >= T - spec.padding_rows;
-      float sum = 0.0f;
-      for (int64_t k = 0; k < K; ++k) {
-        exp_logits[k] = std::exp(logit(rng));
-        sum += exp_logits[k];
-      }
-      for (int64_t k = 0; k < K; ++k) {
-        float score = padding ? 0.0f : exp_logits[k] / sum;
-        if (options.scores_dtype == DType::bf16) score = round_to_bf16(score);
-        in.scores_TK[t * K + k] = score;
-      }
+      router.draw(t >= T - spec.padding_rows, in.ids_TK.data() + t * K, in.scores_TK.data() + t * K);
     }
   }
   return inputs;
+}
+
+RandomRouting random_routing(const Config& config, int64_t ep_size, const RandomInputsSpec& spec,
+                             const Options& options) {
+  validate_setup(config, ep_size, options);
+  validate_spec(config, spec);
+  const int64_t T = config.num_local_input_tokens, K = config.top_k;
+  const std::vector<double> popularity = expert_popularity(config.num_experts, ep_size, spec.skew);
+  RandomRouting routing;
+  for (int64_t r = 0; r < ep_size; ++r) {
+    std::mt19937_64 rng(spec.seed * 0xD1B54A32D192ED03ull + 0x632BE59BD9B4E019ull * static_cast<uint64_t>(r + 1));
+    routing.ids_TK.emplace_back(T * K);
+    routing.scores_TK.emplace_back(T * K);
+    TokenRouter router(rng, popularity, K, options.scores_dtype);
+    for (int64_t t = 0; t < T; ++t) {
+      router.draw(t >= T - spec.padding_rows, routing.ids_TK[r].data() + t * K, routing.scores_TK[r].data() + t * K);
+    }
+  }
+  return routing;
 }
 
 std::vector<std::vector<float>> random_grad_out(const Config& config, int64_t ep_size, uint64_t seed) {
