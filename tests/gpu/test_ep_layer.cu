@@ -192,12 +192,12 @@ TEST(EpLayerErrors, CapacityOverflowIsReportedThenRecovers) {
   EP_CUDA_OK(cudaStreamDestroy(stream));
 }
 
-// An expert id out of range on one rank: that rank reports it; the others stop at the counts
-// exchange with a bounded wait instead of hanging.
+// An expert id out of range on one rank: that rank reports it (value and token) and tells its
+// peers, which stop at the counts exchange at once (peer_failed), not after their wait bound.
 TEST(EpLayerErrors, BadExpertIdIsReportedWithoutHang) {
   if (!have_sm90_gpu()) GTEST_SKIP() << "needs an SM90 GPU";
   const LayerCase c{4, 64, 128, 128, 16, 2};
-  EpWorld w(c, fresh_seed(), 200'000'000ull);
+  EpWorld w(c, fresh_seed(), 3'000'000'000ull);
   w.host()[1].ids_TK[7] = c.E + 3;
   w.dev()[1].ids->upload(w.host()[1].ids_TK);
   cudaStream_t stream;
@@ -209,11 +209,13 @@ TEST(EpLayerErrors, BadExpertIdIsReportedWithoutHang) {
     FAIL() << "bad id not reported";
   } catch (const DeviceError& e) {
     const std::string msg = e.what();
-    EXPECT_EQ(msg.rfind("EP device error: rank 1, route (count): ids_TK holds expert id 19", 0), 0u) << msg;
-    EXPECT_NE(msg.find("timed out"), std::string::npos) << msg;
+    EXPECT_EQ(msg.rfind("EP device error: rank 1, route (count): ids_TK holds expert id 19 at token 3", 0), 0u)
+        << msg;
+    EXPECT_NE(msg.find("stopped: rank 1 failed"), std::string::npos) << msg;
+    EXPECT_EQ(msg.find("timed out"), std::string::npos) << msg;
   }
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  EXPECT_LT(seconds, 5.0);
+  EXPECT_LT(seconds, 2.0) << "the peers waited for their bound (3 s) instead of stopping at once";
   w.pipeline().reset();
   EP_CUDA_OK(cudaStreamDestroy(stream));
 }
