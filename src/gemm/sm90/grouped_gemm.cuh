@@ -53,7 +53,7 @@ __global__ void __launch_bounds__(kThreadsPerCta, 1)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
                         const __grid_constant__ CUtensorMap map_b,
                         const __grid_constant__ CUtensorMap map_b_replicas,  // experts >= first_replica
-                        const GroupedGemmShape shape,
+                        const __grid_constant__ GroupedGemmShape shape,
                         const __grid_constant__ Epilogue epilogue) {  // holds the output TMA maps
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using Smem = GroupedGemmSmem<kBlockN, kStages, Epilogue::kStagingBuffers>;

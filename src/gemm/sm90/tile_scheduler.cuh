@@ -59,8 +59,11 @@ struct TileScheduler {
   }
 
   const SchedulerStorage* storage;
-  GroupedGemmShape shape;
+  // The kernel's __grid_constant__ parameter: fields are read from the constant bank where used.
+  // A copy in registers made the consumers spill tile counts to local memory, reloaded per tile.
+  const GroupedGemmShape* shape_;
   int32_t total_tiles;
+  __device__ const GroupedGemmShape& shape() const { return *shape_; }
 
   // Called by all threads of the CTA; ends with __syncthreads().
   __device__ static TileScheduler build(SchedulerStorage& s, const GroupedGemmShape& shape) {
@@ -90,7 +93,7 @@ struct TileScheduler {
     }
     if (threadIdx.x == 0) s.tile_prefix[shape.num_experts] = total;
     __syncthreads();
-    return TileScheduler{&s, shape, total};
+    return TileScheduler{&s, &shape, total};
   }
 
   // Tile (group) t as CTA `cluster_rank` of its cluster computes it.
@@ -98,7 +101,7 @@ struct TileScheduler {
     // Largest e with tile_prefix[e] <= t (experts without tiles have equal prefixes). Shared-space
     // loads: through the generic pointer each step of this search was a generic 64-bit load.
     const uint32_t prefix = ptx::shared_address(storage->tile_prefix);
-    int lo = 0, hi = shape.num_experts - 1;
+    int lo = 0, hi = shape().num_experts - 1;
     while (lo < hi) {
       const int mid = (lo + hi + 1) >> 1;
       if (static_cast<int32_t>(ptx::ld_shared_b32(prefix + 4 * mid)) <= t) lo = mid; else hi = mid - 1;
@@ -106,7 +109,7 @@ struct TileScheduler {
     const uint32_t rows_at = ptx::shared_address(&storage->rows[lo]);
     const int2 rows = make_int2(static_cast<int32_t>(ptx::ld_shared_b32(rows_at)),
                                 static_cast<int32_t>(ptx::ld_shared_b32(rows_at + 4)));
-    const int32_t m_blocks = kRows == RowsAre::M ? (rows.y + kTileM - 1) / kTileM : shape.m_blocks;
+    const int32_t m_blocks = kRows == RowsAre::M ? (rows.y + kTileM - 1) / kTileM : shape().m_blocks;
     const int32_t local = t - static_cast<int32_t>(ptx::ld_shared_b32(prefix + 4 * lo));
     TileInfo info;
     info.expert = lo;
@@ -119,15 +122,15 @@ struct TileScheduler {
       info.m_block = local % m_blocks;
       info.n_block = local / m_blocks;
     } else {
-      const bool beside = remainder_beside_pairs(m_blocks / 2, shape.n_blocks, gridDim.x / kCluster);
-      pair_tile(local, cluster_rank, m_blocks, shape.n_blocks, beside, info.m_block, info.n_block, info.shares_a,
+      const bool beside = remainder_beside_pairs(m_blocks / 2, shape().n_blocks, gridDim.x / kCluster);
+      pair_tile(local, cluster_rank, m_blocks, shape().n_blocks, beside, info.m_block, info.n_block, info.shares_a,
                 info.shares_b, info.valid);
     }
     return info;
   }
 
   __device__ int32_t k_blocks(const TileInfo& info) const {
-    if constexpr (kRows == RowsAre::M) return shape.k_blocks;
+    if constexpr (kRows == RowsAre::M) return shape().k_blocks;
     else return (info.row_count + kTileK - 1) / kTileK;
   }
 };
