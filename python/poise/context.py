@@ -12,6 +12,7 @@ torch unless a torch.distributed group is passed.
 from __future__ import annotations
 
 import itertools
+import atexit
 import weakref
 from typing import Any, Optional
 
@@ -36,11 +37,23 @@ def _device_name(device: object) -> str:
     raise InvalidArgument("device", f"must be 'cpu', 'cuda' or 'cuda:N' (or a torch.device), got {device!r}")
 
 
+class _ClosedContext:
+    """What a released Context holds instead of its C++ object: closed, and nothing else works."""
+
+    closed = True
+
+    def close(self) -> None:
+        pass
+
+
 class Context:
     """A Poise context for rank ``rank`` of an EP group of ``ep_size`` ranks. Collective to create."""
 
     def __init__(self, config: Config, *, ep_size: int, rank: int, device: object = "cuda", group: Any = None,
-                 virtual_ranks: bool = False):
+                 virtual_ranks: bool = False, sync_check: bool = False):
+        if not isinstance(sync_check, bool):
+            raise InvalidArgument("sync_check", f"must be a bool, got {type(sync_check).__name__}")
+        self.sync_check = sync_check  # every call checks its device faults (ExecutionOptions.sync_check)
         self._device = _device_name(device)
         ep_size, rank = as_index("ep_size", ep_size), as_index("rank", rank)
         self._virtual_ranks = bool(virtual_ranks)
@@ -187,6 +200,11 @@ class Context:
         self._cpp.close()
         self._backend = None
 
+    def _release(self) -> None:
+        """close() and drop the C++ object (interpreter exit)."""
+        self.close()
+        self._cpp = _ClosedContext()
+
     def _require_open(self) -> None:
         if self.closed:
             raise InvalidArgument("context", "was closed; create a new one")
@@ -214,6 +232,14 @@ def _create_virtual_ranks_on_gpu(config: Config, ep_size: int, device: str) -> t
     index = int(device.partition(":")[2]) if ":" in device else torch.cuda.current_device()
     with torch.cuda.device(index):
         return f"cuda:{index}", _poise.Context.create_virtual_ranks(to_cpp(config), ep_size)
+
+
+@atexit.register
+def _release_live_contexts() -> None:
+    """At interpreter exit, contexts still referenced (a script's globals) release their C++ state
+    before the extension module goes: nothing is left for nanobind to report as leaked."""
+    for context in list(_live_contexts.values()):
+        context._release()
 
 
 def context_from_handle(handle: int) -> Context:
@@ -246,6 +272,7 @@ def create_context(
     ep_size: Optional[int] = None,
     rank: Optional[int] = None,
     virtual_ranks: bool = False,
+    sync_check: bool = False,
 ) -> Context:
     """Creates this rank's Context; every rank of the EP group calls it with the same config.
 
@@ -258,6 +285,9 @@ def create_context(
     rank), called through poise.routed_experts_virtual with one tensor per rank. On a GPU the ranks
     share that device (the C++ Context::create_virtual_ranks, which allocates now); on the CPU they
     run the reference engine. For tests, development and single-GPU benchmarks.
+
+    ``sync_check=True``: every call on this context checks for device faults in the call (as
+    ``ExecutionOptions(sync_check=True)`` does per call): for hunting a bad batch.
     """
     if not isinstance(virtual_ranks, bool):
         raise InvalidArgument("virtual_ranks", f"must be a bool, got {type(virtual_ranks).__name__}")
@@ -267,7 +297,7 @@ def create_context(
         if rank is not None:
             raise InvalidArgument("rank", "a virtual-ranks context drives every rank: pass no rank")
         return Context(config, ep_size=1 if ep_size is None else ep_size, rank=0, device=device,
-                       virtual_ranks=True)
+                       virtual_ranks=True, sync_check=sync_check)
     if group is not None:
         group_size, group_rank = _group_size_and_rank(group)
         if ep_size is not None and as_index("ep_size", ep_size) != group_size:
@@ -276,7 +306,7 @@ def create_context(
             raise InvalidArgument("rank", f"is {rank} but this process is rank {group_rank} of the group")
         ep_size, rank = group_size, group_rank
     context = Context(config, ep_size=1 if ep_size is None else ep_size, rank=0 if rank is None else rank,
-                      device=device, group=group)
+                      device=device, group=group, sync_check=sync_check)
     if group is not None and context.device != "cpu":  # one process per GPU: NCCL (needs libnccl)
         from .nccl_context import attach_nccl_communicator
 

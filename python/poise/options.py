@@ -22,10 +22,16 @@ class ExecutionOptions:
     clip_statistics: routed_experts also returns, per local expert, how many gate inputs the
         clamped SwiGLU clipped (above swiglu_limit) and how many up inputs (outside
         [-limit, limit]): int64 [E_local, 2], over the expert's rows on every rank.
+    sync_check: for hunting a bad batch: the call waits for its stream and raises
+        poise.DeviceError in that call if the device faulted (an expert id out of range or picked
+        twice, a capacity overflow), and so does its backward (eager calls). Without it a fault
+        raises at the next call, and the faulted call's outputs are NaN. Not while a CUDA graph is
+        captured. ``create_context(sync_check=True)`` or ``POISE_SYNC_CHECK=1`` check every call.
     """
 
     accumulate_wgrad: bool = False
     clip_statistics: bool = False
+    sync_check: bool = False
 
     def validate(self) -> None:
         """Raises poise.InvalidArgument naming a field that is not a bool."""

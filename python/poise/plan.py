@@ -64,11 +64,13 @@ class MemoryPlan:
     total_device_bytes: int
     total_virtual_bytes: int
 
-    _cpp: _poise.MemoryPlan = dataclasses.field(compare=False)
+    # explain()'s text, formatted by C++ once: no C++ object outlives the conversion (one alive at
+    # interpreter exit would be reported as a leak).
+    _explanation: str = dataclasses.field(compare=False, repr=False)
 
     def explain(self) -> str:
         """One line per region, sizes in MiB/GiB, with the rule that sized it (formatted by C++)."""
-        return self._cpp.explain()
+        return self._explanation
 
     def __repr__(self) -> str:
         c = self.config
@@ -87,9 +89,9 @@ def plan_from_cpp(cpp: _poise.MemoryPlan) -> MemoryPlan:
     numbers = {
         field.name: getattr(cpp, field.name)
         for field in dataclasses.fields(MemoryPlan)
-        if field.name not in ("config", "_cpp")
+        if field.name not in ("config", "_explanation")
     }
-    return MemoryPlan(config=from_cpp(cpp.config), _cpp=cpp, **numbers)
+    return MemoryPlan(config=from_cpp(cpp.config), _explanation=cpp.explain(), **numbers)
 
 
 def plan_memory(config: Config, ep_size: int) -> MemoryPlan:

@@ -43,11 +43,11 @@ def plan(ep_size=EP_SIZE, **changes) -> poise.MemoryPlan:
 
 
 def numbers(p: poise.MemoryPlan) -> dict:
-    return {f.name: getattr(p, f.name) for f in dataclasses.fields(p) if f.name not in ("config", "_cpp")}
+    return {f.name: getattr(p, f.name) for f in dataclasses.fields(p) if f.name not in ("config", "_explanation")}
 
 
 def test_every_cpp_field_is_an_attribute(cpp_fields):
-    python_fields = [f.name for f in dataclasses.fields(poise.MemoryPlan) if f.name != "_cpp"]
+    python_fields = [f.name for f in dataclasses.fields(poise.MemoryPlan) if f.name != "_explanation"]
     assert python_fields == cpp_fields("memory_plan.hpp", "MemoryPlan")
     p = plan()
     for name, value in numbers(p).items():
@@ -189,7 +189,7 @@ def test_repr_names_the_shape_and_the_totals():
     assert text.startswith("MemoryPlan(")
     assert f"ep_size={EP_SIZE}" in text and f"D={BASE['hidden_dim']}" in text
     assert f"{p.total_device_bytes / 2**30:.3f} GiB" in text
-    assert "_cpp" not in text
+    assert "_explanation" not in text
 
 
 def test_plans_compare_by_value():

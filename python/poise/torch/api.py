@@ -47,11 +47,22 @@ def routed_experts(
     else:
         _check_before_the_op(x_TD, ids_TK, scores_TK, w13, w2, context, options)
         if autograd.plain_eager((x_TD, ids_TK, scores_TK, w13, w2)):
-            return autograd.EagerForward.apply(x_TD, ids_TK, scores_TK, w13, w2, context.handle, w13_layout,
-                                               options.accumulate_wgrad, options.clip_statistics)
+            result = autograd.EagerForward.apply(x_TD, ids_TK, scores_TK, w13, w2, context.handle, w13_layout,
+                                                 options.accumulate_wgrad, options.clip_statistics,
+                                                 options.sync_check or context.sync_check)
+            return _sync_checked(result, context, options)
     op = (torch.ops.poise.routed_experts_forward_clip_counts if options.clip_statistics
           else torch.ops.poise.routed_experts_forward)
-    return op(x_TD, ids_TK, scores_TK, w13, w2, context.handle, w13_layout, options.accumulate_wgrad)
+    result = op(x_TD, ids_TK, scores_TK, w13, w2, context.handle, w13_layout, options.accumulate_wgrad)
+    return result if torch.compiler.is_compiling() else _sync_checked(result, context, options)
+
+
+def _sync_checked(result, context: Context, options: ExecutionOptions):
+    """ExecutionOptions.sync_check: the call's device faults raise here (not while capturing a graph)."""
+    wanted = options.sync_check or context.sync_check
+    if wanted and not (context.device != "cpu" and torch.cuda.is_current_stream_capturing()):
+        context.check()
+    return result
 
 
 def routed_experts_virtual(
@@ -84,7 +95,8 @@ def routed_experts_virtual(
         _refuse_grad_on_inference(context, differentiable)
     op = (torch.ops.poise.routed_experts_virtual_forward_clip_counts if options.clip_statistics
           else torch.ops.poise.routed_experts_virtual_forward)
-    return op(*lists, context.handle, w13_layout)
+    result = op(*lists, context.handle, w13_layout)
+    return result if torch.compiler.is_compiling() else _sync_checked(result, context, options)
 
 
 # ---- checks before the op ------------------------------------------------------------------------

@@ -159,13 +159,17 @@ class EagerForward(torch.autograd.Function):
     state and backward (_setup_one_rank, _backward_one_rank) under a plain autograd.Function."""
 
     @staticmethod
-    def forward(ctx, x_TD, ids_TK, scores_TK, w13, w2, handle, w13_layout, accumulate_wgrad, clip_counts):
+    def forward(ctx, x_TD, ids_TK, scores_TK, w13, w2, handle, w13_layout, accumulate_wgrad, clip_counts, sync_check):
         result = ops.forward_on_engine(x_TD, ids_TK, scores_TK, w13, w2, handle, w13_layout, clip_counts)
         _setup_one_rank(ctx, (x_TD, ids_TK, scores_TK, w13, w2, handle, w13_layout, accumulate_wgrad), result)
+        ctx.sync_check = sync_check
         if clip_counts:
             ctx.mark_non_differentiable(result[1])  # integers: no gradient flows back through them
         return result
 
     @staticmethod
     def backward(ctx, grad_out_TD, *_grad_counts):
-        return (*_backward_one_rank(ctx, grad_out_TD), None)
+        grads = _backward_one_rank(ctx, grad_out_TD)
+        if ctx.sync_check and not torch.cuda.is_current_stream_capturing():
+            context_from_handle(ctx.context_handle).check()  # ExecutionOptions.sync_check
+        return (*grads, None, None)
