@@ -49,21 +49,12 @@ int main(int argc, char** argv) {
     std::fputs(kUsage, stdout);
     return 0;
   }
-  Setup setup;
+  // One set of handlers for the setup and the run: only the setup throws FlagError.
   try {
-    setup = prepare(flags);
+    return run(prepare(flags));
   } catch (const FlagError& e) {
     std::fprintf(stderr, "poise_demo: %s\n", e.what());
     return 2;
-  } catch (const poise::InvalidArgument& e) {
-    std::fprintf(stderr, "poise_demo: invalid argument: %s\n", e.what());
-    return 2;
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "poise_demo: error: %s\n", e.what());
-    return 1;
-  }
-  try {
-    return run(setup);
   } catch (const poise::InvalidArgument& e) {
     std::fprintf(stderr, "poise_demo: invalid argument: %s\n", e.what());
     return 2;
