@@ -57,35 +57,37 @@ std::string sizes_hint(const Flags& f) {
          str(f.config.num_experts) + ", --ranks " + str(f.ranks) + ")";
 }
 
-// Refuses a layer whose buffers do not fit (FlagError). On the GPU without --wgrad-dtype, takes
-// bf16 weight gradients when only they fit (the DeepSeek-V3 EP8 layer on one H200).
-void fit_memory(Setup& s) {
+// The GPU's part of the memory line; FlagError when the layer does not fit. Without --wgrad-dtype,
+// takes bf16 weight gradients when only they fit (the DeepSeek-V3 EP8 layer on one H200).
+void fit_device_memory(Setup& s) {
   Flags& f = s.flags;
-  s.memory_line.clear();
-  if (s.gpu) {
-    size_t free = 0, total = 0;
-    cuda_ok(cudaMemGetInfo(&free, &total));
-    double need = device_bytes(f, s.plan);
-    if (need > double(free) && !f.wgrad_dtype_given && f.config.wgrad_dtype == DType::fp32) {
-      Flags bf16 = f;
-      bf16.config.wgrad_dtype = DType::bf16;
-      if (device_bytes(bf16, s.plan) <= double(free)) {
-        s.wgrad_note = " (chosen: with fp32 weight gradients the GPU would need " + gib(need) + ", " + gib(double(free)) +
-                       " free; --wgrad-dtype sets it)";
-        f.config.wgrad_dtype = DType::bf16;
-        need = device_bytes(f, s.plan);
-      }
+  size_t free = 0, total = 0;
+  cuda_ok(cudaMemGetInfo(&free, &total));
+  double need = device_bytes(f, s.plan);
+  if (need > double(free) && !f.wgrad_dtype_given && f.config.wgrad_dtype == DType::fp32) {
+    Flags bf16 = f;
+    bf16.config.wgrad_dtype = DType::bf16;
+    if (device_bytes(bf16, s.plan) <= double(free)) {
+      s.wgrad_note = " (chosen: with fp32 weight gradients the GPU would need " + gib(need) + ", " + gib(double(free)) +
+                     " free; --wgrad-dtype sets it)";
+      f.config.wgrad_dtype = DType::bf16;
+      need = device_bytes(f, s.plan);
     }
-    const std::string breakdown = str(f.ranks) + " virtual ranks x (" + gib(double(s.plan.total_device_bytes)) +
-                                  " plan + " + gib(layer_tensor_bytes(f, s.plan)) + " layer tensors) + " +
-                                  gib(kDeviceReserveBytes) + " reserve";
-    if (need > double(free)) {
-      throw FlagError("the layer does not fit on the GPU: it needs " + gib(need) + " (" + breakdown + "), " +
-                      gib(double(free)) + " are free; " + sizes_hint(f) +
-                      (f.config.wgrad_dtype == DType::fp32 ? ", or pass --wgrad-dtype bf16" : ""));
-    }
-    s.memory_line = "GPU " + gib(need) + " of " + gib(double(free)) + " free (" + breakdown + "); ";
   }
+  const std::string breakdown = str(f.ranks) + " virtual ranks x (" + gib(double(s.plan.total_device_bytes)) +
+                                " plan + " + gib(layer_tensor_bytes(f, s.plan)) + " layer tensors) + " +
+                                gib(kDeviceReserveBytes) + " reserve";
+  if (need > double(free)) {
+    throw FlagError("the layer does not fit on the GPU: it needs " + gib(need) + " (" + breakdown + "), " +
+                    gib(double(free)) + " are free; " + sizes_hint(f) +
+                    (f.config.wgrad_dtype == DType::fp32 ? ", or pass --wgrad-dtype bf16" : ""));
+  }
+  s.memory_line = "GPU " + gib(need) + " of " + gib(double(free)) + " free (" + breakdown + "); ";
+}
+
+// The host's part of the memory line; FlagError when the host work does not fit.
+void fit_host_memory(Setup& s) {
+  const Flags& f = s.flags;
   const HostWork work{.inputs = !s.gpu || s.check == Check::full,
                       .engine = !s.gpu,
                       .gpu_results = s.gpu && s.check == Check::full,
@@ -100,6 +102,13 @@ void fit_memory(Setup& s) {
                     (work.engine ? " (an SM90 GPU runs large layers)" : ""));
   }
   s.memory_line += "host about " + gib(need) + " of " + gib(physical);
+}
+
+// Refuses a layer whose buffers do not fit (FlagError).
+void fit_memory(Setup& s) {
+  s.memory_line.clear();
+  if (s.gpu) fit_device_memory(s);
+  fit_host_memory(s);
 }
 
 // Capacity mode without --capacity-factor: the smallest factor (in hundredths) this routing fits.
