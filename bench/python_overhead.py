@@ -22,16 +22,15 @@ Needs an SM90 GPU and the poise module built (pip install .). Runs in well under
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import statistics
-import subprocess
 import sys
 import time
 
 import torch
 
 import poise
+from provenance import commit_of  # bench/, the script's folder
 
 SHAPES = [
     ("small", dict(num_local_input_tokens=256, hidden_dim=1024, intermediate_dim=512, num_experts=16, top_k=4,
@@ -186,23 +185,12 @@ def measure(name: str, fields: dict, device: torch.device) -> dict:
     }
 
 
-def commit() -> str:
-    """POISE_COMMIT when set (device runs carry the commit in; their checkout's git may be stale)."""
-    if os.environ.get("POISE_COMMIT"):
-        return os.environ["POISE_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=pathlib.Path(__file__).parent).stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
-
-
 def main() -> None:
     out_path = pathlib.Path(sys.argv[1] if len(sys.argv) > 1 else "bench/results/python_overhead_h200.json")
     device = torch.device("cuda", torch.cuda.current_device())
     started = time.perf_counter()
     results = [measure(name, fields, device) for name, fields in SHAPES]
-    report = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__, "commit": commit(),
+    report = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__, "commit": commit_of(),
               "seconds": time.perf_counter() - started, "results": results}
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(report, indent=2) + "\n")

@@ -37,24 +37,24 @@ const char* const kUsage =
 
 namespace {
 
-int64_t parse_int(const std::string& flag, const std::string& value) {
-  int64_t v = 0;
+// `kind` names what the value must be ("an integer").
+template <class Int>
+Int parse_integer(const std::string& flag, const std::string& value, const char* kind) {
+  Int v = 0;
   const auto [end, error] = std::from_chars(value.data(), value.data() + value.size(), v);
   if (error == std::errc::result_out_of_range) throw FlagError(flag + ": out of range: " + value);
   if (error != std::errc() || end != value.data() + value.size()) {
-    throw FlagError(flag + ": not an integer: " + value);
+    throw FlagError(flag + ": not " + kind + ": " + value);
   }
   return v;
 }
 
+int64_t parse_int(const std::string& flag, const std::string& value) {
+  return parse_integer<int64_t>(flag, value, "an integer");
+}
+
 uint64_t parse_unsigned(const std::string& flag, const std::string& value) {
-  uint64_t v = 0;
-  const auto [end, error] = std::from_chars(value.data(), value.data() + value.size(), v);
-  if (error == std::errc::result_out_of_range) throw FlagError(flag + ": out of range: " + value);
-  if (error != std::errc() || end != value.data() + value.size()) {
-    throw FlagError(flag + ": not a non-negative integer: " + value);
-  }
-  return v;
+  return parse_integer<uint64_t>(flag, value, "a non-negative integer");
 }
 
 double parse_number(const std::string& flag, const std::string& value) {

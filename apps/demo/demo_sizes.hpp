@@ -31,7 +31,7 @@ struct HostWork {
 double host_bytes(const Flags& flags, const MemoryPlan& plan, const HostWork& work);
 double physical_memory_bytes();
 
-// Device bytes of one rank's layer tensors, as DeviceLayer / SyntheticLayer allocate them.
+// Device bytes of one rank's layer tensors, as LayerTensors::add_rank allocates them.
 double layer_tensor_bytes(const Flags& flags, const MemoryPlan& plan);
 // Device bytes of the GPU path: every virtual rank's plan and layer tensors, plus the reserve.
 double device_bytes(const Flags& flags, const MemoryPlan& plan);

@@ -16,17 +16,16 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import pathlib
 import statistics
-import subprocess
 import sys
 import time
 
 import torch
 import torch.nn.functional as Fn
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # bench/: the clock sampler
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # bench/: the clock sampler, the commit
+from provenance import commit_of  # noqa: E402
 from smi_sampler import SmiSampler, device_identity, median_clock_power  # noqa: E402
 
 SHAPES = {
@@ -67,19 +66,6 @@ def parse_args(argv=None):
     if args.settle_s < 0 or args.warm_ms < 0:
         ap.error("--settle-s and --warm-ms must be >= 0")
     return args
-
-
-def commit_of(explicit=None):
-    """The commit to record: explicit, else $POISE_COMMIT (device runs carry it in), else git."""
-    if explicit:
-        return explicit
-    if os.environ.get("POISE_COMMIT"):
-        return os.environ["POISE_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=pathlib.Path(__file__).parent).stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
 
 
 # ---------------------------------------------------------------- routing and inputs

@@ -202,6 +202,7 @@ class StagedPipeline {
     if (hook_) hook_(s, stream);
   }
   LaunchIo forward_io(std::span<const ForwardArgs> args, bool backward) const;
+  LaunchIo backward_io(std::span<const BackwardArgs> args) const;
   // launch_ with `record`'s buffers and window regions in place of the working record's.
   EpLaunch launch_for(int record) const;
   void check_record(int record) const;
@@ -212,6 +213,9 @@ class StagedPipeline {
   std::string describe_faults(std::vector<comm::ErrorWord> faults) const;
   // A forward's dispatch of x rows (with the replica weight push) and fanout, from l's layout.
   void dispatch_x_rows(const EpLaunch& l, const LaunchIo& io, cudaStream_t stream);
+  // Backward: what `record` lacks of its forward, rebuilt first (recompute: all the backward reads;
+  // a light or partial record: the x rows, and h13 past the rows a partial record kept).
+  void restore_record(const EpLaunch& l, const LaunchIo& io, int record, bool recompute, cudaStream_t stream);
 
   Config config_;
   std::unique_ptr<comm::Transport> transport_;

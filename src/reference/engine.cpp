@@ -3,6 +3,7 @@
 #include <stdexcept>
 
 #include "reference/engine_state.hpp"
+#include "reference/routing_stats.hpp"
 #include "reference/validate.hpp"
 
 namespace poise::reference {
@@ -63,22 +64,10 @@ std::vector<std::vector<float>> Engine::forward(const std::vector<RankInputs>& i
 
   // Every rank derived the same plan; rank 0's copy describes the call.
   const RankState& first = s.ranks[0];
-  RoutingStats stats;
-  stats.expert_rows.assign(s.E(), 0);
-  for (const plan::ExpertPiece& piece : first.plan.pieces) stats.expert_rows[piece.expert] += piece.rows();
-  stats.owner_rows = first.plan.owner_rows;
-  stats.computed_rows = first.plan.computed_rows;
-  stats.grouped_rows = first.grouped.grouped_rows_per_rank;
-  stats.replicas = first.plan.replicas;
-  stats.moved_rows = first.plan.moved_rows;
-  stats.unplaced_surplus_rows = first.plan.unplaced_surplus_rows;
-  for (int64_t rows : stats.owner_rows) stats.surplus_rows += std::max<int64_t>(0, rows - s.T() * s.K());
-  stats.received_token_rows.assign(s.ep_size, 0);
-  for (const RankState& st : s.ranks) {
-    for (int64_t dst = 0; dst < s.ep_size; ++dst) {
-      stats.received_token_rows[dst] += static_cast<int64_t>(st.dispatch.tokens_to[dst].size());
-    }
-  }
+  std::vector<int64_t> expert_rows(s.E(), 0);
+  for (const plan::ExpertPiece& piece : first.plan.pieces) expert_rows[piece.expert] += piece.rows();
+  RoutingStats stats = plan_stats(first.plan, first.grouped, std::move(expert_rows), s.T() * s.K(), s.ep_size);
+  for (const RankState& st : s.ranks) count_received(stats, st.dispatch);
   s.stats = std::move(stats);
   s.forward_ids_TK.clear();
   for (const RankInputs& in : inputs_per_rank) s.forward_ids_TK.push_back(in.ids_TK);

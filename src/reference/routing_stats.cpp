@@ -1,10 +1,11 @@
 // Routing statistics from the ids alone: the counts, balance plan and layouts a forward derives,
-// without the experts. Mirrors route() in forward.cpp and the stats Engine::forward gathers.
+// without the experts (mirrors route() in forward.cpp), assembled as Engine::forward assembles its.
+#include "reference/routing_stats.hpp"
+
 #include <algorithm>
 #include <string>
+#include <utility>
 
-#include "poise/reference.hpp"
-#include "reference/routing_layout.hpp"
 #include "reference/validate.hpp"
 
 namespace poise::reference {
@@ -42,6 +43,27 @@ void validate_ids(const Config& config, int64_t ep_size, const std::vector<std::
 
 }  // namespace
 
+RoutingStats plan_stats(const plan::BalancePlan& plan, const GroupedLayout& grouped, std::vector<int64_t> expert_rows,
+                        int64_t rows_per_rank, int64_t ep_size) {
+  RoutingStats stats;
+  stats.expert_rows = std::move(expert_rows);
+  stats.owner_rows = plan.owner_rows;
+  stats.computed_rows = plan.computed_rows;
+  stats.grouped_rows = grouped.grouped_rows_per_rank;
+  stats.replicas = plan.replicas;
+  stats.moved_rows = plan.moved_rows;
+  stats.unplaced_surplus_rows = plan.unplaced_surplus_rows;
+  for (int64_t rows : stats.owner_rows) stats.surplus_rows += std::max<int64_t>(0, rows - rows_per_rank);
+  stats.received_token_rows.assign(ep_size, 0);
+  return stats;
+}
+
+void count_received(RoutingStats& stats, const DispatchLayout& dispatch) {
+  for (size_t dst = 0; dst < stats.received_token_rows.size(); ++dst) {
+    stats.received_token_rows[dst] += static_cast<int64_t>(dispatch.tokens_to[dst].size());
+  }
+}
+
 RoutingStats routing_stats(const Config& config, int64_t ep_size,
                            const std::vector<std::vector<int32_t>>& ids_TK_per_rank, const Options& options) {
   validate_setup(config, ep_size, options);
@@ -60,22 +82,9 @@ RoutingStats routing_stats(const Config& config, int64_t ep_size,
                                      ? plan::plan_exact_balance(expert_rows, ep_size, rows_per_rank, replica_slots)
                                      : plan::plan_owner_only(expert_rows, ep_size, rows_per_rank);
   const GroupedLayout grouped = make_grouped_layout(plan);
-
-  RoutingStats stats;
-  stats.expert_rows = expert_rows;
-  stats.owner_rows = plan.owner_rows;
-  stats.computed_rows = plan.computed_rows;
-  stats.grouped_rows = grouped.grouped_rows_per_rank;
-  stats.replicas = plan.replicas;
-  stats.moved_rows = plan.moved_rows;
-  stats.unplaced_surplus_rows = plan.unplaced_surplus_rows;
-  for (int64_t rows : stats.owner_rows) stats.surplus_rows += std::max<int64_t>(0, rows - rows_per_rank);
-  stats.received_token_rows.assign(ep_size, 0);
+  RoutingStats stats = plan_stats(plan, grouped, expert_rows, rows_per_rank, ep_size);
   for (int64_t r = 0; r < ep_size; ++r) {
-    const DispatchLayout dispatch = make_dispatch_layout(r, ids_TK_per_rank[r], K, counts_RE, plan, grouped);
-    for (int64_t dst = 0; dst < ep_size; ++dst) {
-      stats.received_token_rows[dst] += static_cast<int64_t>(dispatch.tokens_to[dst].size());
-    }
+    count_received(stats, make_dispatch_layout(r, ids_TK_per_rank[r], K, counts_RE, plan, grouped));
   }
   return stats;
 }

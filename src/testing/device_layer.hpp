@@ -9,6 +9,7 @@
 
 #include "poise/context.hpp"
 #include "poise/reference.hpp"
+#include "testing/layer_tensors.hpp"
 
 namespace poise {
 
@@ -17,15 +18,14 @@ class DeviceLayer {
   // inputs_per_rank / grad_out_TD_per_rank: one entry per launch rank. Throws DeviceError on CUDA failures.
   DeviceLayer(const Config& config, int64_t ep_size, const std::vector<reference::RankInputs>& inputs_per_rank,
               const std::vector<std::vector<float>>& grad_out_TD_per_rank, DType scores_dtype);
-  ~DeviceLayer();
   DeviceLayer(const DeviceLayer&) = delete;
   DeviceLayer& operator=(const DeviceLayer&) = delete;
 
-  std::span<const ForwardArgs> forward_args() const { return forward_; }
-  std::span<const BackwardArgs> backward_args() const { return backward_; }
+  std::span<const ForwardArgs> forward_args() const { return tensors_.forward_args(); }
+  std::span<const BackwardArgs> backward_args() const { return tensors_.backward_args(); }
 
   // Fills every output with NaN bits, so an element the GPU never writes cannot pass a check.
-  void poison_outputs();
+  void poison_outputs() { tensors_.poison_outputs(); }
 
   // Per rank, as floats (bf16 values widened; grads in the Config's wgrad dtype / the scores dtype).
   std::vector<std::vector<float>> out_TD() const;
@@ -35,20 +35,10 @@ class DeviceLayer {
   std::vector<std::vector<float>> grad_w2() const;
 
  private:
-  struct Tensor {
-    void* data = nullptr;
-    int64_t elements = 0;
-    DType dtype = DType::bf16;
-  };
-  struct RankTensors {
-    Tensor x, ids, scores, w13, w2, out, grad_out, grad_x, grad_scores, grad_w13, grad_w2;
-  };
-  Tensor allocate(int64_t elements, DType dtype);
+  using Tensor = LayerTensors::Tensor;
+  using RankTensors = LayerTensors::RankTensors;
   std::vector<std::vector<float>> download_all(Tensor RankTensors::*member) const;
-  std::vector<RankTensors> ranks_;
-  std::vector<void*> allocations_;
-  std::vector<ForwardArgs> forward_;
-  std::vector<BackwardArgs> backward_;
+  LayerTensors tensors_{"DeviceLayer"};
 };
 
 }  // namespace poise

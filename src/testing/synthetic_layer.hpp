@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "poise/context.hpp"
+#include "testing/layer_tensors.hpp"
 
 namespace poise {
 
@@ -19,15 +20,14 @@ class SyntheticLayer {
   // Throws DeviceError on CUDA failures.
   SyntheticLayer(const Config& config, int64_t ep_size, const std::vector<std::vector<int32_t>>& ids_TK,
                  const std::vector<std::vector<float>>& scores_TK, DType scores_dtype, uint64_t seed);
-  ~SyntheticLayer();
   SyntheticLayer(const SyntheticLayer&) = delete;
   SyntheticLayer& operator=(const SyntheticLayer&) = delete;
 
-  std::span<const ForwardArgs> forward_args() const { return forward_; }
-  std::span<const BackwardArgs> backward_args() const { return backward_; }
+  std::span<const ForwardArgs> forward_args() const { return tensors_.forward_args(); }
+  std::span<const BackwardArgs> backward_args() const { return tensors_.backward_args(); }
 
   // Fills every output with NaN bits, so an element the GPU never writes cannot pass a check.
-  void poison_outputs();
+  void poison_outputs() { tensors_.poison_outputs(); }
 
   // Row t of rank r as floats (waits for the device first).
   std::vector<float> x_row(int64_t rank, int64_t t) const { return row(&RankTensors::x, rank, t, D_); }
@@ -41,24 +41,14 @@ class SyntheticLayer {
   void expert_weights(int64_t expert, std::vector<float>& w13_2FD, std::vector<float>& w2_DF) const;
 
  private:
-  struct Tensor {
-    void* data = nullptr;
-    int64_t elements = 0;
-    DType dtype = DType::bf16;
-  };
-  struct RankTensors {
-    Tensor x, ids, scores, w13, w2, out, grad_out, grad_x, grad_scores, grad_w13, grad_w2;
-  };
-  Tensor allocate(int64_t elements, DType dtype);
+  using Tensor = LayerTensors::Tensor;
+  using RankTensors = LayerTensors::RankTensors;
   std::vector<float> download(const Tensor& tensor, int64_t first, int64_t count) const;
   std::vector<float> row(Tensor RankTensors::*member, int64_t rank, int64_t t, int64_t width) const;
 
   int device_ = 0;
   int64_t D_ = 0, F_ = 0, K_ = 0, local_experts_ = 0;
-  std::vector<RankTensors> ranks_;
-  std::vector<void*> allocations_;
-  std::vector<ForwardArgs> forward_;
-  std::vector<BackwardArgs> backward_;
+  LayerTensors tensors_{"SyntheticLayer"};
 };
 
 }  // namespace poise

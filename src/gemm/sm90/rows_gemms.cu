@@ -31,39 +31,56 @@ void launch_rows(const CUtensorMap& map_a, const WeightMaps& map_b, const Groupe
   }
 }
 
+// What tells the two rows GEMMs apart, besides B's major-ness: A = [rows][K], and each expert's
+// weights B (the replica experts' in replica_w), read in b_box-row boxes.
+struct RowsOperands {
+  const void* a;
+  const char* a_name;
+  int64_t K;
+  const void* w;
+  const char* w_name;
+  const void* replica_w;
+  const char* replica_name;
+  int b_box;
+};
+
+// out_RD = A . B over each expert's rows: D columns, scaled by scores_R when set. B per expert is
+// [K][D] when MN-major, [D][K] when K-major.
+template <bool kBMnMajor>
+void rows_gemm(const GroupedRows& rows, const ExpertMlpShape& shape, const RowsOperands& o, void* out_RD,
+               const char* out_name, const RowScatter& scatter, const float* scores_R, cudaStream_t stream) {
+  validate(rows, shape);
+  require_ptr(o.a, o.a_name);
+  require_ptr(o.w, o.w_name);
+  validate_rows_output(out_RD, out_name, scatter, shape.hidden_dim);
+  require_replica_ptr(rows, o.replica_w, o.replica_name);
+  if (rows.max_rows == 0) return;
+  const int64_t D = shape.hidden_dim;
+  const int64_t b_rows = kBMnMajor ? o.K : D, b_cols = kBMnMajor ? D : o.K;
+  const CUtensorMap map_a = rows_operand_map(o.a, rows, o.K, o.a_name);
+  const WeightMaps map_b = weight_maps(rows, o.w, o.w_name, o.replica_w, o.replica_name, b_rows, b_cols, o.b_box);
+  const GroupedGemmShape s = rows_gemm_shape(rows, o.K, b_rows, D, kBlockN);
+  launch_rows<kBMnMajor>(map_a, map_b, s, out_RD, scatter, scores_R, D, stream);
+}
+
 }  // namespace
 
 void expert_mlp_fprop_w2(const GroupedRows& rows, const ExpertMlpShape& shape, const FpropW2Args& args,
                          cudaStream_t stream) {
-  validate(rows, shape);
-  require_ptr(args.a_RF, "a_RF");
-  require_ptr(args.w2_EDF, "w2_EDF");
-  validate_rows_output(args.y_RD, "y_RD", args.scatter, shape.hidden_dim);
-  require_replica_ptr(rows, args.replica_w2_EDF, "replica_w2_EDF");
-  if (rows.max_rows == 0) return;
-  const int64_t D = shape.hidden_dim, F = shape.intermediate_dim;
-  const CUtensorMap map_a = rows_operand_map(args.a_RF, rows, F, "a_RF");
-  const WeightMaps map_b =
-      weight_maps(rows, args.w2_EDF, "w2_EDF", args.replica_w2_EDF, "replica_w2_EDF", D, F, kBlockN / 2);
-  const GroupedGemmShape s = rows_gemm_shape(rows, F, D, D, kBlockN);
-  launch_rows<false>(map_a, map_b, s, args.y_RD, args.scatter, args.scores_R, D, stream);
+  // W2[e] is [D][F]: N = D rows, K = F contiguous -> K-major B.
+  const RowsOperands o{.a = args.a_RF, .a_name = "a_RF", .K = shape.intermediate_dim, .w = args.w2_EDF,
+                       .w_name = "w2_EDF", .replica_w = args.replica_w2_EDF, .replica_name = "replica_w2_EDF",
+                       .b_box = kBlockN / 2};
+  rows_gemm<false>(rows, shape, o, args.y_RD, "y_RD", args.scatter, args.scores_R, stream);
 }
 
 void expert_mlp_dgrad_w13(const GroupedRows& rows, const ExpertMlpShape& shape, const DgradW13Args& args,
                           cudaStream_t stream) {
-  validate(rows, shape);
-  require_ptr(args.grad_h13_R2F, "grad_h13_R2F");
-  require_ptr(args.w13_E2FD, "w13_E2FD");
-  validate_rows_output(args.grad_x_RD, "grad_x_RD", args.scatter, shape.hidden_dim);
-  require_replica_ptr(rows, args.replica_w13_E2FD, "replica_w13_E2FD");
-  if (rows.max_rows == 0) return;
-  const int64_t D = shape.hidden_dim, F = shape.intermediate_dim;
-  const CUtensorMap map_a = rows_operand_map(args.grad_h13_R2F, rows, 2 * F, "grad_h13_R2F");
   // W13[e] is [2F][D]: K = 2F rows, N = D contiguous -> MN-major B.
-  const WeightMaps map_b =
-      weight_maps(rows, args.w13_E2FD, "w13_E2FD", args.replica_w13_E2FD, "replica_w13_E2FD", 2 * F, D, 64);
-  const GroupedGemmShape s = rows_gemm_shape(rows, 2 * F, 2 * F, D, kBlockN);
-  launch_rows<true>(map_a, map_b, s, args.grad_x_RD, args.scatter, nullptr, D, stream);
+  const RowsOperands o{.a = args.grad_h13_R2F, .a_name = "grad_h13_R2F", .K = 2 * shape.intermediate_dim,
+                       .w = args.w13_E2FD, .w_name = "w13_E2FD", .replica_w = args.replica_w13_E2FD,
+                       .replica_name = "replica_w13_E2FD", .b_box = 64};
+  rows_gemm<true>(rows, shape, o, args.grad_x_RD, "grad_x_RD", args.scatter, nullptr, stream);
 }
 
 }  // namespace poise::sm90

@@ -1,0 +1,63 @@
+// Host copies of what the latest forward left on the device, for tests and diagnostics: a slot's
+// routing layout and (exact balance) its balance plan. Both synchronize the device.
+#include "pipeline/staged_pipeline.hpp"
+
+#include <vector>
+
+#include "pipeline/pipeline_checks.hpp"
+#include "runtime/cuda_check.hpp"
+
+namespace poise::ep {
+
+using runtime::cuda_check;
+
+LayoutSnapshot StagedPipeline::snapshot(int slot) const {
+  const EpLaunch latest = launch_for(latest_forward_record_);
+  const EpDims& d = latest.dims;
+  const RankScratch& rs = latest.scratch.rank[slot];
+  LayoutSnapshot s;
+  s.dest_row_TK.resize(static_cast<size_t>(d.T) * d.K);
+  s.group_offsets.resize(d.groups + 1);
+  s.group_counts.resize(d.groups);
+  s.dest_rank_TK.resize(static_cast<size_t>(d.T) * d.K);
+  s.row_origin.resize(d.capacity_rows);
+  s.row_primary.resize(d.capacity_rows);
+  auto get = [](std::vector<int32_t>& v, const void* src) {
+    cuda_check(cudaMemcpy(v.data(), src, v.size() * sizeof(int32_t), cudaMemcpyDeviceToHost), "snapshot");
+  };
+  cuda_check(cudaDeviceSynchronize(), "snapshot: cudaDeviceSynchronize");
+  get(s.dest_row_TK, rs.dest_row_TK);
+  get(s.group_offsets, rs.group_offsets);
+  get(s.group_counts, rs.group_counts);
+  get(s.row_origin, rs.workspace + latest.ws.row_origin);
+  get(s.row_primary, rs.workspace + latest.ws.row_primary);
+  get(s.dest_rank_TK, rs.dest_rank_TK);
+  return s;
+}
+
+PlanSnapshot StagedPipeline::plan_snapshot(int slot) const {
+  const EpDims& d = launch_.dims;
+  require(d.balanced, "plan_snapshot", "the pipeline does not balance (balance=capacity)");
+  const EpLaunch latest = launch_for(latest_forward_record_);
+  const RankScratch& rs = latest.scratch.rank[slot];
+  cuda_check(cudaDeviceSynchronize(), "plan_snapshot: cudaDeviceSynchronize");
+  PlanSnapshot p;
+  auto get = [](auto& v, const void* src) {
+    cuda_check(cudaMemcpy(v.data(), src, v.size() * sizeof(v[0]), cudaMemcpyDeviceToHost), "plan_snapshot");
+  };
+  std::vector<int32_t> first(d.E + 1), stats(kPlanStats);
+  p.kept_E.resize(d.E);
+  p.group_offsets_RG.resize(static_cast<size_t>(d.world) * (d.groups + 1));
+  get(first, rs.plan_piece_first_E);
+  get(stats, rs.plan_stats);
+  get(p.kept_E, rs.plan_kept_E);
+  get(p.group_offsets_RG, rs.plan_group_offsets_RG);
+  p.pieces.resize(first[d.E]);
+  if (!p.pieces.empty()) get(p.pieces, rs.plan_pieces);
+  p.exact = stats[kPlanExact] != 0;
+  p.moved_rows = stats[kPlanMovedRows];
+  p.max_rank_rows = stats[kPlanMaxRankRows];
+  return p;
+}
+
+}  // namespace poise::ep
