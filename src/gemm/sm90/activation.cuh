@@ -26,12 +26,17 @@ __device__ __forceinline__ float fast_sigmoid(float x) {
   return __fdividef(1.0f, 1.0f + exp2_flush(x * -1.4426950408889634f));
 }
 
+// The clamps with std::min / std::clamp's NaN rule (the reference's): a NaN input stays NaN, where
+// fminf / fmaxf would return the bound and hide it.
+__device__ __forceinline__ float min_keep_nan(float v, float hi) { return hi < v ? hi : v; }
+__device__ __forceinline__ float clamp_keep_nan(float v, float lo, float hi) { return v < lo ? lo : (hi < v ? hi : v); }
+
 // kClamped selects the activation at compile time; epilogues branch once, outside their loops.
 template <bool kClamped>
 __device__ __forceinline__ float swiglu_forward(float g, float u, const ActivationParams& p) {
   if constexpr (kClamped) {
-    const float gc = fminf(g, p.limit);
-    const float uc = fminf(fmaxf(u, -p.limit), p.limit);
+    const float gc = min_keep_nan(g, p.limit);
+    const float uc = clamp_keep_nan(u, -p.limit, p.limit);
     return gc * fast_sigmoid(p.alpha * gc) * (uc + 1.0f);
   }
   return g * fast_sigmoid(g) * u;
@@ -43,8 +48,8 @@ __device__ __forceinline__ void swiglu_backward(float g, float u, float grad_a,
                                                 const ActivationParams& p, float& a, float& grad_g,
                                                 float& grad_u) {
   if constexpr (kClamped) {
-    const float gc = fminf(g, p.limit);
-    const float uc = fminf(fmaxf(u, -p.limit), p.limit);
+    const float gc = min_keep_nan(g, p.limit);
+    const float uc = clamp_keep_nan(u, -p.limit, p.limit);
     const float s = fast_sigmoid(p.alpha * gc);
     const float glu = gc * s;  // d(glu)/d(gc) = s + alpha*gc*s*(1-s)
     a = glu * (uc + 1.0f);
