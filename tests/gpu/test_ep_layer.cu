@@ -54,6 +54,14 @@ void check_layout(EpWorld& w, const std::vector<ModelOut>& model) {
 
 class EpLayer : public ::testing::TestWithParam<LayerCase> {};
 
+// Every gradient a backward wrote, as bytes: grad_x, grad_scores, grad_w13, grad_w2.
+std::vector<std::vector<uint8_t>> gradient_bytes(const RankDevice& d) {
+  std::vector<std::vector<uint8_t>> out;
+  for (const DeviceArray* a : {d.grad_x.get(), d.grad_scores.get(), d.grad_w13.get(), d.grad_w2.get()})
+    out.push_back(a->download<uint8_t>(a->bytes));
+  return out;
+}
+
 TEST_P(EpLayer, ForwardBackwardMatchFloat64Model) {
   if (!have_sm90_gpu()) GTEST_SKIP() << "needs an SM90 GPU";
   const LayerCase& c = GetParam();
@@ -67,10 +75,12 @@ TEST_P(EpLayer, ForwardBackwardMatchFloat64Model) {
   check_layout(w, model);
 
   std::vector<std::vector<uint16_t>> first_out(c.R);
+  std::vector<std::vector<std::vector<uint8_t>>> first_grads(c.R);
   for (int r = 0; r < c.R; ++r) {
     SCOPED_TRACE("rank " + std::to_string(r));
     RankDevice& d = w.dev()[r];
     first_out[r] = d.out->download<uint16_t>(size_t(c.T) * c.D);
+    first_grads[r] = gradient_bytes(d);
     check_rows(bf16_values(first_out[r]), model[r].out_TD, c.T, c.D, "out_TD");
     check_rows(bf16_values(d.grad_x->download<uint16_t>(size_t(c.T) * c.D)), model[r].grad_x_TD, c.T, c.D,
                "grad_x_TD", &model[r].grad_x_clamp_slack_T);
@@ -80,12 +90,15 @@ TEST_P(EpLayer, ForwardBackwardMatchFloat64Model) {
     check_clip_counts(w, model, r);
   }
 
-  // Deterministic: the same inputs give the same bits.
+  // Deterministic: the same inputs give the same bits, forward and backward (every sum has a fixed
+  // order; accumulating weight grads add onto the first run's, so only the overwrite case compares).
   w.poison_outputs();
   w.forward(stream);
+  if (!c.accumulate) w.backward(stream);
   ASSERT_NO_THROW(w.pipeline().check(stream));
   for (int r = 0; r < c.R; ++r) {
     EXPECT_EQ(w.dev()[r].out->download<uint16_t>(size_t(c.T) * c.D), first_out[r]) << "rank " << r << " run 2";
+    if (!c.accumulate) EXPECT_TRUE(gradient_bytes(w.dev()[r]) == first_grads[r]) << "rank " << r << " run 2 gradients";
   }
 
   EP_CUDA_OK(cudaStreamDestroy(stream));
