@@ -52,9 +52,8 @@ __device__ __forceinline__ unsigned long long load_fault_word_volatile(unsigned 
 // from this thread, unless one is recorded already: the first fault of a launch wins.
 __device__ __forceinline__ void record_fault(unsigned barrier, unsigned parity = 0) {
   const unsigned long long fault = PipelineFaultWord::pack(blockIdx.x, threadIdx.x, barrier, parity);
-  unsigned long long old;
+  [[maybe_unused]] unsigned long long old;  // the CAS must name a destination; the first writer wins
   asm volatile("atom.global.cas.b64 %0, [%1], 0, %2;" : "=l"(old) : "l"(launch_fault_word()), "l"(fault) : "memory");
-  (void)old;
 }
 
 __device__ __forceinline__ unsigned int global_timer_lo_ns() {
