@@ -1,0 +1,200 @@
+"""Poise as a Hugging Face transformers experts implementation.
+
+Importing this module registers "poise" in transformers' ``ExpertsInterface``; then
+
+    model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.bfloat16, experts_implementation="poise")
+    model.set_experts_implementation("poise")  # or on a model already built
+
+runs every Experts module through ``poise.routed_experts``. The Experts modules store their weights
+as Poise takes them (``gate_up_proj [E, 2F, D]``, ``down_proj [E, D, F]``), so no copy is made.
+
+Contexts are created on first use and shared by every layer of one shape on one device (see
+``ContextCache``); a call of n tokens runs on the context of the smallest bucket >= n (the rows past
+n are padding: zero scores, so they add nothing and get no gradient). ``configure`` sets the largest
+call and the engine options. Training uses one context per shape whose activation slot holds every
+MoE layer of a forward, so each layer's backward runs from what its forward kept.
+
+Not built yet: biases and the transposed layout (gpt-oss), experts without a gate, post-expert
+norms, transformers' own expert parallelism; such a module raises poise.NotAvailable naming what
+it lacks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+from transformers.activations import SiLUActivation
+from transformers.integrations.moe import ExpertsInterface, _default_apply_gate
+
+from ..config import Config
+from ..context import Context, create_context
+from ..errors import InvalidArgument, NotAvailable
+from ..torch import routed_experts
+
+IMPLEMENTATION_NAME = "poise"
+
+
+@dataclasses.dataclass(kw_only=True)
+class Settings:
+    """What the "poise" experts implementation runs with (``configure`` replaces it)."""
+
+    max_tokens: int = 16384
+    """The most tokens one Experts call may hold (batch x sequence of one forward)."""
+    min_bucket_tokens: int = 64
+    """The smallest context: calls of fewer tokens are padded to it (decode steps)."""
+    buckets_per_octave: int = 4
+    """Context sizes between two powers of two: padding is then at most 1/buckets_per_octave."""
+    balance: str = "exact"
+    moe_layers: Optional[int] = None
+    """MoE layers per forward kept for backward; None: the model config's num_hidden_layers."""
+    sync_check: bool = False
+
+
+_settings = Settings()
+
+
+def configure(**fields) -> Settings:
+    """Replaces the named settings (``Settings``'s fields) and drops every cached context."""
+    global _settings
+    _settings = dataclasses.replace(_settings, **fields)
+    contexts.release()
+    return _settings
+
+
+def bucket_tokens(num_tokens: int, settings: Settings) -> int:
+    """The context size for a call of ``num_tokens``: the smallest bucket >= num_tokens."""
+    if num_tokens > settings.max_tokens:
+        raise InvalidArgument("hidden_states", f"holds {num_tokens} tokens, more than the configured max_tokens="
+                                               f"{settings.max_tokens}: call poise.integrations.transformers."
+                                               "configure(max_tokens=...) before the first call")
+    if num_tokens <= settings.min_bucket_tokens:
+        return settings.min_bucket_tokens
+    octave = 1 << (num_tokens - 1).bit_length() - 1  # the power of two below num_tokens
+    step = max(1, octave // settings.buckets_per_octave)
+    return min(-(-num_tokens // step) * step, settings.max_tokens)
+
+
+class ContextCache:
+    """Contexts keyed by (layer shape, device, tokens, training): one serves every layer of that key.
+
+    A training context's one activation slot keeps ``moe_layers`` layers; the first layer of each
+    forward pass (the layer that opened the first pass, seen again outside a backward) selects the
+    slot afresh, so layer i of the pass keeps its state at position i."""
+
+    def __init__(self) -> None:
+        self._contexts: dict[tuple, Context] = {}
+        self._pass_opener: dict[tuple, int] = {}
+
+    def get(self, key: tuple, config: Config, device: str) -> Context:
+        context = self._contexts.get(key)
+        if context is None:
+            context = create_context(config=config, device=device, sync_check=_settings.sync_check)
+            self._contexts[key] = context
+        return context
+
+    def open_pass_if_first_layer(self, key: tuple, context: Context, module: torch.nn.Module) -> None:
+        if torch._C._current_graph_task_id() != -1:
+            return  # a recompute inside backward (activation checkpointing): runs from the working buffers
+        opener = self._pass_opener.setdefault(key, id(module))
+        if opener == id(module):
+            context.select_activation_slot(0, context.config.max_moe_layers_per_activation_slot)
+
+    def release(self) -> None:
+        for context in self._contexts.values():
+            context.close()
+        self._contexts.clear()
+        self._pass_opener.clear()
+
+    def __len__(self) -> int:
+        return len(self._contexts)
+
+
+contexts = ContextCache()
+
+
+def poise_experts_forward(module: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                          top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The "poise" implementation of a transformers Experts module's forward."""
+    _check_module(module)
+    _check_inputs(hidden_states, top_k_index)
+    num_tokens, top_k = top_k_index.shape
+    tokens = bucket_tokens(num_tokens, _settings)
+    training = torch.is_grad_enabled() and any(
+        t.requires_grad for t in (hidden_states, top_k_weights, module.gate_up_proj, module.down_proj))
+    config = _layer_config(module, tokens, top_k, training)
+    device = _device_name(hidden_states.device)
+    key = (dataclasses.astuple(config), device)
+    context = contexts.get(key, config, device)
+    if training:
+        contexts.open_pass_if_first_layer(key, context, module)
+    x_TD, ids_TK, scores_TK = _padded(hidden_states, top_k_index, top_k_weights, tokens, config.num_experts)
+    layout = "gate_up_blocked" if module.is_concatenated else "gate_up_interleaved"
+    out_TD = routed_experts(x_TD, ids_TK, scores_TK, module.gate_up_proj, module.down_proj, context,
+                            w13_layout=layout)
+    return out_TD[:num_tokens]
+
+
+def _layer_config(module: torch.nn.Module, tokens: int, top_k: int, training: bool) -> Config:
+    num_experts, two_f, hidden_dim = module.gate_up_proj.shape
+    layers = _settings.moe_layers or getattr(module.config, "num_hidden_layers", 1)
+    return Config(num_local_input_tokens=tokens, hidden_dim=hidden_dim, intermediate_dim=two_f // 2,
+                  top_k=top_k, num_experts=num_experts, balance=_settings.balance, inference=not training,
+                  max_moe_layers_per_activation_slot=layers if training else 1)
+
+
+def _padded(hidden_states, top_k_index, top_k_weights, tokens: int, num_experts: int):
+    """The call's rows, then padding rows up to ``tokens``: zero x, zero scores, and distinct expert
+    ids spread over all experts (so padding does not pile onto one expert)."""
+    num_tokens, top_k = top_k_index.shape
+    pad = tokens - num_tokens
+    ids_TK = top_k_index.to(torch.int32)
+    scores_TK = top_k_weights if top_k_weights.dtype in (torch.bfloat16, torch.float32) else top_k_weights.float()
+    if pad == 0:
+        return hidden_states.contiguous(), ids_TK.contiguous(), scores_TK.contiguous()
+    device = hidden_states.device
+    pad_ids = (torch.arange(pad * top_k, device=device, dtype=torch.int32) % num_experts).view(pad, top_k)
+    x_TD = torch.cat([hidden_states, hidden_states.new_zeros(pad, hidden_states.shape[1])])
+    ids_TK = torch.cat([ids_TK, pad_ids])
+    scores_TK = torch.cat([scores_TK, scores_TK.new_zeros(pad, top_k)])
+    return x_TD, ids_TK.contiguous(), scores_TK.contiguous()
+
+
+def _check_module(module: torch.nn.Module) -> None:
+    """What the experts compute must be what Poise computes: SwiGLU experts without biases or norms."""
+    missing = [what for what, lacks in (
+        ("a gate projection (has_gate=False)", not module.has_gate),
+        ("biases (has_bias=True)", module.has_bias),
+        ("the transposed weight layout (is_transposed=True)", module.is_transposed),
+        ("a post-expert norm", module.has_post_expert_norm),
+        ("transformers' expert parallelism (use a poise context's EP instead)", module._is_expert_parallel),
+        ("a custom gate function (_apply_gate)", type(module)._apply_gate is not _default_apply_gate),
+    ) if lacks]
+    act_fn = getattr(module, "act_fn", None)
+    if not isinstance(act_fn, (torch.nn.SiLU, SiLUActivation)):
+        missing.append(f"the activation {type(act_fn).__name__} (Poise runs SiLU-gated experts)")
+    if missing:
+        raise NotAvailable(f"experts_implementation='poise' for {type(module).__name__}: not built for "
+                           + "; ".join(missing))
+
+
+def _check_inputs(hidden_states: torch.Tensor, top_k_index: torch.Tensor) -> None:
+    if hidden_states.dtype != torch.bfloat16:
+        raise InvalidArgument("hidden_states", f"must be bfloat16 (load the model with dtype=torch.bfloat16), "
+                                               f"got {hidden_states.dtype}")
+    if hidden_states.dim() != 2 or top_k_index.dim() != 2 or top_k_index.shape[0] != hidden_states.shape[0]:
+        raise InvalidArgument("hidden_states", f"must be [tokens, hidden] with top_k_index [tokens, top_k], got "
+                                               f"{tuple(hidden_states.shape)} and {tuple(top_k_index.shape)}")
+
+
+def _device_name(device: torch.device) -> str:
+    return "cpu" if device.type == "cpu" else f"cuda:{device.index if device.index is not None else 0}"
+
+
+def register() -> None:
+    """Makes "poise" a valid ``experts_implementation`` (done on import; calling again is harmless)."""
+    ExpertsInterface.register(IMPLEMENTATION_NAME, poise_experts_forward)
+
+
+register()

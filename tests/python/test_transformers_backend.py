@@ -1,0 +1,197 @@
+"""poise.integrations.transformers: "poise" as a transformers experts implementation.
+
+Tiny random-initialized models built from transformers configs (no download), bf16, on the CPU
+engine here (and on the GPU under the gpu marker): logits and a training step's gradients with
+"poise" against "eager" (transformers' own per-expert loop), within bf16 tolerance, or, where a
+bf16 rounding flips a router's choice in a later layer (the tiny DeepSeek-V3's router weight grad:
+0.14-0.19 from fp32 for both fast paths, 0.01 for eager), no farther from "eager" than
+"grouped_mm" (transformers' own fast path) is.
+"""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import poise  # noqa: E402
+import poise.integrations.transformers as poise_hf  # noqa: E402
+
+TOLERANCE = 3e-2  # relative L2; grouped_mm vs eager without routing flips: logits 4e-3, worst grad 8e-3
+TINY = dict(vocab_size=256, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=128)
+
+
+def tiny_config(name: str):
+    """A transformers config of each family at dims Poise takes (D=128, F=64)."""
+    if name == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(**TINY, intermediate_size=256, moe_intermediate_size=64, head_dim=32,
+                                           num_experts=8, num_experts_per_tok=2)
+    if name == "mixtral":
+        return transformers.MixtralConfig(**TINY, intermediate_size=64, head_dim=32, num_local_experts=8,
+                                          num_experts_per_tok=2)
+    if name == "olmoe":
+        return transformers.OlmoeConfig(**TINY, intermediate_size=64, num_experts=8, num_experts_per_tok=2)
+    if name == "deepseek_v3":  # shared experts, grouped routing, a dense first layer, MLA
+        return transformers.DeepseekV3Config(**{**TINY, "num_hidden_layers": 3, "num_key_value_heads": 4},
+                                             intermediate_size=256, moe_intermediate_size=64, n_routed_experts=16,
+                                             num_experts_per_tok=4, n_group=4, topk_group=2, n_shared_experts=1,
+                                             first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=64,
+                                             qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32)
+    if name == "gpt_oss":
+        return transformers.GptOssConfig(**TINY, intermediate_size=64, head_dim=32, num_local_experts=8,
+                                         num_experts_per_tok=2)
+    raise KeyError(name)
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def tiny_model(name: str, device: str = "cpu"):
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(tiny_config(name), dtype=torch.bfloat16).to(device)
+
+
+def training_step(model, implementation: str, token_ids):
+    """Logits and every parameter's gradient of one forward+backward with ``implementation``."""
+    model.set_experts_implementation(implementation)
+    model.zero_grad()
+    out = model(token_ids, labels=token_ids)
+    out.loss.backward()
+    grads = {name: p.grad.float().clone() for name, p in model.named_parameters() if p.grad is not None}
+    return out.logits.float().detach(), grads
+
+
+def relative_error(actual, expected) -> float:
+    return ((actual - expected).norm() / expected.norm()).item()
+
+
+@pytest.fixture(autouse=True)
+def fresh_contexts():
+    poise_hf.configure()  # default settings, no cached context
+    yield
+    poise_hf.configure()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "olmoe", "deepseek_v3"])
+def test_training_step_matches_eager(name, device):
+    model = tiny_model(name, device)
+    token_ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(1)).to(device)
+    logits_eager, grads_eager = training_step(model, "eager", token_ids)
+    logits_grouped, grads_grouped = training_step(model, "grouped_mm", token_ids)
+    logits_poise, grads_poise = training_step(model, "poise", token_ids)
+    assert len(poise_hf.contexts) == 1  # every MoE layer ran on one shared training context
+
+    def bound(actual_grouped, expected):
+        return max(TOLERANCE, 1.5 * relative_error(actual_grouped, expected))
+
+    assert relative_error(logits_poise, logits_eager) < bound(logits_grouped, logits_eager)
+    assert grads_poise.keys() == grads_eager.keys()
+    for name in grads_eager:
+        error = relative_error(grads_poise[name], grads_eager[name])
+        assert error < bound(grads_grouped[name], grads_eager[name]), (name, error)
+    experts = [n for n in grads_poise if "experts.gate_up_proj" in n or "experts.down_proj" in n]
+    assert experts and all(grads_poise[n].abs().sum() > 0 for n in experts)
+
+
+def test_implementation_is_valid_in_from_pretrained_and_on_a_built_model(tmp_path):
+    model = tiny_model("qwen3_moe")
+    model.save_pretrained(tmp_path)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16,
+                                                               experts_implementation="poise")
+    assert loaded.config._experts_implementation == "poise"
+    model.set_experts_implementation("poise")
+    assert model.config._experts_implementation == "poise"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_generation_runs_every_step_on_poise_and_matches_eager_logits(device):
+    """Prefill (2 x 12 tokens) then decode steps of 2 tokens: calls of changing size, each on the
+    inference context of its bucket; the generated sequence then scores the same as under eager."""
+    model = tiny_model("qwen3_moe", device).eval()
+    prompt = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(2)).to(device)
+    model.set_experts_implementation("poise")
+    with torch.no_grad():
+        sequence = model.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        assert sequence.shape == (2, 18)
+        assert len(poise_hf.contexts) == 1  # 24 and 2 tokens both fit the smallest bucket
+        logits_poise = model(sequence).logits.float()
+        model.set_experts_implementation("eager")
+        logits_eager = model(sequence).logits.float()
+    assert relative_error(logits_poise, logits_eager) < TOLERANCE
+
+
+def test_calls_of_any_size_up_to_max_tokens_pad_to_their_bucket():
+    model = tiny_model("qwen3_moe")
+    experts = model.model.layers[0].mlp.experts
+    poise_hf.configure(min_bucket_tokens=16, max_tokens=100)
+    generator = torch.Generator().manual_seed(3)
+    for num_tokens in (1, 16, 17, 100):
+        x = torch.randn(num_tokens, 128, generator=generator).to(torch.bfloat16)
+        ids = torch.stack([torch.randperm(8, generator=generator)[:2] for _ in range(num_tokens)])
+        scores = torch.rand(num_tokens, 2, generator=generator)
+        with torch.no_grad():
+            experts.config._experts_implementation = "eager"
+            expected = experts(x, ids, scores).float()
+            experts.config._experts_implementation = "poise"
+            actual = experts(x, ids, scores)
+        assert actual.shape == (num_tokens, 128)
+        assert relative_error(actual.float(), expected) < TOLERANCE
+    with pytest.raises(poise.InvalidArgument, match="max_tokens=100") as raised:
+        experts(torch.zeros(101, 128, dtype=torch.bfloat16), torch.zeros(101, 2, dtype=torch.long),
+                torch.zeros(101, 2))
+    assert raised.value.name == "hidden_states"
+
+
+def test_bucket_sizes_bound_the_padding():
+    settings = poise_hf.Settings(max_tokens=10000, min_bucket_tokens=64, buckets_per_octave=4)
+    assert [poise_hf.bucket_tokens(n, settings) for n in (1, 64, 65, 80, 81, 1000, 1024, 1025, 9000, 10000)] == [
+        64, 64, 80, 80, 96, 1024, 1024, 1280, 10000, 10000]
+    for n in range(65, 10001, 37):
+        bucket = poise_hf.bucket_tokens(n, settings)
+        assert n <= bucket <= min(10000, n * 1.25 + 1)
+
+
+def test_padding_rows_get_no_gradient_and_add_nothing():
+    """A call of 5 tokens on a 64-token context: the real rows' output and grads equal eager's."""
+    model = tiny_model("qwen3_moe")
+    experts = model.model.layers[0].mlp.experts
+    generator = torch.Generator().manual_seed(4)
+    x = torch.randn(5, 128, generator=generator).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(8, generator=generator)[:2] for _ in range(5)])
+    scores = torch.rand(5, 2, generator=generator)
+    results = {}
+    for implementation in ("eager", "poise"):
+        experts.config._experts_implementation = implementation
+        experts.zero_grad()
+        x_leaf, scores_leaf = x.clone().requires_grad_(), scores.clone().requires_grad_()
+        experts(x_leaf, ids, scores_leaf).float().square().sum().backward()
+        results[implementation] = (x_leaf.grad.float(), scores_leaf.grad.float(), experts.gate_up_proj.grad.float())
+    for actual, expected in zip(results["poise"], results["eager"]):
+        assert relative_error(actual, expected) < TOLERANCE
+
+
+def test_training_context_keeps_every_layer_of_a_pass():
+    model = tiny_model("qwen3_moe")
+    token_ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(5))
+    training_step(model, "poise", token_ids)
+    (context,) = poise_hf.contexts._contexts.values()
+    assert context.config.max_moe_layers_per_activation_slot == 2  # num_hidden_layers
+    assert context.activation_slot == (0, 2)
+    assert not context.config.inference
+
+
+def test_unsupported_experts_are_named_not_run():
+    model = tiny_model("gpt_oss")
+    model.set_experts_implementation("poise")
+    with pytest.raises(poise.NotAvailable, match="GptOssExperts.*biases.*transposed"):
+        model(torch.zeros(1, 4, dtype=torch.long))
+
+
+def test_a_float32_model_is_refused_naming_hidden_states():
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config("qwen3_moe"), dtype=torch.float32)
+    model.set_experts_implementation("poise")
+    with pytest.raises(poise.InvalidArgument, match="bfloat16") as raised:
+        model(torch.zeros(1, 4, dtype=torch.long))
+    assert raised.value.name == "hidden_states"
