@@ -14,9 +14,9 @@ n are padding: zero scores, so they add nothing and get no gradient). ``configur
 call and the engine options. Training uses one context per shape whose activation slot holds every
 MoE layer of a forward, so each layer's backward runs from what its forward kept.
 
-Not built yet: biases and the transposed layout (gpt-oss), experts without a gate, post-expert
-norms, transformers' own expert parallelism; such a module raises poise.NotAvailable naming what
-it lacks.
+Not built yet: biases, the transposed and the interleaved layouts (gpt-oss), experts without a
+gate, post-expert norms, custom gates, other activations, transformers' own expert parallelism; such
+a module raises poise.NotAvailable naming what it lacks (docs/transformers.md).
 """
 
 from __future__ import annotations
@@ -130,9 +130,7 @@ def poise_experts_forward(module: torch.nn.Module, hidden_states: torch.Tensor, 
     if training:
         contexts.open_pass_if_first_layer(key, context, module)
     x_TD, ids_TK, scores_TK = _padded(hidden_states, top_k_index, top_k_weights, tokens, config.num_experts)
-    layout = "gate_up_blocked" if module.is_concatenated else "gate_up_interleaved"
-    out_TD = routed_experts(x_TD, ids_TK, scores_TK, module.gate_up_proj, module.down_proj, context,
-                            w13_layout=layout)
+    out_TD = routed_experts(x_TD, ids_TK, scores_TK, module.gate_up_proj, module.down_proj, context)
     return out_TD[:num_tokens]
 
 
@@ -167,6 +165,7 @@ def _check_module(module: torch.nn.Module) -> None:
         ("a gate projection (has_gate=False)", not module.has_gate),
         ("biases (has_bias=True)", module.has_bias),
         ("the transposed weight layout (is_transposed=True)", module.is_transposed),
+        ("the interleaved gate/up layout (is_concatenated=False)", not module.is_concatenated),
         ("a post-expert norm", module.has_post_expert_norm),
         ("transformers' expert parallelism (use a poise context's EP instead)", module._is_expert_parallel),
         ("a custom gate function (_apply_gate)", type(module)._apply_gate is not _default_apply_gate),
