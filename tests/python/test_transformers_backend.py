@@ -137,6 +137,8 @@ def test_calls_of_any_size_up_to_max_tokens_pad_to_their_bucket():
             actual = experts(x, ids, scores)
         assert actual.shape == (num_tokens, 128)
         assert relative_error(actual.float(), expected) < TOLERANCE
+    empty = experts(torch.zeros(0, 128, dtype=torch.bfloat16), torch.zeros(0, 2, dtype=torch.long), torch.zeros(0, 2))
+    assert empty.shape == (0, 128)
     with pytest.raises(poise.InvalidArgument, match="max_tokens=100") as raised:
         experts(torch.zeros(101, 128, dtype=torch.bfloat16), torch.zeros(101, 2, dtype=torch.long),
                 torch.zeros(101, 2))

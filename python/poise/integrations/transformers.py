@@ -120,6 +120,8 @@ def poise_experts_forward(module: torch.nn.Module, hidden_states: torch.Tensor, 
     _check_module(module)
     _check_inputs(hidden_states, top_k_index)
     num_tokens, top_k = top_k_index.shape
+    if num_tokens == 0:
+        return torch.zeros_like(hidden_states)
     tokens = bucket_tokens(num_tokens, _settings)
     training = torch.is_grad_enabled() and any(
         t.requires_grad for t in (hidden_states, top_k_weights, module.gate_up_proj, module.down_proj))
@@ -129,7 +131,7 @@ def poise_experts_forward(module: torch.nn.Module, hidden_states: torch.Tensor, 
     context = contexts.get(key, config, device)
     if training:
         contexts.open_pass_if_first_layer(key, context, module)
-    x_TD, ids_TK, scores_TK = _padded(hidden_states, top_k_index, top_k_weights, tokens, config.num_experts)
+    x_TD, ids_TK, scores_TK = _padded(hidden_states, top_k_index, top_k_weights, tokens)
     out_TD = routed_experts(x_TD, ids_TK, scores_TK, module.gate_up_proj, module.down_proj, context)
     return out_TD[:num_tokens]
 
@@ -142,19 +144,19 @@ def _layer_config(module: torch.nn.Module, tokens: int, top_k: int, training: bo
                   max_moe_layers_per_activation_slot=layers if training else 1)
 
 
-def _padded(hidden_states, top_k_index, top_k_weights, tokens: int, num_experts: int):
-    """The call's rows, then padding rows up to ``tokens``: zero x, zero scores, and distinct expert
-    ids spread over all experts (so padding does not pile onto one expert)."""
+def _padded(hidden_states, top_k_index, top_k_weights, tokens: int):
+    """The call's rows, then padding rows up to ``tokens``: zero x and zero scores, with the expert
+    ids of the real tokens in turn, so padding reads no expert weights the call does not read anyway
+    (at decode, weight reads are the cost) and fills the experts' partial row blocks first."""
     num_tokens, top_k = top_k_index.shape
     pad = tokens - num_tokens
     ids_TK = top_k_index.to(torch.int32)
     scores_TK = top_k_weights if top_k_weights.dtype in (torch.bfloat16, torch.float32) else top_k_weights.float()
     if pad == 0:
         return hidden_states.contiguous(), ids_TK.contiguous(), scores_TK.contiguous()
-    device = hidden_states.device
-    pad_ids = (torch.arange(pad * top_k, device=device, dtype=torch.int32) % num_experts).view(pad, top_k)
+    repeated = torch.arange(pad, device=ids_TK.device) % num_tokens
     x_TD = torch.cat([hidden_states, hidden_states.new_zeros(pad, hidden_states.shape[1])])
-    ids_TK = torch.cat([ids_TK, pad_ids])
+    ids_TK = torch.cat([ids_TK, ids_TK[repeated]])
     scores_TK = torch.cat([scores_TK, scores_TK.new_zeros(pad, top_k)])
     return x_TD, ids_TK.contiguous(), scores_TK.contiguous()
 
