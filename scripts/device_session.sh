@@ -16,6 +16,9 @@
 #                -> $OUT/<binary>_r<round>.json, compared by bench/routed_experts/compare.py. One built
 #                from the same source against another libpoise (routed_experts_bench_old: see
 #                bench/routed_experts/README.md) is carried by scripts/pack_carry.sh --bench --extra FILE.
+#     transformers  bench/transformers/bench.py: a Qwen3-30B-A3B-dims model, "poise" against
+#                transformers' "grouped_mm" and "eager" -> $OUT/transformers_h200.json (needs python first;
+#                $TRANSFORMERS_ARGS: more arguments)
 #     multigpu   torchrun, one process per GPU: bench/multigpu/multigpu_bench.py -> $OUT/multigpu_h200.json
 #                ($MULTIGPU_ARGS, e.g. --quick; needs python first)
 set -uo pipefail
@@ -75,6 +78,11 @@ part_bench() {
     for round in $(seq "${ROUNDS:-3}"); do [ -f "$OUT/${name}_r$round.json" ] && runs+=("$OUT/${name}_r$round.json"); done
   done
   [ ${#runs[@]} -gt 0 ] && python3 bench/routed_experts/compare.py "${runs[@]}"
+}
+part_transformers() {
+  PYTHONUNBUFFERED=1 timeout 420 python3 bench/transformers/bench.py --out "$OUT/transformers_h200.json" \
+    --commit "$commit" ${TRANSFORMERS_ARGS:-} > "$OUT/transformers.log" 2>&1
+  echo "transformers rc=$?"; grep -v "^\[transformers\]" "$OUT/transformers.log" | tail -6
 }
 part_multigpu() {
   local n; n=$(nvidia-smi -L | wc -l)

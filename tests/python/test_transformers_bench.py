@@ -1,0 +1,47 @@
+"""bench/transformers/bench.py on the CPU at tiny dims: its arguments, and one whole run's JSON
+(the figures themselves come from the H200: scripts/device_session.sh python transformers)."""
+import importlib.util
+import json
+import pathlib
+
+import pytest
+
+pytest.importorskip("transformers")
+BENCH = pathlib.Path(__file__).resolve().parents[2] / "bench" / "transformers" / "bench.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("transformers_bench", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_defaults_are_the_issue_s_case(bench):
+    args = bench.parse_args([])
+    assert (args.layers, args.batch, args.seq, args.decode_steps) == (2, 8, 1024, 64)
+    assert args.implementations == ["poise", "grouped_mm", "eager"]
+    assert args.out == "bench/results/transformers_h200.json"
+
+
+@pytest.mark.parametrize("argv", [["--implementations", "fast"], ["--decode-steps", "1"], ["--batch", "0"]])
+def test_bad_arguments_are_refused(bench, argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bench.parse_args(argv)
+    assert exit_info.value.code == 2
+    assert argv[0] in capsys.readouterr().err
+
+
+def test_tiny_run_writes_every_figure(bench, tmp_path):
+    out = tmp_path / "transformers.json"
+    argv = ["--tiny", "--device", "cpu", "--batch", "2", "--seq", "16", "--decode-steps", "2", "--reps", "1",
+            "--out", str(out)]
+    assert bench.main(argv) == 0
+    result = json.loads(out.read_text())
+    rows = result["results"]
+    assert set(rows) == {"poise", "grouped_mm", "eager", "zero (the rest of the model)"}
+    for name in ("poise", "grouped_mm", "eager"):
+        assert rows[name]["train_step_ms"] > 0 and rows[name]["decode_step_ms"] > 0
+        assert set(rows[name]["moe_speedup_vs_grouped_mm"]) == {"train_moe_ms", "prefill_moe_ms", "decode_moe_step_ms"}
+    assert result["model"]["tiny"] and result["model"]["num_hidden_layers"] == 2
