@@ -168,8 +168,8 @@ def _check_module(module: torch.nn.Module) -> None:
         ("biases (has_bias=True)", module.has_bias),
         ("the transposed weight layout (is_transposed=True)", module.is_transposed),
         ("the interleaved gate/up layout (is_concatenated=False)", not module.is_concatenated),
-        ("a post-expert norm", module.has_post_expert_norm),
-        ("transformers' expert parallelism (use a poise context's EP instead)", module._is_expert_parallel),
+        ("a post-expert norm", getattr(module, "has_post_expert_norm", False)),  # transformers >= 5.2x
+        ("transformers' expert parallelism", getattr(module, "_is_expert_parallel", False)),
         ("a custom gate function (_apply_gate)", type(module)._apply_gate is not _default_apply_gate),
     ) if lacks]
     act_fn = getattr(module, "act_fn", None)
