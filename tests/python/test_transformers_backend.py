@@ -197,3 +197,72 @@ def test_a_float32_model_is_refused_naming_hidden_states():
     with pytest.raises(poise.InvalidArgument, match="bfloat16") as raised:
         model(torch.zeros(1, 4, dtype=torch.long))
     assert raised.value.name == "hidden_states"
+
+
+EXPERT_PARALLEL_WORKER = r"""
+import sys
+import torch
+import torch.distributed as dist
+sys.path.insert(0, {tests!r})
+import poise.integrations.transformers as poise_hf
+from test_transformers_backend import TOLERANCE, relative_error, tiny_model
+
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+batches = [torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(10 + r)) for r in range(world)]
+
+# The reference: the whole model, eager, this rank's loss for non-expert grads, all ranks' for experts.
+reference = tiny_model("qwen3_moe")
+reference.set_experts_implementation("eager")
+own_logits = reference(batches[rank]).logits.float()
+reference(batches[rank], labels=batches[rank]).loss.backward()
+own_grads = {{n: p.grad.clone() for n, p in reference.named_parameters()}}
+for r in range(world):
+    if r != rank:
+        reference(batches[r], labels=batches[r]).loss.backward()
+all_grads = {{n: p.grad.clone() for n, p in reference.named_parameters()}}
+
+model = tiny_model("qwen3_moe")
+poise_hf.configure(group=dist.group.WORLD, max_tokens=24)
+model.set_experts_implementation("poise")
+try:  # every expert on every rank: refused before any call, naming the weight
+    model(batches[rank])
+    raise SystemExit("an unsharded model ran over a group")
+except poise_hf.InvalidArgument as error:
+    assert error.name == "gate_up_proj" and "shard_experts" in str(error), error
+assert poise_hf.shard_experts(model, dist.group.WORLD) == 2
+poise_hf.configure(group=dist.group.WORLD, max_tokens=24)
+model.set_experts_implementation("poise")
+out = model(batches[rank], labels=batches[rank])
+out.loss.backward()
+assert relative_error(out.logits.float(), own_logits) < TOLERANCE, "logits"
+local = 8 // world
+for name, p in model.named_parameters():
+    if "experts." in name:
+        want = all_grads[name][rank * local:(rank + 1) * local]
+    else:
+        want = own_grads[name]
+    assert p.shape == want.shape, name
+    error = relative_error(p.grad.float(), want.float())
+    assert error < TOLERANCE, (name, error)
+print(f"rank {{rank}} of {{world}}: sharded experts match the whole eager model", flush=True)
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
+def test_expert_parallel_over_a_group_matches_the_whole_model(tmp_path):
+    """2 processes (gloo, CPU engine): each keeps 4 of 8 experts per layer (shard_experts) and its own
+    batch; logits match the whole eager model, expert grads are the sum of both ranks' losses'."""
+    import pathlib
+    import subprocess
+    import sys
+
+    script = tmp_path / "worker.py"
+    script.write_text(EXPERT_PARALLEL_WORKER.format(tests=str(pathlib.Path(__file__).parent)))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr[-4000:]
+    for rank in range(2):
+        assert f"rank {rank} of 2: sharded experts match the whole eager model" in result.stdout

@@ -14,15 +14,18 @@ n are padding: zero scores, so they add nothing and get no gradient). ``configur
 call and the engine options. Training uses one context per shape whose activation slot holds every
 MoE layer of a forward, so each layer's backward runs from what its forward kept.
 
+Expert parallelism: ``shard_experts(model, group)`` keeps each rank's E / ep_size experts and runs
+the contexts over the group (docs/transformers.md).
+
 Not built yet: biases, the transposed and the interleaved layouts (gpt-oss), experts without a
-gate, post-expert norms, custom gates, other activations, transformers' own expert parallelism; such
+gate, post-expert norms, custom gates, other activations, transformers' own expert sharding; such
 a module raises poise.NotAvailable naming what it lacks (docs/transformers.md).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from transformers.activations import SiLUActivation
@@ -50,6 +53,10 @@ class Settings:
     moe_layers: Optional[int] = None
     """MoE layers per forward kept for backward; None: the model config's num_hidden_layers."""
     sync_check: bool = False
+    group: Any = None
+    """A torch.distributed group: expert parallelism over its ranks, each holding E / ep_size experts
+    (``shard_experts``). Every call then runs max_tokens rows on every rank, so that the ranks' calls,
+    which are collective, agree without a host sync."""
 
 
 _settings = Settings()
@@ -69,6 +76,8 @@ def bucket_tokens(num_tokens: int, settings: Settings) -> int:
         raise InvalidArgument("hidden_states", f"holds {num_tokens} tokens, more than the configured max_tokens="
                                                f"{settings.max_tokens}: call poise.integrations.transformers."
                                                "configure(max_tokens=...) before the first call")
+    if settings.group is not None:
+        return settings.max_tokens
     if num_tokens <= settings.min_bucket_tokens:
         return settings.min_bucket_tokens
     octave = 1 << (num_tokens - 1).bit_length() - 1  # the power of two below num_tokens
@@ -90,7 +99,8 @@ class ContextCache:
     def get(self, key: tuple, config: Config, device: str) -> Context:
         context = self._contexts.get(key)
         if context is None:
-            context = create_context(config=config, device=device, sync_check=_settings.sync_check)
+            context = create_context(config=config, device=device, group=_settings.group,
+                                     sync_check=_settings.sync_check)
             self._contexts[key] = context
         return context
 
@@ -137,7 +147,13 @@ def poise_experts_forward(module: torch.nn.Module, hidden_states: torch.Tensor, 
 
 
 def _layer_config(module: torch.nn.Module, tokens: int, top_k: int, training: bool) -> Config:
-    num_experts, two_f, hidden_dim = module.gate_up_proj.shape
+    local_experts, two_f, hidden_dim = module.gate_up_proj.shape
+    ep_size = _ep_size_and_rank(_settings.group)[0]
+    num_experts = local_experts * ep_size
+    expected = getattr(module, "num_experts", num_experts)
+    if num_experts != expected:
+        raise InvalidArgument("gate_up_proj", f"holds {local_experts} experts on each of {ep_size} ranks, but the "
+                                              f"model has {expected}: shard_experts(model, group) keeps each rank's")
     layers = _settings.moe_layers or getattr(module.config, "num_hidden_layers", 1)
     return Config(num_local_input_tokens=tokens, hidden_dim=hidden_dim, intermediate_dim=two_f // 2,
                   top_k=top_k, num_experts=num_experts, balance=_settings.balance, inference=not training,
@@ -191,6 +207,42 @@ def _check_inputs(hidden_states: torch.Tensor, top_k_index: torch.Tensor) -> Non
 
 def _device_name(device: torch.device) -> str:
     return "cpu" if device.type == "cpu" else f"cuda:{device.index if device.index is not None else 0}"
+
+
+def _ep_size_and_rank(group: Any) -> tuple[int, int]:
+    if group is None:
+        return 1, 0
+    import torch.distributed as dist
+
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def shard_experts(model: torch.nn.Module, group: Any) -> int:
+    """Keeps this rank's experts of every Experts module: rank r of ``group`` keeps global experts
+    [r * E / ep_size, (r+1) * E / ep_size), as new parameters (build optimizers afterwards). Also sets
+    ``configure(group=group)``. Returns the number of modules sharded.
+
+    Load as usual on every rank (on the CPU, or with ``device_map="meta"`` then materialize), call
+    this, then move the model to the rank's GPU: each GPU holds its share of the experts and the
+    whole rest of the model. Expert gradients are then rank-local (not to be averaged over the EP
+    group); the other parameters' are averaged as in data parallelism."""
+    ep_size, rank = _ep_size_and_rank(group)
+    sharded = 0
+    for module in model.modules():
+        if not (hasattr(module, "gate_up_proj") and hasattr(module, "down_proj") and hasattr(module, "has_gate")):
+            continue
+        num_experts = module.gate_up_proj.shape[0]
+        if num_experts % ep_size:
+            raise InvalidArgument("group", f"{num_experts} experts do not split over {ep_size} ranks")
+        local = num_experts // ep_size
+        for name in ("gate_up_proj", "down_proj"):
+            weight = getattr(module, name)
+            setattr(module, name, torch.nn.Parameter(weight.data[rank * local:(rank + 1) * local].clone(),
+                                                     requires_grad=weight.requires_grad))
+        module.num_experts = num_experts
+        sharded += 1
+    configure(group=group)
+    return sharded
 
 
 def register() -> None:
