@@ -1,7 +1,7 @@
 """poise.routed_experts_virtual on a CPU virtual-ranks context (the reference engine behind the
 same ops, fake implementations and autograd the GPU path uses), against plain PyTorch in float64.
 
-The GPU path of the same API is tested in test_torch_gpu.py (device only)."""
+The GPU path of the same API is tested in test_torch_gpu_virtual.py (device only)."""
 
 import pytest
 import torch
