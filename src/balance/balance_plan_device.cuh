@@ -14,11 +14,7 @@
 
 #include <cstdint>
 
-#if defined(__CUDACC__)
-#define POISE_HD __host__ __device__
-#else
-#define POISE_HD
-#endif
+#include "numerics/host_device.hpp"
 
 namespace poise::plan::shared {
 
