@@ -17,12 +17,20 @@ enum class Balance {
 
 enum class DType { bf16, fp32 };
 
+// The expert GEMMs' operands (docs/fp8.md).
+enum class GemmPrecision {
+  bf16,              // bf16 operands, fp32 accumulation
+  fp8_block_scaled,  // E4M3 operands with DeepSeek-V3 block scales (1x128 activations, 128x128 weights)
+};
+
 const char* to_string(Activation a);
 const char* to_string(Balance b);
 const char* to_string(DType d);
+const char* to_string(GemmPrecision p);
 Activation activation_from_string(const std::string& s);  // throws InvalidArgument("activation")
 Balance balance_from_string(const std::string& s);        // throws InvalidArgument("balance")
 DType dtype_from_string(const std::string& s, const std::string& field);
+GemmPrecision gemm_precision_from_string(const std::string& s);  // throws InvalidArgument("gemm_precision")
 
 // How W13 is stored. Its shapes share one memory order per layout:
 // [E_local, 2, F, D] == [E_local, 2F, D] == [E_local*2F, D] (gate rows, then up rows, per expert).

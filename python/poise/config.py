@@ -18,6 +18,7 @@ from .errors import InvalidArgument, as_index
 
 Activation = Literal["swiglu", "swiglu_clamped"]
 Balance = Literal["exact", "capacity"]
+GemmPrecision = Literal["bf16", "fp8_block_scaled"]
 WgradDType = Literal["fp32", "bf16", "float32", "bfloat16"]
 
 
@@ -62,6 +63,10 @@ class Config:
 
     host_overflow_scratch_factor: float = 0.0
     """Host-backed (VMM) overflow rows = factor * balanced rows."""
+
+    gemm_precision: GemmPrecision = "bf16"
+    """'bf16', or 'fp8_block_scaled': E4M3 operands with DeepSeek-V3 block scales (docs/fp8.md). The CPU
+    reference engine runs it; the GPU kernels are not built yet (a GPU context raises NotAvailable)."""
 
     wgrad_dtype: WgradDType = "fp32"
     """Weight-gradient dtype: 'fp32' or 'bf16' ('float32', 'bfloat16' and torch dtypes are accepted)."""

@@ -12,6 +12,7 @@ const char* to_string(Activation a) {
 }
 const char* to_string(Balance b) { return b == Balance::exact ? "exact" : "capacity"; }
 const char* to_string(DType d) { return d == DType::bf16 ? "bf16" : "fp32"; }
+const char* to_string(GemmPrecision p) { return p == GemmPrecision::bf16 ? "bf16" : "fp8_block_scaled"; }
 
 Activation activation_from_string(const std::string& s) {
   if (s == "swiglu") return Activation::swiglu;
@@ -29,6 +30,12 @@ DType dtype_from_string(const std::string& s, const std::string& field) {
   if (s == "bf16" || s == "bfloat16") return DType::bf16;
   if (s == "fp32" || s == "float32") return DType::fp32;
   throw InvalidArgument(field, "must be 'bf16' or 'fp32', got '" + s + "'");
+}
+
+GemmPrecision gemm_precision_from_string(const std::string& s) {
+  if (s == "bf16") return GemmPrecision::bf16;
+  if (s == "fp8_block_scaled") return GemmPrecision::fp8_block_scaled;
+  throw InvalidArgument("gemm_precision", "must be 'bf16' or 'fp8_block_scaled', got '" + s + "'");
 }
 
 namespace {

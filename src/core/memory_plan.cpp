@@ -182,6 +182,9 @@ std::string MemoryPlan::explain() const {
       c.inference ? "device rows x 3F x 2 (h13, a) + routing layout"
                   : "device rows x (5F x 2 + F/16) (h13, a, grad_h13, score pieces) + routing layout");
   row("host overflow scratch", host_overflow_scratch_bytes, "host-backed (VMM) rows: not built yet");
+  if (c.gemm_precision == GemmPrecision::fp8_block_scaled)
+    os << "  gemm_precision fp8_block_scaled: planned as bf16 (the FP8 rows, scales and kernels are not built "
+          "yet; docs/fp8.md)\n";
   row("total device", total_device_bytes, "");
   row("total virtual", total_virtual_bytes, "device + host overflow");
   return os.str();

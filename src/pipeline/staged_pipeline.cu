@@ -27,6 +27,7 @@ static_assert(kGroupAlignment == kExpertRowAlignment);
 
 void validate_config(const Config& c, int64_t ep_size, const PipelineOptions& o) {
   c.validate(ep_size);
+  StagedPipeline::require_built(c);
   if (c.balance == Balance::exact) {
     require(c.balance_tolerance <= 16.0, "balance_tolerance",
             "must be in [0, 16], got " + std::to_string(c.balance_tolerance));
@@ -146,6 +147,12 @@ int64_t StagedPipeline::capacity_rows(const Config& c, int64_t ep_size, const Pi
 size_t StagedPipeline::workspace_bytes(const Config& c, int64_t ep_size, const PipelineOptions& o) {
   validate_config(c, ep_size, o);
   return static_cast<size_t>(layout::workspace_layout(c, ep_size, keep_of(c, ep_size, o)).window.bytes);
+}
+
+void StagedPipeline::require_built(const Config& config) {
+  if (config.gemm_precision == GemmPrecision::fp8_block_scaled)
+    throw NotAvailable("gemm_precision: the FP8 block-scaled expert GEMMs are not built on the GPU yet; the CPU "
+                       "reference engine runs them (docs/fp8.md)");
 }
 
 size_t StagedPipeline::bytes_per_rank(const Config& c, int64_t ep_size, const PipelineOptions& o) {

@@ -4,6 +4,7 @@
 #include <algorithm>
 
 #include "reference/engine_state.hpp"
+#include "reference/expert_mlp_fp8.hpp"
 
 namespace poise::reference {
 
@@ -85,6 +86,29 @@ void return_grad_x(EngineState& s, int rank, InProcessTransport& transport, cons
 
 }  // namespace
 
+namespace {
+
+// One expert group's backward: BF16 or FP8 block-scaled GEMMs (docs/fp8.md). x's FP8 rows are
+// quantized again from the bf16 rows: row-local, so the same bits as the forward's.
+void group_backward(const EngineState& s, const RankState& st, const RankInputs& in, const ExpertGroup& group,
+                    const std::vector<float>& grad_y_GD, std::vector<float>& grad_x_GD, float* grad_w13,
+                    float* grad_w2) {
+  const int64_t D = s.D(), F = s.F(), first = group.first_row;
+  const float* x = st.x_GD.data() + first * D;
+  const float* w13 = group_w13(s, st, in, group.slot);
+  const float* w2 = group_w2(s, st, in, group.slot);
+  if (s.config.gemm_precision == GemmPrecision::fp8_block_scaled) {
+    expert_backward_fp8(s.shape, s.act, group.rows, numerics::quantize_row_tiles(x, group.rows, D),
+                        st.h13_G2F.data() + first * 2 * F, grad_y_GD.data() + first * D,
+                        quantize_expert_weights(s.shape, w13, w2), grad_x_GD.data() + first * D, grad_w13, grad_w2);
+  } else {
+    expert_backward(s.shape, s.act, group.rows, x, st.h13_G2F.data() + first * 2 * F, st.a_GF.data() + first * F,
+                    grad_y_GD.data() + first * D, w13, w2, grad_x_GD.data() + first * D, grad_w13, grad_w2);
+  }
+}
+
+}  // namespace
+
 void backward_rank(EngineState& s, int rank, InProcessTransport& transport, const RankInputs& in,
                    const std::vector<float>& grad_out_TD, RankGradients& grads, bool accumulate_wgrad) {
   RankState& st = s.ranks[rank];
@@ -104,10 +128,7 @@ void backward_rank(EngineState& s, int rank, InProcessTransport& transport, cons
                           : replica_grad_w13.data() + (group.slot - local) * block13;
     float* grad_w2 = own ? grad_w2_fp32.data() + group.slot * block2
                          : replica_grad_w2.data() + (group.slot - local) * block2;
-    expert_backward(s.shape, s.act, group.rows, st.x_GD.data() + group.first_row * D,
-                    st.h13_G2F.data() + group.first_row * 2 * F, st.a_GF.data() + group.first_row * F,
-                    grad_y_GD.data() + group.first_row * D, group_w13(s, st, in, group.slot),
-                    group_w2(s, st, in, group.slot), grad_x_GD.data() + group.first_row * D, grad_w13, grad_w2);
+    group_backward(s, st, in, group, grad_y_GD, grad_x_GD, grad_w13, grad_w2);
   }
   return_grad_x(s, rank, transport, grad_x_GD, grads);
 

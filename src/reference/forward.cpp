@@ -4,6 +4,7 @@
 #include <stdexcept>
 
 #include "reference/engine_state.hpp"
+#include "reference/expert_mlp_fp8.hpp"
 
 namespace poise::reference {
 
@@ -122,6 +123,28 @@ const float* group_w2(const EngineState& s, const RankState& st, const RankInput
   return slot < local ? in.w2.data() + slot * block : st.replica_w2.data() + (slot - local) * block;
 }
 
+namespace {
+
+// One expert group's forward: BF16 or FP8 block-scaled GEMMs (docs/fp8.md; the FP8 path keeps no a,
+// its backward recomputes it from h13).
+void group_forward(const EngineState& s, RankState& st, const RankInputs& in, const ExpertGroup& group,
+                   std::vector<float>& y_GD) {
+  const int64_t D = s.D(), F = s.F();
+  const float* x = st.x_GD.data() + group.first_row * D;
+  float* h13 = st.h13_G2F.data() + group.first_row * 2 * F;
+  float* y = y_GD.data() + group.first_row * D;
+  const float* w13 = group_w13(s, st, in, group.slot);
+  const float* w2 = group_w2(s, st, in, group.slot);
+  if (s.config.gemm_precision == GemmPrecision::fp8_block_scaled) {
+    expert_forward_fp8(s.shape, s.act, group.rows, numerics::quantize_row_tiles(x, group.rows, D),
+                       quantize_expert_weights(s.shape, w13, w2), h13, y);
+  } else {
+    expert_forward(s.shape, s.act, group.rows, x, w13, w2, h13, st.a_GF.data() + group.first_row * F, y);
+  }
+}
+
+}  // namespace
+
 void forward_rank(EngineState& s, int rank, InProcessTransport& transport, const RankInputs& in,
                   std::vector<float>& out_TD) {
   RankState& st = s.ranks[rank];
@@ -135,12 +158,7 @@ void forward_rank(EngineState& s, int rank, InProcessTransport& transport, const
   st.h13_G2F.assign(G * 2 * F, 0.0f);
   st.a_GF.assign(G * F, 0.0f);
   std::vector<float> y_GD(G * D, 0.0f);
-  for (const ExpertGroup& group : st.grouped.groups_per_rank[rank]) {
-    expert_forward(s.shape, s.act, group.rows, st.x_GD.data() + group.first_row * D,
-                   group_w13(s, st, in, group.slot), group_w2(s, st, in, group.slot),
-                   st.h13_G2F.data() + group.first_row * 2 * F, st.a_GF.data() + group.first_row * F,
-                   y_GD.data() + group.first_row * D);
-  }
+  for (const ExpertGroup& group : st.grouped.groups_per_rank[rank]) group_forward(s, st, in, group, y_GD);
 
   // Clip statistics: each rank counts the rows it computed per expert (replicas included) on h13
   // as saved (bf16), the counts are all-gathered and every owner keeps its experts' sums.

@@ -116,5 +116,23 @@ TEST(Context, CallsWithoutTheRightPathFailLoudly) {
             "args_per_rank");
 }
 
+TEST(Context, Fp8GemmsAreRefusedOnTheGpuBeforeAnyKernel) {
+  // The CPU reference engine runs gemm_precision = fp8_block_scaled; the GPU kernels are not built,
+  // so a GPU context says so (even on a machine without a GPU, before asking for one).
+  Config c = small_config();
+  c.gemm_precision = GemmPrecision::fp8_block_scaled;
+  auto ctx = Context::create(c, 1, 0);  // plans only
+  EXPECT_NE(ctx->plan().explain().find("fp8_block_scaled: planned as bf16"), std::string::npos);
+  try {
+    routed_experts_forward(*ctx, fake_forward_args(), nullptr);
+    ADD_FAILURE() << "an FP8 call ran on the GPU path";
+  } catch (const NotAvailable& e) {
+    EXPECT_NE(std::string(e.what()).find("gemm_precision"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(Context::create_virtual_ranks(c, 2), NotAvailable);
+  EXPECT_EQ(gemm_precision_from_string("fp8_block_scaled"), GemmPrecision::fp8_block_scaled);
+  EXPECT_EQ(rejected_name([] { gemm_precision_from_string("fp8"); }), "gemm_precision");
+}
+
 }  // namespace
 }  // namespace poise

@@ -13,6 +13,7 @@
 #include "numerics/block_scaling.hpp"
 #include "poise/reference.hpp"
 #include "reference/expert_mlp_fp8.hpp"
+#include "test_reference_support.hpp"
 
 namespace poise::reference {
 namespace {
@@ -78,6 +79,12 @@ Float64Results float64_layer(const Layer& l, const std::vector<double>& x, const
 
 std::vector<double> widened(const std::vector<float>& v) { return {v.begin(), v.end()}; }
 
+std::vector<std::vector<double>> widened(const std::vector<std::vector<float>>& per_rank) {
+  std::vector<std::vector<double>> out;
+  for (const std::vector<float>& v : per_rank) out.push_back(widened(v));
+  return out;
+}
+
 std::vector<double> dequantized(const numerics::BlockScaled& q, int64_t rows, int64_t cols, bool weight_blocks) {
   const int64_t col_blocks = numerics::scale_blocks(cols);
   std::vector<double> out(rows * cols);
@@ -87,15 +94,6 @@ std::vector<double> dequantized(const numerics::BlockScaled& q, int64_t rows, in
       out[r * cols + c] = numerics::dequantize(q.values[r * cols + c], q.scales[block]);
     }
   return out;
-}
-
-double relative_error(const std::vector<float>& got, const std::vector<double>& want) {
-  double diff = 0, norm = 0;
-  for (size_t i = 0; i < got.size(); ++i) {
-    diff += (got[i] - want[i]) * (got[i] - want[i]);
-    norm += want[i] * want[i];
-  }
-  return norm == 0 ? std::sqrt(diff) : std::sqrt(diff / norm);
 }
 
 struct Fp8Results {
@@ -152,6 +150,41 @@ TEST(ReferenceFp8Nan, ANanInXReachesItsRowOnly) {
   const Fp8Results got = run_fp8(l, x_rows, quantize_expert_weights(l.shape, l.w13.data(), l.w2.data()));
   for (int64_t r = 0; r < l.rows; ++r)
     for (int64_t d = 0; d < 128; ++d) EXPECT_EQ(std::isnan(got.y[r * 128 + d]), r == 7) << r << "," << d;
+}
+
+// The engine with Config::gemm_precision = fp8_block_scaled, R = 1 and 4, skewed routing: exact
+// balance (replicas, split expert groups) and capacity mode give the same bits for every row
+// result (quantization is row-local and a replica quantizes the same bf16 weights), weight
+// gradients within column-tile rounding (a split group starts new tiles), all a few percent from
+// float64, and visibly not the BF16 engine's results.
+TEST(ReferenceFp8Engine, BalanceModesAgreeAndFloat64IsAFewPercentAway) {
+  using namespace testing;
+  for (int64_t ranks : {1, 4}) {
+    Config config = small_config(48, 192, 128, 8, 2);
+    config.gemm_precision = GemmPrecision::fp8_block_scaled;
+    const auto inputs = random_inputs(config, ranks, {.seed = 3, .skew = 3.0, .padding_rows = 2}, {});
+    const auto grad_out = random_grad_out(config, ranks, 5);
+    Config capacity = config, bf16 = config;
+    capacity.balance = Balance::capacity;
+    bf16.gemm_precision = GemmPrecision::bf16;
+    const RunResult exact_run = run_engine(config, ranks, {}, inputs, grad_out);
+    const RunResult capacity_run = run_engine(capacity, ranks, {}, inputs, grad_out);
+    const RunResult bf16_run = run_engine(bf16, ranks, {}, inputs, grad_out);
+    const DenseFloat64Result want = dense_float64(config, ranks, inputs, grad_out, {});
+    const std::string at = "R=" + std::to_string(ranks) + " ";
+    expect_matches_dense(exact_run, want, 0.12, at + "exact");
+    expect_matches_dense(capacity_run, want, 0.12, at + "capacity");
+    EXPECT_GT(relative_error(exact_run.out_TD, widened(bf16_run.out_TD)), 1e-2) << "the FP8 run must not be the BF16 one";
+    for (int64_t r = 0; r < ranks; ++r) {
+      expect_bitwise_equal(exact_run.out_TD[r], capacity_run.out_TD[r], at + "out_TD");
+      expect_bitwise_equal(exact_run.grads[r].grad_x_TD, capacity_run.grads[r].grad_x_TD, at + "grad_x_TD");
+      expect_bitwise_equal(exact_run.grads[r].grad_scores_TK, capacity_run.grads[r].grad_scores_TK,
+                           at + "grad_scores_TK");
+    }
+    const auto w13_of = [](const RankGradients& g) { return g.grad_w13; };
+    EXPECT_LT(relative_error(per_rank(exact_run.grads, w13_of), widened(per_rank(capacity_run.grads, w13_of))), 0.03)
+        << at;
+  }
 }
 
 }  // namespace

@@ -37,6 +37,9 @@ void bind_config(nb::module_& m) {
       .def_rw("activation_slot_bytes", &Config::activation_slot_bytes)
       .def_rw("host_overflow_scratch_factor", &Config::host_overflow_scratch_factor)
       .def_prop_rw(
+          "gemm_precision", [](const Config& c) { return std::string(to_string(c.gemm_precision)); },
+          [](Config& c, const std::string& s) { c.gemm_precision = gemm_precision_from_string(s); })
+      .def_prop_rw(
           "wgrad_dtype", [](const Config& c) { return std::string(to_string(c.wgrad_dtype)); },
           [](Config& c, const std::string& s) { c.wgrad_dtype = dtype_from_string(s, "wgrad_dtype"); })
       .def_rw("inference", &Config::inference)
