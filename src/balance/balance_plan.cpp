@@ -14,9 +14,7 @@ std::span<const ExpertPiece> BalancePlan::pieces_of(int64_t expert) const {
   return {pieces.data() + first, static_cast<size_t>(first_piece_of_expert[expert + 1] - first)};
 }
 
-namespace {
-
-void validate(std::span<const int64_t> counts_E, int64_t num_ranks, int64_t rows_per_rank) {
+void validate_counts(std::span<const int64_t> counts_E, int64_t num_ranks, int64_t rows_per_rank) {
   if (num_ranks <= 0) throw InvalidArgument("num_ranks", "must be > 0, got " + std::to_string(num_ranks));
   const auto num_experts = static_cast<int64_t>(counts_E.size());
   if (num_experts == 0 || num_experts % num_ranks != 0) {
@@ -41,6 +39,9 @@ void validate(std::span<const int64_t> counts_E, int64_t num_ranks, int64_t rows
                                                std::to_string(total));
   }
 }
+
+namespace {
+
 
 BalancePlan start_plan(std::span<const int64_t> counts_E, int64_t num_ranks, int64_t rows_per_rank,
                        int64_t replica_slots) {
@@ -224,7 +225,7 @@ void plan_within_slots(PlanBuilder& b, int64_t num_ranks, int64_t C) {
 }  // namespace
 
 BalancePlan plan_owner_only(std::span<const int64_t> counts_E, int64_t num_ranks, int64_t rows_per_rank) {
-  validate(counts_E, num_ranks, rows_per_rank);
+  validate_counts(counts_E, num_ranks, rows_per_rank);
   BalancePlan plan = start_plan(counts_E, num_ranks, rows_per_rank, 0);
   for (int64_t e = 0; e < plan.num_experts; ++e) {
     if (counts_E[e] > 0) {
@@ -237,7 +238,7 @@ BalancePlan plan_owner_only(std::span<const int64_t> counts_E, int64_t num_ranks
 
 BalancePlan plan_exact_balance(std::span<const int64_t> counts_E, int64_t num_ranks,
                                int64_t rows_per_rank, int64_t replica_slots) {
-  validate(counts_E, num_ranks, rows_per_rank);
+  validate_counts(counts_E, num_ranks, rows_per_rank);
   if (replica_slots < 0) {
     throw InvalidArgument("replica_slots", "must be >= 0, got " + std::to_string(replica_slots));
   }

@@ -47,6 +47,10 @@ struct BalancePlan {
   std::vector<int64_t> first_piece_of_expert;  // [E + 1] offsets into `pieces`
 };
 
+// Throws InvalidArgument("expert_counts" / "num_ranks" / "rows_per_rank") unless counts_E has a
+// multiple of num_ranks entries, none negative, summing to num_ranks * rows_per_rank.
+void validate_counts(std::span<const int64_t> counts_E, int64_t num_ranks, int64_t rows_per_rank);
+
 // Exact balance. counts_E: rows per expert over all ranks; their sum must be R * rows_per_rank.
 // With replica_slots >= E_local every rank computes exactly rows_per_rank rows. Rows move as
 // replicas (one slot per (expert, rank), at most replica_slots per rank); an owner keeps its

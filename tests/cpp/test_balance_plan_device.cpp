@@ -13,50 +13,19 @@
 #include <tuple>
 #include <vector>
 
+#include "balance/balance_cost.hpp"
 #include "balance/balance_plan.hpp"
 #include "balance/balance_plan_device.cuh"
 
 namespace poise::plan {
 namespace {
 
-struct SharedPlan {
-  bool exact = false;
-  std::vector<ExpertPiece> pieces;  // sorted by expert, then begin
-  std::vector<int64_t> computed_rows, replicas;
-  int64_t moved_rows = 0;
-};
+using SharedPlan = SharedPlanRun;
 
 // Runs the shared code as the device does (steps 1-4), with host vectors as its scratch.
-SharedPlan run_shared(const std::vector<int64_t>& counts64, int R, int C, int tolerance, int B) {
-  const int E = static_cast<int>(counts64.size()), L = E / R;
-  std::vector<int32_t> counts(counts64.begin(), counts64.end());
-  std::vector<int32_t> position(E), sequence(E), start(R * (L + 1)), remaining(R), received(R), replicas(R),
-      donors(R), takers(2 * R);
-  std::vector<shared::ReplicaPiece> pieces(std::max(1, R * B));
-  shared::BalanceProblem p{counts.data(), R, L, C, C + tolerance, B};
-  shared::BalanceScratch s{position.data(), sequence.data(), start.data(), remaining.data(), received.data(),
-                           replicas.data(), donors.data(), takers.data(), pieces.data()};
-  int32_t num_pieces = 0;
-  SharedPlan out;
-  out.exact = shared::plan_balance_serial(p, s, &num_pieces);
-  out.computed_rows.assign(R, 0);
-  out.replicas.assign(R, 0);
-  for (int e = 0; e < E; ++e) {
-    const int kept = shared::kept_rows(p, s, e);
-    if (kept > 0) out.pieces.push_back({e, e / L, e % L, 0, kept});
-  }
-  for (int i = 0; i < num_pieces; ++i) {
-    const shared::ReplicaPiece& q = pieces[i];
-    EXPECT_LT(q.begin, q.end);
-    out.pieces.push_back({q.expert, q.rank, q.slot, q.begin, q.end});
-    out.moved_rows += q.end - q.begin;
-    out.replicas[q.rank] += 1;
-  }
-  for (const ExpertPiece& q : out.pieces) out.computed_rows[q.rank] += q.rows();
-  std::sort(out.pieces.begin(), out.pieces.end(), [](const ExpertPiece& a, const ExpertPiece& b) {
-    return std::tie(a.expert, a.begin) < std::tie(b.expert, b.begin);
-  });
-  for (int r = 0; r < R; ++r) EXPECT_EQ(out.replicas[r], replicas[r]);
+SharedPlan run_shared(const std::vector<int64_t>& counts, int R, int C, int tolerance, int B) {
+  SharedPlan out = run_shared_planner(counts, R, C, C + tolerance, B);
+  for (const ExpertPiece& q : out.pieces) EXPECT_LT(q.begin, q.end) << "an empty piece";
   return out;
 }
 

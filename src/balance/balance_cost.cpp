@@ -1,0 +1,65 @@
+#include "balance/balance_cost.hpp"
+
+#include <algorithm>
+#include <tuple>
+
+#include "poise/errors.hpp"
+
+namespace poise::plan {
+
+SharedPlanRun run_shared_planner(std::span<const int64_t> counts_E, int64_t num_ranks, int64_t rows_per_rank,
+                                 int64_t row_limit, int64_t replica_slots, const shared::BalanceCostRates& rates) {
+  validate_counts(counts_E, num_ranks, rows_per_rank);
+  if (row_limit < rows_per_rank) throw InvalidArgument("row_limit", "must be >= rows_per_rank");
+  if (replica_slots < 0) throw InvalidArgument("replica_slots", "must be >= 0");
+  const int32_t E = int32_t(counts_E.size()), R = int32_t(num_ranks), L = E / R, B = int32_t(replica_slots);
+  std::vector<int32_t> counts(counts_E.begin(), counts_E.end());
+  std::vector<int32_t> position(E), sequence(E), start(R * (L + 1)), remaining(R), received(R), replicas(R),
+      donors(R), takers(2 * R), sent(R);
+  std::vector<shared::ReplicaPiece> pieces(std::max(1, R * B));
+  const shared::BalanceProblem p{counts.data(), R, L, int32_t(rows_per_rank), int32_t(row_limit), B};
+  const shared::BalanceScratch s{position.data(), sequence.data(), start.data(), remaining.data(), received.data(),
+                                 replicas.data(), donors.data(), takers.data(), pieces.data()};
+  int32_t num_pieces = 0;
+  SharedPlanRun out;
+  out.exact = shared::plan_balance_serial(p, s, &num_pieces);
+  if (rates.link_bytes_per_ns > 0) out.predicted_ns = shared::predicted_ns(p, s, num_pieces, rates, sent.data());
+  out.computed_rows.assign(R, 0);
+  out.replicas.assign(replicas.begin(), replicas.end());
+  out.replicas_sent.assign(R, 0);
+  for (int32_t e = 0; e < E; ++e) {
+    const int32_t kept = shared::kept_rows(p, s, e);
+    if (kept > 0) out.pieces.push_back({e, e / L, e % L, 0, kept});
+  }
+  for (int32_t i = 0; i < num_pieces; ++i) {
+    const shared::ReplicaPiece& q = pieces[i];
+    out.pieces.push_back({q.expert, q.rank, q.slot, q.begin, q.end});
+    out.moved_rows += q.end - q.begin;
+    out.replicas_sent[q.expert / L] += 1;
+  }
+  for (const ExpertPiece& q : out.pieces) out.computed_rows[q.rank] += q.rows();
+  std::sort(out.pieces.begin(), out.pieces.end(), [](const ExpertPiece& a, const ExpertPiece& b) {
+    return std::tie(a.expert, a.begin) < std::tie(b.expert, b.begin);
+  });
+  return out;
+}
+
+CostAwareChoice choose_row_limit(std::span<const int64_t> counts_E, int64_t num_ranks, int64_t rows_per_rank,
+                                 int64_t replica_slots, int64_t max_row_limit, const shared::BalanceCostRates& rates) {
+  if (!(rates.link_bytes_per_ns > 0) || !(rates.expert_ns_per_row > 0) || !(rates.replica_bytes >= 0))
+    throw InvalidArgument("rates", "need expert_ns_per_row > 0, link_bytes_per_ns > 0, replica_bytes >= 0");
+  CostAwareChoice best;
+  for (int32_t i = 0; i < shared::kCostCandidates; ++i) {
+    const int64_t limit = shared::candidate_row_limit(int32_t(rows_per_rank), int32_t(max_row_limit), i);
+    SharedPlanRun run = run_shared_planner(counts_E, num_ranks, rows_per_rank, limit, replica_slots, rates);
+    best.candidate_row_limits.push_back(limit);
+    best.candidates_ns.push_back(run.predicted_ns);
+    if (i == 0 || run.predicted_ns < best.plan.predicted_ns) {
+      best.row_limit = limit;
+      best.plan = std::move(run);
+    }
+  }
+  return best;
+}
+
+}  // namespace poise::plan

@@ -1,0 +1,127 @@
+// The cost-aware balance plan (src/balance/balance_cost.*): a plan's predicted time, and the row
+// limit choice among exact balance, tolerances and capacity mode, at DeepSeek-V3's per-rank shape
+// with rates of the order measured on 2 H200 (bench/results/multigpu_h200.json):
+//  - balanced routing moves nothing; one hot expert pays for its replicas; skew spread thinly over
+//    many experts does not (each replica carries 264 MB for ~1000 rows);
+//  - on random routings the choice is never predicted slower than exact balance or capacity mode.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "balance/balance_cost.hpp"
+#include "poise/errors.hpp"
+
+namespace poise::plan {
+namespace {
+
+constexpr int64_t kC = 4096 * 8;  // T*K rows per rank
+constexpr double kD = 7168, kF = 2048;
+
+shared::BalanceCostRates deepseek_rates() {
+  shared::BalanceCostRates r;
+  r.expert_ns_per_row = 596.0f;                     // forward + backward GEMMs per row (2 x H200, balanced)
+  r.link_bytes_per_ns = 450.0f;                     // NVLink, one direction
+  r.replica_bytes = float(6 * kF * kD + 12 * kF * kD);  // bf16 weights out, fp32 gradients back
+  return r;
+}
+
+std::vector<int64_t> uniform_counts(int64_t R, int64_t E) {
+  std::vector<int64_t> counts(E, R * kC / E);
+  for (int64_t i = 0; i < R * kC % E; ++i) counts[i] += 1;
+  return counts;
+}
+
+int64_t total_replicas(const SharedPlanRun& run) {
+  return std::accumulate(run.replicas.begin(), run.replicas.end(), int64_t{0});
+}
+
+TEST(BalanceCost, BalancedRoutingMovesNothing) {
+  const auto counts = uniform_counts(8, 256);
+  const CostAwareChoice choice = choose_row_limit(counts, 8, kC, 32, 2 * kC, deepseek_rates());
+  EXPECT_EQ(choice.row_limit, kC);
+  EXPECT_EQ(total_replicas(choice.plan), 0);
+  EXPECT_FLOAT_EQ(choice.plan.predicted_ns, float(kC) * 596.0f);
+}
+
+TEST(BalanceCost, OneHotExpertPaysForItsReplicas) {
+  auto counts = uniform_counts(8, 256);
+  const int64_t hot = 8 * kC / 4;  // a quarter of all rows to expert 3 (rank 0), the rest spread
+  for (int64_t e = 0; e < 256; ++e) counts[e] = (8 * kC - hot) / 256;
+  counts[3] += hot;
+  counts[0] += 8 * kC - std::accumulate(counts.begin(), counts.end(), int64_t{0});
+  const int64_t owner_load = std::accumulate(counts.begin(), counts.begin() + 32, int64_t{0});
+  const CostAwareChoice choice = choose_row_limit(counts, 8, kC, 32, owner_load, deepseek_rates());
+  EXPECT_GT(total_replicas(choice.plan), 0);
+  EXPECT_LT(choice.plan.predicted_ns, 0.5 * choice.candidates_ns.back()) << "capacity mode is twice as slow";
+  EXPECT_LT(choice.row_limit, owner_load);
+}
+
+TEST(BalanceCost, SkewSpreadOverManyExpertsStaysHome) {
+  // EP2 (128 experts per rank, 256 rows each): rank 0's experts each hold 20% more rows, rank 1's
+  // 20% fewer. A replica carries at most ~310 rows of work (0.18 ms) for 264 MB of link traffic
+  // (0.59 ms): exact balance replicates ~21 experts and loses; the choice keeps the rows home.
+  auto counts = uniform_counts(2, 256);
+  for (int64_t e = 0; e < 128; ++e) {
+    const int64_t shift = counts[e] / 5;
+    counts[e] += shift;
+    counts[128 + e] -= shift;
+  }
+  const shared::BalanceCostRates rates = deepseek_rates();
+  const CostAwareChoice choice = choose_row_limit(counts, 2, kC, 128, 2 * kC, rates);
+  const SharedPlanRun exact = run_shared_planner(counts, 2, kC, kC, 128, rates);
+  EXPECT_GT(total_replicas(exact), 16) << "exact balance replicates many experts here";
+  EXPECT_EQ(total_replicas(choice.plan), 0);
+  EXPECT_LT(choice.plan.predicted_ns, 0.8 * exact.predicted_ns);
+}
+
+TEST(BalanceCost, NeverPredictedSlowerThanExactOrCapacity) {
+  std::mt19937_64 rng(11);
+  for (int64_t R : {2, 4, 8}) {
+    for (double spread : {0.0, 0.5, 1.0, 2.0}) {
+      for (int trial = 0; trial < 20; ++trial) {
+        const int64_t E = R * 32, total = R * kC / 8;  // C/8 rows per rank keeps the test quick
+        std::lognormal_distribution<double> popularity(0.0, spread);
+        std::vector<double> weight(E);
+        for (double& w : weight) w = popularity(rng);
+        std::discrete_distribution<int64_t> pick(weight.begin(), weight.end());
+        std::vector<int64_t> counts(E, 0);
+        for (int64_t i = 0; i < total; ++i) counts[pick(rng)] += 1;
+        int64_t max_load = 0;
+        for (int64_t r = 0; r < R; ++r)
+          max_load = std::max(max_load, std::accumulate(counts.begin() + r * 32, counts.begin() + (r + 1) * 32, int64_t{0}));
+        const CostAwareChoice c = choose_row_limit(counts, R, kC / 8, 32, std::max(max_load, kC / 8), deepseek_rates());
+        EXPECT_LE(c.plan.predicted_ns, c.candidates_ns.front()) << "exact balance";
+        EXPECT_LE(c.plan.predicted_ns, c.candidates_ns.back()) << "capacity mode";
+        EXPECT_EQ(total_replicas(run_shared_planner(counts, R, kC / 8, c.candidate_row_limits.back(), 32)), 0)
+            << "the last candidate holds every owner's load: nothing moves";
+        EXPECT_TRUE(c.plan.exact);
+        for (int64_t rows : c.plan.computed_rows) EXPECT_LE(rows, c.row_limit);
+      }
+    }
+  }
+}
+
+TEST(BalanceCost, AFreeLinkMeansExactBalance) {
+  auto counts = uniform_counts(4, 64);  // 2048 rows per expert
+  counts[0] += 1500;
+  counts[63] -= 1500;
+  shared::BalanceCostRates free_link = deepseek_rates();
+  free_link.replica_bytes = 0.0f;
+  const CostAwareChoice choice = choose_row_limit(counts, 4, kC, 16, 2 * kC, free_link);
+  EXPECT_EQ(choice.row_limit, kC);
+  for (int64_t rows : choice.plan.computed_rows) EXPECT_EQ(rows, kC);
+}
+
+TEST(BalanceCost, RejectsRatesThatPredictNothingAndCountsThatDoNotAddUp) {
+  auto counts = uniform_counts(2, 8);
+  EXPECT_THROW(choose_row_limit(counts, 2, kC, 4, 2 * kC, {}), InvalidArgument);
+  counts[7] -= 5 * kC;  // negative
+  counts[0] += 5 * kC;
+  EXPECT_THROW(run_shared_planner(counts, 2, kC, kC, 4), InvalidArgument);
+}
+
+}  // namespace
+}  // namespace poise::plan
