@@ -15,7 +15,7 @@ SharedPlanRun run_shared_planner(std::span<const int64_t> counts_E, int64_t num_
   const int32_t E = int32_t(counts_E.size()), R = int32_t(num_ranks), L = E / R, B = int32_t(replica_slots);
   std::vector<int32_t> counts(counts_E.begin(), counts_E.end());
   std::vector<int32_t> position(E), sequence(E), start(R * (L + 1)), remaining(R), received(R), replicas(R),
-      donors(R), takers(2 * R), sent(R);
+      donors(R), takers(2 * R), sent(R), groups(R);
   std::vector<shared::ReplicaPiece> pieces(std::max(1, R * B));
   const shared::BalanceProblem p{counts.data(), R, L, int32_t(rows_per_rank), int32_t(row_limit), B};
   const shared::BalanceScratch s{position.data(), sequence.data(), start.data(), remaining.data(), received.data(),
@@ -23,7 +23,7 @@ SharedPlanRun run_shared_planner(std::span<const int64_t> counts_E, int64_t num_
   int32_t num_pieces = 0;
   SharedPlanRun out;
   out.exact = shared::plan_balance_serial(p, s, &num_pieces);
-  if (rates.link_bytes_per_ns > 0) out.predicted_ns = shared::predicted_ns(p, s, num_pieces, rates, sent.data());
+  if (rates.link_bytes_per_ns > 0) out.predicted_ns = shared::predicted_ns(p, s, num_pieces, rates, sent.data(), groups.data());
   out.computed_rows.assign(R, 0);
   out.replicas.assign(replicas.begin(), replicas.end());
   out.replicas_sent.assign(R, 0);

@@ -1,6 +1,7 @@
-// What a balance plan costs, predicted (issue 37): the slowest rank's expert rows plus the replica
-// traffic of the busiest link, as the staged pipeline runs them one after the other (the weight
-// push inside the forward dispatch, the fp32 replica gradients after the backward experts).
+// What a balance plan costs, predicted (issue 37): the slowest rank's expert work (a cost per row
+// and per expert group it computes) plus the replica traffic of the busiest link, as the staged
+// pipeline runs them one after the other (the weight push inside the forward dispatch, the fp32
+// replica gradients after the backward experts).
 // __host__ __device__ like the planner it scores (balance_plan_device.cuh), so that the device can
 // pick a plan from the same numbers the host simulator uses. docs/balance.md, "Cost-aware plan".
 #pragma once
@@ -14,27 +15,34 @@ namespace poise::plan::shared {
 
 struct BalanceCostRates {
   float expert_ns_per_row = 0.0f;   // forward + backward expert GEMMs per computed row
+  float expert_ns_per_group = 0.0f; // and per expert group computed (own expert with rows, or replica)
   float link_bytes_per_ns = 0.0f;   // one rank's link, one direction (NVLink: ~450 bytes/ns on H200)
   float replica_bytes = 0.0f;       // one replica over a call: its weights out and its gradients back
 };
 
 // A plan's predicted forward + backward time (ns), after plan_balance_serial or the planner kernel:
-// max over ranks of computed rows x expert_ns_per_row, plus max over ranks of the replicas it
-// sends (as owner) or receives (as taker), whichever is more, x replica_bytes / link_bytes_per_ns.
-// sent_R: caller scratch [R].
+// max over ranks of (computed rows x expert_ns_per_row + groups x expert_ns_per_group), plus max
+// over ranks of the replicas it sends (as owner) or receives (as taker), whichever is more, x
+// replica_bytes / link_bytes_per_ns. sent_R, groups_R: caller scratch [R].
 POISE_HD inline float predicted_ns(const BalanceProblem& p, const BalanceScratch& s, int32_t num_pieces,
-                                   const BalanceCostRates& rates, int32_t* sent_R) {
-  int32_t busiest_rows = 0, busiest_link = 0;
-  for (int32_t r = 0; r < p.num_ranks; ++r) sent_R[r] = 0;
-  for (int32_t i = 0; i < num_pieces; ++i) sent_R[s.pieces[i].expert / p.num_local_experts] += 1;
-  for (int32_t r = 0; r < p.num_ranks; ++r) {
-    const int32_t rows = s.remaining_R[r] + s.received_R[r];
+                                   const BalanceCostRates& rates, int32_t* sent_R, int32_t* groups_R) {
+  const int32_t R = p.num_ranks, L = p.num_local_experts;
+  for (int32_t r = 0; r < R; ++r) {
+    sent_R[r] = 0;
+    groups_R[r] = s.replicas_R[r];
+  }
+  for (int32_t i = 0; i < num_pieces; ++i) sent_R[s.pieces[i].expert / L] += 1;
+  for (int32_t e = 0; e < R * L; ++e) groups_R[e / L] += kept_rows(p, s, e) > 0 ? 1 : 0;
+  float slowest_experts = 0.0f;
+  int32_t busiest_link = 0;
+  for (int32_t r = 0; r < R; ++r) {
+    const float experts = float(s.remaining_R[r] + s.received_R[r]) * rates.expert_ns_per_row +
+                          float(groups_R[r]) * rates.expert_ns_per_group;
     const int32_t link = sent_R[r] > s.replicas_R[r] ? sent_R[r] : s.replicas_R[r];
-    busiest_rows = rows > busiest_rows ? rows : busiest_rows;
+    slowest_experts = experts > slowest_experts ? experts : slowest_experts;
     busiest_link = link > busiest_link ? link : busiest_link;
   }
-  return float(busiest_rows) * rates.expert_ns_per_row +
-         float(busiest_link) * (rates.replica_bytes / rates.link_bytes_per_ns);
+  return slowest_experts + float(busiest_link) * (rates.replica_bytes / rates.link_bytes_per_ns);
 }
 
 // The row limits a cost-aware plan tries, in order: C (exact balance), C + C * 2^i / 64 for
