@@ -16,6 +16,22 @@ float dot(const float* a, const float* b, int64_t n) {
 
 }  // namespace
 
+void swiglu_row_bf16(const ExpertShape& shape, const SwigluParams& act, const float* h13_2F, float* a_F) {
+  for (int64_t f = 0; f < shape.intermediate; ++f)
+    a_F[f] = round_to_bf16(swiglu_forward(h13_2F[shape.gate_row(f)], h13_2F[shape.up_row(f)], act));
+}
+
+void swiglu_backward_row_bf16(const ExpertShape& shape, const SwigluParams& act, const float* h13_2F,
+                              const float* grad_a_F, float* grad_h13_2F) {
+  for (int64_t f = 0; f < shape.intermediate; ++f) {
+    const int64_t g = shape.gate_row(f), u = shape.up_row(f);
+    float grad_gate, grad_up;
+    swiglu_backward(h13_2F[g], h13_2F[u], grad_a_F[f], act, grad_gate, grad_up);
+    grad_h13_2F[g] = round_to_bf16(grad_gate);
+    grad_h13_2F[u] = round_to_bf16(grad_up);
+  }
+}
+
 void expert_forward(const ExpertShape& shape, const SwigluParams& act, int64_t rows, const float* x_RD,
                     const float* w13_2FD, const float* w2_DF, float* h13_R2F, float* a_RF, float* y_RD) {
   const int64_t D = shape.hidden, F = shape.intermediate;
@@ -25,9 +41,7 @@ void expert_forward(const ExpertShape& shape, const SwigluParams& act, int64_t r
     float* a = a_RF + r * F;
     float* y = y_RD + r * D;
     for (int64_t j = 0; j < 2 * F; ++j) h13[j] = dot(x, w13_2FD + j * D, D);
-    for (int64_t f = 0; f < F; ++f) {
-      a[f] = round_to_bf16(swiglu_forward(h13[shape.gate_row(f)], h13[shape.up_row(f)], act));
-    }
+    swiglu_row_bf16(shape, act, h13, a);
     for (int64_t d = 0; d < D; ++d) y[d] = round_to_bf16(dot(a, w2_DF + d * F, F));
     // a came from the fp32 accumulators; what backward sees is h13 as saved, in bf16. The clamped
     // SwiGLU's derivative jumps at +-limit, so backward must read the same bf16 values the GPU does.
@@ -52,13 +66,7 @@ void expert_backward(const ExpertShape& shape, const SwigluParams& act, int64_t 
       const float* w2_row = w2_DF + d * F;
       for (int64_t f = 0; f < F; ++f) grad_a[f] += grad_y[d] * w2_row[f];
     }
-    for (int64_t f = 0; f < F; ++f) {
-      const int64_t g = shape.gate_row(f), u = shape.up_row(f);
-      float grad_gate, grad_up;
-      swiglu_backward(h13[g], h13[u], grad_a[f], act, grad_gate, grad_up);
-      grad_h13[g] = round_to_bf16(grad_gate);
-      grad_h13[u] = round_to_bf16(grad_up);
-    }
+    swiglu_backward_row_bf16(shape, act, h13, grad_a.data(), grad_h13.data());
     // grad_x[d] = sum_j grad_h13[j] * W13[j][d], summed over all gate rows then all up rows,
     // in f order, whatever the layout (so both layouts give the same bits).
     std::fill(grad_x.begin(), grad_x.end(), 0.0f);

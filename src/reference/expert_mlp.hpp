@@ -24,6 +24,13 @@ struct ExpertShape {
   }
 };
 
+// One row: a_F[f] = act(gate f, up f) of h13_2F, rounded to bf16.
+void swiglu_row_bf16(const ExpertShape& shape, const SwigluParams& act, const float* h13_2F, float* a_F);
+
+// One row: grad_h13_2F (in h13's layout, rounded to bf16) = SwiGLU backward at h13_2F of grad_a_F.
+void swiglu_backward_row_bf16(const ExpertShape& shape, const SwigluParams& act, const float* h13_2F,
+                              const float* grad_a_F, float* grad_h13_2F);
+
 // x_RD, w13_2FD, w2_DF: bf16 values. Writes, per row:
 //   h13_R2F = x . W13^T (fp32, column j from W13 row j), a_RF = act(gate, up) rounded to bf16,
 //   y_RD = a . W2^T rounded to bf16.

@@ -93,14 +93,8 @@ void expert_backward_fp8(const ExpertShape& shape, const SwigluParams& act, int6
           D, [&](int64_t k) { return gy_q.values[k]; }, [&](int64_t k) { return w.w2.values[k * F + f]; },
           [&](int64_t kb) { return gy_q.scales[kb]; },
           [&](int64_t kb) { return w.w2.scales[kb * f_blocks + f / kScaleBlock]; });
-    for (int64_t f = 0; f < F; ++f) {
-      const int64_t g = shape.gate_row(f), u = shape.up_row(f);
-      float grad_gate, grad_up;
-      swiglu_backward(h13[g], h13[u], grad_a[f], act, grad_gate, grad_up);
-      grad_h13[g] = round_to_bf16(grad_gate);
-      grad_h13[u] = round_to_bf16(grad_up);
-      a_bf16_RF[r * F + f] = round_to_bf16(swiglu_forward(h13[g], h13[u], act));
-    }
+    swiglu_backward_row_bf16(shape, act, h13, grad_a.data(), grad_h13);
+    swiglu_row_bf16(shape, act, h13, a_bf16_RF.data() + r * F);
     const BlockScaled gh_q = numerics::quantize_row_tiles(grad_h13, 1, 2 * F);
     for (int64_t d = 0; d < D; ++d)
       grad_x_RD[r * D + d] = round_to_bf16(promoted_dot(
