@@ -16,6 +16,7 @@
 
 #include "pipeline/staged_pipeline.hpp"
 #include "poise/config.hpp"
+#include "testing/layer_config.hpp"
 
 #define CHECK(expr)                                                                                       \
   do {                                                                                                    \
@@ -56,17 +57,7 @@ inline double median(std::vector<double> v) {
   return v.empty() ? 0.0 : v[v.size() / 2];
 }
 
-inline Config layer_config(int T, int D, int F, int E, int K, Balance balance, double capacity_factor) {
-  Config c;
-  c.num_local_input_tokens = T;
-  c.hidden_dim = D;
-  c.intermediate_dim = F;
-  c.top_k = K;
-  c.num_experts = E;
-  c.balance = balance;
-  c.receive_capacity_factor = capacity_factor;
-  return c;
-}
+using testing::layer_config;
 
 // Records an event at every stage boundary of one pass; durations per stage after a sync.
 struct StageClock {

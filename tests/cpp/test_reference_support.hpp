@@ -9,20 +9,13 @@
 #include <vector>
 
 #include "poise/reference.hpp"
+#include "testing/layer_config.hpp"
 
 namespace poise::reference::testing {
 
 inline Config small_config(int64_t T, int64_t D, int64_t F, int64_t E, int64_t K,
                            Balance balance = Balance::exact) {
-  Config c;
-  c.num_local_input_tokens = T;
-  c.hidden_dim = D;
-  c.intermediate_dim = F;
-  c.num_experts = E;
-  c.top_k = K;
-  c.balance = balance;
-  c.receive_capacity_factor = 1e6;  // capacity tests lower it on purpose
-  return c;
+  return poise::testing::layer_config(T, D, F, E, K, balance, 1e6);  // capacity tests lower the factor on purpose
 }
 
 struct RunResult {

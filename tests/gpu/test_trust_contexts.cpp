@@ -7,10 +7,6 @@
 namespace poise {
 namespace {
 
-using testing::expect_all_nan;
-using testing::ReferenceLayer;
-using testing::TestStream;
-using testing::zero_outputs;
 using namespace trust_test;
 
 // ---- contexts side by side -----------------------------------------------------------------------
@@ -25,9 +21,9 @@ struct Shape {
 // Different E, K, D, F, balance and rank counts (each planner and GEMM shape sets its own launch
 // attributes); D and F multiples of 64 including 64 x odd.
 std::vector<Shape> three_shapes() {
-  return {{"A", layer_config(192, 192, 320, 32, 8, Balance::exact), 2, 1.5},
-          {"B", layer_config(192, 128, 192, 8, 2, Balance::capacity), 1, 1.0},
-          {"C", layer_config(160, 256, 448, 128, 6, Balance::exact), 4, 2.0}};
+  return {{"A", layer_config(192, 192, 320, 32, 8, Balance::exact, 2.0), 2, 1.5},
+          {"B", layer_config(192, 128, 192, 8, 2, Balance::capacity, 2.0), 1, 1.0},
+          {"C", layer_config(160, 256, 448, 128, 6, Balance::exact, 2.0), 4, 2.0}};
 }
 
 // The reference answers for a sequence of uses (fresh inputs each), computed in parallel.

@@ -16,10 +16,6 @@
 namespace poise {
 namespace {
 
-using testing::expect_all_nan;
-using testing::ReferenceLayer;
-using testing::TestStream;
-using testing::zero_outputs;
 using namespace trust_test;
 
 // ---- faults ----------------------------------------------------------------------------------------

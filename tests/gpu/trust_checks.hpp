@@ -1,5 +1,4 @@
-// What the trust tests share: raising and non-raising expectations on DeviceError, and a layer
-// Config from its shape.
+// What the trust tests share: raising and non-raising expectations on DeviceError.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -22,8 +21,15 @@
 #include "poise/poise.hpp"
 #include "poise/reference.hpp"
 #include "testing/device_layer.hpp"
+#include "testing/layer_config.hpp"
 
 namespace poise::trust_test {
+
+using testing::expect_all_nan;
+using testing::layer_config;
+using testing::ReferenceLayer;
+using testing::TestStream;
+using testing::zero_outputs;
 
 constexpr double kTolerance = 1e-2;
 
@@ -74,16 +80,5 @@ inline bool runs_or_raises(const std::function<void()>& call, const std::vector<
   }
 }
 
-inline Config layer_config(int64_t T, int64_t D, int64_t F, int64_t E, int64_t K, Balance balance, double factor = 2.0) {
-  Config c;
-  c.num_local_input_tokens = T;
-  c.hidden_dim = D;
-  c.intermediate_dim = F;
-  c.num_experts = E;
-  c.top_k = K;
-  c.balance = balance;
-  c.receive_capacity_factor = factor;
-  return c;
-}
 
 }  // namespace poise::trust_test
