@@ -33,6 +33,20 @@ def repo_root() -> pathlib.Path:
     return REPO_ROOT
 
 
+@pytest.fixture(scope="session")
+def load_script():
+    """Imports a repository script (a benchmark, not a package module) by its path below the root."""
+    import importlib.util
+
+    def load(relative_path: str, name: str):
+        spec = importlib.util.spec_from_file_location(name, REPO_ROOT / relative_path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    return load
+
+
 @pytest.fixture
 def deepseek_v3() -> "poise.Config":
     import poise

@@ -1,20 +1,12 @@
 """The routed-experts benchmark's pure parts, on the CPU: arguments, the routing generator's skew,
 the inputs it builds, and the shape of its JSON records."""
-import importlib.util
-import pathlib
-
 import pytest
 import torch
 
-BENCH = pathlib.Path(__file__).resolve().parents[2] / "bench" / "routed_experts" / "bench.py"
-
 
 @pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("routed_experts_bench", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def bench(load_script):
+    return load_script("bench/routed_experts/bench.py", "routed_experts_bench")
 
 
 def test_defaults_are_the_four_cases_into_the_results_file(bench):
@@ -89,10 +81,8 @@ def test_records_hold_medians_speedups_tflops_and_errors(bench):
     assert not bench.case_record("qwen3_30b_a3b", 3.0, 3.0, block_ms, {**errors, "grad_x": 0.5})["correct"]
 
 
-def test_compare_takes_medians_per_label_and_ratios_to_the_first(bench):
-    spec = importlib.util.spec_from_file_location("routed_experts_compare", BENCH.parent / "compare.py")
-    compare = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(compare)
+def test_compare_takes_medians_per_label_and_ratios_to_the_first(load_script):
+    compare = load_script("bench/routed_experts/compare.py", "routed_experts_compare")
 
     def run(label, fwd, fwdbwd):
         return {"label": label, "cases": [{"shape": "qwen3_30b_a3b", "routing": "balanced", "fwd_ms": fwd,

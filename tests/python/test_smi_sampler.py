@@ -1,20 +1,13 @@
 """The benchmark's clock sampler: nvidia-smi's lines read by time window, and a missing nvidia-smi
 reported instead of raised (CPU machines have none)."""
 import datetime
-import importlib.util
-import pathlib
 
 import pytest
 
-BENCH_DIR = pathlib.Path(__file__).resolve().parents[2] / "bench"
-
 
 @pytest.fixture(scope="module")
-def smi():
-    spec = importlib.util.spec_from_file_location("smi_sampler", BENCH_DIR / "smi_sampler.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def smi(load_script):
+    return load_script("bench/smi_sampler.py", "smi_sampler")
 
 
 def stamp(t):
@@ -45,10 +38,8 @@ def test_without_nvidia_smi_nothing_is_sampled_and_identity_says_why(smi, monkey
     assert sampler.samples_between(0.0, 4e9) == []
 
 
-def test_block_clocks_are_medians_per_repeat_with_none_for_empty_windows(smi):
-    spec = importlib.util.spec_from_file_location("routed_experts_bench", BENCH_DIR / "routed_experts" / "bench.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+def test_block_clocks_are_medians_per_repeat_with_none_for_empty_windows(smi, load_script):
+    bench = load_script("bench/routed_experts/bench.py", "routed_experts_bench")
     t0 = 1_800_000_000.0
     sampler = smi.SmiSampler()
     sampler.lines = [f"{stamp(t0 + 0.1 * i)}, {1400 + i}, {500 + i}, 0x0\n" for i in range(10)]

@@ -1,21 +1,15 @@
 """bench/transformers/bench.py on the CPU at tiny dims: its arguments, and one whole run's JSON
 (the figures themselves come from the H200: scripts/device_session.sh python transformers)."""
-import importlib.util
 import json
-import pathlib
 
 import pytest
 
 pytest.importorskip("transformers")
-BENCH = pathlib.Path(__file__).resolve().parents[2] / "bench" / "transformers" / "bench.py"
 
 
 @pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("transformers_bench", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def bench(load_script):
+    return load_script("bench/transformers/bench.py", "transformers_bench")
 
 
 def test_defaults_are_the_issue_s_case(bench):
