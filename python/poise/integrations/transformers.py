@@ -25,7 +25,7 @@ a module raises poise.NotAvailable naming what it lacks (docs/transformers.md).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from transformers.activations import SiLUActivation
@@ -96,10 +96,11 @@ class ContextCache:
         self._contexts: dict[tuple, Context] = {}
         self._pass_opener: dict[tuple, int] = {}
 
-    def get(self, key: tuple, config: Config, device: str) -> Context:
+    def get(self, key: tuple, make_config: Callable[[], Config], device: str) -> Context:
+        """The context of ``key``; on the first call of a key, created from ``make_config()``."""
         context = self._contexts.get(key)
         if context is None:
-            context = create_context(config=config, device=device, group=_settings.group,
+            context = create_context(config=make_config(), device=device, group=_settings.group,
                                      sync_check=_settings.sync_check)
             self._contexts[key] = context
         return context
@@ -135,10 +136,12 @@ def poise_experts_forward(module: torch.nn.Module, hidden_states: torch.Tensor, 
     tokens = bucket_tokens(num_tokens, _settings)
     training = torch.is_grad_enabled() and any(
         t.requires_grad for t in (hidden_states, top_k_weights, module.gate_up_proj, module.down_proj))
-    config = _layer_config(module, tokens, top_k, training)
+    layers = (_settings.moe_layers or getattr(module.config, "num_hidden_layers", 1)) if training else 1
     device = _device_name(hidden_states.device)
-    key = (dataclasses.astuple(config), device)
-    context = contexts.get(key, config, device)
+    # Everything the layer's Config depends on: built (and checked) once per key, not per call.
+    key = (tuple(module.gate_up_proj.shape), getattr(module, "num_experts", None), top_k, tokens, training, layers,
+           device)
+    context = contexts.get(key, lambda: _layer_config(module, tokens, top_k, training, layers), device)
     if training:
         contexts.open_pass_if_first_layer(key, context, module)
     x_TD, ids_TK, scores_TK = _padded(hidden_states, top_k_index, top_k_weights, tokens)
@@ -146,7 +149,7 @@ def poise_experts_forward(module: torch.nn.Module, hidden_states: torch.Tensor, 
     return out_TD[:num_tokens]
 
 
-def _layer_config(module: torch.nn.Module, tokens: int, top_k: int, training: bool) -> Config:
+def _layer_config(module: torch.nn.Module, tokens: int, top_k: int, training: bool, layers: int) -> Config:
     local_experts, two_f, hidden_dim = module.gate_up_proj.shape
     ep_size = _ep_size_and_rank(_settings.group)[0]
     num_experts = local_experts * ep_size
@@ -154,10 +157,9 @@ def _layer_config(module: torch.nn.Module, tokens: int, top_k: int, training: bo
     if num_experts != expected:
         raise InvalidArgument("gate_up_proj", f"holds {local_experts} experts on each of {ep_size} ranks, but the "
                                               f"model has {expected}: shard_experts(model, group) keeps each rank's")
-    layers = _settings.moe_layers or getattr(module.config, "num_hidden_layers", 1)
     return Config(num_local_input_tokens=tokens, hidden_dim=hidden_dim, intermediate_dim=two_f // 2,
                   top_k=top_k, num_experts=num_experts, balance=_settings.balance, inference=not training,
-                  max_moe_layers_per_activation_slot=layers if training else 1)
+                  max_moe_layers_per_activation_slot=layers)
 
 
 def _padded(hidden_states, top_k_index, top_k_weights, tokens: int):
