@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <numeric>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "balance/balance_cost.hpp"
@@ -118,12 +119,24 @@ TEST(BalanceCost, AFreeLinkMeansExactBalance) {
   for (int64_t rows : choice.plan.computed_rows) EXPECT_EQ(rows, kC);
 }
 
-TEST(BalanceCost, RejectsRatesThatPredictNothingAndCountsThatDoNotAddUp) {
+template <typename Fn>
+std::string rejected_name(Fn&& fn) {
+  try {
+    fn();
+  } catch (const InvalidArgument& e) {
+    return e.name();
+  }
+  return "(nothing raised)";
+}
+
+TEST(BalanceCost, BadArgumentsAreNamed) {
   auto counts = uniform_counts(2, 8);
-  EXPECT_THROW(choose_row_limit(counts, 2, kC, 4, 2 * kC, {}), InvalidArgument);
+  EXPECT_EQ(rejected_name([&] { choose_row_limit(counts, 2, kC, 4, 2 * kC, {}); }), "rates");
+  EXPECT_EQ(rejected_name([&] { run_shared_planner(counts, 2, kC, kC - 1, 4); }), "row_limit");
+  EXPECT_EQ(rejected_name([&] { run_shared_planner(counts, 2, kC, kC, -1); }), "replica_slots");
   counts[7] -= 5 * kC;  // negative
   counts[0] += 5 * kC;
-  EXPECT_THROW(run_shared_planner(counts, 2, kC, kC, 4), InvalidArgument);
+  EXPECT_EQ(rejected_name([&] { run_shared_planner(counts, 2, kC, kC, 4); }), "expert_counts");
 }
 
 }  // namespace
