@@ -39,7 +39,7 @@ using Stream = CUstream_st*;
 
 struct ForwardArgs {
   const void* x_TD = nullptr;          // bf16 [T, D]
-  const int32_t* ids_TK = nullptr;     // int32 [T, K], global expert ids
+  const int32_t* ids_TK = nullptr;     // int32 [T, K], global expert ids, or kNoExpert (-1)
   const void* scores_TK = nullptr;     // scores_dtype [T, K]
   DType scores_dtype = DType::fp32;
   const void* w13 = nullptr;           // bf16 [E_local, 2F, D]

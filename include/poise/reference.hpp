@@ -48,9 +48,11 @@ std::vector<float> from_bf16_bits(std::span<const uint16_t> bits);
 
 // What one rank brings to a call. Sizes: T = num_local_input_tokens, E_local = E / ep_size.
 // Rows whose scores are all zero are padding rows: still routed, contributing nothing to out_TD.
+// Entries of ids_TK equal to kNoExpert (-1) are free: not routed, contributing nothing, whatever
+// their score.
 struct RankInputs {
   std::vector<float> x_TD;       // bf16 [T, D]
-  std::vector<int32_t> ids_TK;   // [T, K] global expert ids, distinct within a token; e lives on rank e / E_local
+  std::vector<int32_t> ids_TK;   // [T, K] global expert ids (or kNoExpert), distinct within a token; e lives on rank e / E_local
   std::vector<float> scores_TK;  // [T, K] in Options::scores_dtype (bf16 values when bf16)
   std::vector<float> w13;        // bf16 [E_local, 2F, D] (== [E_local, 2, F, D] == [E_local*2F, D]), W13Layout
   std::vector<float> w2;         // bf16 [E_local, D, F] (== [E_local*D, F])
@@ -166,6 +168,7 @@ struct RandomInputsSpec {
   // Target peak/mean of owner rows per rank: rank 0's experts are drawn more often. 1 = uniform.
   double skew = 1.0;
   int64_t padding_rows = 0;  // the last padding_rows tokens of every rank get all-zero scores
+  double free_fraction = 0.0;  // each entry (t, k) is kNoExpert with this probability (its score kept)
 };
 
 // x ~ N(0,1), W13 ~ N(0,1/D), W2 ~ N(0,1/F) (bf16), scores a softmax over the K picks (fp32 or

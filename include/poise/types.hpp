@@ -17,6 +17,11 @@ enum class Balance {
 
 enum class DType { bf16, fp32 };
 
+// An ids_TK entry naming no expert (DeepEP's convention): the entry (t, k) is not dispatched or
+// computed, adds nothing to out_TD[t] whatever its score, and gets zero gradients. A context sized
+// for T tokens then serves fewer real tokens at the cost of their rows only (padding is free).
+inline constexpr int kNoExpert = -1;
+
 // The expert GEMMs' operands (docs/fp8.md).
 enum class GemmPrecision {
   bf16,              // bf16 operands, fp32 accumulation

@@ -17,7 +17,9 @@ SharedPlanRun run_shared_planner(std::span<const int64_t> counts_E, int64_t num_
   std::vector<int32_t> position(E), sequence(E), start(R * (L + 1)), remaining(R), received(R), replicas(R),
       donors(R), takers(2 * R), sent(R), groups(R);
   std::vector<shared::ReplicaPiece> pieces(std::max(1, R * B));
-  const shared::BalanceProblem p{counts.data(), R, L, int32_t(rows_per_rank), int32_t(row_limit), B};
+  // As the device planner kernel: the rows of free entries (kNoExpert) are not balanced.
+  const int64_t target = balanced_rows_per_rank(counts_E, num_ranks);
+  const shared::BalanceProblem p{counts.data(), R, L, int32_t(target), int32_t(row_limit - rows_per_rank + target), B};
   const shared::BalanceScratch s{position.data(), sequence.data(), start.data(), remaining.data(), received.data(),
                                  replicas.data(), donors.data(), takers.data(), pieces.data()};
   int32_t num_pieces = 0;

@@ -33,11 +33,16 @@ void validate_counts(std::span<const int64_t> counts_E, int64_t num_ranks, int64
     }
     total += counts_E[e];
   }
-  if (total != num_ranks * rows_per_rank) {
-    throw InvalidArgument("expert_counts", "must sum to num_ranks * rows_per_rank = " +
+  if (total > num_ranks * rows_per_rank) {
+    throw InvalidArgument("expert_counts", "must sum to at most num_ranks * rows_per_rank = " +
                                                std::to_string(num_ranks * rows_per_rank) + ", got " +
                                                std::to_string(total));
   }
+}
+
+int64_t balanced_rows_per_rank(std::span<const int64_t> counts_E, int64_t num_ranks) {
+  const int64_t total = std::accumulate(counts_E.begin(), counts_E.end(), int64_t{0});
+  return (total + num_ranks - 1) / num_ranks;
 }
 
 namespace {
@@ -163,15 +168,18 @@ class PlanBuilder {
 //    B free slots and one donor's rows span at most E_local experts.
 bool plan_exact(PlanBuilder& b, int64_t num_ranks, int64_t C) {
   std::deque<int64_t> donors, takers;
+  int64_t total_surplus = 0;
   for (int64_t r = 0; r < num_ranks; ++r) {
-    if (b.computed(r) > C) donors.push_back(r);
+    if (b.computed(r) > C) donors.push_back(r), total_surplus += b.computed(r) - C;
     if (b.computed(r) < C) takers.push_back(r);
   }
   while (!takers.empty()) {
     const int64_t taker = takers.front();
     takers.pop_front();
     const int64_t slots = b.free_slots(taker);
-    int64_t need = C - b.computed(taker);
+    // Fewer rows than R * C (free entries): the surplus runs out before the last takers are full.
+    int64_t need = std::min(C - b.computed(taker), total_surplus);
+    if (need <= 0) continue;
     // Walk the donors: slots used by surplus-only takes so far, and where an overshoot would fit.
     int64_t slots_used = 0, remaining = need;
     int64_t surplus_only_end = -1, overshoot_at = -1;
@@ -193,9 +201,11 @@ bool plan_exact(PlanBuilder& b, int64_t num_ranks, int64_t C) {
       const int64_t surplus = b.computed(donor) - C;
       b.donate(donor, taker, surplus);
       need -= surplus;
+      total_surplus -= surplus;
       donors.pop_front();
     }
     const int64_t last = donors.front();
+    total_surplus -= std::min(need, b.computed(last) - C);
     b.donate(last, taker, need);
     if (b.computed(last) <= C) donors.pop_front();
     if (b.computed(last) < C) takers.push_back(last);  // it overshot
@@ -242,11 +252,12 @@ BalancePlan plan_exact_balance(std::span<const int64_t> counts_E, int64_t num_ra
   if (replica_slots < 0) {
     throw InvalidArgument("replica_slots", "must be >= 0, got " + std::to_string(replica_slots));
   }
-  const BalancePlan start = start_plan(counts_E, num_ranks, rows_per_rank, replica_slots);
+  const int64_t target = balanced_rows_per_rank(counts_E, num_ranks);
+  const BalancePlan start = start_plan(counts_E, num_ranks, target, replica_slots);
   PlanBuilder exact(counts_E, start);
-  if (plan_exact(exact, num_ranks, rows_per_rank)) return std::move(exact).finish();
+  if (plan_exact(exact, num_ranks, target)) return std::move(exact).finish();
   PlanBuilder fallback(counts_E, start);
-  plan_within_slots(fallback, num_ranks, rows_per_rank);
+  plan_within_slots(fallback, num_ranks, target);
   return std::move(fallback).finish();
 }
 

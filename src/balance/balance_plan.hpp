@@ -24,7 +24,9 @@ struct BalancePlan {
   int64_t num_ranks = 0;
   int64_t num_experts = 0;
   int64_t num_local_experts = 0;  // E / R
-  int64_t rows_per_rank = 0;      // C = T*K: the rows every rank computes when the plan is exact
+  // The rows every rank computes when the plan is exact: ceil(total / R), which is C = T*K unless
+  // free entries (kNoExpert) left fewer rows than R * C (then some ranks compute one row less).
+  int64_t rows_per_rank = 0;
   int64_t replica_slots = 0;      // B: replica slots each rank may fill
 
   // Non-empty pieces sorted by expert, then begin; each expert's pieces tile [0, count[e]).
@@ -48,11 +50,16 @@ struct BalancePlan {
 };
 
 // Throws InvalidArgument("expert_counts" / "num_ranks" / "rows_per_rank") unless counts_E has a
-// multiple of num_ranks entries, none negative, summing to num_ranks * rows_per_rank.
+// multiple of num_ranks entries, none negative, summing to at most num_ranks * rows_per_rank (less
+// when free entries name no expert).
 void validate_counts(std::span<const int64_t> counts_E, int64_t num_ranks, int64_t rows_per_rank);
 
-// Exact balance. counts_E: rows per expert over all ranks; their sum must be R * rows_per_rank.
-// With replica_slots >= E_local every rank computes exactly rows_per_rank rows. Rows move as
+// ceil(sum of counts_E / num_ranks): the rows each rank computes under an exact plan.
+int64_t balanced_rows_per_rank(std::span<const int64_t> counts_E, int64_t num_ranks);
+
+// Exact balance. counts_E: rows per expert over all ranks; their sum S is at most R * rows_per_rank.
+// With replica_slots >= E_local every rank computes ceil(S / R) rows (rows_per_rank when S = R * C;
+// when S is not a multiple of R, some ranks compute one row less). Rows move as
 // replicas (one slot per (expert, rank), at most replica_slots per rank); an owner keeps its
 // experts' rows up to its capacity and only the surplus moves, unless the slot bound forces a
 // donor to give more (then moved_rows exceeds the surplus). With fewer slots than that needs, only

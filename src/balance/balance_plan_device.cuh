@@ -29,10 +29,10 @@ struct ReplicaPiece {
 };
 
 struct BalanceProblem {
-  const int32_t* counts_E = nullptr;  // [E] rows of each expert over all ranks (sum R*C)
+  const int32_t* counts_E = nullptr;  // [E] rows of each expert over all ranks (sum <= R*C)
   int32_t num_ranks = 0;              // R
   int32_t num_local_experts = 0;      // E_local = E / R
-  int32_t rows_per_rank = 0;          // C = T*K
+  int32_t rows_per_rank = 0;          // C = ceil(sum of counts_E / R): T*K unless entries were free
   int32_t row_limit = 0;              // U >= C: the most rows a rank may compute (tolerance)
   int32_t replica_slots = 0;          // B <= E_local
 };

@@ -74,18 +74,25 @@ __global__ void __launch_bounds__(kPlanThreads)
   int32_t* group_rows = smem + m.group_rows;
   int32_t* needed = smem + m.needed;
   ReplicaPiece* pieces = reinterpret_cast<ReplicaPiece*>(smem + m.pieces);
-  const BalanceProblem problem{counts, R, L, dims.T * dims.K, dims.row_limit, dims.replica_slots};
   const BalanceScratch state{smem + m.position, smem + m.sequence, smem + m.start, smem + m.remaining,
                              smem + m.received, smem + m.replicas, smem + m.donors, smem + m.takers, pieces};
 
+  __shared__ int total_rows;
+  if (threadIdx.x == 0) total_rows = 0;
+  __syncthreads();
   const int32_t* counts_RE = comm::peer_ptr<int32_t>(pt, pt.rank, ws.counts_RE);
   for (int e = threadIdx.x; e < E; e += blockDim.x) {
     int total = 0;
     for (int s = 0; s < R; ++s) total += counts_RE[s * E + e];
     counts[e] = total;
+    atomicAdd(&total_rows, total);
   }
   for (int i = threadIdx.x; i < R * G; i += blockDim.x) group_rows[i] = 0;
   __syncthreads();
+  // Free entries (kNoExpert) leave fewer than R*T*K rows: balance them, ceil(total / R) per rank
+  // (plan::balanced_rows_per_rank), the tolerance on top as configured.
+  const int target = (total_rows + R - 1) / R;
+  const BalanceProblem problem{counts, R, L, target, dims.row_limit - dims.T * dims.K + target, dims.replica_slots};
   for (int e = threadIdx.x; e < E; e += blockDim.x) plan::shared::place_expert(problem, state, e);
   __syncthreads();
   for (int r = threadIdx.x; r < R; r += blockDim.x) plan::shared::start_rank(problem, state, r);

@@ -69,12 +69,13 @@ __global__ void __launch_bounds__(kThreads) combine_reduce_kernel(const PeerTabl
   if (!kWeighted) {  // backward: the score gradients the experts pushed
     const float* pushed = comm::peer_ptr<float>(pt, pt.rank, ws.grad_scores_TK);
     for (size_t i = first; i < static_cast<size_t>(dims.T) * dims.K; i += stride)
-      store_score(rio.grad_scores_TK, i, dims.scores_bf16, pushed[i]);
+      store_score(rio.grad_scores_TK, i, dims.scores_bf16, rio.ids_TK[i] == kNoExpert ? 0.0f : pushed[i]);
   }
   for (size_t i = first; i < total; i += stride) {
     const size_t t = i / vecs, v = i % vecs;
     float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     for (int k = 0; k < dims.K; ++k) {
+      if (rio.ids_TK[t * dims.K + k] == kNoExpert) continue;  // free: no expert wrote its slot
       const float w = kWeighted ? load_score(rio.scores_TK, t * dims.K + k, dims.scores_bf16) : 1.0f;
       float y[8];
       unpack8(combine[(t * dims.K + k) * vecs + v], y);

@@ -66,9 +66,9 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const PeerTable* tab
     const int TK = dims.T * dims.K;
     const size_t row_bytes = static_cast<size_t>(dims.D) * sizeof(bf16);
     for (int t = first_warp_item(blocks_per_rank); t < dims.T; t += warp_item_stride(blocks_per_rank)) {
-      const bool active = lane < dims.K;
       const int entry = t * dims.K + lane;
-      const int dest = active ? scratch.rank[slot].dest_rank_TK[entry] : -1;
+      const int dest = lane < dims.K ? scratch.rank[slot].dest_rank_TK[entry] : -1;
+      const bool active = dest >= 0;  // -1: a free entry (kNoExpert), dispatched nowhere
       const int row = active ? dest_row[entry] : -1;
       const unsigned same_dest = __match_any_sync(kFullMask, active ? dest : -1 - lane);
       const int primary_lane = __ffs(same_dest) - 1;

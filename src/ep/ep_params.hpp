@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "comm/transport.hpp"
+#include "poise/types.hpp"  // kNoExpert
 #include "balance/balance_plan_device.cuh"  // ReplicaPiece
 
 namespace poise::ep {

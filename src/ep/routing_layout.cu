@@ -48,12 +48,13 @@ __device__ void rank_chunk_entries(const int32_t* ids, int begin, int end, int E
   }
 }
 
-// Every entry's expert id is in [0, E) and differs from the token's earlier picks: a bad entry is
-// recorded (the call stops on every rank) with its value and token.
+// Every entry's expert id is kNoExpert or in [0, E) and differs from the token's earlier picks: a
+// bad entry is recorded (the call stops on every rank) with its value and token.
 __device__ void check_ids(const PeerTable& pt, const int32_t* ids, int begin, int end, const EpDims& dims, int lane) {
   for (int i = begin + lane; i < end; i += 32) {
     const int e = ids[i];
     const int token = i / dims.K, first = token * dims.K;
+    if (e == kNoExpert) continue;
     if (e < 0 || e >= dims.E) {
       comm::report_error(pt, ErrorCode::bad_expert_id, Phase::route_count, -1, e, token);
       continue;
@@ -189,8 +190,12 @@ __global__ void __launch_bounds__(kThreads) route_assign_kernel(const PeerTable*
   const int begin = chunk * kTokensPerChunk * dims.K;
   const int end = min(dims.T, (chunk + 1) * kTokensPerChunk) * dims.K;
   int32_t* dest_rank = rs.dest_rank_TK;
+  const int32_t* ids = io.rank[slot].ids_TK;
+  for (int idx = begin + lane; idx < end; idx += 32) {
+    if (ids[idx] == kNoExpert) dest_row[idx] = dest_rank[idx] = -1;  // free: no rank computes it
+  }
   if (!dims.balanced) {
-    rank_chunk_entries(io.rank[slot].ids_TK, begin, end, dims.E, counts, lane, [&](int idx, int e, int in_chunk) {
+    rank_chunk_entries(ids, begin, end, dims.E, counts, lane, [&](int idx, int e, int in_chunk) {
       dest_row[idx] = row_base[e] + chunk_offsets[e] + in_chunk;
       dest_rank[idx] = e / dims.E_local;
     });
@@ -199,7 +204,7 @@ __global__ void __launch_bounds__(kThreads) route_assign_kernel(const PeerTable*
   // Exact balance: the entry's row in its expert's global order (source rank, token, k) says
   // which piece of the plan holds it: the owner's kept prefix, or one replica piece.
   const int G = dims.groups;
-  rank_chunk_entries(io.rank[slot].ids_TK, begin, end, dims.E, counts, lane, [&](int idx, int e, int in_chunk) {
+  rank_chunk_entries(ids, begin, end, dims.E, counts, lane, [&](int idx, int e, int in_chunk) {
     const int row = before_me[e] + chunk_offsets[e] + in_chunk;
     int d = e / dims.E_local, group = e % dims.E_local, first = 0;
     if (row >= rs.plan_kept_E[e]) {

@@ -19,6 +19,9 @@ std::vector<float> exchange_grad_y(EngineState& s, int rank, InProcessTransport&
   const int64_t D = s.D(), K = s.K();
   // grad_y[t,k] = round_bf16(score[t,k] * grad_out[t]); grad_scores[t,k] = dot(grad_out[t], y[t,k]).
   grads.grad_scores_TK.assign(s.T() * K, kPoison);
+  for (int64_t entry = 0; entry < s.T() * K; ++entry) {
+    if (st.dispatch.dest_rank_TK[entry] < 0) grads.grad_scores_TK[entry] = 0.0f;  // free entry
+  }
   std::vector<RowsMessage> to_rank(s.ep_size);
   for (int64_t dst = 0; dst < s.ep_size; ++dst) {
     std::vector<float>& rows = to_rank[dst].rows;
@@ -77,6 +80,7 @@ void return_grad_x(EngineState& s, int rank, InProcessTransport& transport, cons
   for (int64_t t = 0; t < T; ++t) {
     std::fill(sum.begin(), sum.end(), 0.0f);
     for (int64_t k = 0; k < K; ++k) {
+      if (st.dispatch.dest_rank_TK[t * K + k] < 0) continue;  // free entry
       const float* rows = grad_x_TKD.data() + (t * K + k) * D;
       for (int64_t d = 0; d < D; ++d) sum[d] += rows[d];
     }

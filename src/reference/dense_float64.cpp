@@ -85,6 +85,7 @@ DenseFloat64Result dense_float64(const Config& config, int64_t ep_size,
       const float* x = in.x_TD.data() + t * D;
       for (int64_t k = 0; k < K; ++k) {
         const int64_t e = in.ids_TK[t * K + k];
+        if (e == kNoExpert) continue;
         const int64_t owner = e / local, slot = e % local;
         const float* w13 = inputs_per_rank[owner].w13.data() + slot * 2 * F * D;
         const float* w2 = inputs_per_rank[owner].w2.data() + slot * D * F;
@@ -188,15 +189,8 @@ void require_sampled_token(const Config& config, int64_t index, const SampledTok
   if (token.x_D.size() != D || token.grad_out_D.size() != D || token.ids_K.size() != K || token.scores_K.size() != K) {
     throw InvalidArgument("tokens", at + "needs D values of x and grad_out and K ids and scores");
   }
-  for (size_t k = 0; k < K; ++k) {
-    const int32_t e = token.ids_K[k];
-    if (e < 0 || e >= config.num_experts) {
-      throw InvalidArgument("tokens", at + "expert id " + std::to_string(e) + " is out of range");
-    }
-    if (std::find(token.ids_K.begin(), token.ids_K.begin() + k, e) != token.ids_K.begin() + k) {
-      throw InvalidArgument("tokens", at + "picks expert " + std::to_string(e) + " twice");
-    }
-  }
+  const std::string problem = token_ids_problem(token.ids_K, config.num_experts);
+  if (!problem.empty()) throw InvalidArgument("tokens", at + problem);
 }
 
 PairResult pair_float64(const DenseLayer& L, const SampledToken& token, int64_t k, const std::vector<float>& w13,
@@ -241,7 +235,9 @@ SampledFloat64Result sampled_float64(const Config& config, int64_t ep_size, cons
   std::map<int64_t, std::vector<std::pair<size_t, int64_t>>> pairs_of_expert;
   for (size_t i = 0; i < tokens.size(); ++i) {
     require_sampled_token(config, static_cast<int64_t>(i), tokens[i]);
-    for (int64_t k = 0; k < K; ++k) pairs_of_expert[tokens[i].ids_K[k]].push_back({i, k});
+    for (int64_t k = 0; k < K; ++k) {
+      if (tokens[i].ids_K[k] != kNoExpert) pairs_of_expert[tokens[i].ids_K[k]].push_back({i, k});
+    }
   }
   const std::vector<std::pair<int64_t, std::vector<std::pair<size_t, int64_t>>>> work(pairs_of_expert.begin(),
                                                                                        pairs_of_expert.end());
@@ -282,6 +278,8 @@ SampledFloat64Result sampled_float64(const Config& config, int64_t ep_size, cons
   for (size_t i = 0; i < tokens.size(); ++i) {
     std::vector<double> out(D, 0.0), grad_x(D, 0.0), grad_scores(K);
     for (int64_t k = 0; k < K; ++k) {
+      grad_scores[k] = 0.0;
+      if (tokens[i].ids_K[k] == kNoExpert) continue;  // free: contributes nothing
       const PairResult& p = pairs[i * K + k];
       const double score = tokens[i].scores_K[k];
       for (int64_t d = 0; d < D; ++d) {

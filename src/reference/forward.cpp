@@ -14,7 +14,9 @@ namespace {
 void route(EngineState& s, int rank, InProcessTransport& transport, const RankInputs& in) {
   RankState& st = s.ranks[rank];
   std::vector<int64_t> counts_E(s.E(), 0);
-  for (int32_t e : in.ids_TK) counts_E[e] += 1;
+  for (int32_t e : in.ids_TK) {
+    if (e != kNoExpert) counts_E[e] += 1;
+  }
   st.counts_RE = transport.all_gather(rank, counts_E);
 
   std::vector<int64_t> expert_rows(s.E(), 0);
@@ -197,12 +199,14 @@ void forward_rank(EngineState& s, int rank, InProcessTransport& transport, const
     }
   }
 
-  // Combine: out[t] = round_bf16(sum over k, in k order, of score[t,k] * y[t,k]) in fp32.
+  // Combine: out[t] = round_bf16(sum over k, in k order, of score[t,k] * y[t,k]) in fp32; free
+  // entries (kNoExpert) add nothing, whatever their score.
   out_TD.assign(T * D, kPoison);
   std::vector<float> sum(D);
   for (int64_t t = 0; t < T; ++t) {
     std::fill(sum.begin(), sum.end(), 0.0f);
     for (int64_t k = 0; k < K; ++k) {
+      if (in.ids_TK[t * K + k] == kNoExpert) continue;
       const float score = in.scores_TK[t * K + k];
       const float* y = st.y_TKD.data() + (t * K + k) * D;
       for (int64_t d = 0; d < D; ++d) sum[d] += score * y[d];

@@ -23,12 +23,15 @@ std::vector<double> expert_popularity(int64_t num_experts, int64_t ep_size, doub
   return weight;
 }
 
-// Draws one token's K distinct experts (each by popularity among those not yet picked), then its
-// scores, a softmax over K random logits (zero for a padding row).
+// Draws one token's K distinct experts (each by popularity among those not yet picked), frees each
+// with probability free_fraction (kNoExpert), then its scores, a softmax over K random logits (zero
+// for a padding row; a free entry keeps its score, which must then count for nothing).
 class TokenRouter {
  public:
-  TokenRouter(std::mt19937_64& rng, const std::vector<double>& popularity, int64_t top_k, DType scores_dtype)
-      : rng_(rng), popularity_(popularity), K_(top_k), scores_dtype_(scores_dtype), exp_logits_(top_k) {}
+  TokenRouter(std::mt19937_64& rng, const std::vector<double>& popularity, int64_t top_k, DType scores_dtype,
+              double free_fraction)
+      : rng_(rng), popularity_(popularity), K_(top_k), scores_dtype_(scores_dtype), free_fraction_(free_fraction),
+        exp_logits_(top_k) {}
 
   void draw(bool padding, int32_t* ids_K, float* scores_K) {
     const auto E = static_cast<int64_t>(popularity_.size());
@@ -42,6 +45,9 @@ class TokenRouter {
       while (weight_[e] == 0.0) --e;  // rounding at the end of the range: the last unpicked expert
       weight_[e] = 0.0;
       ids_K[k] = static_cast<int32_t>(e);
+    }
+    for (int64_t k = 0; k < K_ && free_fraction_ > 0.0; ++k) {
+      if (uniform_(rng_) < free_fraction_) ids_K[k] = kNoExpert;
     }
     float sum = 0.0f;
     for (int64_t k = 0; k < K_; ++k) {
@@ -60,6 +66,7 @@ class TokenRouter {
   const std::vector<double>& popularity_;
   int64_t K_;
   DType scores_dtype_;
+  double free_fraction_;
   std::uniform_real_distribution<double> uniform_{0.0, 1.0};
   std::normal_distribution<float> logit_{0.0f, 1.0f};
   std::vector<double> weight_;
@@ -70,6 +77,9 @@ void validate_spec(const Config& config, const RandomInputsSpec& spec) {
   if (!(spec.skew >= 1.0)) throw InvalidArgument("skew", "must be >= 1 (1 = uniform), got " + std::to_string(spec.skew));
   if (spec.padding_rows < 0 || spec.padding_rows > config.num_local_input_tokens) {
     throw InvalidArgument("padding_rows", "must be in [0, T], got " + std::to_string(spec.padding_rows));
+  }
+  if (!(spec.free_fraction >= 0.0 && spec.free_fraction <= 1.0)) {
+    throw InvalidArgument("free_fraction", "must be in [0, 1], got " + std::to_string(spec.free_fraction));
   }
 }
 
@@ -99,7 +109,7 @@ std::vector<RankInputs> random_inputs(const Config& config, int64_t ep_size, con
     in.w2 = normal_bf16(rng, local * D * F, 1.0f / std::sqrt(static_cast<float>(F)));
     in.ids_TK.resize(T * K);
     in.scores_TK.resize(T * K);
-    TokenRouter router(rng, popularity, K, options.scores_dtype);
+    TokenRouter router(rng, popularity, K, options.scores_dtype, spec.free_fraction);
     for (int64_t t = 0; t < T; ++t) {
       router.draw(t >= T - spec.padding_rows, in.ids_TK.data() + t * K, in.scores_TK.data() + t * K);
     }
@@ -118,7 +128,7 @@ RandomRouting random_routing(const Config& config, int64_t ep_size, const Random
     std::mt19937_64 rng(spec.seed * 0xD1B54A32D192ED03ull + 0x632BE59BD9B4E019ull * static_cast<uint64_t>(r + 1));
     routing.ids_TK.emplace_back(T * K);
     routing.scores_TK.emplace_back(T * K);
-    TokenRouter router(rng, popularity, K, options.scores_dtype);
+    TokenRouter router(rng, popularity, K, options.scores_dtype, spec.free_fraction);
     for (int64_t t = 0; t < T; ++t) {
       router.draw(t >= T - spec.padding_rows, routing.ids_TK[r].data() + t * K, routing.scores_TK[r].data() + t * K);
     }

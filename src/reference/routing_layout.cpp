@@ -81,6 +81,11 @@ DispatchLayout make_dispatch_layout(int64_t rank, std::span<const int32_t> ids_T
     for (int64_t k = 0; k < top_k; ++k) {
       const int64_t entry = t * top_k + k;
       const int64_t e = ids_TK[entry];
+      if (e == kNoExpert) {  // free: no rank computes it
+        layout.dest_rank_TK[entry] = -1;
+        layout.dest_row_TK[entry] = -1;
+        continue;
+      }
       const GroupedLayout::Destination dest = grouped.destination(plan, e, next_row_of_expert[e]++);
       layout.dest_rank_TK[entry] = dest.rank;
       layout.dest_row_TK[entry] = dest.grouped_row;

@@ -10,39 +10,6 @@
 
 namespace poise::reference {
 
-namespace {
-
-void validate_ids(const Config& config, int64_t ep_size, const std::vector<std::vector<int32_t>>& ids_TK_per_rank) {
-  if (static_cast<int64_t>(ids_TK_per_rank.size()) != ep_size) {
-    throw InvalidArgument("ids_TK", "expected one tensor per rank (" + std::to_string(ep_size) + "), got " +
-                                        std::to_string(ids_TK_per_rank.size()));
-  }
-  const int64_t T = config.num_local_input_tokens, K = config.top_k, E = config.num_experts;
-  for (int64_t r = 0; r < ep_size; ++r) {
-    const std::vector<int32_t>& ids = ids_TK_per_rank[r];
-    const std::string at = "rank " + std::to_string(r) + ": ";
-    if (static_cast<int64_t>(ids.size()) != T * K) {
-      throw InvalidArgument("ids_TK", at + "expected T*K = " + std::to_string(T * K) + " ids, got " +
-                                          std::to_string(ids.size()));
-    }
-    for (int64_t t = 0; t < T; ++t) {
-      for (int64_t k = 0; k < K; ++k) {
-        const int32_t e = ids[t * K + k];
-        if (e < 0 || e >= E) {
-          throw InvalidArgument("ids_TK", at + "expert id " + std::to_string(e) + " of token " + std::to_string(t) +
-                                              " is out of range [0, " + std::to_string(E) + ")");
-        }
-        if (std::find(ids.begin() + t * K, ids.begin() + t * K + k, e) != ids.begin() + t * K + k) {
-          throw InvalidArgument("ids_TK", at + "token " + std::to_string(t) + " picks expert " + std::to_string(e) +
-                                              " twice (top-k ids must be distinct)");
-        }
-      }
-    }
-  }
-}
-
-}  // namespace
-
 RoutingStats plan_stats(const plan::BalancePlan& plan, const GroupedLayout& grouped, std::vector<int64_t> expert_rows,
                         int64_t rows_per_rank, int64_t ep_size) {
   RoutingStats stats;
@@ -67,12 +34,13 @@ void count_received(RoutingStats& stats, const DispatchLayout& dispatch) {
 RoutingStats routing_stats(const Config& config, int64_t ep_size,
                            const std::vector<std::vector<int32_t>>& ids_TK_per_rank, const Options& options) {
   validate_setup(config, ep_size, options);
-  validate_ids(config, ep_size, ids_TK_per_rank);
+  validate_ids(config, ep_size, std::vector<std::span<const int32_t>>(ids_TK_per_rank.begin(), ids_TK_per_rank.end()));
   const int64_t E = config.num_experts, K = config.top_k, rows_per_rank = config.num_local_input_tokens * K;
   std::vector<std::vector<int64_t>> counts_RE(ep_size, std::vector<int64_t>(E, 0));
   std::vector<int64_t> expert_rows(E, 0);
   for (int64_t r = 0; r < ep_size; ++r) {
     for (int32_t e : ids_TK_per_rank[r]) {
+      if (e == kNoExpert) continue;
       counts_RE[r][e] += 1;
       expert_rows[e] += 1;
     }

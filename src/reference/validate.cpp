@@ -1,5 +1,6 @@
 #include "reference/validate.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <string>
 
@@ -42,7 +43,7 @@ void validate_inputs(const Config& config, int64_t ep_size, const Options& optio
                                                  "), got " + std::to_string(inputs_per_rank.size()));
   }
   const int64_t T = config.num_local_input_tokens, D = config.hidden_dim, F = config.intermediate_dim;
-  const int64_t K = config.top_k, E = config.num_experts, local = config.num_local_experts(ep_size);
+  const int64_t K = config.top_k, local = config.num_local_experts(ep_size);
   for (int64_t r = 0; r < ep_size; ++r) {
     const RankInputs& in = inputs_per_rank[r];
     require_size(in.x_TD.size(), T * D, "x_TD", r, "T*D");
@@ -54,20 +55,39 @@ void validate_inputs(const Config& config, int64_t ep_size, const Options& optio
     require_bf16(in.w13, "w13", r);
     require_bf16(in.w2, "w2", r);
     if (options.scores_dtype == DType::bf16) require_bf16(in.scores_TK, "scores_TK", r);
+  }
+  std::vector<std::span<const int32_t>> ids;
+  for (const RankInputs& in : inputs_per_rank) ids.emplace_back(in.ids_TK);
+  validate_ids(config, ep_size, ids);
+}
+
+std::string token_ids_problem(std::span<const int32_t> ids_K, int64_t num_experts) {
+  for (size_t k = 0; k < ids_K.size(); ++k) {
+    const int32_t e = ids_K[k];
+    if (e == kNoExpert) continue;
+    if (e < 0 || e >= num_experts) {
+      return "expert id " + std::to_string(e) + " is out of range [0, " + std::to_string(num_experts) +
+             ") (or " + std::to_string(kNoExpert) + ": no expert)";
+    }
+    if (std::find(ids_K.begin(), ids_K.begin() + k, e) != ids_K.begin() + k) {
+      return "picks expert " + std::to_string(e) + " twice (top-k ids must be distinct)";
+    }
+  }
+  return {};
+}
+
+void validate_ids(const Config& config, int64_t ep_size, const std::vector<std::span<const int32_t>>& ids_TK_per_rank) {
+  if (static_cast<int64_t>(ids_TK_per_rank.size()) != ep_size) {
+    throw InvalidArgument("ids_TK", "expected one tensor per rank (" + std::to_string(ep_size) + "), got " +
+                                        std::to_string(ids_TK_per_rank.size()));
+  }
+  const int64_t T = config.num_local_input_tokens, K = config.top_k;
+  for (int64_t r = 0; r < ep_size; ++r) {
+    const std::span<const int32_t> ids = ids_TK_per_rank[r];
+    require_size(ids.size(), T * K, "ids_TK", r, "T*K");
     for (int64_t t = 0; t < T; ++t) {
-      for (int64_t k = 0; k < K; ++k) {
-        const int32_t e = in.ids_TK[t * K + k];
-        if (e < 0 || e >= E) {
-          throw InvalidArgument("ids_TK", at_rank(r) + "expert id " + std::to_string(e) + " of token " +
-                                              std::to_string(t) + " is out of range [0, " + std::to_string(E) + ")");
-        }
-        for (int64_t j = 0; j < k; ++j) {
-          if (in.ids_TK[t * K + j] == e) {
-            throw InvalidArgument("ids_TK", at_rank(r) + "token " + std::to_string(t) + " picks expert " +
-                                                std::to_string(e) + " twice (top-k ids must be distinct)");
-          }
-        }
-      }
+      const std::string problem = token_ids_problem(ids.subspan(t * K, K), config.num_experts);
+      if (!problem.empty()) throw InvalidArgument("ids_TK", at_rank(r) + "token " + std::to_string(t) + ": " + problem);
     }
   }
 }

@@ -243,6 +243,40 @@ TEST(BalancePlan, TooFewSlotsFallBackToTheOwnerAndReportIt) {
   }
 }
 
+// Free entries (kNoExpert) leave fewer rows than R*C: the plan balances what there is, ceil(S/R)
+// rows per rank at most, every expert's rows tiled, no rank over it with training slots.
+TEST(BalancePlan, FewerRowsThanCapacityAreBalancedToTheirMean) {
+  std::mt19937_64 rng(17);
+  for (int trial = 0; trial < 200; ++trial) {
+    const int64_t R = 1 + trial % 8, local = 1 + trial % 5, C = 20 + static_cast<int64_t>(rng() % 300);
+    const int64_t S = trial % 10 == 0 ? 0 : static_cast<int64_t>(rng() % (R * C));  // S < R*C
+    const std::vector<int64_t> counts = random_counts(rng, R * local, S, 0.02 * (trial % 100));
+    SCOPED_TRACE("trial " + std::to_string(trial) + " R=" + std::to_string(R) + " S=" + std::to_string(S));
+    const BalancePlan plan = plan_exact_balance(counts, R, C, local);
+    const int64_t target = (S + R - 1) / R;
+    EXPECT_EQ(plan.rows_per_rank, target);
+    EXPECT_TRUE(plan.exact());
+    int64_t sum = 0;
+    for (int64_t r = 0; r < R; ++r) {
+      EXPECT_LE(plan.computed_rows[r], target) << "rank " << r;
+      sum += plan.computed_rows[r];
+    }
+    EXPECT_EQ(sum, S);
+    for (int64_t e = 0; e < R * local; ++e) {
+      int64_t next = 0;
+      for (const ExpertPiece& q : plan.pieces_of(e)) {
+        ASSERT_EQ(q.begin, next) << "expert " << e;
+        next = q.end;
+      }
+      ASSERT_EQ(next, counts[e]) << "expert " << e;
+    }
+  }
+  // Divisible: every rank computes exactly S/R.
+  const std::vector<int64_t> counts = {60, 0, 0, 0, 20, 0, 0, 0};  // R = 4, E_local = 2, C = 100, S = 80
+  const BalancePlan plan = plan_exact_balance(counts, 4, 100, 2);
+  EXPECT_EQ(plan.computed_rows, (std::vector<int64_t>{20, 20, 20, 20}));
+}
+
 TEST(BalancePlan, OwnerOnlyKeepsEveryExpertHome) {
   const std::vector<int64_t> counts = {0, 90, 30, 40, 20, 20};  // R = 2, E_local = 3, C = 100
   const BalancePlan plan = plan_owner_only(counts, 2, 100);

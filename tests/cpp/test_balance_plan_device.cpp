@@ -90,6 +90,35 @@ TEST(BalancePlanShared, EqualsHostPlannerOnRandomCounts) {
   std::printf("%d count vectors, %d fell back to the slot-limited plan\n", cases, fallbacks);
 }
 
+// Free entries: counts summing to less than R*C. The shared planner (as the device kernel runs it)
+// balances them to ceil(S/R) exactly as the host planner does, with and without tolerance.
+TEST(BalancePlanShared, EqualsHostPlannerWhenEntriesAreFree) {
+  std::mt19937_64 rng(0xF3EE);
+  for (int R : {1, 2, 3, 4, 8}) {
+    for (int L : {1, 3, 8}) {
+      for (double s : {0.0, 1.0, 2.5}) {
+        const int C = std::uniform_int_distribution<int>(8, 2000)(rng);
+        const int real = std::uniform_int_distribution<int>(0, C - 1)(rng);  // rows per rank on average
+        const auto counts = random_counts(R, L, real, s, 0.0, rng);
+        for (int B : {0, L / 2, L}) {
+          const std::string what = "R" + std::to_string(R) + " L" + std::to_string(L) + " B" + std::to_string(B);
+          const BalancePlan host = plan_exact_balance(counts, R, C, B);
+          const SharedPlan shared = run_shared(counts, R, C, 0, B);
+          expect_same(host, shared, what);
+          if (B >= L) {
+            EXPECT_TRUE(shared.exact) << what;
+            for (int r = 0; r < R; ++r) EXPECT_LE(shared.computed_rows[r], real) << what;
+          }
+          const SharedPlan tolerant = run_shared(counts, R, C, C / 8, B);
+          if (B >= L) {
+            for (int r = 0; r < R; ++r) EXPECT_LE(tolerant.computed_rows[r], real + C / 8) << what;
+          }
+        }
+      }
+    }
+  }
+}
+
 TEST(BalancePlanShared, EqualsHostPlannerOnExtremeCounts) {
   std::mt19937_64 rng(7);
   for (int R : {2, 4, 8}) {

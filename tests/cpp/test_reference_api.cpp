@@ -33,7 +33,7 @@ TEST(ReferenceApi, RejectsBadInputsNamingTheArgument) {
     return invalid_argument_name([&] { engine.forward(inputs); });
   };
   EXPECT_EQ(with([](auto& in) { in[1].ids_TK[5] = 8; }), "ids_TK");   // out of range
-  EXPECT_EQ(with([](auto& in) { in[0].ids_TK[3] = -1; }), "ids_TK");
+  EXPECT_EQ(with([](auto& in) { in[0].ids_TK[3] = -2; }), "ids_TK");
   EXPECT_EQ(with([](auto& in) { in[0].ids_TK[1] = in[0].ids_TK[0]; }), "ids_TK");  // twice in one token
   EXPECT_EQ(with([](auto& in) { in[0].x_TD.pop_back(); }), "x_TD");
   EXPECT_EQ(with([](auto& in) { in[1].x_TD[7] = 1.0f + 1.0f / 1024; }), "x_TD");  // not a bf16 value
