@@ -19,6 +19,8 @@
 #     transformers  bench/transformers/bench.py: a Qwen3-30B-A3B-dims model, "poise" against
 #                transformers' "grouped_mm" and "eager" -> $OUT/transformers_h200.json (needs python first;
 #                $TRANSFORMERS_ARGS: more arguments)
+#     padding    bench/free_padding/bench.py: a context of 8192 tokens serving 1024 (ids -1 padding)
+#                against one of 1024 -> $OUT/free_padding_h200.json (needs python first)
 #     multigpu   torchrun, one process per GPU: bench/multigpu/multigpu_bench.py -> $OUT/multigpu_h200.json
 #                ($MULTIGPU_ARGS, e.g. --quick; needs python first)
 set -uo pipefail
@@ -83,6 +85,11 @@ part_transformers() {
   PYTHONUNBUFFERED=1 timeout 420 python3 bench/transformers/bench.py --out "$OUT/transformers_h200.json" \
     --commit "$commit" ${TRANSFORMERS_ARGS:-} > "$OUT/transformers.log" 2>&1
   echo "transformers rc=$?"; grep -v "^\[transformers\]" "$OUT/transformers.log" | tail -6
+}
+part_padding() {
+  PYTHONUNBUFFERED=1 timeout 240 python3 bench/free_padding/bench.py --out "$OUT/free_padding_h200.json" \
+    --commit "$commit" > "$OUT/free_padding.log" 2>&1
+  echo "padding rc=$?"; tail -12 "$OUT/free_padding.log"
 }
 part_multigpu() {
   local n; n=$(nvidia-smi -L | wc -l)

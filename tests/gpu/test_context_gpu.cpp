@@ -107,6 +107,87 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{4, 3.0, false, Activation::swiglu}, Case{8, 1.0, false, Activation::swiglu},
                       Case{4, 1.0, true, Activation::swiglu}, Case{8, 8.0, false, Activation::swiglu_clamped}));
 
+// Free entries (ids_TK == kNoExpert): the GPU matches the reference engine, free entries get exactly
+// zero score gradients whatever their score, a token with every entry free gets exactly zero out
+// and grad_x, and with every entry free every output is zero (no rows at all).
+struct FreeCase {
+  int64_t ranks;
+  Balance balance;
+  double free_fraction;
+};
+
+class ContextGpuFreeEntries : public ::testing::TestWithParam<FreeCase> {};
+
+TEST_P(ContextGpuFreeEntries, MatchTheReferenceAndAddNothing) {
+  if (!testing::have_sm90_gpu()) GTEST_SKIP() << "needs an SM90 GPU";
+  const FreeCase fc = GetParam();
+  const int64_t R = fc.ranks;
+  Config c;
+  c.num_local_input_tokens = 80;
+  c.hidden_dim = 192;
+  c.intermediate_dim = 320;
+  c.top_k = 4;
+  c.num_experts = 4 * R;
+  c.balance = fc.balance;
+  c.receive_capacity_factor = double(R);
+  reference::Options options;
+  auto inputs = reference::random_inputs(c, R, {.seed = uint64_t(77 + R), .skew = 2.0, .free_fraction = fc.free_fraction},
+                                         options);
+  const int64_t K = c.top_k, D = c.hidden_dim, T = c.num_local_input_tokens;
+  for (int64_t k = 0; k < K; ++k) inputs[0].ids_TK[9 * K + k] = kNoExpert;  // rank 0's token 9: all free
+  const auto grad_out = reference::random_grad_out(c, R, 78);
+  reference::Engine engine(c, R, options);
+  const auto want_out = engine.forward(inputs);
+  std::vector<reference::RankGradients> want;
+  engine.backward(inputs, grad_out, want);
+
+  auto context = R == 1 ? Context::create(c, 1, 0) : Context::create_virtual_ranks(c, R);
+  DeviceLayer layer(c, R, inputs, grad_out, DType::fp32);
+  layer.poison_outputs();
+  cudaStream_t stream;
+  ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
+  routed_experts_forward(*context, layer.forward_args(), stream);
+  routed_experts_backward(*context, layer.backward_args(), stream);
+  context->check(stream);
+  ASSERT_EQ(cudaStreamDestroy(stream), cudaSuccess);
+
+  const auto out = layer.out_TD(), grad_x = layer.grad_x_TD(), grad_scores = layer.grad_scores_TK();
+  const auto grad_w13 = layer.grad_w13(), grad_w2 = layer.grad_w2();
+  for (int64_t r = 0; r < R; ++r) {
+    SCOPED_TRACE("rank " + std::to_string(r));
+    for (int64_t i = 0; i < T * K; ++i) {
+      if (inputs[r].ids_TK[i] == kNoExpert) ASSERT_EQ(grad_scores[r][i], 0.0f) << "free entry " << i;
+    }
+    if (fc.free_fraction == 1.0) {  // nothing routed: every output is zero, none left poisoned
+      for (const auto* v : {&out[r], &grad_x[r], &grad_w13[r], &grad_w2[r]})
+        for (float x : *v) ASSERT_EQ(x, 0.0f);
+      continue;
+    }
+    if (r == 0) {
+      for (int64_t d = 0; d < D; ++d) {
+        ASSERT_EQ(out[0][9 * D + d], 0.0f);
+        ASSERT_EQ(grad_x[0][9 * D + d], 0.0f);
+      }
+    }
+    EXPECT_LT(rel_error(out[r], want_out[r]), 1e-2);
+    EXPECT_LT(rel_error(grad_x[r], want[r].grad_x_TD), 1e-2);
+    EXPECT_LT(rel_error(grad_scores[r], want[r].grad_scores_TK), 1e-2);
+    EXPECT_LT(rel_error(grad_w13[r], want[r].grad_w13), 1e-2);
+    EXPECT_LT(rel_error(grad_w2[r], want[r].grad_w2), 1e-2);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    RanksAndBalance, ContextGpuFreeEntries,
+    ::testing::Values(FreeCase{1, Balance::exact, 0.5}, FreeCase{2, Balance::exact, 0.3},
+                      FreeCase{4, Balance::exact, 0.6}, FreeCase{8, Balance::exact, 0.5},
+                      FreeCase{4, Balance::capacity, 0.5}, FreeCase{2, Balance::exact, 1.0},
+                      FreeCase{4, Balance::capacity, 1.0}),
+    [](const ::testing::TestParamInfo<FreeCase>& info) {
+      return "R" + std::to_string(info.param.ranks) + "_" + to_string(info.param.balance) + "_free" +
+             std::to_string(int(info.param.free_fraction * 100));
+    });
+
 TEST(ContextGpuErrors, ExpertIdOutOfRangeIsReportedNotHung) {
   if (!testing::have_sm90_gpu()) GTEST_SKIP() << "needs an SM90 GPU";
   Config c;

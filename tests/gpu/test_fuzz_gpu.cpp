@@ -66,6 +66,7 @@ struct FuzzCase {
   double skew = 1.0;          // random routing: rank 0's experts drawn more often
   bool tight_capacity = true;  // capacity factor exactly the busiest rank's rows, else up to 1.5x that
   int64_t padding_rows = 0;
+  double free_fraction = 0.0;  // each entry kNoExpert with this probability (after the routing)
   reference::Options options;  // scores dtype, W13 layout
   bool inject_fault = false;
 };
@@ -82,7 +83,8 @@ std::string describe(const FuzzCase& fc) {
   s += std::string(" ") + to_string(c.activation) + " scores=" + to_string(fc.options.scores_dtype) +
        " wgrad=" + to_string(c.wgrad_dtype) +
        (fc.options.w13_layout == W13Layout::gate_up_interleaved ? " interleaved" : " blocked") +
-       " padding=" + std::to_string(fc.padding_rows) + (fc.inject_fault ? " +fault" : "");
+       " padding=" + std::to_string(fc.padding_rows) + " free=" + std::to_string(fc.free_fraction) +
+       (fc.inject_fault ? " +fault" : "");
   return s;
 }
 
@@ -156,6 +158,7 @@ FuzzCase draw_case(uint64_t seed) {
   fc.routing = d.of(routings);
   fc.skew = d.real(1.0, double(fc.ranks));
   fc.padding_rows = d.one_in(4) ? d.in(1, std::max<int64_t>(1, c.num_local_input_tokens / 4)) : 0;
+  fc.free_fraction = d.one_in(4) ? d.of<double>({0.2, 0.6, 1.0}) : 0.0;
   fc.inject_fault = d.one_in(10);
   return fc;
 }
@@ -218,7 +221,8 @@ double capacity_factor(const Config& c, int64_t R, const std::vector<reference::
                        std::mt19937_64& rng) {
   std::vector<int64_t> rows(R, 0);
   for (const auto& in : inputs)
-    for (int32_t e : in.ids_TK) ++rows[e / c.num_local_experts(R)];
+    for (int32_t e : in.ids_TK)
+      if (e != kNoExpert) ++rows[e / c.num_local_experts(R)];
   const double TK = double(c.num_local_input_tokens * c.top_k);
   const double fit = std::max(1.0, (double(*std::max_element(rows.begin(), rows.end())) + 0.5) / TK);
   return tight ? fit : fit * std::uniform_real_distribution<double>(1.0, 1.5)(rng);
@@ -232,6 +236,10 @@ ReferenceLayer build_reference(const FuzzCase& fc) {
       c, fc.ranks, {.seed = fc.seed, .skew = fc.skew, .padding_rows = fc.padding_rows}, fc.options);
   std::mt19937_64 rng(fc.seed ^ 0x5DEECE66Dull);
   route(fc.routing, c, fc.ranks, inputs, rng);
+  std::bernoulli_distribution free_entry(fc.free_fraction);
+  for (auto& in : inputs)
+    for (int32_t& e : in.ids_TK)
+      if (free_entry(rng)) e = kNoExpert;
   if (c.balance == Balance::capacity) c.receive_capacity_factor = capacity_factor(c, fc.ranks, inputs, fc.tight_capacity, rng);
   return testing::reference_layer(c, fc.ranks, std::move(inputs), reference::random_grad_out(c, fc.ranks, fc.seed + 1),
                                   fc.options);
@@ -251,11 +259,16 @@ void fault_then_reset(Context& context, const ReferenceLayer& good, uint64_t see
   std::string want = "rank " + std::to_string(r) + ", route (count): ids_TK ";
   const int64_t kind = any(K > 1 ? 3 : 2);
   if (kind == 2) {
+    if (ids[0] == kNoExpert) {  // a repeated -1 is no fault: make the first pick an expert of its own
+      int32_t e = 0;
+      while (std::find(ids, ids + K, e) != ids + K) ++e;
+      ids[0] = e;
+    }
     ids[K - 1] = ids[0];
     want += "picks expert " + std::to_string(ids[0]) + " more than once at token " + std::to_string(t);
   } else {
     const int64_t k = any(K);
-    ids[k] = kind == 0 ? int32_t(c.num_experts + any(5)) : int32_t(-1 - any(5));
+    ids[k] = kind == 0 ? int32_t(c.num_experts + any(5)) : int32_t(-2 - any(5));
     want += "holds expert id " + std::to_string(ids[k]) + " at token " + std::to_string(t);
   }
   SCOPED_TRACE("injected fault: " + want);
@@ -326,6 +339,7 @@ struct Coverage {
     if (fc.options.scores_dtype == DType::bf16) ++counts["bf16_scores"];
     if (fc.options.w13_layout == W13Layout::gate_up_interleaved) ++counts["interleaved"];
     if (fc.padding_rows > 0) ++counts["padding"];
+    if (fc.free_fraction > 0) ++counts["free_entries"];
     if (fc.inject_fault) ++counts["faults"];
     min_T = std::min(min_T, fc.config.num_local_input_tokens);
     max_T = std::max(max_T, fc.config.num_local_input_tokens);

@@ -97,7 +97,7 @@ BadInputs bad_id(const FaultCase& fc, const Config& c, std::vector<reference::Ra
   } else {
     const int64_t k = std::uniform_int_distribution<int64_t>(0, K - 1)(rng);
     const int32_t past = std::uniform_int_distribution<int32_t>(0, 20)(rng);
-    ids[t * K + k] = fc.fault == Fault::id_past_E ? int32_t(c.num_experts) + past : -1 - past;
+    ids[t * K + k] = fc.fault == Fault::id_past_E ? int32_t(c.num_experts) + past : -2 - past;
     bad.message.push_back(where + "ids_TK holds expert id " + std::to_string(ids[t * K + k]) + " at token " +
                           std::to_string(t) + ", outside [0, E)");
   }

@@ -20,8 +20,8 @@ def relative_error(got, want) -> float:
     return ((got - want).norm() / want.norm()).item()
 
 
-def inputs_on(device, seed=0, routing="uniform", ep_size=1):
-    per_rank = reference.random_inputs(CONFIG, ep_size, seed=seed, routing=routing)
+def inputs_on(device, seed=0, routing="uniform", ep_size=1, free_fraction=0.0):
+    per_rank = reference.random_inputs(CONFIG, ep_size, seed=seed, routing=routing, free_fraction=free_fraction)
     return [{name: per_rank[name][r].to(device) for name in NAMES} for r in range(ep_size)]
 
 

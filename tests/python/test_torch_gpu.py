@@ -18,8 +18,8 @@ pytestmark = pytest.mark.gpu
 
 def test_forward_and_backward_match_the_cpu_reference():
     device = torch.device("cuda", torch.cuda.current_device())
-    for routing in ("uniform", "one_expert"):
-        inputs = inputs_on(device, seed=1, routing=routing)[0]
+    for routing, free_fraction in (("uniform", 0.0), ("one_expert", 0.0), ("uniform", 0.5)):
+        inputs = inputs_on(device, seed=1, routing=routing, free_fraction=free_fraction)[0]
         for name in ("x_TD", "scores_TK", "w13", "w2"):
             inputs[name].requires_grad_()
         grad_out = torch.randn(CONFIG.num_local_input_tokens, CONFIG.hidden_dim, device=device).bfloat16()
@@ -31,6 +31,9 @@ def test_forward_and_backward_match_the_cpu_reference():
         assert relative_error(out, want_out) < TOLERANCE
         for name, want in zip(("x_TD", "scores_TK", "w13", "w2"), want_grads):
             assert relative_error(inputs[name].grad, want) < TOLERANCE, (routing, name)
+        free = inputs["ids_TK"] == -1
+        assert bool(free.any()) == (free_fraction > 0)
+        assert bool((inputs["scores_TK"].grad[free] == 0).all()), "a free entry (id -1) got a score gradient"
 
 
 def test_cuda_graph_capture_and_replay_for_any_routing():
@@ -59,9 +62,11 @@ def test_cuda_graph_capture_and_replay_for_any_routing():
         with torch.cuda.graph(graph):
             static_out = step()
 
-        # Replay with routings the capture never saw: the launch sequence does not depend on them.
-        for seed, routing in ((3, "uniform"), (4, "one_expert"), (5, "uniform")):
-            fresh = inputs_on(device, seed=seed, routing=routing)[0]
+        # Replay with routings the capture never saw, free entries (id -1) too: the launch sequence
+        # does not depend on them.
+        for seed, routing, free in ((3, "uniform", 0.0), (4, "one_expert", 0.0), (5, "uniform", 0.0),
+                                    (6, "uniform", 0.7)):
+            fresh = inputs_on(device, seed=seed, routing=routing, free_fraction=free)[0]
             with torch.no_grad():
                 for name in ("x_TD", "ids_TK", "scores_TK"):
                     static[name].copy_(fresh[name])

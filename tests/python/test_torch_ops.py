@@ -49,8 +49,11 @@ def float64_oracle(config, inputs, grad_out_TD, w13_layout="gate_up_blocked"):
     w13_E2FD, w2_EDF = reference.global_experts([leaves["w13"]], [leaves["w2"]], config)
     out = reference.routed_experts_torch(leaves["x_TD"], inputs["ids_TK"], leaves["scores_TK"], w13_E2FD, w2_EDF,
                                          config, w13_layout=w13_layout)
+    names = ("x_TD", "scores_TK", "w13", "w2")
+    if not out.requires_grad:  # every entry free (id -1): nothing reaches an input
+        return out.detach(), [torch.zeros_like(leaves[n]) for n in names]
     out.backward(grad_out_TD.double())
-    return out.detach(), [leaves[n].grad for n in ("x_TD", "scores_TK", "w13", "w2")]
+    return out.detach(), [leaves[n].grad for n in names]
 
 
 @pytest.fixture
@@ -71,6 +74,8 @@ CASES = {
     "K1-all-tokens-to-expert-0": (dict(top_k=1), dict(routing="one_expert"), "gate_up_blocked"),
     "one-expert-K3": (dict(top_k=3, num_experts=8), dict(routing="one_expert"), "gate_up_blocked"),
     "padding-rows": (dict(), dict(padding_rows=7), "gate_up_blocked"),
+    "free-entries": (dict(), dict(free_fraction=0.4), "gate_up_blocked"),
+    "every-entry-free": (dict(), dict(free_fraction=1.0), "gate_up_blocked"),
     "clamped": (dict(activation="swiglu_clamped", swiglu_limit=0.25), dict(), "gate_up_blocked"),
     "interleaved": (dict(), dict(), "gate_up_interleaved"),
     "w13-E2_F_D": (dict(), dict(w13_shape="E2_F_D"), "gate_up_blocked"),

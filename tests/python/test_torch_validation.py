@@ -44,7 +44,7 @@ MISTAKES = {
     "ids int64": (lambda i: dict(ids_TK=i["ids_TK"].long()), "ids_TK", "ids_TK.to(torch.int32)"),
     "ids wrong K": (lambda i: dict(ids_TK=i["ids_TK"][:, :1].contiguous()), "ids_TK", "K=2"),
     "ids out of range": (lambda i: dict(ids_TK=with_id(i["ids_TK"], E)), "ids_TK", "out of range"),
-    "ids negative": (lambda i: dict(ids_TK=with_id(i["ids_TK"], -1)), "ids_TK", "out of range"),
+    "ids negative": (lambda i: dict(ids_TK=with_id(i["ids_TK"], -2)), "ids_TK", "out of range"),
     "ids picked twice": (lambda i: dict(ids_TK=with_duplicate_pick(i["ids_TK"])), "ids_TK", "twice"),
     "scores fp16": (lambda i: dict(scores_TK=i["scores_TK"].half()), "scores_TK", "torch.float32"),
     "scores fp64": (lambda i: dict(scores_TK=i["scores_TK"].double()), "scores_TK", "torch.float32"),

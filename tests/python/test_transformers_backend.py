@@ -155,13 +155,16 @@ def test_bucket_sizes_bound_the_padding():
 
 
 def test_padding_rows_get_no_gradient_and_add_nothing():
-    """A call of 5 tokens on a 64-token context: the real rows' output and grads equal eager's."""
+    """A call of 5 tokens on a 64-token context: the padding rows name no expert (id -1, never
+    computed), and the real rows' output and grads equal eager's."""
     model = tiny_model("qwen3_moe")
     experts = model.model.layers[0].mlp.experts
     generator = torch.Generator().manual_seed(4)
     x = torch.randn(5, 128, generator=generator).to(torch.bfloat16)
     ids = torch.stack([torch.randperm(8, generator=generator)[:2] for _ in range(5)])
     scores = torch.rand(5, 2, generator=generator)
+    x_TD, ids_TK, scores_TK = poise_hf._padded(x, ids, scores, 64)
+    assert x_TD.shape == (64, 128) and bool((ids_TK[5:] == -1).all()) and bool((ids_TK[:5] == ids).all())
     results = {}
     for implementation in ("eager", "poise"):
         experts.config._experts_implementation = implementation

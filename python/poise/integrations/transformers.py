@@ -10,7 +10,7 @@ as Poise takes them (``gate_up_proj [E, 2F, D]``, ``down_proj [E, D, F]``), so n
 
 Contexts are created on first use and shared by every layer of one shape on one device (see
 ``ContextCache``); a call of n tokens runs on the context of the smallest bucket >= n (the rows past
-n are padding: zero scores, so they add nothing and get no gradient). ``configure`` sets the largest
+n are padding with expert ids -1: never computed, they add nothing and get no gradient). ``configure`` sets the largest
 call and the engine options. Training uses one context per shape whose activation slot holds every
 MoE layer of a forward, so each layer's backward runs from what its forward kept.
 
@@ -163,20 +163,17 @@ def _layer_config(module: torch.nn.Module, tokens: int, top_k: int, training: bo
 
 
 def _padded(hidden_states, top_k_index, top_k_weights, tokens: int):
-    """The call's rows, then padding rows up to ``tokens``: zero x and zero scores, with the expert
-    ids of the real tokens in turn, so padding reads no expert weights the call does not read anyway
-    (at decode, weight reads are the cost) and fills the experts' partial row blocks first."""
-    num_tokens, top_k = top_k_index.shape
-    pad = tokens - num_tokens
+    """The call's rows, then padding rows up to ``tokens`` whose expert ids are -1 (no expert): they
+    are not dispatched or computed, so padding costs nothing but its bytes of x. Three ops, each one
+    kernel: at decode the host time per layer is what a step costs."""
+    pad = tokens - top_k_index.shape[0]
     ids_TK = top_k_index.to(torch.int32)
     scores_TK = top_k_weights if top_k_weights.dtype in (torch.bfloat16, torch.float32) else top_k_weights.float()
     if pad == 0:
         return hidden_states.contiguous(), ids_TK.contiguous(), scores_TK.contiguous()
-    repeated = torch.arange(pad, device=ids_TK.device) % num_tokens
-    x_TD = torch.cat([hidden_states, hidden_states.new_zeros(pad, hidden_states.shape[1])])
-    ids_TK = torch.cat([ids_TK, ids_TK[repeated]])
-    scores_TK = torch.cat([scores_TK, scores_TK.new_zeros(pad, top_k)])
-    return x_TD, ids_TK.contiguous(), scores_TK.contiguous()
+    return (torch.nn.functional.pad(hidden_states, (0, 0, 0, pad)),
+            torch.nn.functional.pad(ids_TK, (0, 0, 0, pad), value=-1),
+            torch.nn.functional.pad(scores_TK, (0, 0, 0, pad)))
 
 
 def _check_module(module: torch.nn.Module) -> None:

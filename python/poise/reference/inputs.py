@@ -46,6 +46,7 @@ def random_inputs(
     scores_dtype: torch.dtype = torch.float32,
     routing: str = "uniform",
     padding_rows: int = 0,
+    free_fraction: float = 0.0,
     w13_shape: str = "E2FD",
 ) -> dict[str, list[torch.Tensor]]:
     """Random inputs of every rank: {'x_TD', 'ids_TK', 'scores_TK', 'w13', 'w2'} -> per-rank lists.
@@ -53,7 +54,8 @@ def random_inputs(
     x ~ N(0, 1), W13 ~ N(0, 1/D), W2 ~ N(0, 1/F) in bf16; scores a softmax over the K picks;
     K distinct experts per token. routing: 'uniform'; 'one_expert' (every token picks expert 0,
     its other picks uniform); 'first_rank' (every pick among rank 0's experts: needs K <= E_local).
-    The last ``padding_rows`` tokens of every rank get zero scores. w13_shape: 'E2FD' [E_local, 2F,
+    The last ``padding_rows`` tokens of every rank get zero scores. Each (t, k) is free (id -1, no
+    expert; its score kept) with probability ``free_fraction``. w13_shape: 'E2FD' [E_local, 2F,
     D], 'E2_F_D' [E_local, 2, F, D] or 'flat' [E_local*2F, D] (w2 then [E_local*D, F]).
     """
     T, D, F = config.num_local_input_tokens, config.hidden_dim, config.intermediate_dim
@@ -77,6 +79,8 @@ def random_inputs(
         inputs["scores_TK"].append(scores.to(scores_dtype))
         inputs["w13"].append(normal(*w13_dims, std=D**-0.5))
         inputs["w2"].append(normal(*w2_dims, std=F**-0.5))
+        if free_fraction:  # drawn last, so the other draws of a seed stay what they were
+            inputs["ids_TK"][-1][torch.rand(T, K, generator=generator) < free_fraction] = -1
     return inputs
 
 

@@ -30,7 +30,9 @@ def routed_experts(
 ) -> Union[Tensor, tuple[Tensor, Tensor]]:
     """The routed experts of one MoE layer on this rank: out_TD[t] = sum_k scores_TK[t,k] * expert(x_TD[t]).
 
-    x_TD bf16 [T, D]; ids_TK int32 [T, K] global expert ids (distinct per token); scores_TK bf16 or
+    x_TD bf16 [T, D]; ids_TK int32 [T, K] global expert ids (distinct per token), or -1 for no expert
+    (the entry is not computed, adds nothing whatever its score, and gets zero gradients: padding
+    rows with ids -1 cost nothing); scores_TK bf16 or
     fp32 [T, K]; w13 bf16 [E_local, 2, F, D] / [E_local, 2F, D] / [E_local*2F, D] (gate rows then up
     rows per expert, or interleaved with w13_layout='gate_up_interleaved'); w2 bf16 [E_local, D, F]
     / [E_local*D, F]. Returns out_TD bf16 [T, D]. Differentiable in x_TD, scores_TK, w13 and w2.

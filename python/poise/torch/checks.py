@@ -4,7 +4,7 @@ Every mistake a host can see (type, device, dtype, shape, T differing from the C
 a closed context, a call of the wrong kind for its context) raises poise.InvalidArgument naming the
 argument. The real and the fake (meta) implementations of the ops run the same checks, so
 FakeTensor tracing reports them too; poise.reference.Engine checks its tensors with them as well.
-Expert ids out of range are data: the CPU reference checks them on the host, the GPU reports them
+Expert ids out of range (other than -1, no expert) are data: the CPU reference checks them on the host, the GPU reports them
 through its device error word.
 """
 
@@ -75,7 +75,7 @@ def check_rows(name: str, value: torch.Tensor, config: Any, prefix: str = "") ->
         raise InvalidArgument(
             name,
             f"{prefix}has {value.shape[0]} rows but the Config's num_local_input_tokens is {T} "
-            "(every call has exactly T rows: pad with rows whose scores are zero)",
+            "(every call has exactly T rows: pad with rows whose ids are -1, which cost nothing)",
         )
 
 
