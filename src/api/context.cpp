@@ -202,6 +202,16 @@ StageTimes Context::stage_times(Stream stream) {
   return {state_->stage_clock.read(0), state_->stage_clock.read(1)};
 }
 
+void Context::routing_stats(std::span<const RoutingStatsOut> per_launch_rank, Stream stream) {
+  require_open(*this);
+  if (!state_->pipeline) throw InvalidArgument("context", "has run no forward yet: routing_stats describes the latest forward");
+  std::vector<ep::RoutingStatsBuffers> buffers;
+  for (const RoutingStatsOut& o : per_launch_rank) {
+    buffers.push_back({o.expert_rows_E, o.owner_rows_R, o.computed_rows_R, o.replicas_R, o.received_token_rows});
+  }
+  state_->pipeline->routing_stats(buffers, stream);
+}
+
 void Context::check(Stream stream) {
   require_open(*this);
   if (state_->pipeline) state_->pipeline->check(stream);

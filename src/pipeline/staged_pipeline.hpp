@@ -47,6 +47,7 @@
 
 #include "comm/transport.hpp"
 #include "core/workspace_layout.hpp"
+#include "ep/data_path.hpp"  // RoutingStatsBuffers
 #include "ep/ep_params.hpp"
 #include "poise/config.hpp"
 #include "poise/context.hpp"
@@ -179,6 +180,9 @@ class StagedPipeline {
   comm::Transport& transport() { return *transport_; }
   // Of the latest forward's record.
   LayoutSnapshot snapshot(int slot) const;
+  // Routing telemetry of the latest forward into device buffers on `stream`, no sync (one buffer set
+  // per launch rank; see launch_routing_stats). InvalidArgument("context") before any forward.
+  void routing_stats(std::span<const RoutingStatsBuffers> per_rank, cudaStream_t stream) const;
   // Exact balance: the plan slot `slot` computed in the last forward (syncs the device).
   PlanSnapshot plan_snapshot(int slot) const;
 
@@ -231,6 +235,7 @@ class StagedPipeline {
   int32_t partial_rows_ = 0;
   int replicas_in_window_ = -1;                // record whose replica weights the window holds
   int latest_forward_record_ = 0;
+  bool forward_ran_ = false;
   std::function<void(Stage, cudaStream_t)> hook_;
   FaultRecord* fault_records_ = nullptr;  // host-mapped [launch_ranks] (EpLaunch::fault_records)
 };

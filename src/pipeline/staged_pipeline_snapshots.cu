@@ -1,5 +1,6 @@
-// Host copies of what the latest forward left on the device, for tests and diagnostics: a slot's
-// routing layout and (exact balance) its balance plan. Both synchronize the device.
+// What the latest forward left on the device: host copies for tests and diagnostics (a slot's
+// routing layout and, exact balance, its balance plan; both synchronize the device), and the
+// routing telemetry users read (device buffers, no sync).
 #include "pipeline/staged_pipeline.hpp"
 
 #include <vector>
@@ -10,6 +11,16 @@
 namespace poise::ep {
 
 using runtime::cuda_check;
+
+void StagedPipeline::routing_stats(std::span<const RoutingStatsBuffers> per_rank, cudaStream_t stream) const {
+  require(static_cast<int>(per_rank.size()) == launch_.launch_ranks, "routing_stats",
+          "needs one buffer set per launch rank (" + std::to_string(launch_.launch_ranks) + "), got " +
+              std::to_string(per_rank.size()));
+  require(forward_ran_, "context", "has run no forward yet: routing_stats describes the latest forward");
+  RoutingStatsLaunch out;
+  for (size_t s = 0; s < per_rank.size(); ++s) out.rank[s] = per_rank[s];
+  launch_routing_stats(launch_for(latest_forward_record_), out, stream);
+}
 
 LayoutSnapshot StagedPipeline::snapshot(int slot) const {
   const EpLaunch latest = launch_for(latest_forward_record_);

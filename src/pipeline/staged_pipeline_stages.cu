@@ -98,6 +98,7 @@ void StagedPipeline::forward(std::span<const ForwardArgs> args, cudaStream_t str
   launch_dispatch_forward(l, io, stream);
   replicas_in_window_ = record;
   latest_forward_record_ = record;
+  forward_ran_ = true;
   stage(Stage::fanout, stream);
   launch_fanout_rows(l, /*backward=*/false, stream);
   stage(Stage::experts, stream);

@@ -107,9 +107,41 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{4, 3.0, false, Activation::swiglu}, Case{8, 1.0, false, Activation::swiglu},
                       Case{4, 1.0, true, Activation::swiglu}, Case{8, 8.0, false, Activation::swiglu_clamped}));
 
+// Every rank's routing telemetry (Context::routing_stats, device buffers) equals the reference
+// engine's RoutingStats of the same forward: the same counts, the same plan.
+void expect_routing_stats(Context& context, const reference::RoutingStats& want, int64_t R, int64_t E,
+                          cudaStream_t stream) {
+  const size_t per_rank = size_t(E) + 3 * size_t(R) + 1;
+  int32_t* all = nullptr;
+  ASSERT_EQ(cudaMalloc(&all, sizeof(int32_t) * per_rank * R), cudaSuccess);
+  ASSERT_EQ(cudaMemset(all, 0xFF, sizeof(int32_t) * per_rank * R), cudaSuccess);  // -1: unwritten shows
+  std::vector<RoutingStatsOut> outs;
+  for (int64_t r = 0; r < R; ++r) {
+    int32_t* p = all + r * per_rank;
+    outs.push_back({p, p + E, p + E + R, p + E + 2 * R, p + E + 3 * R});
+  }
+  context.routing_stats(outs, stream);
+  std::vector<int32_t> host(per_rank * R);
+  ASSERT_EQ(cudaMemcpyAsync(host.data(), all, host.size() * sizeof(int32_t), cudaMemcpyDeviceToHost, stream), cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  cudaFree(all);
+  auto slice = [&](int64_t r, int64_t at, int64_t n) {
+    return std::vector<int64_t>(host.begin() + r * per_rank + at, host.begin() + r * per_rank + at + n);
+  };
+  for (int64_t r = 0; r < R; ++r) {
+    SCOPED_TRACE("routing_stats of rank " + std::to_string(r));
+    EXPECT_EQ(slice(r, 0, E), want.expert_rows);
+    EXPECT_EQ(slice(r, E, R), want.owner_rows);
+    EXPECT_EQ(slice(r, E + R, R), want.computed_rows);
+    EXPECT_EQ(slice(r, E + 2 * R, R), want.replicas);
+    EXPECT_EQ(slice(r, E + 3 * R, 1)[0], want.received_token_rows[r]);
+  }
+}
+
 // Free entries (ids_TK == kNoExpert): the GPU matches the reference engine, free entries get exactly
 // zero score gradients whatever their score, a token with every entry free gets exactly zero out
-// and grad_x, and with every entry free every output is zero (no rows at all).
+// and grad_x, and with every entry free every output is zero (no rows at all). The routing
+// telemetry counts the routed rows only.
 struct FreeCase {
   int64_t ranks;
   Balance balance;
@@ -146,7 +178,14 @@ TEST_P(ContextGpuFreeEntries, MatchTheReferenceAndAddNothing) {
   layer.poison_outputs();
   cudaStream_t stream;
   ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
+  try {
+    context->routing_stats(std::vector<RoutingStatsOut>(R), stream);
+    ADD_FAILURE() << "routing_stats before any forward did not raise";
+  } catch (const InvalidArgument& e) {
+    EXPECT_EQ(e.name(), "context");
+  }
   routed_experts_forward(*context, layer.forward_args(), stream);
+  expect_routing_stats(*context, engine.routing_stats(), R, c.num_experts, stream);
   routed_experts_backward(*context, layer.backward_args(), stream);
   context->check(stream);
   ASSERT_EQ(cudaStreamDestroy(stream), cudaSuccess);
