@@ -11,6 +11,7 @@ from .config import Config
 from .context import Context, create_context
 from .options import ExecutionOptions
 from .plan import MemoryPlan, plan_memory
+from .telemetry import RoutingStats, plot_routing
 
 cuda_device_count = _poise.cuda_device_count
 
@@ -22,9 +23,11 @@ __all__ = [
     "InvalidArgument",
     "MemoryPlan",
     "NotAvailable",
+    "RoutingStats",
     "create_context",
     "cuda_device_count",
     "plan_memory",
+    "plot_routing",
     "routed_experts",
     "routed_experts_virtual",
 ]

@@ -175,6 +175,43 @@ class Context:
         forward, backward = self._cpp.stage_times(torch.cuda.current_stream(device).cuda_stream)
         return {"forward": dict(forward), "backward": dict(backward)}
 
+    def routing_stats(self) -> Any:
+        """Where the latest forward's rows went: a poise.telemetry.RoutingStats of int32 tensors on this
+        context's device (a list of one per rank for a virtual-ranks context). GPU contexts write them
+        on the current CUDA stream without a sync. It reads what that forward left in this context:
+        call it after the forward, before a call on another layer (its backward may come between).
+        Raises poise.InvalidArgument('context') before any forward."""
+        self._require_open()
+        stats = self._routing_stats_cpu() if self._device == "cpu" else self._routing_stats_gpu()
+        return stats if self._virtual_ranks else stats[0]
+
+    def _routing_stats_cpu(self) -> list:
+        from .telemetry import stats_from_layout
+
+        latest = self._backend.latest_routing_stats() if self._backend is not None else None
+        if latest is None:
+            raise InvalidArgument("context", "has run no forward yet: routing_stats describes the latest forward")
+        ranks = range(self.ep_size) if self._virtual_ranks else [self.rank]
+        return [stats_from_layout(latest.expert_rows, latest.owner_rows, latest.computed_rows, latest.replicas,
+                                  latest.received_token_rows[r], self.config.hidden_dim) for r in ranks]
+
+    def _routing_stats_gpu(self) -> list:
+        import torch
+
+        from .telemetry import RoutingStats
+
+        E, R, launch = self.config.num_experts, self.ep_size, self._cpp.launch_ranks
+        device = torch.device(self._device) if ":" in self._device else torch.device("cuda")
+        buffer = torch.empty(launch, E + 3 * R + 1, dtype=torch.int32, device=device)
+        pointers = []
+        for row in buffer:
+            base, size = row.data_ptr(), row.element_size()
+            pointers += [base, base + E * size, base + (E + R) * size, base + (E + 2 * R) * size,
+                         base + (E + 3 * R) * size]
+        self._cpp.routing_stats(pointers, torch.cuda.current_stream(device).cuda_stream)
+        return [RoutingStats(row[:E], row[E:E + R], row[E + R:E + 2 * R], row[E + 2 * R:E + 3 * R], row[E + 3 * R],
+                             self.config.hidden_dim) for row in buffer]
+
     def check(self) -> None:
         """Waits for the current CUDA stream, then raises poise.DeviceError for a device-side fault of
         the calls since the last check (an expert id out of range, a capacity overflow, a peer that

@@ -225,3 +225,24 @@ def test_clip_statistics_match_the_cpu_reference(ep_size, w13_layout):
         assert got.dtype == torch.int64 and got.shape == want.shape
         assert want.sum() > 0
         assert bool(((got - want).abs() <= want // 100 + 2).all()), (r, got, want)
+
+
+@pytest.mark.parametrize("ep_size, balance, routing, free_fraction",
+                         [(1, "exact", "uniform", 0.3), (4, "exact", "one_expert", 0.0), (4, "exact", "uniform", 0.5),
+                          (8, "capacity", "uniform", 0.2)])
+def test_routing_stats_equal_the_cpu_reference(ep_size, balance, routing, free_fraction):
+    """Context.routing_stats on the GPU (device tensors, no sync) equals the CPU context's, rank by rank."""
+    config = dataclasses.replace(CONFIG, balance=balance, receive_capacity_factor=float(ep_size))
+    generated = reference.random_inputs(config, ep_size, seed=40 + ep_size, routing=routing,
+                                        free_fraction=free_fraction)
+    device = torch.device("cuda", torch.cuda.current_device())
+    stats = {}
+    for where in ("cpu", device):
+        with poise.create_context(config=config, device=where, ep_size=ep_size, virtual_ranks=True) as context:
+            with torch.no_grad():
+                poise.routed_experts_virtual(*[[t.to(where) for t in generated[n]] for n in NAMES], context)
+            stats[str(where)] = context.routing_stats()
+    for rank, (gpu, cpu) in enumerate(zip(stats[str(device)], stats["cpu"])):
+        assert gpu.expert_rows.device == device
+        for field in ("expert_rows", "owner_rows", "computed_rows", "replicas", "received_token_rows"):
+            assert torch.equal(getattr(gpu, field).cpu(), getattr(cpu, field)), (rank, field)

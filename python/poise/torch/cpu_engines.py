@@ -67,6 +67,9 @@ class CpuRankEngine(LatestForward):
         return (grad_x, grad_scores, tensor_from_array(g13, w13.dtype, w13.shape),
                 tensor_from_array(g2, w2.dtype, w2.shape))
 
+    def _routing_stats(self) -> Any:
+        return self._latest[0].routing_stats  # the key's engine: the one that ran the latest forward
+
     def _prepare(self, x_TD, ids_TK, scores_TK, w13, w2, w13_layout: str) -> tuple[Any, list, tuple]:
         """(the engine for this call, every rank's input arrays, the key of this forward)."""
         engine = self._engine(SCORES_DTYPES[scores_TK.dtype], w13_layout)
@@ -129,6 +132,9 @@ class CpuVirtualRanksEngine(LatestForward):
             grad_w13 = [g.to(r[3].dtype) for g, r in zip(grad_w13, ranks)]
             grad_w2 = [g.to(r[4].dtype) for g, r in zip(grad_w2, ranks)]
         return [g.grad_x_TD for g in grads], [g.grad_scores_TK for g in grads], grad_w13, grad_w2
+
+    def _routing_stats(self) -> Any:
+        return self._engine.routing_stats
 
     def _forward(self, ranks: Sequence[tuple], w13_layout: str) -> list[torch.Tensor]:
         return self._engine.forward(*[list(column) for column in zip(*ranks)], w13_layout=w13_layout)

@@ -33,6 +33,13 @@ class LatestForward:
     def reset(self) -> None:
         self._latest = None
 
+    def latest_routing_stats(self) -> Optional[Any]:
+        """The reference engine's RoutingStats of the latest forward (None before one)."""
+        return self._routing_stats() if self._latest is not None else None
+
+    def _routing_stats(self) -> Any:
+        raise NotImplementedError
+
     def _run_forward(self, key: Any, launch: Callable[[], Any]) -> Any:
         """Runs ``launch`` and remembers ``key`` as the latest forward once it succeeded."""
         self._latest = None

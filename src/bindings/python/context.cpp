@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "poise/context.hpp"
+#include "poise/errors.hpp"
 #include "bindings/python/bindings.hpp"
 
 namespace nb = nanobind;
@@ -51,6 +52,22 @@ void bind_context(nb::module_& m) {
             return std::make_pair(pairs(times.forward), pairs(times.backward));
           },
           "stream"_a, "(forward, backward): [(stage, ms)] of the last calls, after enable_stage_timing(True).")
+      .def(
+          "routing_stats",
+          [](Context& context, const std::vector<uintptr_t>& pointers, uintptr_t stream) {
+            // Five int32 device pointers per launch rank (RoutingStatsOut's fields, in order).
+            if (pointers.size() != 5 * static_cast<size_t>(context.launch_ranks()))
+              throw poise::InvalidArgument("routing_stats", "needs 5 pointers per launch rank");
+            std::vector<RoutingStatsOut> outs;
+            for (size_t i = 0; i < pointers.size(); i += 5) {
+              auto p = [&](size_t j) { return reinterpret_cast<int32_t*>(pointers[i + j]); };
+              outs.push_back({p(0), p(1), p(2), p(3), p(4)});
+            }
+            nb::gil_scoped_release release;
+            context.routing_stats(outs, reinterpret_cast<Stream>(stream));
+          },
+          "pointers"_a, "stream"_a,
+          "The latest forward's routing telemetry into int32 device buffers (RoutingStatsOut), no sync.")
       .def("select_activation_slot", &Context::select_activation_slot, "slot"_a, "num_moe_layers_in_slot"_a,
            "The next num_moe_layers_in_slot forwards keep their state in activation slot `slot` (as many as "
            "plan.activation_records_per_slot; the others recompute in backward).")
