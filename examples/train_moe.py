@@ -15,7 +15,9 @@ A student MoE layer learns to imitate a fixed random teacher layer. What it show
   weight grads are added in place (Megatron's gradient_accumulation_fusion contract), and an fp32
   master copy of every weight is what the optimizer updates;
 - expert parallelism: each rank owns E/ep_size experts, so expert grads need no all-reduce, while the
-  replicated router's grads are averaged over the ranks.
+  replicated router's grads are averaged over the ranks;
+- routing telemetry: ``context.routing_stats()`` after a forward (device tensors, no sync) and, with
+  ``--routing-plot PATH``, ``poise.plot_routing`` of every step's expert loads and peak/mean.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--experts", type=int, default=8, help="E: divisible by the number of ranks")
     parser.add_argument("--topk", type=int, default=2)
     parser.add_argument("--lr", type=float, default=1e-2)
+    parser.add_argument("--routing-plot", default=None, help="write a PNG of the routing over the steps (rank 0)")
     return parser.parse_args()
 
 
@@ -95,13 +98,17 @@ def main() -> None:
         accumulate = poise.ExecutionOptions(accumulate_wgrad=True)
         data = torch.Generator(device="cpu").manual_seed(100 + rank)
 
+        history = []  # [step][layer] RoutingStats, for --routing-plot
         for step in range(args.steps):
             total = torch.zeros((), device=device)
-            for _ in range(args.micro_batches):
+            for micro_batch in range(args.micro_batches):
                 x_TD = torch.randn(args.tokens, args.hidden, generator=data).to(device, torch.bfloat16)
                 with torch.no_grad():
                     target_TD = teacher(x_TD)
-                loss = torch.nn.functional.mse_loss(student(x_TD, accumulate).float(), target_TD.float())
+                out_TD = student(x_TD, accumulate)
+                if micro_batch == 0:
+                    history.append([context.routing_stats()])  # no sync: read when plotting
+                loss = torch.nn.functional.mse_loss(out_TD.float(), target_TD.float())
                 (loss / args.micro_batches).backward()
                 total += loss.detach() / args.micro_batches
 
@@ -121,6 +128,11 @@ def main() -> None:
                     weight.main_grad.zero_()
             if rank == 0:
                 print(f"step {step}: loss {total.item() / world:.5f}", flush=True)
+        if rank == 0 and args.routing_plot:
+            last = history[-1][0]
+            print(f"routing: peak/mean rows per rank {last.owner_peak_over_mean.item():.2f} before balancing, "
+                  f"{last.computed_peak_over_mean.item():.2f} after; plot {poise.plot_routing(history, args.routing_plot)}",
+                  flush=True)
 
     if distributed:
         dist.barrier()  # every rank done with the group before any tears it down (gloo aborted otherwise)

@@ -19,18 +19,24 @@ def losses(output: str) -> list[float]:
     return [float(v) for v in re.findall(r"^step \d+: loss ([0-9.]+)$", output, re.MULTILINE)]
 
 
-def test_train_moe_one_process(repo_root):
-    out = run([sys.executable, "examples/train_moe.py", "--device", "cpu", "--steps", "5"], repo_root)
+def test_train_moe_one_process(repo_root, tmp_path):
+    plot = tmp_path / "routing.png"
+    out = run([sys.executable, "examples/train_moe.py", "--device", "cpu", "--steps", "5", "--routing-plot", str(plot)],
+              repo_root)
     assert "total device" in out  # the memory plan is printed first
     curve = losses(out)
     assert len(curve) == 5 and curve[-1] < curve[0], curve
+    assert "routing: peak/mean rows per rank 1.00 before balancing" in out  # one rank
+    assert plot.read_bytes()[:4] == b"\x89PNG"
 
 
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
-def test_train_moe_under_torchrun_two_ranks(repo_root):
+def test_train_moe_under_torchrun_two_ranks(repo_root, tmp_path):
     out = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               "examples/train_moe.py", "--device", "cpu", "--steps", "5"], repo_root)
+               "examples/train_moe.py", "--device", "cpu", "--steps", "5", "--routing-plot",
+               str(tmp_path / "routing.png")], repo_root)
     assert "EP=2" in out
+    assert "routing: peak/mean rows per rank" in out and (tmp_path / "routing.png").exists()
     curve = losses(out)
     assert len(curve) == 5 and curve[-1] < curve[0], curve
 
