@@ -8,6 +8,8 @@ bf16 rounding flips a router's choice in a later layer (the tiny DeepSeek-V3's r
 "grouped_mm" (transformers' own fast path) is.
 """
 
+import dataclasses
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -65,11 +67,14 @@ def relative_error(actual, expected) -> float:
     return ((actual - expected).norm() / expected.norm()).item()
 
 
+DEFAULT_SETTINGS = dataclasses.asdict(poise_hf.Settings())
+
+
 @pytest.fixture(autouse=True)
 def fresh_contexts():
-    poise_hf.configure()  # default settings, no cached context
+    poise_hf.configure(**DEFAULT_SETTINGS)  # default settings, no cached context, no routing history
     yield
-    poise_hf.configure()
+    poise_hf.configure(**DEFAULT_SETTINGS)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -174,6 +179,25 @@ def test_padding_rows_get_no_gradient_and_add_nothing():
         results[implementation] = (x_leaf.grad.float(), scores_leaf.grad.float(), experts.gate_up_proj.grad.float())
     for actual, expected in zip(results["poise"], results["eager"]):
         assert relative_error(actual, expected) < TOLERANCE
+
+
+def test_routing_history_records_every_layer_of_every_pass(tmp_path):
+    """configure(record_routing=True): one row per forward pass (recomputes in backward are not
+    passes), one RoutingStats per MoE layer, counting each layer's tokens * top_k rows."""
+    model = tiny_model("qwen3_moe")
+    poise_hf.configure(record_routing=True)
+    token_ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(6))
+    for _ in range(3):
+        training_step(model, "poise", token_ids)
+    history = poise_hf.routing_history()
+    top_k = model.config.num_experts_per_tok
+    assert [len(row) for row in history] == [model.config.num_hidden_layers] * 3
+    for row in history:
+        for stats in row:
+            assert stats.expert_rows.sum().item() == 2 * 24 * top_k
+    assert poise.plot_routing(history, tmp_path / "routing.png").read_bytes()[:4] == b"\x89PNG"
+    poise_hf.configure(record_routing=False)
+    assert poise_hf.routing_history() == []
 
 
 def test_training_context_keeps_every_layer_of_a_pass():

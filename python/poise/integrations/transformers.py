@@ -53,6 +53,9 @@ class Settings:
     moe_layers: Optional[int] = None
     """MoE layers per forward kept for backward; None: the model config's num_hidden_layers."""
     sync_check: bool = False
+    record_routing: bool = False
+    """Keep every Experts call's poise.RoutingStats (device tensors, no sync), one row per forward
+    pass: ``routing_history()``, e.g. for ``poise.plot_routing``."""
     group: Any = None
     """A torch.distributed group: expert parallelism over its ranks, each holding E / ep_size experts
     (``shard_experts``). Every call then runs max_tokens rows on every rank, so that the ranks' calls,
@@ -63,10 +66,12 @@ _settings = Settings()
 
 
 def configure(**fields) -> Settings:
-    """Replaces the named settings (``Settings``'s fields) and drops every cached context."""
+    """Replaces the named settings (``Settings``'s fields), drops every cached context and the
+    routing history."""
     global _settings
     _settings = dataclasses.replace(_settings, **fields)
     contexts.release()
+    recorder.clear()
     return _settings
 
 
@@ -125,6 +130,35 @@ class ContextCache:
 contexts = ContextCache()
 
 
+class RoutingRecorder:
+    """With ``record_routing``: each Experts call's RoutingStats, ``steps[pass][layer]``. A pass opens
+    when the first module it saw is called again; recomputes inside backward are not recorded."""
+
+    def __init__(self) -> None:
+        self.steps: list[list[Any]] = []
+        self._layers: dict[int, int] = {}
+
+    def record(self, module: torch.nn.Module, context: Context) -> None:
+        if torch._C._current_graph_task_id() != -1:
+            return
+        layer = self._layers.setdefault(id(module), len(self._layers))
+        if layer == 0 or not self.steps:
+            self.steps.append([])
+        self.steps[-1].append(context.routing_stats())
+
+    def clear(self) -> None:
+        self.steps, self._layers = [], {}
+
+
+recorder = RoutingRecorder()
+
+
+def routing_history() -> list[list[Any]]:
+    """The recorded poise.RoutingStats (``configure(record_routing=True)``): ``[forward pass][MoE
+    layer]``, the shape ``poise.plot_routing`` takes. A generation records one pass per step."""
+    return recorder.steps
+
+
 def poise_experts_forward(module: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                           top_k_weights: torch.Tensor) -> torch.Tensor:
     """The "poise" implementation of a transformers Experts module's forward."""
@@ -146,6 +180,8 @@ def poise_experts_forward(module: torch.nn.Module, hidden_states: torch.Tensor, 
         contexts.open_pass_if_first_layer(key, context, module)
     x_TD, ids_TK, scores_TK = _padded(hidden_states, top_k_index, top_k_weights, tokens)
     out_TD = routed_experts(x_TD, ids_TK, scores_TK, module.gate_up_proj, module.down_proj, context)
+    if _settings.record_routing:
+        recorder.record(module, context)
     return out_TD[:num_tokens]
 
 
