@@ -4,6 +4,7 @@
 #include "poise/config.hpp"
 #include "poise/context.hpp"
 #include "poise/errors.hpp"
+#include "poise/fp8.hpp"
 #include "poise/memory_plan.hpp"
 #include "poise/types.hpp"
 

@@ -188,6 +188,18 @@ struct RandomRouting {
 RandomRouting random_routing(const Config& config, int64_t ep_size, const RandomInputsSpec& spec,
                              const Options& options);
 
+// ---- FP8 weights ---------------------------------------------------------------------------------
+
+// poise::quantize_fp8_weight_blocks on the host (poise/fp8.hpp, docs/fp8.md): `matrices` row-major
+// [rows, cols] matrices of bf16 values into E4M3 in 128 x 128 blocks. The GPU's bits.
+struct Fp8WeightBlocks {
+  std::vector<uint8_t> values_MRC;  // e4m3 bits, w's layout
+  std::vector<float> scales;        // [matrices][ceil(rows/128)][ceil(cols/128)]
+};
+// Throws InvalidArgument naming matrices / rows / cols (positive multiples of 64) or w (its size,
+// a value that is not bf16).
+Fp8WeightBlocks quantize_fp8_weight_blocks(std::span<const float> w_MRC, int64_t matrices, int64_t rows, int64_t cols);
+
 // ---- without running the layer -----------------------------------------------------------------
 
 // The RoutingStats a forward with these ids reports (same balance plan, same layout), computed from

@@ -1,0 +1,18 @@
+// FP8 weight blocks on the device: matrices of bf16 values quantized to E4M3 in 128 x 128 blocks,
+// with the numerics of src/numerics/block_scaling.hpp (so the reference's bits).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace poise::quant {
+
+// w_MRC: `matrices` row-major [rows, cols] bf16 matrices. values_MRC: e4m3 bits, same layout;
+// scales: fp32 [matrices][ceil(rows/128)][ceil(cols/128)]. Enqueued on `stream`; arguments checked
+// by the caller (src/api/fp8_weights.cpp).
+void launch_weight_blocks(const __nv_bfloat16* w_MRC, int64_t matrices, int64_t rows, int64_t cols,
+                          uint8_t* values_MRC, float* scales, cudaStream_t stream);
+
+}  // namespace poise::quant
