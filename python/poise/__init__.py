@@ -23,10 +23,12 @@ __all__ = [
     "InvalidArgument",
     "MemoryPlan",
     "NotAvailable",
+    "PreparedWeights",
     "RoutingStats",
     "create_context",
     "cuda_device_count",
     "plan_memory",
+    "prepare_weights",
     "plot_routing",
     "routed_experts",
     "routed_experts_virtual",
@@ -35,7 +37,7 @@ __version__ = "0.1.0"
 
 # The PyTorch parts load on first use, so `import poise` imports neither torch nor numpy.
 _LAZY_MODULES = ("reference", "torch")
-_TORCH_ENTRY_POINTS = ("routed_experts", "routed_experts_virtual")
+_TORCH_ENTRY_POINTS = ("PreparedWeights", "prepare_weights", "routed_experts", "routed_experts_virtual")
 
 
 def __getattr__(name: str):

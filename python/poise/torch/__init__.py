@@ -9,10 +9,12 @@ Modules, each one idea, bottom up:
 - ops.py: the torch.library ops and their fake (meta) implementations.
 - autograd.py: the ops' backward, and the plain-eager bypass of torch.library's dispatch.
 - api.py: poise.routed_experts and poise.routed_experts_virtual.
+- fp8_weights.py: poise.prepare_weights (FP8 block-scaled expert weights).
 
 See docs/pytorch.md.
 """
 
 from .api import routed_experts, routed_experts_virtual
+from .fp8_weights import PreparedWeights, prepare_weights
 
-__all__ = ["routed_experts", "routed_experts_virtual"]
+__all__ = ["PreparedWeights", "prepare_weights", "routed_experts", "routed_experts_virtual"]

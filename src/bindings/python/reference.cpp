@@ -5,6 +5,7 @@
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/vector.h>
 
 #include <cstdint>
@@ -219,6 +220,17 @@ void bind_reference(nb::module_& m) {
            "Differentiates the preceding forward (same inputs). Per rank: (grad_x_TD, grad_scores_TK, "
            "grad_w13 [E_local, 2F, D], grad_w2 [E_local, D, F]).");
 
+  m.def(
+      "reference_quantize_fp8_weight_blocks",
+      [](const HostArray<float>& w, int64_t matrices, int64_t rows, int64_t cols) {
+        reference::Fp8WeightBlocks q = reference::quantize_fp8_weight_blocks(
+            std::span<const float>(w.data(), w.size()), matrices, rows, cols);
+        const size_t scales = q.scales.size();
+        return std::make_pair(to_numpy(std::move(q.values_MRC), {size_t(matrices * rows * cols)}),
+                              to_numpy(std::move(q.scales), {scales}));
+      },
+      "w"_a, "matrices"_a, "rows"_a, "cols"_a,
+      "reference::quantize_fp8_weight_blocks: float32 bf16 values in; (e4m3 bits uint8, fp32 scales) out, flat.");
   m.def("reference_dense_float64", &dense_float64, "config"_a, "ep_size"_a, "scores_dtype"_a, "w13_layout"_a,
         "x_TD"_a, "ids_TK"_a, "scores_TK"_a, "w13"_a, "w2"_a, "grad_out_TD"_a,
         "The float64 oracle (dense loops, no ranks, no rounding); backward when grad_out_TD is not empty.");

@@ -15,6 +15,7 @@
 
 #include "poise/context.hpp"
 #include "poise/errors.hpp"
+#include "poise/fp8.hpp"
 #include "bindings/python/bindings.hpp"
 
 namespace nb = nanobind;
@@ -197,6 +198,17 @@ void bind_routed_experts(nb::module_& m) {
         "wgrad_dtype"_a = nb::none(),
         "poise::routed_experts_backward over the launch ranks of a virtual-ranks context: one address per rank "
         "in each list (wgrad_dtype as for routed_experts_backward).");
+  m.def(
+      "quantize_fp8_weight_blocks",
+      [](uintptr_t w, int64_t matrices, int64_t rows, int64_t cols, uintptr_t values, uintptr_t scales,
+         uintptr_t stream) {
+        nb::gil_scoped_release release;
+        quantize_fp8_weight_blocks(reinterpret_cast<const void*>(w), matrices, rows, cols,
+                                   reinterpret_cast<uint8_t*>(values), reinterpret_cast<float*>(scales),
+                                   reinterpret_cast<Stream>(stream));
+      },
+      "w"_a, "matrices"_a, "rows"_a, "cols"_a, "values"_a, "scales"_a, "stream"_a,
+      "poise::quantize_fp8_weight_blocks on device addresses (integers) and a cudaStream_t (integer).");
   m.def("context_check", &check, "context"_a, "stream"_a,
         "Context::check: waits for the stream, then raises DeviceError for a device-side fault of the last calls.");
 }
