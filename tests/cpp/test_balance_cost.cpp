@@ -14,8 +14,11 @@
 
 #include "balance/balance_cost.hpp"
 #include "poise/errors.hpp"
+#include "testing/rejected_name.hpp"
 
 namespace poise::plan {
+
+using poise::testing::rejected_name;
 namespace {
 
 constexpr int64_t kC = 4096 * 8;  // T*K rows per rank
@@ -117,16 +120,6 @@ TEST(BalanceCost, AFreeLinkMeansExactBalance) {
   const CostAwareChoice choice = choose_row_limit(counts, 4, kC, 16, 2 * kC, free_link);
   EXPECT_EQ(choice.row_limit, kC);
   for (int64_t rows : choice.plan.computed_rows) EXPECT_EQ(rows, kC);
-}
-
-template <typename Fn>
-std::string rejected_name(Fn&& fn) {
-  try {
-    fn();
-  } catch (const InvalidArgument& e) {
-    return e.name();
-  }
-  return "(nothing raised)";
 }
 
 TEST(BalanceCost, BadArgumentsAreNamed) {

@@ -11,8 +11,11 @@
 
 #include "balance/balance_plan.hpp"
 #include "poise/errors.hpp"
+#include "testing/rejected_name.hpp"
 
 namespace poise::plan {
+
+using poise::testing::rejected_name;
 namespace {
 
 int64_t owner_rows_of(const std::vector<int64_t>& counts, int64_t R, int64_t r) {
@@ -287,19 +290,11 @@ TEST(BalancePlan, OwnerOnlyKeepsEveryExpertHome) {
 }
 
 TEST(BalancePlan, RejectsBadCounts) {
-  auto name_of = [](auto&& call) {
-    try {
-      call();
-    } catch (const InvalidArgument& e) {
-      return e.name();
-    }
-    return std::string("(no error)");
-  };
-  EXPECT_EQ(name_of([] { plan_exact_balance(std::vector<int64_t>{1, 2, 3}, 2, 3, 1); }), "expert_counts");
-  EXPECT_EQ(name_of([] { plan_exact_balance(std::vector<int64_t>{1, 2, 3, 4}, 2, 4, 1); }), "expert_counts");
-  EXPECT_EQ(name_of([] { plan_exact_balance(std::vector<int64_t>{-1, 3, 2, 2}, 2, 3, 1); }), "expert_counts");
-  EXPECT_EQ(name_of([] { plan_exact_balance(std::vector<int64_t>{1, 1}, 0, 1, 1); }), "num_ranks");
-  EXPECT_EQ(name_of([] { plan_exact_balance(std::vector<int64_t>{1, 1}, 2, 1, -1); }), "replica_slots");
+  EXPECT_EQ(rejected_name([] { plan_exact_balance(std::vector<int64_t>{1, 2, 3}, 2, 3, 1); }), "expert_counts");
+  EXPECT_EQ(rejected_name([] { plan_exact_balance(std::vector<int64_t>{1, 2, 3, 4}, 2, 4, 1); }), "expert_counts");
+  EXPECT_EQ(rejected_name([] { plan_exact_balance(std::vector<int64_t>{-1, 3, 2, 2}, 2, 3, 1); }), "expert_counts");
+  EXPECT_EQ(rejected_name([] { plan_exact_balance(std::vector<int64_t>{1, 1}, 0, 1, 1); }), "num_ranks");
+  EXPECT_EQ(rejected_name([] { plan_exact_balance(std::vector<int64_t>{1, 1}, 2, 1, -1); }), "replica_slots");
 }
 
 }  // namespace

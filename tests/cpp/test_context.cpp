@@ -2,8 +2,11 @@
 #include <gtest/gtest.h>
 
 #include "poise/poise.hpp"
+#include "testing/rejected_name.hpp"
 
 namespace poise {
+
+using poise::testing::rejected_name;
 namespace {
 
 Config small_config() {
@@ -14,16 +17,6 @@ Config small_config() {
   c.top_k = 2;
   c.num_experts = 4;
   return c;
-}
-
-template <typename Fn>
-std::string rejected_name(Fn&& fn) {
-  try {
-    fn();
-  } catch (const InvalidArgument& e) {
-    return e.name();
-  }
-  return "<accepted>";
 }
 
 // Non-null placeholders: validation must fail on the named argument before anything dereferences them.

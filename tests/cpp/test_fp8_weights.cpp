@@ -9,19 +9,12 @@
 #include "numerics/block_scaling.hpp"
 #include "poise/fp8.hpp"
 #include "poise/reference.hpp"
+#include "testing/rejected_name.hpp"
 
 namespace poise {
-namespace {
 
-template <class Call>
-std::string error_name(Call call) {
-  try {
-    call();
-  } catch (const InvalidArgument& e) {
-    return e.name();
-  }
-  return "(none)";
-}
+using poise::testing::rejected_name;
+namespace {
 
 TEST(Fp8WeightBlocks, BlocksOf128By128WithTheLastOf64) {
   const int64_t rows = 192, cols = 320;  // 2 x 3 blocks, the last of each 64 wide
@@ -48,19 +41,19 @@ TEST(Fp8WeightBlocks, BlocksOf128By128WithTheLastOf64) {
 
 TEST(Fp8WeightBlocks, ErrorsNameTheArgument) {
   std::vector<float> w(64 * 64, 0.5f);
-  EXPECT_EQ(error_name([&] { reference::quantize_fp8_weight_blocks(w, 0, 64, 64); }), "matrices");
-  EXPECT_EQ(error_name([&] { reference::quantize_fp8_weight_blocks(w, 1, 96, 64); }), "rows");
-  EXPECT_EQ(error_name([&] { reference::quantize_fp8_weight_blocks(w, 1, 64, 32); }), "cols");
-  EXPECT_EQ(error_name([&] { reference::quantize_fp8_weight_blocks(w, 2, 64, 64); }), "w");
+  EXPECT_EQ(rejected_name([&] { reference::quantize_fp8_weight_blocks(w, 0, 64, 64); }), "matrices");
+  EXPECT_EQ(rejected_name([&] { reference::quantize_fp8_weight_blocks(w, 1, 96, 64); }), "rows");
+  EXPECT_EQ(rejected_name([&] { reference::quantize_fp8_weight_blocks(w, 1, 64, 32); }), "cols");
+  EXPECT_EQ(rejected_name([&] { reference::quantize_fp8_weight_blocks(w, 2, 64, 64); }), "w");
   w[5] = 0.1f;  // not a bf16 value
-  EXPECT_EQ(error_name([&] { reference::quantize_fp8_weight_blocks(w, 1, 64, 64); }), "w");
+  EXPECT_EQ(rejected_name([&] { reference::quantize_fp8_weight_blocks(w, 1, 64, 64); }), "w");
   // The GPU entry point checks on the host first: no CUDA call is made for these.
   uint8_t values[1];
   float scales[1];
-  EXPECT_EQ(error_name([&] { quantize_fp8_weight_blocks(nullptr, 1, 64, 64, values, scales, nullptr); }), "w");
-  EXPECT_EQ(error_name([&] { quantize_fp8_weight_blocks(w.data(), 1, 64, 64, nullptr, scales, nullptr); }), "values");
-  EXPECT_EQ(error_name([&] { quantize_fp8_weight_blocks(w.data(), 1, 64, 64, values, nullptr, nullptr); }), "scales");
-  EXPECT_EQ(error_name([&] { quantize_fp8_weight_blocks(w.data(), 1, 64, 100, values, scales, nullptr); }), "cols");
+  EXPECT_EQ(rejected_name([&] { quantize_fp8_weight_blocks(nullptr, 1, 64, 64, values, scales, nullptr); }), "w");
+  EXPECT_EQ(rejected_name([&] { quantize_fp8_weight_blocks(w.data(), 1, 64, 64, nullptr, scales, nullptr); }), "values");
+  EXPECT_EQ(rejected_name([&] { quantize_fp8_weight_blocks(w.data(), 1, 64, 64, values, nullptr, nullptr); }), "scales");
+  EXPECT_EQ(rejected_name([&] { quantize_fp8_weight_blocks(w.data(), 1, 64, 100, values, scales, nullptr); }), "cols");
 }
 
 }  // namespace

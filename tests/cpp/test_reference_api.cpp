@@ -6,22 +6,14 @@
 
 #include "reference/transport.hpp"
 #include "test_reference_support.hpp"
+#include "testing/rejected_name.hpp"
 
 namespace poise::reference::testing {
+
+using poise::testing::rejected_name;
 namespace {
 
 Config api_config() { return small_config(/*T=*/16, /*D=*/128, /*F=*/64, /*E=*/8, /*K=*/2); }
-
-// The name of the InvalidArgument `call` throws ("(none)" if it does not throw one).
-template <class Call>
-std::string invalid_argument_name(Call&& call) {
-  try {
-    call();
-  } catch (const InvalidArgument& e) {
-    return e.name();
-  }
-  return "(none)";
-}
 
 TEST(ReferenceApi, RejectsBadInputsNamingTheArgument) {
   const Config config = api_config();
@@ -30,7 +22,7 @@ TEST(ReferenceApi, RejectsBadInputsNamingTheArgument) {
   auto with = [&](auto&& edit) {
     auto inputs = good;
     edit(inputs);
-    return invalid_argument_name([&] { engine.forward(inputs); });
+    return rejected_name([&] { engine.forward(inputs); });
   };
   EXPECT_EQ(with([](auto& in) { in[1].ids_TK[5] = 8; }), "ids_TK");   // out of range
   EXPECT_EQ(with([](auto& in) { in[0].ids_TK[3] = -2; }), "ids_TK");
@@ -48,7 +40,7 @@ TEST(ReferenceApi, RejectsBadInputsNamingTheArgument) {
   Engine bf16_engine(config, 2, bf16_scores);
   auto inputs = good;
   inputs[0].scores_TK[0] = 0.1f;
-  EXPECT_EQ(invalid_argument_name([&] { bf16_engine.forward(inputs); }), "scores_TK");
+  EXPECT_EQ(rejected_name([&] { bf16_engine.forward(inputs); }), "scores_TK");
   EXPECT_NO_THROW(engine.forward(inputs));
 
   // The message names the rank and what is wrong.
@@ -64,10 +56,10 @@ TEST(ReferenceApi, RejectsBadInputsNamingTheArgument) {
 
 TEST(ReferenceApi, RejectsBadSetupAndBackwardMisuse) {
   Config config = api_config();
-  EXPECT_EQ(invalid_argument_name([&] { Engine(config, 3, {}); }), "num_experts");  // 8 % 3
+  EXPECT_EQ(rejected_name([&] { Engine(config, 3, {}); }), "num_experts");  // 8 % 3
   Options options;
   options.replica_slots = -2;
-  EXPECT_EQ(invalid_argument_name([&] { Engine(config, 2, options); }), "replica_slots");
+  EXPECT_EQ(rejected_name([&] { Engine(config, 2, options); }), "replica_slots");
 
   const auto inputs = random_inputs(config, 2, {}, {});
   const auto grad_out = random_grad_out(config, 2, 1);
@@ -77,17 +69,17 @@ TEST(ReferenceApi, RejectsBadSetupAndBackwardMisuse) {
   engine.forward(inputs);
   auto short_grad = grad_out;
   short_grad[0].resize(5);
-  EXPECT_EQ(invalid_argument_name([&] { engine.backward(inputs, short_grad, grads); }), "grad_out_TD");
+  EXPECT_EQ(rejected_name([&] { engine.backward(inputs, short_grad, grads); }), "grad_out_TD");
   auto other_routing = inputs;
   std::swap(other_routing[0].ids_TK[0], other_routing[0].ids_TK[2]);
-  EXPECT_EQ(invalid_argument_name([&] { engine.backward(other_routing, grad_out, grads); }), "ids_TK");
+  EXPECT_EQ(rejected_name([&] { engine.backward(other_routing, grad_out, grads); }), "ids_TK");
   std::vector<RankGradients> wrong_sizes(2);
-  EXPECT_EQ(invalid_argument_name([&] { engine.backward(inputs, grad_out, wrong_sizes, true); }), "grad_w13");
+  EXPECT_EQ(rejected_name([&] { engine.backward(inputs, grad_out, wrong_sizes, true); }), "grad_w13");
 
   config.inference = true;
   Engine inference(config, 2, {});
   inference.forward(inputs);
-  EXPECT_EQ(invalid_argument_name([&] { inference.backward(inputs, grad_out, grads); }), "inference");
+  EXPECT_EQ(rejected_name([&] { inference.backward(inputs, grad_out, grads); }), "inference");
 }
 
 TEST(ReferenceApi, InterleavedW13IsTheSameWeightsInAnotherOrder) {

@@ -21,6 +21,33 @@ double rel_error(const std::vector<float>& got, const std::vector<float>& want) 
   return reference::relative_error(got, std::vector<double>(want.begin(), want.end()));
 }
 
+// The oracle: the reference engine's forward and backward of the same inputs.
+struct Expected {
+  std::vector<std::vector<float>> out;
+  std::vector<reference::RankGradients> grads;
+};
+
+Expected reference_run(const Config& c, int64_t R, const std::vector<reference::RankInputs>& inputs,
+                       const std::vector<std::vector<float>>& grad_out, const reference::Options& options = {}) {
+  reference::Engine engine(c, R, options);
+  Expected want{engine.forward(inputs), {}};
+  engine.backward(inputs, grad_out, want.grads);
+  return want;
+}
+
+std::unique_ptr<Context> gpu_context(const Config& c, int64_t R) {
+  return R == 1 ? Context::create(c, 1, 0) : Context::create_virtual_ranks(c, R);
+}
+
+// Rank r's outputs (out, grad_x, grad_scores, grad_w13, grad_w2) within 1% of the oracle's.
+void expect_rank_matches(const DeviceLayer& layer, const Expected& want, int64_t r) {
+  EXPECT_LT(rel_error(layer.out_TD()[r], want.out[r]), 1e-2);
+  EXPECT_LT(rel_error(layer.grad_x_TD()[r], want.grads[r].grad_x_TD), 1e-2);
+  EXPECT_LT(rel_error(layer.grad_scores_TK()[r], want.grads[r].grad_scores_TK), 1e-2);
+  EXPECT_LT(rel_error(layer.grad_w13()[r], want.grads[r].grad_w13), 1e-2);
+  EXPECT_LT(rel_error(layer.grad_w2()[r], want.grads[r].grad_w2), 1e-2);
+}
+
 struct Case {
   int64_t ranks;
   double skew;
@@ -59,12 +86,9 @@ TEST_P(ContextGpu, MatchesCpuReferenceForwardAndBackward) {
   }
   const auto grad_out = reference::random_grad_out(c, R, spec.seed + 1);
 
-  reference::Engine engine(c, R, options);
-  const auto want_out = engine.forward(inputs);
-  std::vector<reference::RankGradients> want_grads;
-  engine.backward(inputs, grad_out, want_grads);
+  const Expected want = reference_run(c, R, inputs, grad_out, options);
 
-  auto context = R == 1 ? Context::create(c, 1, 0) : Context::create_virtual_ranks(c, R);
+  auto context = gpu_context(c, R);
   DeviceLayer layer(c, R, inputs, grad_out, DType::fp32);
   layer.poison_outputs();
   cudaStream_t stream;
@@ -89,15 +113,9 @@ TEST_P(ContextGpu, MatchesCpuReferenceForwardAndBackward) {
     for (const StageTime& t : *v) EXPECT_GE(t.ms, 0.0) << t.stage;
   ASSERT_EQ(cudaStreamDestroy(stream), cudaSuccess);
 
-  const auto out = layer.out_TD(), grad_x = layer.grad_x_TD(), grad_scores = layer.grad_scores_TK();
-  const auto grad_w13 = layer.grad_w13(), grad_w2 = layer.grad_w2();
   for (int64_t r = 0; r < R; ++r) {
     SCOPED_TRACE("rank " + std::to_string(r));
-    EXPECT_LT(rel_error(out[r], want_out[r]), 1e-2);
-    EXPECT_LT(rel_error(grad_x[r], want_grads[r].grad_x_TD), 1e-2);
-    EXPECT_LT(rel_error(grad_scores[r], want_grads[r].grad_scores_TK), 1e-2);
-    EXPECT_LT(rel_error(grad_w13[r], want_grads[r].grad_w13), 1e-2);
-    EXPECT_LT(rel_error(grad_w2[r], want_grads[r].grad_w2), 1e-2);
+    expect_rank_matches(layer, want, r);
   }
 }
 
@@ -169,11 +187,11 @@ TEST_P(ContextGpuFreeEntries, MatchTheReferenceAndAddNothing) {
   for (int64_t k = 0; k < K; ++k) inputs[0].ids_TK[9 * K + k] = kNoExpert;  // rank 0's token 9: all free
   const auto grad_out = reference::random_grad_out(c, R, 78);
   reference::Engine engine(c, R, options);
-  const auto want_out = engine.forward(inputs);
-  std::vector<reference::RankGradients> want;
-  engine.backward(inputs, grad_out, want);
+  Expected want{engine.forward(inputs), {}};
+  const reference::RoutingStats want_stats = engine.routing_stats();  // of the forward, as routing_stats
+  engine.backward(inputs, grad_out, want.grads);
 
-  auto context = R == 1 ? Context::create(c, 1, 0) : Context::create_virtual_ranks(c, R);
+  auto context = gpu_context(c, R);
   DeviceLayer layer(c, R, inputs, grad_out, DType::fp32);
   layer.poison_outputs();
   cudaStream_t stream;
@@ -185,7 +203,7 @@ TEST_P(ContextGpuFreeEntries, MatchTheReferenceAndAddNothing) {
     EXPECT_EQ(e.name(), "context");
   }
   routed_experts_forward(*context, layer.forward_args(), stream);
-  expect_routing_stats(*context, engine.routing_stats(), R, c.num_experts, stream);
+  expect_routing_stats(*context, want_stats, R, c.num_experts, stream);
   routed_experts_backward(*context, layer.backward_args(), stream);
   context->check(stream);
   ASSERT_EQ(cudaStreamDestroy(stream), cudaSuccess);
@@ -208,11 +226,7 @@ TEST_P(ContextGpuFreeEntries, MatchTheReferenceAndAddNothing) {
         ASSERT_EQ(grad_x[0][9 * D + d], 0.0f);
       }
     }
-    EXPECT_LT(rel_error(out[r], want_out[r]), 1e-2);
-    EXPECT_LT(rel_error(grad_x[r], want[r].grad_x_TD), 1e-2);
-    EXPECT_LT(rel_error(grad_scores[r], want[r].grad_scores_TK), 1e-2);
-    EXPECT_LT(rel_error(grad_w13[r], want[r].grad_w13), 1e-2);
-    EXPECT_LT(rel_error(grad_w2[r], want[r].grad_w2), 1e-2);
+    expect_rank_matches(layer, want, r);
   }
 }
 
@@ -291,8 +305,8 @@ TEST_P(ContextGpuSlots, KeptLayersRunFromTheirSlotTheRestRecompute) {
   reference::Options options;
   struct Layer {
     std::vector<reference::RankInputs> inputs;
-    std::vector<std::vector<float>> grad_out, want_out;
-    std::vector<reference::RankGradients> want_grads;
+    std::vector<std::vector<float>> grad_out;
+    Expected want;
   };
   std::vector<Layer> layers(4);
   for (size_t i = 0; i < layers.size(); ++i) {
@@ -306,9 +320,7 @@ TEST_P(ContextGpuSlots, KeptLayersRunFromTheirSlotTheRestRecompute) {
           for (int64_t k = 2; k < c.top_k; ++k) in.ids_TK[t * c.top_k + k] = int32_t(2 + (t + k) % (c.num_experts - 2));
     }
     l.grad_out = reference::random_grad_out(c, R, 900 + i);
-    reference::Engine engine(c, R, options);
-    l.want_out = engine.forward(l.inputs);
-    engine.backward(l.inputs, l.grad_out, l.want_grads);
+    l.want = reference_run(c, R, l.inputs, l.grad_out, options);
   }
   auto context = Context::create_virtual_ranks(c, R);
   std::vector<std::unique_ptr<DeviceLayer>> device;
@@ -343,16 +355,9 @@ TEST_P(ContextGpuSlots, KeptLayersRunFromTheirSlotTheRestRecompute) {
   context->check(nullptr);
 
   for (size_t i = 0; i < layers.size(); ++i) {
-    const DeviceLayer& d = *device[i];
-    const auto out = d.out_TD(), grad_x = d.grad_x_TD(), grad_scores = d.grad_scores_TK();
-    const auto grad_w13 = d.grad_w13(), grad_w2 = d.grad_w2();
     for (int64_t r = 0; r < R; ++r) {
       SCOPED_TRACE("layer " + std::to_string(i) + " rank " + std::to_string(r));
-      EXPECT_LT(rel_error(out[r], layers[i].want_out[r]), 1e-2);
-      EXPECT_LT(rel_error(grad_x[r], layers[i].want_grads[r].grad_x_TD), 1e-2);
-      EXPECT_LT(rel_error(grad_scores[r], layers[i].want_grads[r].grad_scores_TK), 1e-2);
-      EXPECT_LT(rel_error(grad_w13[r], layers[i].want_grads[r].grad_w13), 1e-2);
-      EXPECT_LT(rel_error(grad_w2[r], layers[i].want_grads[r].grad_w2), 1e-2);
+      expect_rank_matches(*device[i], layers[i].want, r);
     }
   }
 }

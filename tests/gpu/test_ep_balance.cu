@@ -15,6 +15,7 @@
 #include "runtime/device_info.hpp"
 #include "poise/errors.hpp"
 #include "test_ep_world.hpp"
+#include "testing/rejected_name.hpp"
 
 namespace poise::ep::testing {
 namespace {
@@ -321,13 +322,8 @@ TEST(EpBalanceErrors, HostRejectsBadOptions) {
 // Activation records (Context sizes them from the plan): bad counts and partial rows are named.
 TEST(EpRecordErrors, HostRejectsBadRecordOptions) {
   Config cfg = host_check_config();  // made an inference config below
-  auto name_of = [&](const PipelineOptions& o) -> std::string {
-    try {
-      StagedPipeline::workspace_bytes(cfg, 4, o);
-    } catch (const InvalidArgument& e) {
-      return e.name();
-    }
-    return "<accepted>";
+  auto name_of = [&](const PipelineOptions& o) {
+    return poise::testing::rejected_name([&] { StagedPipeline::workspace_bytes(cfg, 4, o); });
   };
   PipelineOptions o;
   o.activation_records = -1;
@@ -342,7 +338,7 @@ TEST(EpRecordErrors, HostRejectsBadRecordOptions) {
   o.partial_record_rows = 1 << 20;  // past the receive rows
   EXPECT_EQ(name_of(o), "partial_record_rows");
   o.partial_record_rows = 128;
-  EXPECT_EQ(name_of(o), "<accepted>");
+  EXPECT_EQ(name_of(o), "(accepted)");
   // More records, more window: each whole record's x rows and metadata live there.
   o.activation_records = 1;
   const size_t one = StagedPipeline::workspace_bytes(cfg, 4, o);

@@ -9,8 +9,11 @@
 #include "gemm/sm90/expert_mlp.hpp"
 #include "poise/errors.hpp"
 #include "test_ep_world.hpp"
+#include "testing/rejected_name.hpp"
 
 namespace poise::ep::testing {
+
+using poise::testing::rejected_name;
 namespace {
 
 // Every (t, k) sits in its expert's group on its destination rank, no two share a row, and the
@@ -279,15 +282,6 @@ TEST(EpLayerErrors, HostRejectsBadArgumentsBeforeLaunch) {
   if (!have_sm90_gpu()) GTEST_SKIP() << "needs an SM90 GPU";
   const LayerCase c{2, 32, 128, 128, 4, 2};
   EpWorld w(c, fresh_seed());
-  // The argument a call is refused for, by its name ("(accepted)" when it is not refused).
-  auto rejected_name = [&](auto&& call) -> std::string {
-    try {
-      call();
-    } catch (const InvalidArgument& e) {
-      return e.name();
-    }
-    return "(accepted)";
-  };
   auto forward_name = [&](const std::vector<ForwardArgs>& bad) {
     return rejected_name([&] { w.pipeline().forward(bad, nullptr); });
   };

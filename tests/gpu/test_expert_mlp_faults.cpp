@@ -2,8 +2,11 @@
 // arguments are named before any launch (the validation tests run without a GPU).
 
 #include "expert_mlp_checks.hpp"
+#include "testing/rejected_name.hpp"
 
 namespace poise::test {
+
+using poise::testing::rejected_name;
 namespace {
 
 // A stage whose load never arrives (fault injection, CTA 0's first stage): every pipeline wait is
@@ -63,53 +66,49 @@ TEST(ExpertMlpValidation, RejectsBadArgumentsByName) {
   shape.hidden_dim = 256;
   shape.intermediate_dim = 128;
   const sm90::FpropW13Args ok{fake, fake, fake, nullptr};
-  auto name_of = [](auto&& fn) -> std::string {
-    try { fn(); } catch (const InvalidArgument& e) { return e.name(); }
-    return "<no error>";
-  };
   ExpertMlpShape bad = shape;
   bad.hidden_dim = 100;
-  EXPECT_EQ(name_of([&] { sm90::expert_mlp_fprop_w13(rows, bad, ok, nullptr); }), "hidden_dim");
+  EXPECT_EQ(rejected_name([&] { sm90::expert_mlp_fprop_w13(rows, bad, ok, nullptr); }), "hidden_dim");
   bad = shape;
   bad.intermediate_dim = 0;
-  EXPECT_EQ(name_of([&] { sm90::expert_mlp_fprop_w2(rows, bad, {fake, fake, nullptr, fake}, nullptr); }), "intermediate_dim");
-  EXPECT_EQ(name_of([&] { sm90::expert_mlp_fprop_w13(rows, shape, {nullptr, fake, fake, nullptr}, nullptr); }), "x_RD");
-  EXPECT_EQ(name_of([&] { sm90::expert_mlp_dgrad_w2(rows, shape, {fake, fake, nullptr, nullptr, fake, nullptr, nullptr}, nullptr); }), "h13_R2F");
+  EXPECT_EQ(rejected_name([&] { sm90::expert_mlp_fprop_w2(rows, bad, {fake, fake, nullptr, fake}, nullptr); }), "intermediate_dim");
+  EXPECT_EQ(rejected_name([&] { sm90::expert_mlp_fprop_w13(rows, shape, {nullptr, fake, fake, nullptr}, nullptr); }), "x_RD");
+  EXPECT_EQ(rejected_name([&] { sm90::expert_mlp_dgrad_w2(rows, shape, {fake, fake, nullptr, nullptr, fake, nullptr, nullptr}, nullptr); }), "h13_R2F");
   GroupedRows no_experts = rows;
   no_experts.num_experts = 0;
-  EXPECT_EQ(name_of([&] { sm90::expert_mlp_fprop_w13(no_experts, shape, ok, nullptr); }), "num_experts");
+  EXPECT_EQ(rejected_name([&] { sm90::expert_mlp_fprop_w13(no_experts, shape, ok, nullptr); }), "num_experts");
   GroupedRows no_offsets = rows;
   no_offsets.row_offsets_E = nullptr;
-  EXPECT_EQ(name_of([&] { sm90::expert_mlp_dgrad_w13(no_offsets, shape, {fake, fake, fake}, nullptr); }), "row_offsets_E");
-  EXPECT_EQ(name_of([&] { sm90::expert_mlp_wgrad_w2(rows, shape, fake, fake, {nullptr, DType::fp32, false}, nullptr); }), "grad_w");
+  EXPECT_EQ(rejected_name([&] { sm90::expert_mlp_dgrad_w13(no_offsets, shape, {fake, fake, fake}, nullptr); }), "row_offsets_E");
+  EXPECT_EQ(rejected_name([&] { sm90::expert_mlp_wgrad_w2(rows, shape, fake, fake, {nullptr, DType::fp32, false}, nullptr); }), "grad_w");
   ExpertMlpShape clamp = shape;
   clamp.activation = Activation::swiglu_clamped;
   clamp.swiglu_limit = -1.0f;
-  EXPECT_EQ(name_of([&] { sm90::expert_mlp_fprop_w13(rows, clamp, ok, nullptr); }), "swiglu_limit");
+  EXPECT_EQ(rejected_name([&] { sm90::expert_mlp_fprop_w13(rows, clamp, ok, nullptr); }), "swiglu_limit");
   GroupedRows misaligned_counters = rows;
   misaligned_counters.tile_counters = reinterpret_cast<int32_t*>(0x1002);
-  EXPECT_EQ(name_of([&] { sm90::expert_mlp_fprop_w13(misaligned_counters, shape, ok, nullptr); }), "tile_counters");
+  EXPECT_EQ(rejected_name([&] { sm90::expert_mlp_fprop_w13(misaligned_counters, shape, ok, nullptr); }), "tile_counters");
   GroupedRows bad_split = rows;
   bad_split.first_replica = 5;
-  EXPECT_EQ(name_of([&] { sm90::expert_mlp_fprop_w13(bad_split, shape, ok, nullptr); }), "first_replica");
+  EXPECT_EQ(rejected_name([&] { sm90::expert_mlp_fprop_w13(bad_split, shape, ok, nullptr); }), "first_replica");
   GroupedRows split = rows;
   split.first_replica = 2;
-  EXPECT_EQ(name_of([&] { sm90::expert_mlp_fprop_w13(split, shape, ok, nullptr); }), "replica_w13_E2FD");
-  EXPECT_EQ(name_of([&] { sm90::expert_mlp_fprop_w2(split, shape, {fake, fake, nullptr, fake}, nullptr); }), "replica_w2_EDF");
-  EXPECT_EQ(name_of([&] { sm90::expert_mlp_wgrad_w13(split, shape, fake, fake, {fake, DType::fp32, false}, nullptr); }),
+  EXPECT_EQ(rejected_name([&] { sm90::expert_mlp_fprop_w13(split, shape, ok, nullptr); }), "replica_w13_E2FD");
+  EXPECT_EQ(rejected_name([&] { sm90::expert_mlp_fprop_w2(split, shape, {fake, fake, nullptr, fake}, nullptr); }), "replica_w2_EDF");
+  EXPECT_EQ(rejected_name([&] { sm90::expert_mlp_wgrad_w13(split, shape, fake, fake, {fake, DType::fp32, false}, nullptr); }),
             "replica_grad_w");
   sm90::FpropW13Args h13_split{fake, fake, fake, fake};
   h13_split.h13_split = {100, fake};  // not a multiple of 128
-  EXPECT_EQ(name_of([&] { sm90::expert_mlp_fprop_w13(rows, shape, h13_split, nullptr); }), "h13_split.split_row");
+  EXPECT_EQ(rejected_name([&] { sm90::expert_mlp_fprop_w13(rows, shape, h13_split, nullptr); }), "h13_split.split_row");
   h13_split.h13_split = {2048, fake};  // past max_rows
-  EXPECT_EQ(name_of([&] { sm90::expert_mlp_fprop_w13(rows, shape, h13_split, nullptr); }), "h13_split.split_row");
+  EXPECT_EQ(rejected_name([&] { sm90::expert_mlp_fprop_w13(rows, shape, h13_split, nullptr); }), "h13_split.split_row");
   sm90::DgradW2Args dgrad_split{fake, fake, fake, nullptr, fake, nullptr, nullptr};
   dgrad_split.h13_split = {128, nullptr};
-  EXPECT_EQ(name_of([&] { sm90::expert_mlp_dgrad_w2(rows, shape, dgrad_split, nullptr); }), "h13_split.hi_R2F");
+  EXPECT_EQ(rejected_name([&] { sm90::expert_mlp_dgrad_w2(rows, shape, dgrad_split, nullptr); }), "h13_split.hi_R2F");
   auto row_scatter = [&](void* y, const sm90::RowScatter& scatter) {
     sm90::FpropW2Args f{fake, fake, nullptr, y};
     f.scatter = scatter;
-    return name_of([&] { sm90::expert_mlp_fprop_w2(rows, shape, f, nullptr); });
+    return rejected_name([&] { sm90::expert_mlp_fprop_w2(rows, shape, f, nullptr); });
   };
   char* const* fake_bases = reinterpret_cast<char* const*>(fake);
   const int32_t* fake_origin = reinterpret_cast<const int32_t*>(fake);
@@ -120,14 +119,14 @@ TEST(ExpertMlpValidation, RejectsBadArgumentsByName) {
   EXPECT_EQ(row_scatter(nullptr, {fake_origin, fake_bases, 0, int64_t{1} << 30, 2}), "scatter.owners");
   sm90::DgradW13Args dgrad_scatter{fake, fake, fake};
   dgrad_scatter.scatter = {fake_origin, fake_bases, 0, 8, 2};
-  EXPECT_EQ(name_of([&] { sm90::expert_mlp_dgrad_w13(rows, shape, dgrad_scatter, nullptr); }), "grad_x_RD");
+  EXPECT_EQ(rejected_name([&] { sm90::expert_mlp_dgrad_w13(rows, shape, dgrad_scatter, nullptr); }), "grad_x_RD");
   GroupedRows no_fault_word = rows;
   no_fault_word.faults.word = nullptr;
-  EXPECT_EQ(name_of([&] { sm90::expert_mlp_fprop_w13(no_fault_word, shape, ok, nullptr); }), "faults.word");
+  EXPECT_EQ(rejected_name([&] { sm90::expert_mlp_fprop_w13(no_fault_word, shape, ok, nullptr); }), "faults.word");
   GroupedRows no_wait = rows;
   no_wait.faults.wait_timeout_ns = 0;
-  EXPECT_EQ(name_of([&] { sm90::expert_mlp_fprop_w13(no_wait, shape, ok, nullptr); }), "faults.wait_timeout_ns");
-  EXPECT_EQ(name_of([&] { sm90::take_pipeline_fault(no_fault_word.faults, nullptr); }), "faults.word");
+  EXPECT_EQ(rejected_name([&] { sm90::expert_mlp_fprop_w13(no_wait, shape, ok, nullptr); }), "faults.wait_timeout_ns");
+  EXPECT_EQ(rejected_name([&] { sm90::take_pipeline_fault(no_fault_word.faults, nullptr); }), "faults.word");
 }
 
 // The SwiGLU-backward GEMM loads h13 by TMA: a buffer TMA cannot read is named before any launch.
