@@ -2,6 +2,7 @@
 
     python examples/hf_model.py --device cpu      # a tiny random Qwen3-MoE, the CPU reference engine
     python examples/hf_model.py --device cuda     # the same on the GPU
+    python examples/hf_model.py --routing-plot routing.png   # and plot each MoE layer's routing
 
 With a checkpoint, the only changes are ``from_pretrained(name, dtype=torch.bfloat16,
 experts_implementation="poise")`` and the import that registers "poise" (docs/transformers.md).
@@ -14,6 +15,7 @@ import argparse
 import torch
 import transformers
 
+import poise
 import poise.integrations.transformers as poise_hf  # registers experts_implementation="poise"
 
 
@@ -32,7 +34,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--routing-plot", default=None, help="write a PNG of the training steps' routing")
     args = parser.parse_args()
+    poise_hf.configure(record_routing=bool(args.routing_plot))  # routing_history(): [pass][MoE layer]
 
     model = tiny_qwen3_moe(args.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
@@ -43,6 +47,8 @@ def main() -> None:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         print(f"step {step}: loss {loss.item():.4f}")
+    if args.routing_plot:
+        print("routing plot:", poise.plot_routing(poise_hf.routing_history(), args.routing_plot, title="tiny Qwen3-MoE"))
 
     model.eval()
     with torch.no_grad():  # prefill 4 x 8 tokens, then decode steps of 4 tokens: inference contexts

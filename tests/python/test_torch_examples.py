@@ -41,9 +41,11 @@ def test_train_moe_under_torchrun_two_ranks(repo_root, tmp_path):
     assert len(curve) == 5 and curve[-1] < curve[0], curve
 
 
-def test_hf_model(repo_root):
+def test_hf_model(repo_root, tmp_path):
     pytest.importorskip("transformers")
-    out = run([sys.executable, "examples/hf_model.py", "--device", "cpu", "--steps", "8"], repo_root)
+    out = run([sys.executable, "examples/hf_model.py", "--device", "cpu", "--steps", "8", "--routing-plot",
+               str(tmp_path / "routing.png")], repo_root)
+    assert (tmp_path / "routing.png").read_bytes()[:4] == b"\x89PNG"
     curve = losses(out)
     assert len(curve) == 8 and curve[-1] < 0.8 * curve[0], curve
     assert re.search(r"^generated: \[(\d+, ){7}\d+\]$", out, re.MULTILINE), out
