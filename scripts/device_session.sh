@@ -21,6 +21,8 @@
 #                $TRANSFORMERS_ARGS: more arguments)
 #     padding    bench/free_padding/bench.py: a context of 8192 tokens serving 1024 (ids -1 padding)
 #                against one of 1024 -> $OUT/free_padding_h200.json (needs python first)
+#     fp8        bench/fp8_weights/bench.py: poise.prepare_weights refilling FP8 weights in place
+#                -> $OUT/fp8_weights_h200.json (needs python first)
 #     multigpu   torchrun, one process per GPU: bench/multigpu/multigpu_bench.py -> $OUT/multigpu_h200.json
 #                ($MULTIGPU_ARGS, e.g. --quick; needs python first)
 set -uo pipefail
@@ -90,6 +92,11 @@ part_padding() {
   PYTHONUNBUFFERED=1 timeout 240 python3 bench/free_padding/bench.py --out "$OUT/free_padding_h200.json" \
     --commit "$commit" > "$OUT/free_padding.log" 2>&1
   echo "padding rc=$?"; tail -12 "$OUT/free_padding.log"
+}
+part_fp8() {
+  PYTHONUNBUFFERED=1 timeout 120 python3 bench/fp8_weights/bench.py --out "$OUT/fp8_weights_h200.json" \
+    --commit "$commit" > "$OUT/fp8_weights.log" 2>&1
+  echo "fp8 rc=$?"; tail -3 "$OUT/fp8_weights.log"
 }
 part_multigpu() {
   local n; n=$(nvidia-smi -L | wc -l)
