@@ -1,0 +1,18 @@
+// FP8 row tiles on the device: rows of bf16 activations quantized to E4M3 in 1 x 128 tiles along the
+// row (the FPROP / DGRAD activation operand: x before dispatch, a after SwiGLU), with the numerics of
+// src/numerics/block_scaling.hpp (so the reference's bits).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace poise::quant {
+
+// x_RC: rows x cols row-major bf16 (cols a multiple of 64). values_RC: e4m3 bits, same layout;
+// scales_RT: fp32 [rows][ceil(cols/128)]. Enqueued on `stream`.
+void launch_row_tiles(const __nv_bfloat16* x_RC, int64_t rows, int64_t cols, uint8_t* values_RC, float* scales_RT,
+                      cudaStream_t stream);
+
+}  // namespace poise::quant

@@ -1,0 +1,130 @@
+// FP8 quantization on the GPU against the reference's numerics, bit for bit up to a NaN's payload
+// (the host's and the device's NaNs differ in their bits): the weights' 128 x 128 blocks (the public
+// poise::quantize_fp8_weight_blocks) and the activations' 1 x 128 row tiles (quant::launch_row_tiles).
+// Random bf16 values with an all-zero tile, a NaN (its whole tile NaN), a value far beyond 448, dims
+// that are multiples of 64 but not of 128; outputs poisoned first.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <random>
+#include <vector>
+
+#include "gpu_test_support.hpp"
+#include "numerics/block_scaling.hpp"
+#include "poise/fp8.hpp"
+#include "poise/reference.hpp"
+#include "quant/row_tiles.hpp"
+
+namespace poise {
+namespace {
+
+struct Shape {
+  int64_t matrices, rows, cols;
+};
+
+std::string shape_name(const ::testing::TestParamInfo<Shape>& info) {
+  return std::to_string(info.param.matrices) + "x" + std::to_string(info.param.rows) + "x" +
+         std::to_string(info.param.cols);
+}
+
+// Random bf16 values of `shape`, the first (up to) 64 x 128 zero, one value far beyond 448, the last NaN.
+std::vector<float> test_values(const Shape& s, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> w(s.matrices * s.rows * s.cols);
+  for (float& v : w) v = reference::round_to_bf16(normal(rng) * 0.02f);
+  for (int64_t r = 0; r < 64 && r < s.rows; ++r)
+    for (int64_t c = 0; c < 128 && c < s.cols; ++c) w[r * s.cols + c] = 0.0f;
+  w[w.size() / 2] = reference::round_to_bf16(3.0e4f);
+  w.back() = NAN;
+  return w;
+}
+
+// `quantize` run on the device over `w` (as bf16) into poisoned buffers: (values, scales).
+using DeviceQuantize = std::function<void(const void* w, uint8_t* values, float* scales)>;
+std::pair<std::vector<uint8_t>, std::vector<float>> on_device(const std::vector<float>& w, size_t num_scales,
+                                                              const DeviceQuantize& quantize) {
+  std::vector<uint16_t> bits(w.size());
+  for (size_t i = 0; i < w.size(); ++i) {
+    uint32_t u;
+    std::memcpy(&u, &w[i], sizeof u);
+    bits[i] = static_cast<uint16_t>(u >> 16);
+  }
+  void *w_dev = nullptr, *values_dev = nullptr, *scales_dev = nullptr;
+  EXPECT_EQ(cudaMalloc(&w_dev, w.size() * 2), cudaSuccess);
+  EXPECT_EQ(cudaMalloc(&values_dev, w.size()), cudaSuccess);
+  EXPECT_EQ(cudaMalloc(&scales_dev, num_scales * sizeof(float)), cudaSuccess);
+  EXPECT_EQ(cudaMemcpy(w_dev, bits.data(), w.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+  EXPECT_EQ(cudaMemset(values_dev, 0xA5, w.size()), cudaSuccess);
+  EXPECT_EQ(cudaMemset(scales_dev, 0xFF, num_scales * sizeof(float)), cudaSuccess);
+  quantize(w_dev, static_cast<uint8_t*>(values_dev), static_cast<float*>(scales_dev));
+  std::pair<std::vector<uint8_t>, std::vector<float>> out{std::vector<uint8_t>(w.size()), std::vector<float>(num_scales)};
+  EXPECT_EQ(cudaMemcpy(out.first.data(), values_dev, w.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+  EXPECT_EQ(cudaMemcpy(out.second.data(), scales_dev, num_scales * sizeof(float), cudaMemcpyDeviceToHost), cudaSuccess);
+  cudaFree(w_dev), cudaFree(values_dev), cudaFree(scales_dev);
+  return out;
+}
+
+void expect_same_bits(const std::pair<std::vector<uint8_t>, std::vector<float>>& got,
+                      const std::vector<uint8_t>& want_values, const std::vector<float>& want_scales) {
+  ASSERT_EQ(got.second.size(), want_scales.size());
+  int64_t differing_scales = 0;
+  for (size_t i = 0; i < want_scales.size(); ++i)
+    differing_scales += !(got.second[i] == want_scales[i] || (std::isnan(got.second[i]) && std::isnan(want_scales[i])));
+  EXPECT_EQ(differing_scales, 0) << "scales differ from the reference";
+  auto nan_byte = [](uint8_t q) { return (q & 0x7F) == 0x7F; };
+  int64_t differing = 0;
+  for (size_t i = 0; i < want_values.size(); ++i)
+    differing += got.first[i] != want_values[i] && !(nan_byte(got.first[i]) && nan_byte(want_values[i]));
+  EXPECT_EQ(differing, 0) << "e4m3 values differ from the reference";
+  EXPECT_TRUE(std::isnan(got.second.back())) << "a NaN's scale is NaN";
+  EXPECT_EQ(got.first[0], 0) << "a zero stays zero";
+}
+
+class Fp8WeightBlocksGpu : public ::testing::TestWithParam<Shape> {};
+
+TEST_P(Fp8WeightBlocksGpu, EqualTheReferenceBitForBit) {
+  if (!testing::have_sm90_gpu()) GTEST_SKIP() << "needs an SM90 GPU";
+  const Shape s = GetParam();
+  const uint64_t seed = testing::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const std::vector<float> w = test_values(s, seed);
+  const reference::Fp8WeightBlocks want = reference::quantize_fp8_weight_blocks(w, s.matrices, s.rows, s.cols);
+  expect_same_bits(on_device(w, want.scales.size(),
+                             [&](const void* dev, uint8_t* values, float* scales) {
+                               quantize_fp8_weight_blocks(dev, s.matrices, s.rows, s.cols, values, scales, nullptr);
+                             }),
+                   want.values_MRC, want.scales);
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, Fp8WeightBlocksGpu,
+                         ::testing::Values(Shape{3, 192, 320}, Shape{2, 256, 128}, Shape{1, 64, 64}, Shape{4, 1536, 2048}),
+                         shape_name);
+
+class Fp8RowTilesGpu : public ::testing::TestWithParam<Shape> {};
+
+TEST_P(Fp8RowTilesGpu, EqualTheReferenceBitForBit) {
+  if (!testing::have_sm90_gpu()) GTEST_SKIP() << "needs an SM90 GPU";
+  const Shape s = GetParam();  // matrices: 1 (rows x cols activations)
+  const uint64_t seed = testing::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const std::vector<float> x = test_values(s, seed);
+  const numerics::BlockScaled want = numerics::quantize_row_tiles(x.data(), s.rows, s.cols);
+  expect_same_bits(on_device(x, want.scales.size(),
+                             [&](const void* dev, uint8_t* values, float* scales) {
+                               quant::launch_row_tiles(static_cast<const __nv_bfloat16*>(dev), s.rows, s.cols, values,
+                                                       scales, nullptr);
+                               ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+                             }),
+                   want.values, want.scales);
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, Fp8RowTilesGpu,
+                         ::testing::Values(Shape{1, 77, 192}, Shape{1, 64, 128}, Shape{1, 1, 64}, Shape{1, 4096, 7168}),
+                         shape_name);
+
+}  // namespace
+}  // namespace poise
