@@ -56,6 +56,10 @@ struct RankInputs {
   std::vector<float> scores_TK;  // [T, K] in Options::scores_dtype (bf16 values when bf16)
   std::vector<float> w13;        // bf16 [E_local, 2F, D] (== [E_local, 2, F, D] == [E_local*2F, D]), W13Layout
   std::vector<float> w2;         // bf16 [E_local, D, F] (== [E_local*D, F])
+  // Expert biases (gpt-oss), every rank or none: h13 = x W13^T + b13 before the activation,
+  // y = a W2^T + b2 before the score. Empty: no bias.
+  std::vector<float> b13;        // bf16 [E_local, 2F] in W13's row order (W13Layout), or empty
+  std::vector<float> b2;         // bf16 [E_local, D], or empty
 };
 
 // What one rank gets back from backward. grad_w13 / grad_w2 have w13's / w2's shape and layout.
@@ -64,6 +68,8 @@ struct RankGradients {
   std::vector<float> grad_scores_TK;  // [T, K] in Options::scores_dtype
   std::vector<float> grad_w13;        // Config::wgrad_dtype [E_local, 2F, D]
   std::vector<float> grad_w2;         // Config::wgrad_dtype [E_local, D, F]
+  std::vector<float> grad_b13;        // Config::wgrad_dtype [E_local, 2F] when b13 was given, else empty
+  std::vector<float> grad_b2;         // Config::wgrad_dtype [E_local, D] when b2 was given, else empty
 };
 
 struct Options {
@@ -148,6 +154,7 @@ class Engine {
 // no intermediate rounding. Tests and the demo measure the engine (and the GPU) against it.
 struct DenseFloat64Result {
   std::vector<std::vector<double>> out_TD, grad_x_TD, grad_scores_TK, grad_w13, grad_w2;  // per rank
+  std::vector<std::vector<double>> grad_b13, grad_b2;  // per rank, layers with biases (else empty)
 };
 
 // Backward is computed when grad_out_TD_per_rank is not empty.
@@ -169,6 +176,7 @@ struct RandomInputsSpec {
   double skew = 1.0;
   int64_t padding_rows = 0;  // the last padding_rows tokens of every rank get all-zero scores
   double free_fraction = 0.0;  // each entry (t, k) is kNoExpert with this probability (its score kept)
+  bool biases = false;         // random b13 and b2 (bf16, N(0, 0.1^2)) as well
 };
 
 // x ~ N(0,1), W13 ~ N(0,1/D), W2 ~ N(0,1/F) (bf16), scores a softmax over the K picks (fp32 or

@@ -96,7 +96,7 @@ namespace {
 // quantized again from the bf16 rows: row-local, so the same bits as the forward's.
 void group_backward(const EngineState& s, const RankState& st, const RankInputs& in, const ExpertGroup& group,
                     const std::vector<float>& grad_y_GD, std::vector<float>& grad_x_GD, float* grad_w13,
-                    float* grad_w2) {
+                    float* grad_w2, float* grad_b13, float* grad_b2) {
   const int64_t D = s.D(), F = s.F(), first = group.first_row;
   const float* x = st.x_GD.data() + first * D;
   const float* w13 = group_w13(s, st, in, group.slot);
@@ -107,8 +107,46 @@ void group_backward(const EngineState& s, const RankState& st, const RankInputs&
                         quantize_expert_weights(s.shape, w13, w2), grad_x_GD.data() + first * D, grad_w13, grad_w2);
   } else {
     expert_backward(s.shape, s.act, group.rows, x, st.h13_G2F.data() + first * 2 * F, st.a_GF.data() + first * F,
-                    grad_y_GD.data() + first * D, w13, w2, grad_x_GD.data() + first * D, grad_w13, grad_w2);
+                    grad_y_GD.data() + first * D, w13, w2, grad_x_GD.data() + first * D, grad_w13, grad_w2, grad_b13,
+                    grad_b2);
   }
+}
+
+}  // namespace
+
+namespace {
+
+// fp32 weight and bias gradient sums of `n` expert slots (own experts, or replica slots).
+struct ExpertGrads {
+  int64_t block13, block2, bias13, bias2;
+  std::vector<float> w13, w2, b13, b2;
+  ExpertGrads(int64_t n, int64_t block13, int64_t block2, int64_t bias13, int64_t bias2)
+      : block13(block13), block2(block2), bias13(bias13), bias2(bias2), w13(n * block13, 0.0f), w2(n * block2, 0.0f),
+        b13(n * bias13, 0.0f), b2(n * bias2, 0.0f) {}
+  float* w13_of(int64_t i) { return w13.data() + i * block13; }
+  float* w2_of(int64_t i) { return w2.data() + i * block2; }
+  float* b13_of(int64_t i) { return bias13 ? b13.data() + i * bias13 : nullptr; }
+  float* b2_of(int64_t i) { return bias2 ? b2.data() + i * bias2 : nullptr; }
+
+  void append_to(ExpertBlocksMessage& msg, int64_t i) const {
+    msg.w13.insert(msg.w13.end(), w13.begin() + i * block13, w13.begin() + (i + 1) * block13);
+    msg.w2.insert(msg.w2.end(), w2.begin() + i * block2, w2.begin() + (i + 1) * block2);
+    msg.b13.insert(msg.b13.end(), b13.begin() + i * bias13, b13.begin() + (i + 1) * bias13);
+    msg.b2.insert(msg.b2.end(), b2.begin() + i * bias2, b2.begin() + (i + 1) * bias2);
+  }
+  // Adds the message's i-th expert's grads into slot `own_slot`.
+  void add_from(const ExpertBlocksMessage& msg, size_t i, int64_t own_slot) {
+    for (int64_t j = 0; j < block13; ++j) w13[own_slot * block13 + j] += msg.w13[i * block13 + j];
+    for (int64_t j = 0; j < block2; ++j) w2[own_slot * block2 + j] += msg.w2[i * block2 + j];
+    for (int64_t j = 0; j < bias13; ++j) b13[own_slot * bias13 + j] += msg.b13[i * bias13 + j];
+    for (int64_t j = 0; j < bias2; ++j) b2[own_slot * bias2 + j] += msg.b2[i * bias2 + j];
+  }
+};
+
+// grads = to_dtype(fp32 sums), or to_dtype(grads + sums) when accumulating.
+void store_grads(std::vector<float>& grads, const std::vector<float>& sums, bool accumulate, DType dtype) {
+  if (!accumulate) grads.assign(sums.size(), 0.0f);
+  for (size_t j = 0; j < sums.size(); ++j) grads[j] = to_dtype(grads[j] + sums[j], dtype);
 }
 
 }  // namespace
@@ -120,55 +158,44 @@ void backward_rank(EngineState& s, int rank, InProcessTransport& transport, cons
   const int64_t block13 = 2 * F * D, block2 = D * F;
   std::vector<float> grad_y_GD = exchange_grad_y(s, rank, transport, in, grad_out_TD, grads);
 
-  // Expert backward over every group. Own experts' weight grads go straight into this rank's fp32
-  // sums; replica slots get their own fp32 partial sums, sent to the owner below.
+  // Expert backward over every group. Own experts' weight (and bias) grads go straight into this
+  // rank's fp32 sums; replica slots get their own fp32 partial sums, sent to the owner below.
   const int64_t G = st.grouped.grouped_rows_per_rank[rank];
+  const int64_t F2 = 2 * F, biased13 = s.biased ? F2 : 0, biased2 = s.biased ? D : 0;
   std::vector<float> grad_x_GD(G * D, 0.0f);
-  std::vector<float> grad_w13_fp32(local * block13, 0.0f), grad_w2_fp32(local * block2, 0.0f);
-  std::vector<float> replica_grad_w13(s.replica_slots * block13, 0.0f), replica_grad_w2(s.replica_slots * block2, 0.0f);
+  ExpertGrads own(local, block13, block2, biased13, biased2), replicas(s.replica_slots, block13, block2, biased13, biased2);
   for (const ExpertGroup& group : st.grouped.groups_per_rank[rank]) {
-    const bool own = group.slot < local;
-    float* grad_w13 = own ? grad_w13_fp32.data() + group.slot * block13
-                          : replica_grad_w13.data() + (group.slot - local) * block13;
-    float* grad_w2 = own ? grad_w2_fp32.data() + group.slot * block2
-                         : replica_grad_w2.data() + (group.slot - local) * block2;
-    group_backward(s, st, in, group, grad_y_GD, grad_x_GD, grad_w13, grad_w2);
+    ExpertGrads& sums = group.slot < local ? own : replicas;
+    const int64_t i = group.slot < local ? group.slot : group.slot - local;
+    group_backward(s, st, in, group, grad_y_GD, grad_x_GD, sums.w13_of(i), sums.w2_of(i), sums.b13_of(i),
+                   sums.b2_of(i));
   }
   return_grad_x(s, rank, transport, grad_x_GD, grads);
 
-  // Replica weight grads travel to the owner in fp32 and are added there, by source rank.
+  // Replica grads travel to the owner in fp32 and are added there, by source rank.
   std::vector<ExpertBlocksMessage> to_rank(s.ep_size);
   for (const ExpertGroup& group : st.grouped.groups_per_rank[rank]) {
     if (group.slot < local) continue;
     ExpertBlocksMessage& msg = to_rank[st.plan.owner_of(group.expert)];
-    const int64_t replica = group.slot - local;
     msg.experts.push_back(group.expert);
     msg.slots.push_back(group.slot);
-    msg.w13.insert(msg.w13.end(), replica_grad_w13.begin() + replica * block13,
-                   replica_grad_w13.begin() + (replica + 1) * block13);
-    msg.w2.insert(msg.w2.end(), replica_grad_w2.begin() + replica * block2,
-                  replica_grad_w2.begin() + (replica + 1) * block2);
+    replicas.append_to(msg, group.slot - local);
   }
   std::vector<ExpertBlocksMessage> from_rank = transport.all_to_all(rank, std::move(to_rank));
   for (const ExpertBlocksMessage& msg : from_rank) {
-    for (size_t i = 0; i < msg.experts.size(); ++i) {
-      const int64_t own_slot = msg.experts[i] % local;
-      for (int64_t j = 0; j < block13; ++j) grad_w13_fp32[own_slot * block13 + j] += msg.w13[i * block13 + j];
-      for (int64_t j = 0; j < block2; ++j) grad_w2_fp32[own_slot * block2 + j] += msg.w2[i * block2 + j];
-    }
+    for (size_t i = 0; i < msg.experts.size(); ++i) own.add_from(msg, i, msg.experts[i] % local);
   }
 
-  // Weight grads in wgrad_dtype, overwritten or accumulated (the sum in fp32, then rounded).
+  // Weight (and bias) grads in wgrad_dtype, overwritten or accumulated (the sum in fp32, then rounded).
   const DType wgrad = s.config.wgrad_dtype;
-  if (!accumulate_wgrad) {
-    grads.grad_w13.assign(local * block13, 0.0f);
-    grads.grad_w2.assign(local * block2, 0.0f);
-  }
-  for (int64_t j = 0; j < local * block13; ++j) {
-    grads.grad_w13[j] = to_dtype(grads.grad_w13[j] + grad_w13_fp32[j], wgrad);
-  }
-  for (int64_t j = 0; j < local * block2; ++j) {
-    grads.grad_w2[j] = to_dtype(grads.grad_w2[j] + grad_w2_fp32[j], wgrad);
+  store_grads(grads.grad_w13, own.w13, accumulate_wgrad, wgrad);
+  store_grads(grads.grad_w2, own.w2, accumulate_wgrad, wgrad);
+  if (s.biased) {
+    store_grads(grads.grad_b13, own.b13, accumulate_wgrad, wgrad);
+    store_grads(grads.grad_b2, own.b2, accumulate_wgrad, wgrad);
+  } else {
+    grads.grad_b13.clear();
+    grads.grad_b2.clear();
   }
 }
 

@@ -70,6 +70,7 @@ DenseFloat64Result dense_float64(const Config& config, int64_t ep_size,
 
   const DenseLayer L{config, ep_size, options};
   const int64_t T = config.num_local_input_tokens, D = L.D, F = L.F, K = L.K, local = L.local;
+  const bool biased = !inputs_per_rank[0].b13.empty();
   DenseFloat64Result result;
   result.out_TD.assign(ep_size, std::vector<double>(T * D, 0.0));
   if (with_backward) {
@@ -77,6 +78,10 @@ DenseFloat64Result dense_float64(const Config& config, int64_t ep_size,
     result.grad_scores_TK.assign(ep_size, std::vector<double>(T * K, 0.0));
     result.grad_w13.assign(ep_size, std::vector<double>(local * 2 * F * D, 0.0));
     result.grad_w2.assign(ep_size, std::vector<double>(local * D * F, 0.0));
+    if (biased) {
+      result.grad_b13.assign(ep_size, std::vector<double>(local * 2 * F, 0.0));
+      result.grad_b2.assign(ep_size, std::vector<double>(local * D, 0.0));
+    }
   }
   std::vector<double> h(2 * F), a(F), y(D), grad_a(F), grad_h(2 * F);
   for (int64_t r = 0; r < ep_size; ++r) {
@@ -89,15 +94,17 @@ DenseFloat64Result dense_float64(const Config& config, int64_t ep_size,
         const int64_t owner = e / local, slot = e % local;
         const float* w13 = inputs_per_rank[owner].w13.data() + slot * 2 * F * D;
         const float* w2 = inputs_per_rank[owner].w2.data() + slot * D * F;
+        const float* b13 = biased ? inputs_per_rank[owner].b13.data() + slot * 2 * F : nullptr;
+        const float* b2 = biased ? inputs_per_rank[owner].b2.data() + slot * D : nullptr;
         const double score = in.scores_TK[t * K + k];
         for (int64_t j = 0; j < 2 * F; ++j) {
-          double sum = 0.0;
+          double sum = b13 ? double{b13[j]} : 0.0;
           for (int64_t d = 0; d < D; ++d) sum += double{x[d]} * w13[j * D + d];
           h[j] = sum;
         }
         for (int64_t f = 0; f < F; ++f) a[f] = L.act(h[L.gate_row(f)], h[L.up_row(f)]);
         for (int64_t d = 0; d < D; ++d) {
-          double sum = 0.0;
+          double sum = b2 ? double{b2[d]} : 0.0;
           for (int64_t f = 0; f < F; ++f) sum += a[f] * w2[d * F + f];
           y[d] = sum;
           result.out_TD[r][t * D + d] += score * sum;
@@ -131,6 +138,9 @@ DenseFloat64Result dense_float64(const Config& config, int64_t ep_size,
         for (int64_t d = 0; d < D; ++d) {
           for (int64_t f = 0; f < F; ++f) grad_w2[slot * D * F + d * F + f] += score * grad_out[d] * a[f];
         }
+        if (!biased) continue;
+        for (int64_t j = 0; j < 2 * F; ++j) result.grad_b13[owner][slot * 2 * F + j] += grad_h[j];
+        for (int64_t d = 0; d < D; ++d) result.grad_b2[owner][slot * D + d] += score * grad_out[d];
       }
     }
   }
@@ -304,6 +314,9 @@ std::vector<SampledToken> sample_tokens(const Config& config, int64_t ep_size,
       static_cast<int64_t>(grad_out_TD_per_rank.size()) != ep_size ||
       static_cast<int64_t>(tokens_per_rank.size()) != ep_size) {
     throw InvalidArgument("sample_tokens", "needs inputs, grad_out and tokens for every rank");
+  }
+  if (!inputs_per_rank[0].b13.empty()) {
+    throw InvalidArgument("b13", "the sampled float64 oracle takes no expert biases (use dense_float64)");
   }
   const int64_t T = config.num_local_input_tokens, D = config.hidden_dim, K = config.top_k;
   std::vector<SampledToken> sampled;

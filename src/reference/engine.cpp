@@ -56,6 +56,7 @@ std::vector<std::vector<float>> Engine::forward(const std::vector<RankInputs>& i
   EngineState& s = *state_;
   validate_inputs(s.config, s.ep_size, s.options, inputs_per_rank);
   s.has_forward = false;
+  s.biased = !inputs_per_rank[0].b13.empty();
   s.ranks.assign(s.ep_size, RankState{});
   std::vector<std::vector<float>> out_TD(s.ep_size);
   run_ranks(static_cast<int>(s.ep_size), [&](int rank, InProcessTransport& transport) {
@@ -86,6 +87,9 @@ void Engine::backward(const std::vector<RankInputs>& inputs_per_rank,
     throw std::logic_error("Engine::backward: no successful forward to differentiate");
   }
   validate_inputs(s.config, s.ep_size, s.options, inputs_per_rank);
+  if (inputs_per_rank[0].b13.empty() == s.biased) {
+    throw InvalidArgument("b13", "backward must get the inputs of the preceding forward (biases or none, as it had)");
+  }
   for (int64_t r = 0; r < s.ep_size; ++r) {
     if (inputs_per_rank[r].ids_TK != s.forward_ids_TK[r]) {
       throw InvalidArgument("ids_TK", "rank " + std::to_string(r) +
@@ -94,7 +98,7 @@ void Engine::backward(const std::vector<RankInputs>& inputs_per_rank,
   }
   validate_grad_out(s.config, s.ep_size, grad_out_TD_per_rank);
   if (accumulate_wgrad) {
-    validate_accumulated_grads(s.config, s.ep_size, grads_per_rank);
+    validate_accumulated_grads(s.config, s.ep_size, grads_per_rank, s.biased);
   } else {
     grads_per_rank.resize(s.ep_size);
   }

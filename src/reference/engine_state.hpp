@@ -30,12 +30,14 @@ struct RowsMessage {
   std::vector<float> rows;  // [entries, D]
 };
 
-// Expert weights (owner -> replica rank) or fp32 weight grads (replica rank -> owner).
+// Expert weights and biases (owner -> replica rank) or their fp32 grads (replica rank -> owner).
 struct ExpertBlocksMessage {
   std::vector<int64_t> experts;  // global ids
   std::vector<int64_t> slots;    // slot on the replica rank
   std::vector<float> w13;        // [n, 2F, D]
   std::vector<float> w2;         // [n, D, F]
+  std::vector<float> b13;        // [n, 2F] (layers with biases)
+  std::vector<float> b2;         // [n, D]
 };
 
 struct RankState {
@@ -51,6 +53,7 @@ struct RankState {
   std::vector<float> h13_G2F;                   // [G, 2F] bf16 values, as saved for backward
   std::vector<float> a_GF;                      // [G, F] bf16
   std::vector<float> replica_w13, replica_w2;   // [B, 2F, D], [B, D, F] weights of replica slots
+  std::vector<float> replica_b13, replica_b2;   // [B, 2F], [B, D] their biases (layers with biases)
 
   // This rank as an owner of tokens: y of every (t, k), for grad_scores.
   std::vector<float> y_TKD;  // [T*K, D] bf16
@@ -70,6 +73,7 @@ struct EngineState {
   std::vector<RankState> ranks;
   std::vector<std::vector<int32_t>> forward_ids_TK;  // to check backward differentiates the same call
   bool has_forward = false;
+  bool biased = false;  // the latest forward's layer has expert biases (RankInputs::b13 / b2)
   RoutingStats stats;
 
   int64_t T() const { return config.num_local_input_tokens; }
@@ -83,6 +87,8 @@ struct EngineState {
 // Weights of a grouped-buffer slot: the rank's own expert or a replica received in forward.
 const float* group_w13(const EngineState& s, const RankState& st, const RankInputs& in, int64_t slot);
 const float* group_w2(const EngineState& s, const RankState& st, const RankInputs& in, int64_t slot);
+// Its biases (null pointers for a layer without).
+ExpertBiases group_biases(const EngineState& s, const RankState& st, const RankInputs& in, int64_t slot);
 
 // One rank's part of a call; run on every rank's thread by Engine::forward / backward.
 void forward_rank(EngineState& state, int rank, InProcessTransport& transport, const RankInputs& inputs,

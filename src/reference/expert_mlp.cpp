@@ -33,16 +33,17 @@ void swiglu_backward_row_bf16(const ExpertShape& shape, const SwigluParams& act,
 }
 
 void expert_forward(const ExpertShape& shape, const SwigluParams& act, int64_t rows, const float* x_RD,
-                    const float* w13_2FD, const float* w2_DF, float* h13_R2F, float* a_RF, float* y_RD) {
+                    const float* w13_2FD, const float* w2_DF, float* h13_R2F, float* a_RF, float* y_RD,
+                    const ExpertBiases& biases) {
   const int64_t D = shape.hidden, F = shape.intermediate;
   for (int64_t r = 0; r < rows; ++r) {
     const float* x = x_RD + r * D;
     float* h13 = h13_R2F + r * 2 * F;
     float* a = a_RF + r * F;
     float* y = y_RD + r * D;
-    for (int64_t j = 0; j < 2 * F; ++j) h13[j] = dot(x, w13_2FD + j * D, D);
+    for (int64_t j = 0; j < 2 * F; ++j) h13[j] = dot(x, w13_2FD + j * D, D) + (biases.b13_2F ? biases.b13_2F[j] : 0.0f);
     swiglu_row_bf16(shape, act, h13, a);
-    for (int64_t d = 0; d < D; ++d) y[d] = round_to_bf16(dot(a, w2_DF + d * F, F));
+    for (int64_t d = 0; d < D; ++d) y[d] = round_to_bf16(dot(a, w2_DF + d * F, F) + (biases.b2_D ? biases.b2_D[d] : 0.0f));
     // a came from the fp32 accumulators; what backward sees is h13 as saved, in bf16. The clamped
     // SwiGLU's derivative jumps at +-limit, so backward must read the same bf16 values the GPU does.
     for (int64_t j = 0; j < 2 * F; ++j) h13[j] = round_to_bf16(h13[j]);
@@ -51,7 +52,8 @@ void expert_forward(const ExpertShape& shape, const SwigluParams& act, int64_t r
 
 void expert_backward(const ExpertShape& shape, const SwigluParams& act, int64_t rows, const float* x_RD,
                      const float* h13_R2F, const float* a_RF, const float* grad_y_RD, const float* w13_2FD,
-                     const float* w2_DF, float* grad_x_RD, float* grad_w13_2FD, float* grad_w2_DF) {
+                     const float* w2_DF, float* grad_x_RD, float* grad_w13_2FD, float* grad_w2_DF,
+                     float* grad_b13_2F, float* grad_b2_D) {
   const int64_t D = shape.hidden, F = shape.intermediate;
   std::vector<float> grad_a(F), grad_h13(2 * F), grad_x(D);
   for (int64_t r = 0; r < rows; ++r) {
@@ -85,6 +87,8 @@ void expert_backward(const ExpertShape& shape, const SwigluParams& act, int64_t 
       float* grad_w13_row = grad_w13_2FD + j * D;
       for (int64_t d = 0; d < D; ++d) grad_w13_row[d] += grad_h13[j] * x[d];
     }
+    for (int64_t j = 0; j < 2 * F && grad_b13_2F; ++j) grad_b13_2F[j] += grad_h13[j];
+    for (int64_t d = 0; d < D && grad_b2_D; ++d) grad_b2_D[d] += grad_y[d];
   }
 }
 

@@ -31,18 +31,27 @@ void swiglu_row_bf16(const ExpertShape& shape, const SwigluParams& act, const fl
 void swiglu_backward_row_bf16(const ExpertShape& shape, const SwigluParams& act, const float* h13_2F,
                               const float* grad_a_F, float* grad_h13_2F);
 
+// An expert's biases (nullable: none): b13 in W13's row order, b2 over D; bf16 values.
+struct ExpertBiases {
+  const float* b13_2F = nullptr;
+  const float* b2_D = nullptr;
+};
+
 // x_RD, w13_2FD, w2_DF: bf16 values. Writes, per row:
-//   h13_R2F = x . W13^T (fp32, column j from W13 row j), a_RF = act(gate, up) rounded to bf16,
-//   y_RD = a . W2^T rounded to bf16.
+//   h13_R2F = x . W13^T + b13 (fp32, column j from W13 row j), a_RF = act(gate, up) rounded to bf16,
+//   y_RD = a . W2^T + b2 rounded to bf16.
 void expert_forward(const ExpertShape& shape, const SwigluParams& act, int64_t rows, const float* x_RD,
-                    const float* w13_2FD, const float* w2_DF, float* h13_R2F, float* a_RF, float* y_RD);
+                    const float* w13_2FD, const float* w2_DF, float* h13_R2F, float* a_RF, float* y_RD,
+                    const ExpertBiases& biases = {});
 
 // grad_y_RD: bf16 values. Writes, per row:
 //   grad_a = grad_y . W2 (fp32), grad_h13 = SwiGLU backward at h13 rounded to bf16,
 //   grad_x_RD = grad_h13 . W13 rounded to bf16;
-// and adds, row after row, grad_y^T a into grad_w2_DF and grad_h13^T x into grad_w13_2FD (fp32).
+// and adds, row after row, grad_y^T a into grad_w2_DF and grad_h13^T x into grad_w13_2FD (fp32),
+// and, where given (nullable), grad_y into grad_b2_D and grad_h13 into grad_b13_2F (fp32).
 void expert_backward(const ExpertShape& shape, const SwigluParams& act, int64_t rows, const float* x_RD,
                      const float* h13_R2F, const float* a_RF, const float* grad_y_RD, const float* w13_2FD,
-                     const float* w2_DF, float* grad_x_RD, float* grad_w13_2FD, float* grad_w2_DF);
+                     const float* w2_DF, float* grad_x_RD, float* grad_w13_2FD, float* grad_w2_DF,
+                     float* grad_b13_2F = nullptr, float* grad_b2_D = nullptr);
 
 }  // namespace poise::reference

@@ -100,15 +100,26 @@ void send_replica_weights(EngineState& s, int rank, InProcessTransport& transpor
     msg.slots.push_back(piece.slot);
     msg.w13.insert(msg.w13.end(), in.w13.begin() + own_slot * block13, in.w13.begin() + (own_slot + 1) * block13);
     msg.w2.insert(msg.w2.end(), in.w2.begin() + own_slot * block2, in.w2.begin() + (own_slot + 1) * block2);
+    if (s.biased) {
+      const int64_t F2 = 2 * s.F(), D = s.D();
+      msg.b13.insert(msg.b13.end(), in.b13.begin() + own_slot * F2, in.b13.begin() + (own_slot + 1) * F2);
+      msg.b2.insert(msg.b2.end(), in.b2.begin() + own_slot * D, in.b2.begin() + (own_slot + 1) * D);
+    }
   }
   std::vector<ExpertBlocksMessage> from_rank = transport.all_to_all(rank, std::move(to_rank));
   st.replica_w13.assign(s.replica_slots * block13, kPoison);
   st.replica_w2.assign(s.replica_slots * block2, kPoison);
+  const int64_t F2 = 2 * s.F(), D = s.D();
+  st.replica_b13.assign(s.biased ? s.replica_slots * F2 : 0, kPoison);
+  st.replica_b2.assign(s.biased ? s.replica_slots * D : 0, kPoison);
   for (const ExpertBlocksMessage& msg : from_rank) {
     for (size_t i = 0; i < msg.experts.size(); ++i) {
       const int64_t replica = msg.slots[i] - local;
       std::copy_n(msg.w13.begin() + i * block13, block13, st.replica_w13.begin() + replica * block13);
       std::copy_n(msg.w2.begin() + i * block2, block2, st.replica_w2.begin() + replica * block2);
+      if (!s.biased) continue;
+      std::copy_n(msg.b13.begin() + i * F2, F2, st.replica_b13.begin() + replica * F2);
+      std::copy_n(msg.b2.begin() + i * D, D, st.replica_b2.begin() + replica * D);
     }
   }
 }
@@ -123,6 +134,13 @@ const float* group_w13(const EngineState& s, const RankState& st, const RankInpu
 const float* group_w2(const EngineState& s, const RankState& st, const RankInputs& in, int64_t slot) {
   const int64_t block = s.D() * s.F(), local = s.local_experts();
   return slot < local ? in.w2.data() + slot * block : st.replica_w2.data() + (slot - local) * block;
+}
+
+ExpertBiases group_biases(const EngineState& s, const RankState& st, const RankInputs& in, int64_t slot) {
+  if (!s.biased) return {};
+  const int64_t F2 = 2 * s.F(), D = s.D(), local = s.local_experts();
+  return slot < local ? ExpertBiases{in.b13.data() + slot * F2, in.b2.data() + slot * D}
+                      : ExpertBiases{st.replica_b13.data() + (slot - local) * F2, st.replica_b2.data() + (slot - local) * D};
 }
 
 namespace {
@@ -141,7 +159,8 @@ void group_forward(const EngineState& s, RankState& st, const RankInputs& in, co
     expert_forward_fp8(s.shape, s.act, group.rows, numerics::quantize_row_tiles(x, group.rows, D),
                        quantize_expert_weights(s.shape, w13, w2), h13, y);
   } else {
-    expert_forward(s.shape, s.act, group.rows, x, w13, w2, h13, st.a_GF.data() + group.first_row * F, y);
+    expert_forward(s.shape, s.act, group.rows, x, w13, w2, h13, st.a_GF.data() + group.first_row * F, y,
+                   group_biases(s, st, in, group.slot));
   }
 }
 

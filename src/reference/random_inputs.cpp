@@ -113,6 +113,10 @@ std::vector<RankInputs> random_inputs(const Config& config, int64_t ep_size, con
     for (int64_t t = 0; t < T; ++t) {
       router.draw(t >= T - spec.padding_rows, in.ids_TK.data() + t * K, in.scores_TK.data() + t * K);
     }
+    if (spec.biases) {  // drawn last, so the other draws of a seed stay what they were
+      in.b13 = normal_bf16(rng, local * 2 * F, 0.1f);
+      in.b2 = normal_bf16(rng, local * D, 0.1f);
+    }
   }
   return inputs;
 }

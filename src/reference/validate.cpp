@@ -26,6 +26,24 @@ void require_bf16(const std::vector<float>& values, const char* name, int64_t ra
   }
 }
 
+// Biases: b13 and b2 together, on every rank or on none, of their sizes, bf16 values; not (yet)
+// with FP8 GEMMs.
+void validate_biases(const Config& config, const RankInputs& in, bool none, int64_t local, int64_t rank) {
+  if (in.b13.empty() != none || in.b2.empty() != none) {
+    throw InvalidArgument(in.b13.empty() != none ? "b13" : "b2",
+                          at_rank(rank) + "biases go with every rank or none, b13 and b2 together");
+  }
+  if (none) return;
+  if (config.gemm_precision != GemmPrecision::bf16) {
+    throw InvalidArgument("b13", "expert biases with gemm_precision " + std::string(to_string(config.gemm_precision)) +
+                                     ": not built (bf16 only)");
+  }
+  require_size(in.b13.size(), local * 2 * config.intermediate_dim, "b13", rank, "E_local*2F");
+  require_size(in.b2.size(), local * config.hidden_dim, "b2", rank, "E_local*D");
+  require_bf16(in.b13, "b13", rank);
+  require_bf16(in.b2, "b2", rank);
+}
+
 }  // namespace
 
 void validate_setup(const Config& config, int64_t ep_size, const Options& options) {
@@ -55,6 +73,7 @@ void validate_inputs(const Config& config, int64_t ep_size, const Options& optio
     require_bf16(in.w13, "w13", r);
     require_bf16(in.w2, "w2", r);
     if (options.scores_dtype == DType::bf16) require_bf16(in.scores_TK, "scores_TK", r);
+    validate_biases(config, in, inputs_per_rank[0].b13.empty(), local, r);
   }
   std::vector<std::span<const int32_t>> ids;
   for (const RankInputs& in : inputs_per_rank) ids.emplace_back(in.ids_TK);
@@ -106,7 +125,7 @@ void validate_grad_out(const Config& config, int64_t ep_size,
 }
 
 void validate_accumulated_grads(const Config& config, int64_t ep_size,
-                                const std::vector<RankGradients>& grads_per_rank) {
+                                const std::vector<RankGradients>& grads_per_rank, bool biased) {
   if (static_cast<int64_t>(grads_per_rank.size()) != ep_size) {
     throw InvalidArgument("grads_per_rank", "accumulate_wgrad needs the existing gradients of every rank (" +
                                                 std::to_string(ep_size) + "), got " +
@@ -116,6 +135,9 @@ void validate_accumulated_grads(const Config& config, int64_t ep_size,
   for (int64_t r = 0; r < ep_size; ++r) {
     require_size(grads_per_rank[r].grad_w13.size(), local * 2 * F * D, "grad_w13", r, "E_local*2F*D");
     require_size(grads_per_rank[r].grad_w2.size(), local * D * F, "grad_w2", r, "E_local*D*F");
+    if (!biased) continue;
+    require_size(grads_per_rank[r].grad_b13.size(), local * 2 * F, "grad_b13", r, "E_local*2F");
+    require_size(grads_per_rank[r].grad_b2.size(), local * D, "grad_b2", r, "E_local*D");
   }
 }
 

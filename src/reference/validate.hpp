@@ -28,8 +28,9 @@ void validate_ids(const Config& config, int64_t ep_size, const std::vector<std::
 void validate_grad_out(const Config& config, int64_t ep_size,
                        const std::vector<std::vector<float>>& grad_out_TD_per_rank);
 
-// With accumulate_wgrad, the existing grad_w13 / grad_w2 of every rank must have their sizes.
+// With accumulate_wgrad, the existing grad_w13 / grad_w2 (and, biased, grad_b13 / grad_b2) of every
+// rank must have their sizes.
 void validate_accumulated_grads(const Config& config, int64_t ep_size,
-                                const std::vector<RankGradients>& grads_per_rank);
+                                const std::vector<RankGradients>& grads_per_rank, bool biased);
 
 }  // namespace poise::reference
