@@ -58,8 +58,9 @@ class Settings:
     pass: ``routing_history()``, e.g. for ``poise.plot_routing``."""
     group: Any = None
     """A torch.distributed group: expert parallelism over its ranks, each holding E / ep_size experts
-    (``shard_experts``). Every call then runs max_tokens rows on every rank, so that the ranks' calls,
-    which are collective, agree without a host sync."""
+    (``shard_experts``). Every call then runs on the max_tokens context on every rank, so that the
+    ranks' calls, which are collective, agree without a host sync (the padding rows name no
+    expert, so they cost nothing)."""
 
 
 _settings = Settings()
