@@ -72,3 +72,14 @@ def test_plot_routing_writes_a_png(tmp_path):
     with pytest.raises(poise.InvalidArgument) as raised:
         poise.plot_routing([history[0], history[1][:1]], tmp_path / "bad.png")
     assert raised.value.name == "history"
+
+
+def test_every_entry_free_gives_zero_rows_and_zero_peak_over_mean():
+    inputs = reference.random_inputs(CONFIG, 1, seed=9, free_fraction=1.0)
+    with poise.create_context(config=CONFIG, device="cpu") as context:
+        with torch.no_grad():
+            out = poise.routed_experts(*names_of(inputs, 0), context)
+        stats = context.routing_stats()
+    assert not out.float().any()
+    assert stats.expert_rows.sum().item() == 0 and stats.received_token_rows.item() == 0
+    assert stats.owner_peak_over_mean.item() == 0.0 and stats.received_bytes.item() == 0
