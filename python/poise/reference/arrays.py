@@ -22,10 +22,12 @@ def tensor_from_array(array: np.ndarray, dtype: torch.dtype, shape: Sequence[int
     return torch.from_numpy(array).reshape(shape).to(dtype)
 
 
-def input_arrays(x_TD, ids_TK, scores_TK, w13, w2) -> list[list[np.ndarray]]:
-    """Per input, the arrays of every rank (each argument a list of one tensor per rank)."""
+def input_arrays(x_TD, ids_TK, scores_TK, w13, w2, b13=None, b2=None) -> list[list[np.ndarray]]:
+    """Per input, the arrays of every rank (each argument a list of one tensor per rank), the
+    engine's order: x, ids, scores, w13, w2, b13, b2 (the biases' lists empty without biases)."""
     return [[float32_array(t) for t in x_TD], [int32_array(t) for t in ids_TK],
-            [float32_array(t) for t in scores_TK], [float32_array(t) for t in w13], [float32_array(t) for t in w2]]
+            [float32_array(t) for t in scores_TK], [float32_array(t) for t in w13], [float32_array(t) for t in w2],
+            [float32_array(t) for t in b13 or []], [float32_array(t) for t in b2 or []]]
 
 
 def write_back(target: torch.Tensor, values: np.ndarray) -> torch.Tensor:

@@ -23,12 +23,15 @@ from .arrays import clip_counts_tensor, float32_array, input_arrays, tensor_from
 
 @dataclasses.dataclass
 class RankGradients:
-    """One rank's gradients: grad_w13 / grad_w2 have w13's / w2's shape, in Config.wgrad_dtype."""
+    """One rank's gradients: grad_w13 / grad_w2 have w13's / w2's shape, in Config.wgrad_dtype;
+    grad_b13 / grad_b2 the biases' (None for a layer without expert biases)."""
 
     grad_x_TD: torch.Tensor
     grad_scores_TK: torch.Tensor
     grad_w13: torch.Tensor
     grad_w2: torch.Tensor
+    grad_b13: Optional[torch.Tensor] = None
+    grad_b2: Optional[torch.Tensor] = None
 
 
 @dataclasses.dataclass
@@ -78,8 +81,11 @@ class Engine:
         w2: Sequence[torch.Tensor],
         *,
         w13_layout: str = "gate_up_blocked",
+        b13: Optional[Sequence[torch.Tensor]] = None,
+        b2: Optional[Sequence[torch.Tensor]] = None,
     ) -> list[torch.Tensor]:
-        """Per rank: x_TD bf16 [T, D], ids_TK int32 [T, K], scores_TK bf16/fp32 [T, K], w13 bf16, w2 bf16.
+        """Per rank: x_TD bf16 [T, D], ids_TK int32 [T, K], scores_TK bf16/fp32 [T, K], w13 bf16, w2 bf16;
+        expert biases (both or neither) b13 bf16 [E_local, 2F] in W13's row order, b2 bf16 [E_local, D].
 
         Returns out_TD (bf16 [T, D]) per rank.
         """
@@ -90,7 +96,15 @@ class Engine:
             check_inputs(self._cpp_config, self.ep_size, "cpu", *inputs, prefix=f"rank {r}: ")
         check_same_scores_dtype(lists[2])
         engine = self._engine(SCORES_DTYPES[lists[2][0].dtype], w13_layout)
-        arrays = input_arrays(*lists)
+        if (b13 is None) != (b2 is None):
+            raise InvalidArgument("b13" if b13 is None else "b2", "expert biases go together: pass b13 and b2")
+        biases = [] if b13 is None else [_per_rank("b13", b13, self.ep_size), _per_rank("b2", b2, self.ep_size)]
+        for name, tensors in zip(("b13", "b2"), biases):
+            for r, t in enumerate(tensors):
+                if not isinstance(t, torch.Tensor) or t.dtype != torch.bfloat16:
+                    raise InvalidArgument(name, f"rank {r}: must be a bf16 torch.Tensor, got "
+                                                f"{getattr(t, 'dtype', type(t).__name__)}")
+        arrays = input_arrays(*lists, *biases)
         out_TD = engine.forward(*arrays)
         self._last = _LastForward(engine, arrays, list(zip(lists[2], lists[3], lists[4])))
         return [tensor_from_array(out, torch.bfloat16, out.shape) for out in out_TD]
@@ -139,15 +153,17 @@ class Engine:
 
     def _rank_gradients(self, result: tuple, weights: tuple, target: Optional[tuple]) -> RankGradients:
         """One rank's engine results as tensors: the weight grads written into ``target`` if given."""
-        gx, gs, g13, g2 = result
+        gx, gs, g13, g2, gb13, gb2 = result
         scores, w13, w2 = weights
         if target is not None:
             g13_t, g2_t = write_back(target[0], g13), write_back(target[1], g2)
         else:
             dtype = wgrad_dtype(self._cpp_config)
             g13_t, g2_t = tensor_from_array(g13, dtype, w13.shape), tensor_from_array(g2, dtype, w2.shape)
+        dtype = wgrad_dtype(self._cpp_config)
+        biases = [None, None] if gb13.size == 0 else [tensor_from_array(g, dtype, g.shape) for g in (gb13, gb2)]
         return RankGradients(tensor_from_array(gx, torch.bfloat16, gx.shape),
-                             tensor_from_array(gs, scores.dtype, gs.shape), g13_t, g2_t)
+                             tensor_from_array(gs, scores.dtype, gs.shape), g13_t, g2_t, *biases)
 
 
 def _run_backward(engine, arrays, grad_out_arrays, targets) -> list:

@@ -31,9 +31,12 @@ def dense_float64(
     *,
     grad_out_TD: Optional[Sequence[torch.Tensor]] = None,
     w13_layout: str = "gate_up_blocked",
+    b13: Optional[Sequence[torch.Tensor]] = None,
+    b2: Optional[Sequence[torch.Tensor]] = None,
 ) -> dict[str, list[torch.Tensor]]:
     """The C++ float64 oracle. Returns {'out_TD': [...]} and, with grad_out_TD, 'grad_x_TD',
-    'grad_scores_TK', 'grad_w13' [E_local, 2F, D] and 'grad_w2' [E_local, D, F]: float64 per rank."""
+    'grad_scores_TK', 'grad_w13' [E_local, 2F, D] and 'grad_w2' [E_local, D, F] (and with expert
+    biases b13 [E_local, 2F] / b2 [E_local, D], 'grad_b13' and 'grad_b2'): float64 per rank."""
     cpp = to_cpp(config)
     ep_size = as_index("ep_size", ep_size)
     check_w13_layout(w13_layout)
@@ -41,8 +44,9 @@ def dense_float64(
     if scores_dtype is None:
         raise InvalidArgument("scores_TK", "must be a non-empty list of bf16 or fp32 tensors")
     grads = [] if grad_out_TD is None else [float32_array(g) for g in grad_out_TD]
-    result = _poise.reference_dense_float64(cpp, ep_size, scores_dtype, w13_layout,
-                                            *input_arrays(x_TD, ids_TK, scores_TK, w13, w2), grads)
+    *inputs, b13_arrays, b2_arrays = input_arrays(x_TD, ids_TK, scores_TK, w13, w2, b13, b2)
+    result = _poise.reference_dense_float64(cpp, ep_size, scores_dtype, w13_layout, *inputs, grads, b13_arrays,
+                                            b2_arrays)
     return {name: [torch.from_numpy(a) for a in arrays] for name, arrays in result.items()}
 
 
@@ -75,8 +79,11 @@ def routed_experts_torch(
     config: Config,
     *,
     w13_layout: str = "gate_up_blocked",
+    b13_E2F: Optional[torch.Tensor] = None,
+    b2_ED: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """The layer in plain PyTorch: out[t] = sum_k scores[t,k] * W2_e act(W13_e x[t]), e = ids[t,k].
+    """The layer in plain PyTorch: out[t] = sum_k scores[t,k] * (W2_e act(W13_e x[t] + b13_e) + b2_e),
+    e = ids[t,k] (the biases, gpt-oss's, optional).
 
     Takes the global experts (w13_E2FD [E, 2F, D], w2_EDF [E, D, F]: every rank's local experts in
     rank order, see poise.reference.global_experts) and computes in the tensors' dtype (float64 for
@@ -90,10 +97,14 @@ def routed_experts_torch(
         if tokens.numel() == 0:
             continue
         h = x_TD[tokens] @ w13_E2FD[e].T
+        if b13_E2F is not None:
+            h = h + b13_E2F[e]
         if w13_layout == "gate_up_blocked":
             h_gate, h_up = h[:, :F], h[:, F:]
         else:
             h_gate, h_up = h[:, 0::2], h[:, 1::2]
         y = swiglu_torch(h_gate, h_up, config) @ w2_EDF[e].T
+        if b2_ED is not None:
+            y = y + b2_ED[e]
         out_TD = out_TD.index_add(0, tokens, scores_TK[tokens, picks].unsqueeze(1) * y)
     return out_TD

@@ -58,7 +58,7 @@ class CpuRankEngine(LatestForward):
         buffers = self._accumulation_arrays(arrays, accumulate)
         results = engine.backward(*arrays, grad_out, accumulate is not None, *buffers)
         self.backward_calls += 1
-        gx, gs, g13, g2 = results[self._rank]
+        gx, gs, g13, g2, _, _ = results[self._rank]
         grad_x = torch.from_numpy(gx).to(torch.bfloat16)
         grad_scores = torch.from_numpy(gs).to(scores_TK.dtype)
         if accumulate is not None:
@@ -74,7 +74,7 @@ class CpuRankEngine(LatestForward):
         """(the engine for this call, every rank's input arrays, the key of this forward)."""
         engine = self._engine(SCORES_DTYPES[scores_TK.dtype], w13_layout)
         arrays = self._gather([float32_array(x_TD), int32_array(ids_TK), float32_array(scores_TK),
-                               float32_array(w13), float32_array(w2)])
+                               float32_array(w13), float32_array(w2)]) + [[], []]  # no expert biases
         return engine, arrays, (engine, call_identity((x_TD, ids_TK, scores_TK, w13, w2)))
 
     def _engine(self, scores_dtype: str, w13_layout: str) -> Any:

@@ -55,24 +55,29 @@ Options make_options(const std::string& scores_dtype, const std::string& w13_lay
   return options;
 }
 
-// The per-rank lists of one call, copied into RankInputs (the engine checks their sizes).
-std::vector<RankInputs> rank_inputs(const std::vector<HostArray<float>>& x_TD,
-                                    const std::vector<HostArray<int32_t>>& ids_TK,
-                                    const std::vector<HostArray<float>>& scores_TK,
-                                    const std::vector<HostArray<float>>& w13, const std::vector<HostArray<float>>& w2) {
-  const size_t ranks = x_TD.size();
-  const std::pair<const char*, size_t> lists[] = {
-      {"ids_TK", ids_TK.size()}, {"scores_TK", scores_TK.size()}, {"w13", w13.size()}, {"w2", w2.size()}};
+using Arrays = std::vector<HostArray<float>>;
+
+// The per-rank lists of one call, copied into RankInputs (the engine checks their sizes). b13 / b2:
+// one array per rank, or empty lists for a layer without expert biases.
+std::vector<RankInputs> rank_inputs(const Arrays& x_TD, const std::vector<HostArray<int32_t>>& ids_TK,
+                                    const Arrays& scores_TK, const Arrays& w13, const Arrays& w2,
+                                    const Arrays& b13 = {}, const Arrays& b2 = {}) {
+  const size_t ranks = x_TD.size(), biased = b13.empty() && b2.empty() ? 0 : ranks;
+  const std::pair<const char*, size_t> lists[] = {{"ids_TK", ids_TK.size()}, {"scores_TK", scores_TK.size()},
+                                                  {"w13", w13.size()},       {"w2", w2.size()},
+                                                  {"b13", b13.size()},       {"b2", b2.size()}};
   for (const auto& [name, size] : lists) {
-    if (size != ranks) {
-      throw InvalidArgument(name, "expected one array per rank like x_TD (" + std::to_string(ranks) + "), got " +
+    const size_t want = name[0] == 'b' ? biased : ranks;
+    if (size != want) {
+      throw InvalidArgument(name, "expected one array per rank like x_TD (" + std::to_string(want) + "), got " +
                                       std::to_string(size));
     }
   }
   std::vector<RankInputs> inputs(ranks);
   for (size_t r = 0; r < ranks; ++r) {
     inputs[r] = {to_vector(x_TD[r]), to_vector(ids_TK[r]), to_vector(scores_TK[r]), to_vector(w13[r]),
-                 to_vector(w2[r])};
+                 to_vector(w2[r]), biased ? to_vector(b13[r]) : std::vector<float>{},
+                 biased ? to_vector(b2[r]) : std::vector<float>{}};
   }
   return inputs;
 }
@@ -91,12 +96,10 @@ struct Shapes {
         local(c.num_local_experts(ep_size)) {}
 };
 
-std::vector<NumpyArray<float>> forward(Engine& engine, const std::vector<HostArray<float>>& x_TD,
-                                       const std::vector<HostArray<int32_t>>& ids_TK,
-                                       const std::vector<HostArray<float>>& scores_TK,
-                                       const std::vector<HostArray<float>>& w13,
-                                       const std::vector<HostArray<float>>& w2) {
-  std::vector<RankInputs> inputs = rank_inputs(x_TD, ids_TK, scores_TK, w13, w2);
+std::vector<NumpyArray<float>> forward(Engine& engine, const Arrays& x_TD, const std::vector<HostArray<int32_t>>& ids_TK,
+                                       const Arrays& scores_TK, const Arrays& w13, const Arrays& w2, const Arrays& b13,
+                                       const Arrays& b2) {
+  std::vector<RankInputs> inputs = rank_inputs(x_TD, ids_TK, scores_TK, w13, w2, b13, b2);
   std::vector<std::vector<float>> out_TD;
   {
     nb::gil_scoped_release release;
@@ -108,18 +111,20 @@ std::vector<NumpyArray<float>> forward(Engine& engine, const std::vector<HostArr
   return result;
 }
 
-using GradArrays = std::tuple<NumpyArray<float>, NumpyArray<float>, NumpyArray<float>, NumpyArray<float>>;
+// grad_x, grad_scores, grad_w13, grad_w2, grad_b13, grad_b2 (the last two empty without biases).
+using GradArrays = std::tuple<NumpyArray<float>, NumpyArray<float>, NumpyArray<float>, NumpyArray<float>,
+                              NumpyArray<float>, NumpyArray<float>>;
 
 // grad_w13_acc / grad_w2_acc: with accumulate_wgrad, the existing weight grads of every rank (the
 // engine adds to them in fp32, then rounds to wgrad_dtype); otherwise empty lists.
-std::vector<GradArrays> backward(Engine& engine, const std::vector<HostArray<float>>& x_TD,
-                                 const std::vector<HostArray<int32_t>>& ids_TK,
-                                 const std::vector<HostArray<float>>& scores_TK,
-                                 const std::vector<HostArray<float>>& w13, const std::vector<HostArray<float>>& w2,
-                                 const std::vector<HostArray<float>>& grad_out_TD, bool accumulate_wgrad,
-                                 const std::vector<HostArray<float>>& grad_w13_acc,
-                                 const std::vector<HostArray<float>>& grad_w2_acc) {
-  std::vector<RankInputs> inputs = rank_inputs(x_TD, ids_TK, scores_TK, w13, w2);
+std::vector<GradArrays> backward(Engine& engine, const Arrays& x_TD, const std::vector<HostArray<int32_t>>& ids_TK,
+                                 const Arrays& scores_TK, const Arrays& w13, const Arrays& w2, const Arrays& b13,
+                                 const Arrays& b2, const Arrays& grad_out_TD, bool accumulate_wgrad,
+                                 const Arrays& grad_w13_acc, const Arrays& grad_w2_acc) {
+  std::vector<RankInputs> inputs = rank_inputs(x_TD, ids_TK, scores_TK, w13, w2, b13, b2);
+  if (accumulate_wgrad && !b13.empty()) {
+    throw InvalidArgument("accumulate_wgrad", "with expert biases: not built in this binding");
+  }
   std::vector<std::vector<float>> grad_out = to_vectors(grad_out_TD);
   std::vector<RankGradients> grads;
   if (accumulate_wgrad) {
@@ -141,9 +146,11 @@ std::vector<GradArrays> backward(Engine& engine, const std::vector<HostArray<flo
   const Shapes s(engine.config(), engine.ep_size());
   std::vector<GradArrays> result;
   for (RankGradients& g : grads) {
+    const size_t b13_rows = g.grad_b13.empty() ? 0 : s.local, b2_rows = g.grad_b2.empty() ? 0 : s.local;
     result.emplace_back(to_numpy(std::move(g.grad_x_TD), {s.T, s.D}), to_numpy(std::move(g.grad_scores_TK), {s.T, s.K}),
                         to_numpy(std::move(g.grad_w13), {s.local, 2 * s.F, s.D}),
-                        to_numpy(std::move(g.grad_w2), {s.local, s.D, s.F}));
+                        to_numpy(std::move(g.grad_w2), {s.local, s.D, s.F}),
+                        to_numpy(std::move(g.grad_b13), {b13_rows, 2 * s.F}), to_numpy(std::move(g.grad_b2), {b2_rows, s.D}));
   }
   return result;
 }
@@ -160,10 +167,10 @@ nb::dict dense_float64(const Config& config, int64_t ep_size, const std::string&
                        const std::string& w13_layout, const std::vector<HostArray<float>>& x_TD,
                        const std::vector<HostArray<int32_t>>& ids_TK, const std::vector<HostArray<float>>& scores_TK,
                        const std::vector<HostArray<float>>& w13, const std::vector<HostArray<float>>& w2,
-                       const std::vector<HostArray<float>>& grad_out_TD) {
+                       const std::vector<HostArray<float>>& grad_out_TD, const Arrays& b13, const Arrays& b2) {
   const Options options = make_options(scores_dtype, w13_layout, -1);
   config.validate(ep_size);
-  std::vector<RankInputs> inputs = rank_inputs(x_TD, ids_TK, scores_TK, w13, w2);
+  std::vector<RankInputs> inputs = rank_inputs(x_TD, ids_TK, scores_TK, w13, w2, b13, b2);
   std::vector<std::vector<float>> grad_out = to_vectors(grad_out_TD);
   reference::DenseFloat64Result r;
   {
@@ -178,6 +185,10 @@ nb::dict dense_float64(const Config& config, int64_t ep_size, const std::string&
     result["grad_scores_TK"] = per_rank_float64(std::move(r.grad_scores_TK), {s.T, s.K});
     result["grad_w13"] = per_rank_float64(std::move(r.grad_w13), {s.local, 2 * s.F, s.D});
     result["grad_w2"] = per_rank_float64(std::move(r.grad_w2), {s.local, s.D, s.F});
+    if (!b13.empty()) {
+      result["grad_b13"] = per_rank_float64(std::move(r.grad_b13), {s.local, 2 * s.F});
+      result["grad_b2"] = per_rank_float64(std::move(r.grad_b2), {s.local, s.D});
+    }
   }
   return result;
 }
@@ -213,12 +224,15 @@ void bind_reference(nb::module_& m) {
       .def_prop_ro("routing_stats", &Engine::routing_stats)
       .def_prop_ro("clip_counts", &Engine::clip_counts,
                    "Per rank, [E_local][2] SwiGLU clip counts of the last forward (gate > limit, |up| > limit).")
-      .def("forward", &forward, "x_TD"_a, "ids_TK"_a, "scores_TK"_a, "w13"_a, "w2"_a,
-           "Per-rank lists in, per-rank out_TD [T, D] float32 (bf16 values) out. Keeps what backward needs.")
-      .def("backward", &backward, "x_TD"_a, "ids_TK"_a, "scores_TK"_a, "w13"_a, "w2"_a, "grad_out_TD"_a,
-           "accumulate_wgrad"_a, "grad_w13_acc"_a, "grad_w2_acc"_a,
+      .def("forward", &forward, "x_TD"_a, "ids_TK"_a, "scores_TK"_a, "w13"_a, "w2"_a, "b13"_a = Arrays{},
+           "b2"_a = Arrays{},
+           "Per-rank lists in (b13 / b2: expert biases, or empty lists), per-rank out_TD [T, D] float32 "
+           "(bf16 values) out. Keeps what backward needs.")
+      .def("backward", &backward, "x_TD"_a, "ids_TK"_a, "scores_TK"_a, "w13"_a, "w2"_a, "b13"_a, "b2"_a,
+           "grad_out_TD"_a, "accumulate_wgrad"_a, "grad_w13_acc"_a, "grad_w2_acc"_a,
            "Differentiates the preceding forward (same inputs). Per rank: (grad_x_TD, grad_scores_TK, "
-           "grad_w13 [E_local, 2F, D], grad_w2 [E_local, D, F]).");
+           "grad_w13 [E_local, 2F, D], grad_w2 [E_local, D, F], grad_b13 [E_local or 0, 2F], grad_b2 "
+           "[E_local or 0, D]).");
 
   m.def(
       "reference_quantize_fp8_weight_blocks",
@@ -232,7 +246,7 @@ void bind_reference(nb::module_& m) {
       "w"_a, "matrices"_a, "rows"_a, "cols"_a,
       "reference::quantize_fp8_weight_blocks: float32 bf16 values in; (e4m3 bits uint8, fp32 scales) out, flat.");
   m.def("reference_dense_float64", &dense_float64, "config"_a, "ep_size"_a, "scores_dtype"_a, "w13_layout"_a,
-        "x_TD"_a, "ids_TK"_a, "scores_TK"_a, "w13"_a, "w2"_a, "grad_out_TD"_a,
+        "x_TD"_a, "ids_TK"_a, "scores_TK"_a, "w13"_a, "w2"_a, "grad_out_TD"_a, "b13"_a = Arrays{}, "b2"_a = Arrays{},
         "The float64 oracle (dense loops, no ranks, no rounding); backward when grad_out_TD is not empty.");
 }
 
