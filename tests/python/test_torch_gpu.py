@@ -239,3 +239,16 @@ def test_prepare_weights_on_the_gpu_equals_the_cpu_bit_for_bit_and_refills_under
     graph.replay()
     torch.cuda.synchronize()
     same(prepared, poise.prepare_weights(w13 * 3, w2))
+
+
+def test_expert_biases_are_refused_on_the_gpu_before_any_kernel():
+    """Biases run on CPU contexts only so far: a GPU call with b13 / b2 raises poise.NotAvailable."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    inputs = inputs_on(device, seed=8)[0]
+    local = CONFIG.num_experts
+    b13 = torch.zeros(local, 2 * CONFIG.intermediate_dim, dtype=torch.bfloat16, device=device)
+    b2 = torch.zeros(local, CONFIG.hidden_dim, dtype=torch.bfloat16, device=device)
+    with poise.create_context(config=CONFIG, device=device) as context:
+        with pytest.raises(poise.NotAvailable, match="GEMM epilogues"):
+            poise.routed_experts(*[inputs[n] for n in NAMES], context, b13=b13, b2=b2)
+        context.check()

@@ -27,6 +27,8 @@ def routed_experts(
     options: Optional[ExecutionOptions] = None,
     *,
     w13_layout: str = "gate_up_blocked",
+    b13: Optional[Tensor] = None,
+    b2: Optional[Tensor] = None,
 ) -> Union[Tensor, tuple[Tensor, Tensor]]:
     """The routed experts of one MoE layer on this rank: out_TD[t] = sum_k scores_TK[t,k] * expert(x_TD[t]).
 
@@ -41,8 +43,14 @@ def routed_experts(
     device, for each local expert the gate inputs above ``swiglu_limit`` and the up inputs outside
     [-limit, limit] over all its rows on every rank (counted on h13 as saved, bf16; zeros for
     plain SwiGLU).
+    Expert biases (gpt-oss), both or neither: b13 bf16 [E_local, 2F] in W13's row order, added
+    before the activation, and b2 bf16 [E_local, D], added before the score; differentiable too.
+    CPU contexts only so far (a GPU context raises poise.NotAvailable), without accumulate_wgrad or
+    clip_statistics.
     """
     options = ExecutionOptions() if options is None else options
+    if b13 is not None or b2 is not None:
+        return _biased_call(x_TD, ids_TK, scores_TK, w13, w2, context, options, w13_layout, b13, b2)
     if torch.compiler.is_compiling():
         # Dynamo cannot trace into the C++ objects: the op's fake implementation checks instead.
         _refuse_compiled_accumulation(options)
@@ -56,6 +64,24 @@ def routed_experts(
     op = (torch.ops.poise.routed_experts_forward_clip_counts if options.clip_statistics
           else torch.ops.poise.routed_experts_forward)
     result = op(x_TD, ids_TK, scores_TK, w13, w2, context.handle, w13_layout, options.accumulate_wgrad)
+    return result if torch.compiler.is_compiling() else _sync_checked(result, context, options)
+
+
+def _biased_call(x_TD, ids_TK, scores_TK, w13, w2, context, options, w13_layout, b13, b2) -> Tensor:
+    """poise.routed_experts with expert biases: through poise::routed_experts_biased_forward."""
+    if b13 is None or b2 is None:
+        raise InvalidArgument("b13" if b13 is None else "b2", "expert biases go together: pass b13 and b2")
+    if not torch.compiler.is_compiling():
+        _check_before_the_op(x_TD, ids_TK, scores_TK, w13, w2, context, options)
+        _refuse_grad_on_inference(context, (b13, b2))
+    if context.device != "cpu":
+        raise NotAvailable("expert biases (b13, b2) on the GPU: the GEMM epilogues that add them are not built yet; "
+                           "a CPU context runs them (docs/status.md)")
+    for what, on in (("accumulate_wgrad", options.accumulate_wgrad), ("clip_statistics", options.clip_statistics)):
+        if on:
+            raise NotAvailable(f"{what} with expert biases: not built yet")
+    result = torch.ops.poise.routed_experts_biased_forward(x_TD, ids_TK, scores_TK, w13, w2, b13, b2, context.handle,
+                                                           w13_layout)
     return result if torch.compiler.is_compiling() else _sync_checked(result, context, options)
 
 

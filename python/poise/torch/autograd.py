@@ -101,6 +101,27 @@ torch.library.register_autograd("poise::routed_experts_forward_clip_counts",
                                 setup_context=_setup_one_rank)
 
 
+# ---- one rank with expert biases -----------------------------------------------------------------
+
+
+def _setup_biased(ctx, inputs, output) -> None:
+    x_TD, ids_TK, scores_TK, w13, w2, b13, b2, handle, w13_layout = inputs
+    ctx.save_for_backward(x_TD, ids_TK, scores_TK, w13, w2, b13, b2)
+    ctx.context_handle, ctx.w13_layout = handle, w13_layout
+
+
+def _backward_biased(ctx, grad_out_TD):
+    saved = ctx.saved_tensors
+    grads = torch.ops.poise.routed_experts_biased_backward(grad_out_TD.contiguous(), *saved, ctx.context_handle,
+                                                           ctx.w13_layout)
+    grad_x, grad_scores, grad_w13, grad_w2, grad_b13, grad_b2 = (
+        g if need else None for g, need in zip(grads, (ctx.needs_input_grad[i] for i in (0, 2, 3, 4, 5, 6))))
+    return grad_x, None, grad_scores, grad_w13, grad_w2, grad_b13, grad_b2, None, None
+
+
+torch.library.register_autograd("poise::routed_experts_biased_forward", _backward_biased, setup_context=_setup_biased)
+
+
 # ---- virtual ranks -------------------------------------------------------------------------------
 
 

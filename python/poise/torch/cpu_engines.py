@@ -40,42 +40,51 @@ class CpuRankEngine(LatestForward):
         self._engines: dict[tuple[str, str], Any] = {}
         super().__init__()
 
-    def forward(self, x_TD, ids_TK, scores_TK, w13, w2, w13_layout: str, clip_counts: bool = False):
-        """out_TD, or (out_TD, clip_counts_E2) with ``clip_counts``."""
-        engine, arrays, key = self._prepare(x_TD, ids_TK, scores_TK, w13, w2, w13_layout)
+    def forward(self, x_TD, ids_TK, scores_TK, w13, w2, w13_layout: str, clip_counts: bool = False,
+                biases: Optional[tuple[torch.Tensor, torch.Tensor]] = None):
+        """out_TD, or (out_TD, clip_counts_E2) with ``clip_counts``. ``biases``: (b13, b2) or None."""
+        engine, arrays, key = self._prepare(x_TD, ids_TK, scores_TK, w13, w2, w13_layout, biases)
         out_TD = self._run_forward(key, lambda: engine.forward(*arrays))[self._rank]
         self.forward_calls += 1
         out = torch.from_numpy(out_TD).to(torch.bfloat16)
         return (out, clip_counts_tensor(engine.clip_counts[self._rank])) if clip_counts else out
 
     def backward(self, grad_out_TD, x_TD, ids_TK, scores_TK, w13, w2, w13_layout: str,
-                 accumulate: Optional[tuple[torch.Tensor, torch.Tensor]]):
-        """Returns (grad_x_TD, grad_scores_TK, grad_w13, grad_w2); with ``accumulate`` (two
-        buffers), adds the weight grads into them in place and returns them as grad_w13, grad_w2."""
-        engine, arrays, key = self._prepare(x_TD, ids_TK, scores_TK, w13, w2, w13_layout)
+                 accumulate: Optional[tuple[torch.Tensor, torch.Tensor]],
+                 biases: Optional[tuple[torch.Tensor, torch.Tensor]] = None):
+        """Returns (grad_x_TD, grad_scores_TK, grad_w13, grad_w2), and with ``biases`` also
+        (grad_b13, grad_b2); with ``accumulate`` (two buffers, no biases), adds the weight grads into
+        them in place and returns them as grad_w13, grad_w2."""
+        engine, arrays, key = self._prepare(x_TD, ids_TK, scores_TK, w13, w2, w13_layout, biases)
         self._ensure_forward(key, lambda: engine.forward(*arrays), always=self._group is not None)
         grad_out = self._gather([float32_array(grad_out_TD)])[0]
         buffers = self._accumulation_arrays(arrays, accumulate)
         results = engine.backward(*arrays, grad_out, accumulate is not None, *buffers)
         self.backward_calls += 1
-        gx, gs, g13, g2, _, _ = results[self._rank]
+        gx, gs, g13, g2, gb13, gb2 = results[self._rank]
         grad_x = torch.from_numpy(gx).to(torch.bfloat16)
         grad_scores = torch.from_numpy(gs).to(scores_TK.dtype)
         if accumulate is not None:
             return grad_x, grad_scores, write_back(accumulate[0], g13), write_back(accumulate[1], g2)
         # Without accumulation the weight grads come in the weights' dtype, as from the GPU engine.
-        return (grad_x, grad_scores, tensor_from_array(g13, w13.dtype, w13.shape),
-                tensor_from_array(g2, w2.dtype, w2.shape))
+        grads = (grad_x, grad_scores, tensor_from_array(g13, w13.dtype, w13.shape),
+                 tensor_from_array(g2, w2.dtype, w2.shape))
+        if biases is None:
+            return grads
+        return (*grads, *(tensor_from_array(g, b.dtype, b.shape) for g, b in zip((gb13, gb2), biases)))
 
     def _routing_stats(self) -> Any:
         return self._latest[0].routing_stats  # the key's engine: the one that ran the latest forward
 
-    def _prepare(self, x_TD, ids_TK, scores_TK, w13, w2, w13_layout: str) -> tuple[Any, list, tuple]:
+    def _prepare(self, x_TD, ids_TK, scores_TK, w13, w2, w13_layout: str,
+                 biases: Optional[tuple] = None) -> tuple[Any, list, tuple]:
         """(the engine for this call, every rank's input arrays, the key of this forward)."""
         engine = self._engine(SCORES_DTYPES[scores_TK.dtype], w13_layout)
+        tensors = (x_TD, ids_TK, scores_TK, w13, w2, *(biases or ()))
         arrays = self._gather([float32_array(x_TD), int32_array(ids_TK), float32_array(scores_TK),
-                               float32_array(w13), float32_array(w2)]) + [[], []]  # no expert biases
-        return engine, arrays, (engine, call_identity((x_TD, ids_TK, scores_TK, w13, w2)))
+                               float32_array(w13), float32_array(w2), *(float32_array(b) for b in biases or ())])
+        arrays += [[], []] if biases is None else []  # the engine's b13, b2 lists: empty without biases
+        return engine, arrays, (engine, call_identity(tensors))
 
     def _engine(self, scores_dtype: str, w13_layout: str) -> Any:
         key = (scores_dtype, w13_layout)

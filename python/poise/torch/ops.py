@@ -10,6 +10,10 @@ One-rank contexts (poise.routed_experts):
   routed_experts_backward(grad_out_TD, x_TD, ids_TK, scores_TK, w13, w2, context_handle,
                           w13_layout) -> (grad_x_TD, grad_scores_TK, grad_w13, grad_w2)
   routed_experts_backward_accumulate(..., grad_w13_acc!, grad_w2_acc!) -> (grad_x_TD, grad_scores_TK)
+  routed_experts_biased_forward(x_TD, ids_TK, scores_TK, w13, w2, b13, b2, context_handle, w13_layout)
+      -> out_TD: with expert biases (gpt-oss: b13 [E_local, 2F], b2 [E_local, D]); CPU contexts only
+  routed_experts_biased_backward(grad_out_TD, x_TD, ..., b13, b2, context_handle, w13_layout)
+      -> (grad_x_TD, grad_scores_TK, grad_w13, grad_w2, grad_b13, grad_b2)
 
 Virtual-ranks contexts (poise.routed_experts_virtual), every tensor argument a list of one tensor
 per rank in rank order:
@@ -35,7 +39,7 @@ import torch
 from torch import Tensor
 
 from ..context import Context
-from .checks import (check_accumulation, check_grad_out, check_one_rank_call, check_rank_grad_outs,
+from .checks import (check_accumulation, check_biases, check_grad_out, check_one_rank_call, check_rank_grad_outs,
                      check_rank_lists, check_training, open_context)
 from .engines import engine_of
 
@@ -139,6 +143,51 @@ def _open_backward(context_handle, grad_out_TD, x_TD, ids_TK, scores_TK, w13, w2
         check_one_rank_call(context, x_TD, ids_TK, scores_TK, w13, w2, w13_layout)
     check_grad_out(context._cpp.config, context.device, grad_out_TD)
     return context
+
+
+# ---- one rank with expert biases (gpt-oss) -------------------------------------------------------
+
+
+def _open_biased(context_handle, x_TD, ids_TK, scores_TK, w13, w2, b13, b2, w13_layout) -> Context:
+    context = open_context(context_handle)
+    check_one_rank_call(context, x_TD, ids_TK, scores_TK, w13, w2, w13_layout)
+    check_biases(context, b13, b2)
+    return context
+
+
+@torch.library.custom_op("poise::routed_experts_biased_forward", mutates_args=())
+def routed_experts_biased_forward(
+    x_TD: Tensor, ids_TK: Tensor, scores_TK: Tensor, w13: Tensor, w2: Tensor, b13: Tensor, b2: Tensor,
+    context_handle: int, w13_layout: str,
+) -> Tensor:
+    context = _open_biased(context_handle, x_TD, ids_TK, scores_TK, w13, w2, b13, b2, w13_layout)
+    return engine_of(context).forward(x_TD, ids_TK, scores_TK, w13, w2, w13_layout, biases=(b13, b2))
+
+
+@routed_experts_biased_forward.register_fake
+def _(x_TD, ids_TK, scores_TK, w13, w2, b13, b2, context_handle, w13_layout):
+    _open_biased(context_handle, x_TD, ids_TK, scores_TK, w13, w2, b13, b2, w13_layout)
+    return torch.empty_like(x_TD)
+
+
+@torch.library.custom_op("poise::routed_experts_biased_backward", mutates_args=())
+def routed_experts_biased_backward(
+    grad_out_TD: Tensor, x_TD: Tensor, ids_TK: Tensor, scores_TK: Tensor, w13: Tensor, w2: Tensor, b13: Tensor,
+    b2: Tensor, context_handle: int, w13_layout: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    context = _open_biased(context_handle, x_TD, ids_TK, scores_TK, w13, w2, b13, b2, w13_layout)
+    check_training(context)
+    check_grad_out(context._cpp.config, context.device, grad_out_TD)
+    return engine_of(context).backward(grad_out_TD, x_TD, ids_TK, scores_TK, w13, w2, w13_layout, None,
+                                       biases=(b13, b2))
+
+
+@routed_experts_biased_backward.register_fake
+def _(grad_out_TD, x_TD, ids_TK, scores_TK, w13, w2, b13, b2, context_handle, w13_layout):
+    context = _open_biased(context_handle, x_TD, ids_TK, scores_TK, w13, w2, b13, b2, w13_layout)
+    check_training(context)
+    check_grad_out(context._cpp.config, context.device, grad_out_TD)
+    return tuple(torch.empty_like(t) for t in (x_TD, scores_TK, w13, w2, b13, b2))
 
 
 # ---- virtual ranks -------------------------------------------------------------------------------
