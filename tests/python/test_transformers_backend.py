@@ -211,10 +211,41 @@ def test_training_context_keeps_every_layer_of_a_pass():
 
 
 def test_unsupported_experts_are_named_not_run():
-    model = tiny_model("gpt_oss")
+    model = tiny_model("qwen3_moe")
+    model.model.layers[1].mlp.experts.act_fn = torch.nn.GELU()
     model.set_experts_implementation("poise")
-    with pytest.raises(poise.NotAvailable, match="GptOssExperts.*biases.*transposed.*interleaved"):
+    with pytest.raises(poise.NotAvailable, match="Qwen3MoeExperts.*the activation GELU"):
         model(torch.zeros(1, 4, dtype=torch.long))
+
+
+def test_gpt_oss_training_step_matches_eager_on_the_cpu():
+    """gpt-oss's experts (biases, gate and up interleaved, weights stored transposed, clamped SwiGLU)
+    on the CPU engine: logits and every gradient, the experts' biases' included, as close to "eager"
+    as transformers' own grouped_mm is."""
+    model = tiny_model("gpt_oss")
+    token_ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(2))
+    logits_eager, grads_eager = training_step(model, "eager", token_ids)
+    logits_grouped, grads_grouped = training_step(model, "grouped_mm", token_ids)
+    logits_poise, grads_poise = training_step(model, "poise", token_ids)
+
+    def bound(actual_grouped, expected):
+        return max(TOLERANCE, 1.5 * relative_error(actual_grouped, expected))
+
+    assert relative_error(logits_poise, logits_eager) < bound(logits_grouped, logits_eager)
+    assert grads_poise.keys() == grads_eager.keys()
+    for name in grads_eager:
+        error = relative_error(grads_poise[name], grads_eager[name])
+        assert error < bound(grads_grouped[name], grads_eager[name]), (name, error)
+    biases = [n for n in grads_poise if n.endswith("experts.gate_up_proj_bias") or n.endswith("experts.down_proj_bias")]
+    assert len(biases) == 2 * model.config.num_hidden_layers and all(grads_poise[n].abs().sum() > 0 for n in biases)
+
+
+@pytest.mark.gpu
+def test_gpt_oss_is_refused_on_the_gpu_naming_what_is_missing():
+    model = tiny_model("gpt_oss", "cuda")
+    model.set_experts_implementation("poise")
+    with pytest.raises(poise.NotAvailable, match="transposed weight layout.*biases"):
+        model(torch.zeros(1, 4, dtype=torch.long, device="cuda"))
 
 
 def test_a_float32_model_is_refused_naming_hidden_states():

@@ -17,9 +17,12 @@ MoE layer of a forward, so each layer's backward runs from what its forward kept
 Expert parallelism: ``shard_experts(model, group)`` keeps each rank's E / ep_size experts and runs
 the contexts over the group (docs/transformers.md).
 
-Not built yet: biases, the transposed and the interleaved layouts (gpt-oss), experts without a
-gate, post-expert norms, custom gates, other activations, transformers' own expert sharding; such
-a module raises poise.NotAvailable naming what it lacks (docs/transformers.md).
+gpt-oss's experts (biases, gate and up interleaved, weights stored transposed [E, D, 2F] /
+[E, F, D], the clamped SwiGLU) run on CPU contexts (the reference engine; the transposed weights
+are copied per call there); on the GPU their biases and transposed layout are not built yet
+(poise.NotAvailable). Not built either: experts without a gate, post-expert norms, other custom
+gates and activations, transformers' own expert sharding; such a module raises poise.NotAvailable
+naming what it lacks (docs/transformers.md).
 """
 
 from __future__ import annotations
@@ -163,7 +166,7 @@ def routing_history() -> list[list[Any]]:
 def poise_experts_forward(module: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                           top_k_weights: torch.Tensor) -> torch.Tensor:
     """The "poise" implementation of a transformers Experts module's forward."""
-    _check_module(module)
+    form = _experts_form(module)
     _check_inputs(hidden_states, top_k_index)
     num_tokens, top_k = top_k_index.shape
     if num_tokens == 0:
@@ -173,30 +176,35 @@ def poise_experts_forward(module: torch.nn.Module, hidden_states: torch.Tensor, 
         t.requires_grad for t in (hidden_states, top_k_weights, module.gate_up_proj, module.down_proj))
     layers = (_settings.moe_layers or getattr(module.config, "num_hidden_layers", 1)) if training else 1
     device = _device_name(hidden_states.device)
+    w13, w2 = _weights_as_poise_takes_them(module, form, device)
     # Everything the layer's Config depends on: built (and checked) once per key, not per call.
-    key = (tuple(module.gate_up_proj.shape), getattr(module, "num_experts", None), top_k, tokens, training, layers,
-           device)
-    context = contexts.get(key, lambda: _layer_config(module, tokens, top_k, training, layers), device)
+    key = (tuple(w13.shape), getattr(module, "num_experts", None), top_k, tokens, training, layers, device,
+           form.activation)
+    context = contexts.get(key, lambda: _layer_config(module, w13, form, tokens, top_k, training, layers), device)
     if training:
         contexts.open_pass_if_first_layer(key, context, module)
     x_TD, ids_TK, scores_TK = _padded(hidden_states, top_k_index, top_k_weights, tokens)
-    out_TD = routed_experts(x_TD, ids_TK, scores_TK, module.gate_up_proj, module.down_proj, context)
+    biases = dict(b13=module.gate_up_proj_bias, b2=module.down_proj_bias) if form.biased else {}
+    out_TD = routed_experts(x_TD, ids_TK, scores_TK, w13, w2, context, w13_layout=form.w13_layout, **biases)
     if _settings.record_routing:
         recorder.record(module, context)
     return out_TD[:num_tokens]
 
 
-def _layer_config(module: torch.nn.Module, tokens: int, top_k: int, training: bool, layers: int) -> Config:
-    local_experts, two_f, hidden_dim = module.gate_up_proj.shape
+def _layer_config(module: torch.nn.Module, w13: torch.Tensor, form: "ExpertsForm", tokens: int, top_k: int,
+                  training: bool, layers: int) -> Config:
+    local_experts, two_f, hidden_dim = w13.shape
     ep_size = _ep_size_and_rank(_settings.group)[0]
     num_experts = local_experts * ep_size
     expected = getattr(module, "num_experts", num_experts)
     if num_experts != expected:
         raise InvalidArgument("gate_up_proj", f"holds {local_experts} experts on each of {ep_size} ranks, but the "
                                               f"model has {expected}: shard_experts(model, group) keeps each rank's")
+    activation, alpha, limit = form.activation
+    clamp = dict(swiglu_alpha=alpha, swiglu_limit=limit) if activation == "swiglu_clamped" else {}
     return Config(num_local_input_tokens=tokens, hidden_dim=hidden_dim, intermediate_dim=two_f // 2,
                   top_k=top_k, num_experts=num_experts, balance=_settings.balance, inference=not training,
-                  max_moe_layers_per_activation_slot=layers)
+                  max_moe_layers_per_activation_slot=layers, activation=activation, **clamp)
 
 
 def _padded(hidden_states, top_k_index, top_k_weights, tokens: int):
@@ -213,23 +221,61 @@ def _padded(hidden_states, top_k_index, top_k_weights, tokens: int):
             torch.nn.functional.pad(scores_TK, (0, 0, 0, pad)))
 
 
-def _check_module(module: torch.nn.Module) -> None:
-    """What the experts compute must be what Poise computes: SwiGLU experts without biases or norms."""
+@dataclasses.dataclass(frozen=True)
+class ExpertsForm:
+    """How an Experts module computes, in Poise's terms."""
+
+    activation: tuple  # (Config.activation, swiglu_alpha, swiglu_limit)
+    w13_layout: str    # gate and up rows: "gate_up_blocked" or "gate_up_interleaved"
+    transposed: bool   # weights stored [E, D, 2F] / [E, F, D] (gpt-oss)
+    biased: bool       # gate_up_proj_bias / down_proj_bias
+
+
+def _experts_form(module: torch.nn.Module) -> ExpertsForm:
+    """What the experts compute, which must be what Poise computes: SwiGLU experts (plain, or gpt-oss's
+    clamped form), without norms; poise.NotAvailable names what is not built."""
     missing = [what for what, lacks in (
         ("a gate projection (has_gate=False)", not module.has_gate),
-        ("biases (has_bias=True)", module.has_bias),
-        ("the transposed weight layout (is_transposed=True)", module.is_transposed),
-        ("the interleaved gate/up layout (is_concatenated=False)", not module.is_concatenated),
         ("a post-expert norm", getattr(module, "has_post_expert_norm", False)),  # transformers >= 5.2x
         ("transformers' expert parallelism", getattr(module, "_is_expert_parallel", False)),
-        ("a custom gate function (_apply_gate)", type(module)._apply_gate is not _default_apply_gate),
     ) if lacks]
-    act_fn = getattr(module, "act_fn", None)
-    if not isinstance(act_fn, (torch.nn.SiLU, SiLUActivation)):
-        missing.append(f"the activation {type(act_fn).__name__} (Poise runs SiLU-gated experts)")
+    gate = type(module)._apply_gate
+    activation = None
+    if gate is _default_apply_gate:
+        act_fn = getattr(module, "act_fn", None)
+        if isinstance(act_fn, (torch.nn.SiLU, SiLUActivation)):
+            activation = ("swiglu", None, None)
+        else:
+            missing.append(f"the activation {type(act_fn).__name__} (Poise runs SiLU-gated experts)")
+    elif gate is _gpt_oss_gate():
+        activation = ("swiglu_clamped", float(module.alpha), float(module.limit))
+    else:
+        missing.append("a custom gate function (_apply_gate)")
     if missing:
         raise NotAvailable(f"experts_implementation='poise' for {type(module).__name__}: not built for "
                            + "; ".join(missing))
+    return ExpertsForm(activation, "gate_up_blocked" if module.is_concatenated else "gate_up_interleaved",
+                       bool(module.is_transposed), bool(module.has_bias))
+
+
+def _gpt_oss_gate():
+    """gpt-oss's gate (gate and up interleaved, clamped SwiGLU with the module's alpha and limit)."""
+    try:
+        from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+    except ImportError:
+        return None
+    return GptOssExperts._apply_gate
+
+
+def _weights_as_poise_takes_them(module: torch.nn.Module, form: ExpertsForm, device: str):
+    """w13 [E, 2F, D] and w2 [E, D, F]: the parameters themselves, or for weights stored transposed
+    a copy per call on the CPU reference (the GPU takes no such copy: not built there)."""
+    if not form.transposed:
+        return module.gate_up_proj, module.down_proj
+    if device != "cpu":
+        raise NotAvailable(f"experts_implementation='poise' for {type(module).__name__} on the GPU: the transposed "
+                           "weight layout (is_transposed=True) and expert biases are not built yet (CPU only)")
+    return module.gate_up_proj.transpose(1, 2).contiguous(), module.down_proj.transpose(1, 2).contiguous()
 
 
 def _check_inputs(hidden_states: torch.Tensor, top_k_index: torch.Tensor) -> None:
@@ -271,8 +317,10 @@ def shard_experts(model: torch.nn.Module, group: Any) -> int:
         if num_experts % ep_size:
             raise InvalidArgument("group", f"{num_experts} experts do not split over {ep_size} ranks")
         local = num_experts // ep_size
-        for name in ("gate_up_proj", "down_proj"):
-            weight = getattr(module, name)
+        for name in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"):
+            weight = getattr(module, name, None)
+            if weight is None:
+                continue
             setattr(module, name, torch.nn.Parameter(weight.data[rank * local:(rank + 1) * local].clone(),
                                                      requires_grad=weight.requires_grad))
         module.num_experts = num_experts
