@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import statistics
 import sys
 import time
 
@@ -22,27 +21,13 @@ import poise
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # bench/: provenance, device identity
 from provenance import commit_of  # noqa: E402
 from smi_sampler import device_identity  # noqa: E402
+from timing import time_block  # noqa: E402
 
 DEFAULT_OUT = "bench/results/fp8_weights_h200.json"
 SHAPES = {  # local experts, F, D
     "DeepSeek-V3 rank (EP8)": (32, 2048, 7168),
     "Qwen3-30B-A3B (EP1)": (128, 768, 2048),
 }
-
-
-def median_ms(fn, reps: int) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def main(argv=None):
@@ -57,13 +42,13 @@ def main(argv=None):
         w13 = (torch.randn(E, 2 * F, D, device="cuda") * D**-0.5).bfloat16()
         w2 = (torch.randn(E, D, F, device="cuda") * F**-0.5).bfloat16()
         prepared = poise.prepare_weights(w13, w2)
-        ms = median_ms(lambda: poise.prepare_weights(w13, w2, out=prepared), args.reps)
+        ms, _ = time_block(lambda: poise.prepare_weights(w13, w2, out=prepared), args.reps, 0.2, 50.0)
         elements = w13.numel() + w2.numel()
         scales = prepared.w13_scales.numel() + prepared.w2_scales.numel()
         bytes_moved = 2 * elements + elements + 4 * scales
         source = torch.empty(elements, dtype=torch.bfloat16, device="cuda")
         target = torch.empty_like(source)
-        copy_ms = median_ms(lambda: target.copy_(source), args.reps)
+        copy_ms, _ = time_block(lambda: target.copy_(source), args.reps, 0.2, 50.0)
         rows[name] = {"experts": E, "F": F, "D": D, "ms": ms, "GB_per_s": bytes_moved / ms / 1e6,
                       "copy_GB_per_s": 2 * 2 * elements / copy_ms / 1e6}
         rows[name]["fraction_of_copy"] = rows[name]["GB_per_s"] / rows[name]["copy_GB_per_s"]

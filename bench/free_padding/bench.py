@@ -9,7 +9,7 @@ context sized for the real tokens, same real inputs, through poise.routed_expert
                  what padding cost before ids of -1 (every padding row computed)
 Forward under no_grad on inference contexts, and forward+backward on training contexts. Shape:
 Qwen3-30B-A3B's experts (D=2048, F=768, E=128, K=8). Medians of --reps calls per block, blocks of
-the three sides alternated (bench/routed_experts/bench.py's time_block). The padded sides' real
+the three sides alternated (bench/timing.py's time_block). The padded sides' real
 rows are checked against "exact" (out and grad_x relative error).
 
 Usage: python3 bench/free_padding/bench.py [--out FILE] [--tokens 8192] [--real 1024] [--blocks 3]
@@ -17,7 +17,6 @@ Usage: python3 bench/free_padding/bench.py [--out FILE] [--tokens 8192] [--real 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import pathlib
 import statistics
@@ -32,10 +31,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # bench/: provenance, device identity
 from provenance import commit_of  # noqa: E402
 from smi_sampler import device_identity  # noqa: E402
-
-_spec = importlib.util.spec_from_file_location("routed_experts_bench", HERE.parent / "routed_experts" / "bench.py")
-routed_experts_bench = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(routed_experts_bench)
+from timing import time_block  # noqa: E402
 
 DEFAULT_OUT = "bench/results/free_padding_h200.json"
 D, F, E, K = 2048, 768, 128, 8
@@ -134,7 +130,7 @@ def main(argv=None):
     for mode in ("forward", "forward_backward"):
         for _ in range(args.blocks):
             for side in SIDES:
-                block_ms, _ = routed_experts_bench.time_block(steps[side][mode], args.reps, args.settle_s, args.warm_ms)
+                block_ms, _ = time_block(steps[side][mode], args.reps, args.settle_s, args.warm_ms)
                 ms.setdefault(f"{side}_{mode}_ms", []).append(block_ms)
     medians = {key: statistics.median(v) for key, v in ms.items()}
     ratios = {f"{side}_over_exact_{mode}": medians[f"{side}_{mode}_ms"] / medians[f"exact_{mode}_ms"]

@@ -27,6 +27,7 @@ import torch.nn.functional as Fn
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # bench/: the clock sampler, the commit
 from provenance import commit_of  # noqa: E402
 from smi_sampler import SmiSampler, device_identity, median_clock_power  # noqa: E402
+from timing import time_block  # noqa: E402
 
 SHAPES = {
     # name: (T, D, F, E_local, K)
@@ -202,30 +203,6 @@ def check_case(calls, inputs):
 
 
 # ---------------------------------------------------------------- timing
-def time_block(fn, reps, settle_s, warm_ms):
-    """Median ms of reps calls, each from an idle GPU (CUDA events around it), after settle_s idle
-    and at least warm_ms (and 3 calls) of warm-up: the card runs power-limited, and a block that
-    started in another block's hot stretch would inherit its clocks. Returns (ms, (start, end)) with
-    the timed window in time.time() for the clock samples."""
-    torch.cuda.synchronize()
-    time.sleep(settle_s)
-    start, calls = time.perf_counter(), 0
-    while calls < 3 or (time.perf_counter() - start) * 1e3 < warm_ms:
-        fn()
-        calls += 1
-        torch.cuda.synchronize()
-    window_start = time.time()
-    events = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        torch.cuda.synchronize()
-        events.append((s, e))
-    return statistics.median(s.elapsed_time(e) for s, e in events), (window_start, time.time())
-
-
 def timed_blocks(steps, args):
     """{f"{side}_{mode}_ms": [block medians]} and the blocks' windows, each mode's sides alternated
     block by block (A/B/A/B)."""
