@@ -78,17 +78,6 @@ struct StageTimes {
   std::vector<StageTime> forward, backward;  // of the last forward / backward call
 };
 
-// Routing telemetry (Context::routing_stats): where the latest forward's rows went, written as int32
-// into caller-owned device buffers. Every pointer is nullable (not written). A rank whose call
-// faulted writes -1 everywhere (the fault itself raises at the next call or check()).
-struct RoutingStatsOut {
-  int32_t* expert_rows_E = nullptr;        // [E] rows routed to each expert by every rank (free entries excluded)
-  int32_t* owner_rows_R = nullptr;         // [ep_size] rows of each rank's own experts: its load before balancing
-  int32_t* computed_rows_R = nullptr;      // [ep_size] rows each rank computes under the balance plan: after
-  int32_t* replicas_R = nullptr;           // [ep_size] replica slots each rank fills (exact balance; else 0)
-  int32_t* received_token_rows = nullptr;  // [1] token rows dispatched to this rank, once per token (its own too)
-};
-
 // Where a forward left what its backward needs (returned by routed_experts_forward). A backward
 // given a record that a later forward overwrote (or none kept: index -1) recomputes the part of
 // its forward it needs (routing, dispatch, the W13 GEMM) first.

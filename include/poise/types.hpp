@@ -1,6 +1,8 @@
-// The enumerations shared by every layer: dtypes, activations, balance modes, the W13 layout.
+// What every layer shares: the enumerations (dtypes, activations, balance modes, the W13 layout),
+// kNoExpert, and the routing telemetry's output buffers.
 #pragma once
 
+#include <cstdint>
 #include <string>
 
 namespace poise {
@@ -42,6 +44,17 @@ GemmPrecision gemm_precision_from_string(const std::string& s);  // throws Inval
 enum class W13Layout {
   gate_up_blocked,      // rows [0,F) gate, [F,2F) up
   gate_up_interleaved,  // row 2f gate, row 2f+1 up (gpt-oss checkpoints)
+};
+
+// Routing telemetry (Context::routing_stats): where the latest forward's rows went, written as int32
+// into caller-owned device buffers. Every pointer is nullable (not written). A rank whose call
+// faulted writes -1 everywhere (the fault itself raises at the next call or check()).
+struct RoutingStatsOut {
+  int32_t* expert_rows_E = nullptr;        // [E] rows routed to each expert by every rank (free entries excluded)
+  int32_t* owner_rows_R = nullptr;         // [ep_size] rows of each rank's own experts: its load before balancing
+  int32_t* computed_rows_R = nullptr;      // [ep_size] rows each rank computes under the balance plan: after
+  int32_t* replicas_R = nullptr;           // [ep_size] replica slots each rank fills (exact balance; else 0)
+  int32_t* received_token_rows = nullptr;  // [1] token rows dispatched to this rank, once per token (its own too)
 };
 
 }  // namespace poise

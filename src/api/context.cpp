@@ -205,11 +205,7 @@ StageTimes Context::stage_times(Stream stream) {
 void Context::routing_stats(std::span<const RoutingStatsOut> per_launch_rank, Stream stream) {
   require_open(*this);
   if (!state_->pipeline) throw InvalidArgument("context", "has run no forward yet: routing_stats describes the latest forward");
-  std::vector<ep::RoutingStatsBuffers> buffers;
-  for (const RoutingStatsOut& o : per_launch_rank) {
-    buffers.push_back({o.expert_rows_E, o.owner_rows_R, o.computed_rows_R, o.replicas_R, o.received_token_rows});
-  }
-  state_->pipeline->routing_stats(buffers, stream);
+  state_->pipeline->routing_stats(per_launch_rank, stream);
 }
 
 void Context::check(Stream stream) {

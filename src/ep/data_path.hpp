@@ -63,17 +63,10 @@ void launch_call_end(const EpLaunch& l, const LaunchIo& io, bool backward, cudaS
 void launch_clip_count_groups(const EpLaunch& l, cudaStream_t stream);
 void launch_clip_count_reduce(const EpLaunch& l, const LaunchIo& io, cudaStream_t stream);
 
-// Routing telemetry of the latest forward (src/ep/routing_telemetry.cu), into caller-owned device
-// int32 buffers, each nullable; launch rank s writes rank[s]. -1 everywhere for a rank that faulted.
-struct RoutingStatsBuffers {
-  int32_t* expert_rows_E = nullptr;        // [E] rows routed to each expert, all ranks together
-  int32_t* owner_rows_R = nullptr;         // [R] rows of each rank's own experts (before balancing)
-  int32_t* computed_rows_R = nullptr;      // [R] rows each rank computes under the plan (after)
-  int32_t* replicas_R = nullptr;           // [R] replica slots each rank fills
-  int32_t* received_token_rows = nullptr;  // [1] token rows dispatched to this rank (once per token)
-};
+// Routing telemetry of the latest forward (src/ep/routing_telemetry.cu) into the caller's buffers
+// (poise::RoutingStatsOut, types.hpp); launch rank s writes rank[s].
 struct RoutingStatsLaunch {
-  RoutingStatsBuffers rank[kMaxLaunchRanks];
+  RoutingStatsOut rank[kMaxLaunchRanks];
 };
 void launch_routing_stats(const EpLaunch& l, const RoutingStatsLaunch& out, cudaStream_t stream);
 

@@ -9,7 +9,7 @@
 #include <cstdint>
 
 #include "comm/transport.hpp"
-#include "poise/types.hpp"  // kNoExpert
+#include "poise/types.hpp"  // kNoExpert, RoutingStatsOut
 #include "balance/balance_plan_device.cuh"  // ReplicaPiece
 
 namespace poise::ep {

@@ -34,7 +34,7 @@ __global__ void __launch_bounds__(kThreads) routing_stats_kernel(const comm::Pee
   const int slot = blockIdx.x, E = dims.E, R = dims.world, L = dims.E_local;
   const comm::PeerTable& pt = tables[slot];
   const RankScratch& rs = scratch.rank[slot];
-  const RoutingStatsBuffers& o = out.rank[slot];
+  const RoutingStatsOut& o = out.rank[slot];
   if (comm::rank_failed(pt)) {  // the call stopped: no loads to report (the next call raises its fault)
     for (int e = threadIdx.x; e < E; e += blockDim.x) store(o.expert_rows_E, e, -1);
     for (int d = threadIdx.x; d < R; d += blockDim.x) {

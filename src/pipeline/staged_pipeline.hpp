@@ -47,7 +47,6 @@
 
 #include "comm/transport.hpp"
 #include "core/workspace_layout.hpp"
-#include "ep/data_path.hpp"  // RoutingStatsBuffers
 #include "ep/ep_params.hpp"
 #include "poise/config.hpp"
 #include "poise/context.hpp"
@@ -182,7 +181,7 @@ class StagedPipeline {
   LayoutSnapshot snapshot(int slot) const;
   // Routing telemetry of the latest forward into device buffers on `stream`, no sync (one buffer set
   // per launch rank; see launch_routing_stats). InvalidArgument("context") before any forward.
-  void routing_stats(std::span<const RoutingStatsBuffers> per_rank, cudaStream_t stream) const;
+  void routing_stats(std::span<const RoutingStatsOut> per_rank, cudaStream_t stream) const;
   // Exact balance: the plan slot `slot` computed in the last forward (syncs the device).
   PlanSnapshot plan_snapshot(int slot) const;
 

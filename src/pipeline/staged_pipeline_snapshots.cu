@@ -5,6 +5,7 @@
 
 #include <vector>
 
+#include "ep/data_path.hpp"
 #include "pipeline/pipeline_checks.hpp"
 #include "runtime/cuda_check.hpp"
 
@@ -12,7 +13,7 @@ namespace poise::ep {
 
 using runtime::cuda_check;
 
-void StagedPipeline::routing_stats(std::span<const RoutingStatsBuffers> per_rank, cudaStream_t stream) const {
+void StagedPipeline::routing_stats(std::span<const RoutingStatsOut> per_rank, cudaStream_t stream) const {
   require(static_cast<int>(per_rank.size()) == launch_.launch_ranks, "routing_stats",
           "needs one buffer set per launch rank (" + std::to_string(launch_.launch_ranks) + "), got " +
               std::to_string(per_rank.size()));

@@ -63,11 +63,14 @@ std::vector<RankInputs> rank_inputs(const Arrays& x_TD, const std::vector<HostAr
                                     const Arrays& scores_TK, const Arrays& w13, const Arrays& w2,
                                     const Arrays& b13 = {}, const Arrays& b2 = {}) {
   const size_t ranks = x_TD.size(), biased = b13.empty() && b2.empty() ? 0 : ranks;
-  const std::pair<const char*, size_t> lists[] = {{"ids_TK", ids_TK.size()}, {"scores_TK", scores_TK.size()},
-                                                  {"w13", w13.size()},       {"w2", w2.size()},
-                                                  {"b13", b13.size()},       {"b2", b2.size()}};
-  for (const auto& [name, size] : lists) {
-    const size_t want = name[0] == 'b' ? biased : ranks;
+  struct List {
+    const char* name;
+    size_t size, want;
+  };
+  const List lists[] = {{"ids_TK", ids_TK.size(), ranks}, {"scores_TK", scores_TK.size(), ranks},
+                        {"w13", w13.size(), ranks},       {"w2", w2.size(), ranks},
+                        {"b13", b13.size(), biased},      {"b2", b2.size(), biased}};
+  for (const auto& [name, size, want] : lists) {
     if (size != want) {
       throw InvalidArgument(name, "expected one array per rank like x_TD (" + std::to_string(want) + "), got " +
                                       std::to_string(size));
