@@ -28,6 +28,7 @@ naming what it lacks (docs/transformers.md).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, Optional
 
 import torch
@@ -258,6 +259,7 @@ def _experts_form(module: torch.nn.Module) -> ExpertsForm:
                        bool(module.is_transposed), bool(module.has_bias))
 
 
+@functools.cache
 def _gpt_oss_gate():
     """gpt-oss's gate (gate and up interleaved, clamped SwiGLU with the module's alpha and limit)."""
     try:

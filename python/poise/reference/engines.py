@@ -16,7 +16,7 @@ import torch
 from .. import _poise
 from ..config import Config, to_cpp
 from ..errors import InvalidArgument, as_index
-from ..torch.checks import (SCORES_DTYPES, check_accumulation_buffer, check_grad_out, check_inputs,
+from ..torch.checks import (SCORES_DTYPES, check_accumulation_buffer, check_biases, check_grad_out, check_inputs,
                             check_same_scores_dtype, check_w13_layout, wgrad_dtype)
 from .arrays import clip_counts_tensor, float32_array, input_arrays, tensor_from_array, write_back
 
@@ -96,14 +96,11 @@ class Engine:
             check_inputs(self._cpp_config, self.ep_size, "cpu", *inputs, prefix=f"rank {r}: ")
         check_same_scores_dtype(lists[2])
         engine = self._engine(SCORES_DTYPES[lists[2][0].dtype], w13_layout)
-        if (b13 is None) != (b2 is None):
-            raise InvalidArgument("b13" if b13 is None else "b2", "expert biases go together: pass b13 and b2")
-        biases = [] if b13 is None else [_per_rank("b13", b13, self.ep_size), _per_rank("b2", b2, self.ep_size)]
-        for name, tensors in zip(("b13", "b2"), biases):
-            for r, t in enumerate(tensors):
-                if not isinstance(t, torch.Tensor) or t.dtype != torch.bfloat16:
-                    raise InvalidArgument(name, f"rank {r}: must be a bf16 torch.Tensor, got "
-                                                f"{getattr(t, 'dtype', type(t).__name__)}")
+        biases = [] if b13 is None and b2 is None else [
+            _per_rank(name, [None] * self.ep_size if value is None else value, self.ep_size)
+            for name, value in (("b13", b13), ("b2", b2))]
+        for r, pair in enumerate(zip(*biases)):  # one of them None: check_biases names it
+            check_biases(self._cpp_config, self.ep_size, "cpu", *pair, prefix=f"rank {r}: ")
         arrays = input_arrays(*lists, *biases)
         out_TD = engine.forward(*arrays)
         self._last = _LastForward(engine, arrays, list(zip(lists[2], lists[3], lists[4])))

@@ -69,7 +69,7 @@ def routed_experts(
 
 def _biased_call(x_TD, ids_TK, scores_TK, w13, w2, context, options, w13_layout, b13, b2) -> Tensor:
     """poise.routed_experts with expert biases: through poise::routed_experts_biased_forward."""
-    if b13 is None or b2 is None:
+    if (b13 is None) != (b2 is None):  # the op checks the rest (check_biases)
         raise InvalidArgument("b13" if b13 is None else "b2", "expert biases go together: pass b13 and b2")
     if not torch.compiler.is_compiling():
         _check_before_the_op(x_TD, ids_TK, scores_TK, w13, w2, context, options)

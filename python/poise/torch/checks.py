@@ -164,14 +164,15 @@ def check_one_rank_call(context: Context, x_TD, ids_TK, scores_TK, w13, w2, w13_
     check_inputs(context._cpp.config, context.ep_size, context.device, x_TD, ids_TK, scores_TK, w13, w2)
 
 
-def check_biases(context: Context, b13, b2) -> None:
-    """Expert biases of a one-rank call (gpt-oss): b13 bf16 [E_local, 2F] in W13's row order and b2
-    bf16 [E_local, D], both on the context's device, contiguous."""
-    config = context._cpp.config
-    local = config.num_local_experts(context.ep_size)
+def check_biases(config: Any, ep_size: int, device: str, b13: Any, b2: Any, prefix: str = "") -> None:
+    """One rank's expert biases (gpt-oss), given together: b13 bf16 [E_local, 2F] in W13's row order
+    and b2 bf16 [E_local, D], on ``device``, contiguous. ``config`` as for check_inputs."""
+    if (b13 is None) != (b2 is None):
+        raise InvalidArgument("b13" if b13 is None else "b2", f"{prefix}expert biases go together: pass b13 and b2")
+    local = config.num_experts // ep_size
     for name, value, shape in (("b13", b13, (local, 2 * config.intermediate_dim)), ("b2", b2, (local, config.hidden_dim))):
-        check_tensor(name, value, device=context.device, dtypes=_BF16, shapes=[shape],
-                     shape_rule=lambda shape=shape: "[" + ", ".join(map(str, shape)) + "]")
+        check_tensor(name, value, device=device, dtypes=_BF16, shapes=[shape],
+                     shape_rule=lambda shape=shape: "[" + ", ".join(map(str, shape)) + "]", prefix=prefix)
 
 
 def check_accumulation(context: Context, w13, w2, grad_w13_acc, grad_w2_acc) -> None:

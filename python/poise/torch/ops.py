@@ -151,7 +151,7 @@ def _open_backward(context_handle, grad_out_TD, x_TD, ids_TK, scores_TK, w13, w2
 def _open_biased(context_handle, x_TD, ids_TK, scores_TK, w13, w2, b13, b2, w13_layout) -> Context:
     context = open_context(context_handle)
     check_one_rank_call(context, x_TD, ids_TK, scores_TK, w13, w2, w13_layout)
-    check_biases(context, b13, b2)
+    check_biases(context._cpp.config, context.ep_size, context.device, b13, b2)
     return context
 
 
