@@ -50,6 +50,14 @@ struct ForwardArgs {
   // and of up inputs outside [-limit, limit] over all rows of each local expert (clamped SwiGLU;
   // zeros for plain SwiGLU), counted on h13 as saved (bf16). Set on every rank or on none.
   int64_t* clip_counts_E2 = nullptr;
+  // The weights as x @ W (transformers' is_transposed, gpt-oss): w13 [E_local, D, 2F] (columns in
+  // w13_layout's order), w2 [E_local, F, D]. The GEMMs read them as stored (no copy). The same on
+  // every rank of one call.
+  bool weights_transposed = false;
+  // Expert biases (gpt-oss), both or neither, on every rank or none: b13 bf16 [E_local, 2F] in
+  // W13's row order, added before the activation; b2 bf16 [E_local, D], added before the score.
+  const void* b13 = nullptr;
+  const void* b2 = nullptr;
 };
 
 struct BackwardArgs {
@@ -60,7 +68,10 @@ struct BackwardArgs {
   void* grad_scores_TK = nullptr;      // scores_dtype [T, K]
   void* grad_w13 = nullptr;            // wgrad_dtype, w13's shape
   void* grad_w2 = nullptr;             // wgrad_dtype, w2's shape
-  bool accumulate_wgrad = false;       // add into grad_w13/grad_w2 instead of overwriting
+  // With forward.b13 / b2 (required then, null otherwise): wgrad_dtype [E_local, 2F] / [E_local, D].
+  void* grad_b13 = nullptr;
+  void* grad_b2 = nullptr;
+  bool accumulate_wgrad = false;       // add into grad_w13/grad_w2 (and the bias grads) instead of overwriting
   // This call's weight-gradient dtype; unset: Config::wgrad_dtype. The same for every rank of a
   // call. A caller that would only cast fp32 grads down to the weights' bf16 (PyTorch autograd
   // without main_grad) asks for bf16: the GEMMs round their fp32 sums once, to the same bits the

@@ -38,7 +38,7 @@ Dims dims_of(const Config& c, int64_t ep_size, int64_t replica_slots) {
   d.B = replica_slots;
   d.groups = c.num_local_experts(ep_size) + replica_slots;
   d.capacity = capacity_rows(c, ep_size, replica_slots);
-  d.score_partials = (d.F + kScorePieceColumns - 1) / kScorePieceColumns;
+  d.score_partials = (d.F + kScorePieceColumns - 1) / kScorePieceColumns + 1;  // + the expert biases' piece
   d.exact = c.balance == Balance::exact;
   d.training = !c.inference;
   return d;
@@ -71,6 +71,11 @@ Window window(const Dims& d, const Keep& k) {
     w.replica_w2 = b.add(kBf16 * d.B * w2);
     if (d.training) w.replica_grad_w13 = b.add(kFp32 * d.B * w13);
     if (d.training) w.replica_grad_w2 = b.add(kFp32 * d.B * w2);
+    // Expert biases travel with their weights (a call may pass them or not).
+    w.replica_b13 = b.add(kBf16 * d.B * 2 * d.F);
+    w.replica_b2 = b.add(kBf16 * d.B * d.D);
+    if (d.training) w.replica_grad_b13 = b.add(kFp32 * d.B * 2 * d.F);
+    if (d.training) w.replica_grad_b2 = b.add(kFp32 * d.B * d.D);
   }
   w.bytes = b.end();
   return w;

@@ -19,7 +19,7 @@ inline constexpr int64_t kReplicaPieceBytes = 20;  // sizeof(plan::shared::Repli
 inline constexpr int64_t kPlanStats = 4;           // ep::kPlanStats
 inline constexpr int64_t kTokensPerChunk = 32;     // ep::kTokensPerChunk
 // DGRAD W2 writes each row's score gradient in one piece per tile of activation columns; its tiles
-// are at least this wide, so F / kScorePieceColumns pieces always fit.
+// are at least this wide, so F / kScorePieceColumns pieces always fit, plus one for expert biases.
 inline constexpr int64_t kScorePieceColumns = 64;
 inline constexpr int64_t kRegionAlignment = 256;  // every region starts on, and is padded to, 256 B
 
@@ -59,9 +59,12 @@ struct Window {
   Region replica_w2;                // bf16 [B][D][F]
   Region replica_grad_w13;          // fp32 [B][2F][D] (exact balance, training)
   Region replica_grad_w2;           // fp32 [B][D][F]
+  Region replica_b13, replica_b2;            // bf16 [B][2F], [B][D]: expert biases (exact balance)
+  Region replica_grad_b13, replica_grad_b2;  // fp32 [B][2F], [B][D] (exact balance, training)
   int64_t bytes = 0;
   int64_t replica_bytes() const {
-    return replica_w13.bytes + replica_w2.bytes + replica_grad_w13.bytes + replica_grad_w2.bytes;
+    return replica_w13.bytes + replica_w2.bytes + replica_grad_w13.bytes + replica_grad_w2.bytes +
+           replica_b13.bytes + replica_b2.bytes + replica_grad_b13.bytes + replica_grad_b2.bytes;
   }
 };
 

@@ -20,32 +20,55 @@ namespace {
 using comm::PeerTable;
 using comm::Phase;
 
-// Exact balance: this rank's experts that the plan replicates elsewhere go, weights W13 and W2,
-// into the replica slot of the rank hosting them, in 32 KiB chunks spread over warps. In the
+// Exact balance: this rank's experts that the plan replicates elsewhere go, weights W13 and W2 (and
+// biases), into the replica slot of the rank hosting them, in 32 KiB chunks spread over warps. In the
 // dispatch kernel after the token rows, before the barrier (which then publishes both, and the
 // weight copies overlap other blocks' row traffic), and by every warp of the grid for each
 // launched rank in turn: with virtual ranks the hot owner pushes all replicas, and its own blocks
 // alone (1/R of the grid) took 5.4 ms at peak/mean 3 where the whole grid takes about 1.
 constexpr size_t kWeightChunkBytes = 32 * 1024;
 
+// One per-expert tensor a replica slot receives: the owner's experts at src, the slots at the
+// workspace offset dst; `bytes` per expert (a multiple of 16).
+struct ReplicaTensor {
+  const char* src;
+  size_t dst;
+  size_t bytes;
+  __device__ size_t chunks() const { return (bytes + kWeightChunkBytes - 1) / kWeightChunkBytes; }
+};
+
+// W13, W2 and, with expert biases, b13 and b2: returns how many.
+__device__ int replica_tensors(const EpDims& dims, const WorkspaceOffsets& ws, const RankIo& rio,
+                               ReplicaTensor (&t)[4]) {
+  const size_t F2 = size_t(2) * dims.F, D = dims.D;
+  t[0] = {reinterpret_cast<const char*>(rio.w13_E2FD), ws.replica_w13, F2 * D * sizeof(bf16)};
+  t[1] = {reinterpret_cast<const char*>(rio.w2_EDF), ws.replica_w2, D * dims.F * sizeof(bf16)};
+  if (!dims.biased) return 2;
+  t[2] = {reinterpret_cast<const char*>(rio.b13_E2F), ws.replica_b13, F2 * sizeof(bf16)};
+  t[3] = {reinterpret_cast<const char*>(rio.b2_ED), ws.replica_b2, D * sizeof(bf16)};
+  return 4;
+}
+
 __device__ void push_replica_weights(const PeerTable& pt, const EpDims& dims, const WorkspaceOffsets& ws,
                                      const RankIo& rio, const RankScratch& rs, size_t first_unit,
                                      size_t unit_stride) {
   const int pieces = rs.plan_piece_first_E[dims.E];
-  const size_t w13_bytes = size_t(2) * dims.F * dims.D * sizeof(bf16), w2_bytes = size_t(dims.D) * dims.F * sizeof(bf16);
-  const size_t w13_chunks = (w13_bytes + kWeightChunkBytes - 1) / kWeightChunkBytes;
-  const size_t chunks = w13_chunks + (w2_bytes + kWeightChunkBytes - 1) / kWeightChunkBytes;
+  ReplicaTensor t[4];
+  const int tensors = replica_tensors(dims, ws, rio, t);
+  size_t chunks = 0;
+  for (int i = 0; i < tensors; ++i) chunks += t[i].chunks();
   const int lane = threadIdx.x % 32;
   for (size_t unit = first_unit; unit < pieces * chunks; unit += unit_stride) {
     const plan::shared::ReplicaPiece p = rs.plan_pieces[unit / chunks];
     if (p.expert / dims.E_local != pt.rank) continue;
-    const size_t chunk = unit % chunks, local = p.expert % dims.E_local, replica = p.slot - dims.E_local;
-    const bool w13 = chunk < w13_chunks;
-    const size_t bytes = w13 ? w13_bytes : w2_bytes;
-    const size_t at = (w13 ? chunk : chunk - w13_chunks) * kWeightChunkBytes;
-    const size_t len = bytes - at < kWeightChunkBytes ? bytes - at : kWeightChunkBytes;
-    const char* src = reinterpret_cast<const char*>(w13 ? rio.w13_E2FD : rio.w2_EDF) + local * bytes + at;
-    char* dst = comm::peer_ptr<char>(pt, p.rank, w13 ? ws.replica_w13 : ws.replica_w2) + replica * bytes + at;
+    const size_t local = p.expert % dims.E_local, replica = p.slot - dims.E_local;
+    size_t chunk = unit % chunks;
+    int i = 0;
+    while (chunk >= t[i].chunks()) chunk -= t[i++].chunks();
+    const size_t at = chunk * kWeightChunkBytes;
+    const size_t len = t[i].bytes - at < kWeightChunkBytes ? t[i].bytes - at : kWeightChunkBytes;
+    const char* src = t[i].src + local * t[i].bytes + at;
+    char* dst = comm::peer_ptr<char>(pt, p.rank, t[i].dst) + replica * t[i].bytes + at;
     comm::warp_copy_16B(dst, src, len, lane);
   }
 }

@@ -41,6 +41,8 @@ struct EpDims {
   int32_t num_chunks = 0;    // ceil(T / kTokensPerChunk)
   int32_t scores_bf16 = 0;   // scores_TK dtype: 1 bf16, 0 fp32 (per call)
   int32_t w13_interleaved = 0;  // W13 rows: 1 gate/up interleaved, 0 blocked (per call)
+  int32_t weights_transposed = 0;  // 1: w13 [E_local][D][2F], w2 [E_local][F][D] (per call)
+  int32_t biased = 0;        // 1: expert biases b13, b2 (per call)
   int32_t wgrad_bf16 = 0;    // the call's weight gradients: 1 bf16, 0 fp32 (per backward call: BackwardArgs / Config)
   // Backward: grad_out rows go to the experts unscaled; DGRAD W2 applies the scores and computes
   // the scores' gradients per row in score_partials pieces, which combine-push sums and sends to
@@ -69,6 +71,11 @@ struct WorkspaceOffsets {
   size_t replica_w2 = 0;        // bf16 [B][D][F]
   size_t replica_grad_w13 = 0;  // fp32 [B][2F][D] (training)
   size_t replica_grad_w2 = 0;   // fp32 [B][D][F]  (training)
+  // With expert biases (per call; the regions are always there under exact balance).
+  size_t replica_b13 = 0;       // bf16 [B][2F]
+  size_t replica_b2 = 0;        // bf16 [B][D]
+  size_t replica_grad_b13 = 0;  // fp32 [B][2F] (training)
+  size_t replica_grad_b2 = 0;   // fp32 [B][D]  (training)
 };
 
 // One rank's private device buffers (and where its own workspace and error word are).
@@ -110,6 +117,8 @@ struct RankIo {
   const void* scores_TK = nullptr;
   const bf16* w13_E2FD = nullptr;
   const bf16* w2_EDF = nullptr;
+  const bf16* b13_E2F = nullptr;  // EpDims::biased
+  const bf16* b2_ED = nullptr;
   bf16* out_TD = nullptr;
   const bf16* grad_out_TD = nullptr;
   bf16* grad_x_TD = nullptr;
@@ -117,6 +126,8 @@ struct RankIo {
   int64_t* clip_counts_E2 = nullptr;  // forward, nullable: [E_local][2] gate / up inputs the clamp clipped
   void* grad_w13_E2FD = nullptr;  // fp32 or bf16 (EpDims::wgrad_bf16)
   void* grad_w2_EDF = nullptr;
+  void* grad_b13_E2F = nullptr;  // EpDims::biased; the weight gradients' dtype
+  void* grad_b2_ED = nullptr;
 };
 
 // What the planner kernel records about its plan (read by tests and the benchmark).

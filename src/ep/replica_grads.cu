@@ -1,4 +1,4 @@
-// Exact balance, backward: replica weight gradients back to their owners, in fp32 (the owner's
+// Exact balance, backward: replica weight (and bias) gradients back to their owners, in fp32 (the owner's
 // gradient may be bf16: then it is rounded once more, after the fp32 sum).
 //
 // A rank that computed rows of another rank's expert in a replica slot wrote that slot's weight
@@ -80,6 +80,11 @@ __device__ void add_expert_replicas(const comm::PeerTable& pt, const RankScratch
   const size_t w13_elems = size_t(2) * dims.F * dims.D, w2_elems = size_t(dims.D) * dims.F;
   add_replicas(pt, rs, dims, ws.replica_grad_w13, static_cast<Grad*>(rio.grad_w13_E2FD), w13_elems, first, end, local);
   add_replicas(pt, rs, dims, ws.replica_grad_w2, static_cast<Grad*>(rio.grad_w2_EDF), w2_elems, first, end, local);
+  if (!dims.biased) return;
+  add_replicas(pt, rs, dims, ws.replica_grad_b13, static_cast<Grad*>(rio.grad_b13_E2F), size_t(2) * dims.F, first,
+               end, local);
+  add_replicas(pt, rs, dims, ws.replica_grad_b2, static_cast<Grad*>(rio.grad_b2_ED), size_t(dims.D), first, end,
+               local);
 }
 
 __global__ void __launch_bounds__(kThreads) replica_grad_reduce_kernel(const comm::PeerTable* tables, EpDims dims,

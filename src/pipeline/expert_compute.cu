@@ -17,6 +17,9 @@ const bf16* replica_w13(const EpLaunch& l, int slot) { return workspace_rows(l, 
 const bf16* replica_w2(const EpLaunch& l, int slot) { return workspace_rows(l, slot, l.ws.replica_w2); }
 void* replica_grad_w13(const EpLaunch& l, int slot) { return l.scratch.rank[slot].workspace + l.ws.replica_grad_w13; }
 void* replica_grad_w2(const EpLaunch& l, int slot) { return l.scratch.rank[slot].workspace + l.ws.replica_grad_w2; }
+// With expert biases, the replica slots' biases and fp32 bias gradients likewise.
+const bf16* replica_b13(const EpLaunch& l, int slot) { return workspace_rows(l, slot, l.ws.replica_b13); }
+const bf16* replica_b2(const EpLaunch& l, int slot) { return workspace_rows(l, slot, l.ws.replica_b2); }
 
 // The SM90 kernels cover a rank's own experts and its replica slots in one grouped GEMM each:
 // groups [0, E_local) use the call's weights and gradients, [E_local, E_local + B) the replica
@@ -55,6 +58,8 @@ sm90::ExpertMlpShape sm90_shape(const EpLaunch& l) {
   shape.swiglu_alpha = l.dims.swiglu_alpha;
   shape.swiglu_limit = l.dims.swiglu_limit;
   shape.w13_layout = l.dims.w13_interleaved ? W13Layout::gate_up_interleaved : W13Layout::gate_up_blocked;
+  shape.weights_transposed = l.dims.weights_transposed != 0;
+  shape.biased = l.dims.biased != 0;
   return shape;
 }
 
@@ -74,15 +79,41 @@ void sm90_forward(const EpLaunch& l, const LaunchIo& io, bool with_w2, bool tail
     if (tail_only) rows.row_offsets_E = rs.tail_offsets, rows.row_counts_E = rs.tail_counts;
     sm90::FpropW13Args w13{workspace_rows(l, s, l.ws.recv_x), io.rank[s].w13_E2FD, rs.a_RF, rs.h13_R2F};
     w13.h13_split = h13_split(l, rs);
+    w13.b13_E2F = io.rank[s].b13_E2F;
     sm90::FpropW2Args w2{rs.a_RF, io.rank[s].w2_EDF};
     w2.scatter = combine_scatter(l, s);
+    w2.b2_ED = io.rank[s].b2_ED;
     if (rows.first_replica >= 0) {
       w13.replica_w13_E2FD = replica_w13(l, s);
       w2.replica_w2_EDF = replica_w2(l, s);
+      w13.replica_b13_E2F = replica_b13(l, s);
+      w2.replica_b2_ED = replica_b2(l, s);
     }
     sm90::expert_mlp_fprop_w13(rows, shape, w13, stream);
     if (with_w2) sm90::expert_mlp_fprop_w2(rows, shape, w2, stream);
   }
+}
+
+// Expert biases: their gradients (replica slots' overwritten, in fp32, like their weights') and the
+// bias's piece of the scores' gradient, from the grad_h13 that DGRAD W2 just wrote.
+void bias_backward(const EpLaunch& l, const LaunchIo& io, int s, const sm90::GroupedRows& rows,
+                   const sm90::ExpertMlpShape& shape, bool accumulate, cudaStream_t stream) {
+  const RankScratch& rs = l.scratch.rank[s];
+  const DType own_dtype = l.dims.wgrad_bf16 ? DType::bf16 : DType::fp32;
+  sm90::BiasGradArgs a;
+  a.grad_y_RD = workspace_rows(l, s, l.ws.recv_grad);
+  a.grad_h13_R2F = rs.grad_h13_R2F;
+  a.scores_R = reinterpret_cast<const float*>(rs.workspace + l.ws.row_score);
+  a.b2_ED = io.rank[s].b2_ED;
+  a.grad_score_partials_RP = rs.grad_score_partials_RP;
+  a.grad_b13 = {io.rank[s].grad_b13_E2F, own_dtype, accumulate};
+  a.grad_b2 = {io.rank[s].grad_b2_ED, own_dtype, accumulate};
+  if (rows.first_replica >= 0) {
+    a.replica_b2_ED = replica_b2(l, s);
+    a.grad_b13.replica_grad_w = rs.workspace + l.ws.replica_grad_b13;
+    a.grad_b2.replica_grad_w = rs.workspace + l.ws.replica_grad_b2;
+  }
+  sm90::expert_mlp_bias_grads(rows, shape, a, stream);
 }
 
 // grad_y rows are the dispatched grad_out rows, unscaled, in the receive buffer: DGRAD W2 applies
@@ -117,6 +148,7 @@ void sm90_backward(const EpLaunch& l, const LaunchIo& io, bool accumulate, cudaS
       wgrad_w13.replica_grad_w = replica_grad_w13(l, s);
     }
     sm90::expert_mlp_dgrad_w2(rows, shape, dgrad_w2, stream);
+    if (shape.biased) bias_backward(l, io, s, rows, shape, accumulate, stream);
     sm90::expert_mlp_dgrad_w13(rows, shape, dgrad_w13, stream);
     sm90::expert_mlp_wgrad_w2(rows, shape, grad_y_RD, rs.a_RF, wgrad_w2, stream);
     sm90::expert_mlp_wgrad_w13(rows, shape, rs.grad_h13_R2F, workspace_rows(l, s, l.ws.recv_x), wgrad_w13, stream);

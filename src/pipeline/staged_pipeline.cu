@@ -84,9 +84,11 @@ EpDims make_dims(const Config& c, int64_t ep_size, const layout::WorkspaceLayout
   d.swiglu_clamped = c.activation == Activation::swiglu_clamped;
   d.swiglu_alpha = static_cast<float>(c.swiglu_alpha);
   d.swiglu_limit = static_cast<float>(c.swiglu_limit);
-  d.score_partials = static_cast<int32_t>(sm90::dgrad_w2_score_partials(shape));
-  if (d.score_partials > l.score_partials) {
-    throw std::logic_error("EP pipeline: DGRAD W2 writes " + std::to_string(d.score_partials) +
+  d.score_partials = static_cast<int32_t>(sm90::dgrad_w2_score_partials(shape));  // a call's biases add one
+  shape.biased = true;
+  const int64_t most_pieces = sm90::dgrad_w2_score_partials(shape);
+  if (most_pieces > l.score_partials) {
+    throw std::logic_error("EP pipeline: DGRAD W2 writes " + std::to_string(most_pieces) +
                            " score pieces per row, the workspace layout holds " + std::to_string(l.score_partials));
   }
   return d;
@@ -109,6 +111,10 @@ WorkspaceOffsets workspace_offsets(const layout::Window& w) {
   o.replica_w2 = at(w.replica_w2);
   o.replica_grad_w13 = at(w.replica_grad_w13);
   o.replica_grad_w2 = at(w.replica_grad_w2);
+  o.replica_b13 = at(w.replica_b13);
+  o.replica_b2 = at(w.replica_b2);
+  o.replica_grad_b13 = at(w.replica_grad_b13);
+  o.replica_grad_b2 = at(w.replica_grad_b2);
   return o;
 }
 

@@ -3,6 +3,7 @@
 #include "pipeline/staged_pipeline.hpp"
 
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "ep/data_path.hpp"
@@ -32,9 +33,29 @@ void validate_forward_args(const ForwardArgs& a, int slot, const ForwardArgs& fi
   require(a.scores_dtype == first.scores_dtype, arg_name(slot, "scores_dtype"),
           "must be the same on every rank of one call");
   require(a.w13_layout == first.w13_layout, arg_name(slot, "w13_layout"), "must be the same on every rank of one call");
+  require(a.weights_transposed == first.weights_transposed, arg_name(slot, "weights_transposed"),
+          "must be the same on every rank of one call");
+  require((a.b13 == nullptr) == (a.b2 == nullptr), arg_name(slot, a.b13 ? "b2" : "b13"),
+          "expert biases go together: set b13 and b2, or neither");
+  require((a.b13 == nullptr) == (first.b13 == nullptr), arg_name(slot, "b13"),
+          "must be set on every rank of one call or on none");
+  if (a.b13) {
+    require_pointer(a.b13, slot, "b13", 16);
+    require_pointer(a.b2, slot, "b2", 16);
+  }
   require((a.clip_counts_E2 == nullptr) == (first.clip_counts_E2 == nullptr), arg_name(slot, "clip_counts_E2"),
           "must be set on every rank of one call or on none");
   if (a.clip_counts_E2) require_pointer(a.clip_counts_E2, slot, "clip_counts_E2", 8);
+}
+
+// What a call's arguments (the same on every rank, checked above) tell the kernels. launch_for's
+// dims count the score pieces of an unbiased call; biases add theirs.
+void set_call_dims(EpDims& d, const ForwardArgs& a) {
+  d.scores_bf16 = a.scores_dtype == DType::bf16;
+  d.w13_interleaved = a.w13_layout == W13Layout::gate_up_interleaved;
+  d.weights_transposed = a.weights_transposed ? 1 : 0;
+  d.biased = a.b13 != nullptr ? 1 : 0;
+  d.score_partials += d.biased;
 }
 
 }  // namespace
@@ -70,6 +91,8 @@ LaunchIo StagedPipeline::forward_io(std::span<const ForwardArgs> args, bool back
     r.scores_TK = a.scores_TK;
     r.w13_E2FD = static_cast<const bf16*>(a.w13);
     r.w2_EDF = static_cast<const bf16*>(a.w2);
+    r.b13_E2F = static_cast<const bf16*>(a.b13);
+    r.b2_ED = static_cast<const bf16*>(a.b2);
     r.out_TD = static_cast<bf16*>(a.out_TD);
     r.clip_counts_E2 = backward ? nullptr : a.clip_counts_E2;
   }
@@ -90,8 +113,7 @@ void StagedPipeline::forward(std::span<const ForwardArgs> args, cudaStream_t str
   check_record(record);
   const LaunchIo io = forward_io(args, /*backward=*/false);
   EpLaunch l = launch_for(record);
-  l.dims.scores_bf16 = args[0].scores_dtype == DType::bf16;
-  l.dims.w13_interleaved = args[0].w13_layout == W13Layout::gate_up_interleaved;
+  set_call_dims(l.dims, args[0]);
   stage(Stage::route, stream);
   launch_route(l, io, stream);
   stage(Stage::dispatch, stream);
@@ -126,6 +148,13 @@ LaunchIo StagedPipeline::backward_io(std::span<const BackwardArgs> args) const {
     require_pointer(a.grad_scores_TK, s, "grad_scores_TK", a.forward.scores_dtype == DType::fp32 ? 4 : 2);
     require_pointer(a.grad_w13, s, "grad_w13", 16);
     require_pointer(a.grad_w2, s, "grad_w2", 16);
+    if (a.forward.b13) {
+      require_pointer(a.grad_b13, s, "grad_b13", 16);
+      require_pointer(a.grad_b2, s, "grad_b2", 16);
+    } else {
+      for (const auto& [grad, name] : {std::pair{a.grad_b13, "grad_b13"}, std::pair{a.grad_b2, "grad_b2"}})
+        require(grad == nullptr, arg_name(s, name), "must be null: the forward has no expert biases");
+    }
     require(a.accumulate_wgrad == args[0].accumulate_wgrad, arg_name(s, "accumulate_wgrad"),
             "must be the same for every slot of one call");
     require(a.wgrad_dtype == args[0].wgrad_dtype, arg_name(s, "wgrad_dtype"),
@@ -136,6 +165,8 @@ LaunchIo StagedPipeline::backward_io(std::span<const BackwardArgs> args) const {
     r.grad_scores_TK = a.grad_scores_TK;
     r.grad_w13_E2FD = a.grad_w13;
     r.grad_w2_EDF = a.grad_w2;
+    r.grad_b13_E2F = a.grad_b13;
+    r.grad_b2_ED = a.grad_b2;
   }
   return io;
 }
@@ -169,8 +200,7 @@ void StagedPipeline::backward(std::span<const BackwardArgs> args, cudaStream_t s
   const LaunchIo io = backward_io(args);
   const DType wgrad_dtype = args[0].wgrad_dtype.value_or(config_.wgrad_dtype);
   EpLaunch l = launch_for(record);
-  l.dims.scores_bf16 = args[0].forward.scores_dtype == DType::bf16;
-  l.dims.w13_interleaved = args[0].forward.w13_layout == W13Layout::gate_up_interleaved;
+  set_call_dims(l.dims, args[0].forward);
   l.dims.wgrad_bf16 = wgrad_dtype == DType::bf16 ? 1 : 0;
   restore_record(l, io, record, recompute, stream);
   // Exact balance: the window's replica weights are those of the latest forward (or recompute).

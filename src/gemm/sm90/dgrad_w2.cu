@@ -7,7 +7,9 @@
 
 namespace poise::sm90 {
 
-int64_t dgrad_w2_score_partials(const ExpertMlpShape& shape) { return ceil_div(shape.intermediate_dim, kBlockN); }
+int64_t dgrad_w2_score_partials(const ExpertMlpShape& shape) {
+  return ceil_div(shape.intermediate_dim, kBlockN) + (shape.biased ? 1 : 0);
+}
 
 void expert_mlp_dgrad_w2(const GroupedRows& rows, const ExpertMlpShape& shape, const DgradW2Args& args,
                          cudaStream_t stream) {
@@ -21,9 +23,12 @@ void expert_mlp_dgrad_w2(const GroupedRows& rows, const ExpertMlpShape& shape, c
   const int32_t split = h13_split_row(rows, args.h13_split);  // checked before any descriptor
   const int64_t D = shape.hidden_dim, F = shape.intermediate_dim;
   const CUtensorMap map_a = rows_operand_map(args.grad_y_RD, rows, D, "grad_y_RD");
-  // W2[e] is [D][F]: K = D rows, N = F contiguous -> MN-major B, 64 x 64 boxes.
-  const WeightMaps map_b = weight_maps(rows, args.w2_EDF, "w2_EDF", args.replica_w2_EDF, "replica_w2_EDF", D, F, 64);
-  const GroupedGemmShape s = rows_gemm_shape(rows, D, D, F, kBlockN);
+  // W2[e] is [D][F]: K = D rows, N = F contiguous -> MN-major B, 64 x 64 boxes; transposed [F][D]
+  // -> K-major B, boxes of kBlockN / 2 rows.
+  const bool mn_major = !shape.weights_transposed;
+  const WeightMaps map_b = weight_maps(rows, args.w2_EDF, "w2_EDF", args.replica_w2_EDF, "replica_w2_EDF",
+                                       mn_major ? D : F, mn_major ? F : D, mn_major ? 64 : kBlockN / 2);
+  const GroupedGemmShape s = rows_gemm_shape(rows, D, mn_major ? D : F, F, kBlockN);
   auto run = [&](auto epi) {
     // h13 is read by the producer in 64 x 64 boxes; the low buffer's map must not reach past its rows.
     if (split > 0) epi.h13_map = make_bf16_tensor_map(args.h13_R2F, split, 2 * F, 64, "h13_R2F");
@@ -39,7 +44,8 @@ void expert_mlp_dgrad_w2(const GroupedRows& rows, const ExpertMlpShape& shape, c
     epi.score_partials = static_cast<int32_t>(dgrad_w2_score_partials(shape));
     epi.F = static_cast<int32_t>(F);
     epi.act = activation_params(shape);
-    launch<RowsAre::M, true>(map_a, map_b, s, epi, stream);
+    if (mn_major) launch<RowsAre::M, true>(map_a, map_b, s, epi, stream);
+    else launch<RowsAre::M, false>(map_a, map_b, s, epi, stream);
   };
   if (shape.w13_layout == W13Layout::gate_up_blocked) run(SwigluDgradEpilogue<false>{});
   else run(SwigluDgradEpilogue<true>{});

@@ -61,4 +61,33 @@ struct GroupedRowAddress {
   }
 };
 
+// Expert biases (gpt-oss) added to the accumulators before the epilogue's math: bf16 rows of N,
+// the own experts' at own_EN, replica experts' (e >= first_replica) at replicas_EN. No bias: null.
+struct ExpertBias {
+  const __nv_bfloat16* own_EN;
+  const __nv_bfloat16* replicas_EN;
+  int32_t first_replica;
+  int32_t N;
+  __device__ bool enabled() const { return own_EN != nullptr || replicas_EN != nullptr; }
+  __device__ const __nv_bfloat16* row(int32_t expert) const {
+    return expert < first_replica ? own_EN + int64_t(expert) * N : replicas_EN + int64_t(expert - first_replica) * N;
+  }
+};
+
+// d[tile column n] += bias[column_of(n)] for every accumulator of this thread (column_of: the bias
+// column of tile column n, or -1 past the expert's columns, which are never stored).
+template <int kN, class ColumnOf>
+__device__ __forceinline__ void add_column_bias(float (&d)[kN], int quad, const __nv_bfloat16* bias,
+                                                ColumnOf&& column_of) {
+#pragma unroll
+  for (int j = 0; j < kN / 4; ++j)
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      const int32_t col = column_of(8 * j + 2 * quad + c);
+      const float b = col >= 0 ? __bfloat162float(bias[col]) : 0.0f;
+      d[4 * j + c] += b;
+      d[4 * j + 2 + c] += b;
+    }
+}
+
 }  // namespace poise::sm90

@@ -24,6 +24,7 @@ struct RowsStoreEpilogue {
   __nv_bfloat16* out_RN;
   const float* scores_R;  // nullable
   int32_t N;
+  ExpertBias bias;        // FPROP W2's b2 [E, N], added before the score; or none
 
   // The score of this thread's two fragment rows (1 without scores or past the expert's rows).
   __device__ __forceinline__ void row_scales(const Fragment& fr, const GroupedRowAddress& rows, float (&scale)[2]) const {
@@ -52,6 +53,10 @@ struct RowsStoreEpilogue {
     float scale[2];
     row_scales(fr, rows, scale);
     const int32_t n_first = tile.n_block * kBlockN;
+    if (bias.enabled()) {
+      add_column_bias(d, fr.quad, bias.row(tile.expert),
+                      [&](int n) -> int32_t { return n_first + n < N ? n_first + n : -1; });
+    }
     store_bf16_rows_direct<kBlockN>(d, thread, buf, [&](int r) { return row_at(rows, n_first, r); }, scale,
                                           min(kBlockN, N - n_first));
   }

@@ -40,6 +40,7 @@ struct SwigluFpropEpilogue {
   int32_t h13_split;       // a multiple of 128, so a 64-row slab lies on one side
   int32_t F;
   ActivationParams act;
+  ExpertBias b13;  // [E, 2F] in W13's row order, added to h13 before the activation
 
   // Producer: the ring stages carry no operands, they are only staging space.
   template <int kBlockN>
@@ -68,6 +69,15 @@ struct SwigluFpropEpilogue {
     constexpr int kUp = kBlockN / 4;  // blocked: first accumulator of the up half
     const bool hi = rows.first_row >= h13_split;
     __nv_bfloat16* const h13 = hi ? h13_hi_R2F : h13_R2F;
+    if (b13.enabled()) {
+      // Tile column n is W13 row f0 + n (blocked gate), F + f0 + n - kBlockN / 2 (blocked up), or
+      // 2 f0 + n (interleaved); past F activation columns there is no bias (and no store).
+      add_column_bias(d, fr.quad, b13.row(tile.expert), [&](int n) -> int32_t {
+        const int32_t f = f0 + (interleaved ? n / 2 : n % (kBlockN / 2));
+        if (f >= F) return -1;
+        return interleaved ? 2 * f0 + n : (n < kBlockN / 2 ? f : F + f);
+      });
+    }
     RingStageRelease release;
 #pragma unroll 1
     for (int c = 0; c < kBlockN / 128; ++c) {  // 64 activation columns per chunk

@@ -61,6 +61,12 @@ struct ExpertMlpShape {
   float swiglu_alpha = 1.702f;
   float swiglu_limit = 7.0f;
   W13Layout w13_layout = W13Layout::gate_up_blocked;
+  // Weights as x @ W (gpt-oss): W13[e] is [D][2F] (columns in w13_layout's order), W2[e] is [F][D],
+  // read as stored; weight gradients are written in the same layout. false: [2F][D] and [D][F].
+  bool weights_transposed = false;
+  // Expert biases (b13 / b2 in the fprop args, required then): the score gradient gets one more
+  // piece per row (dgrad_w2_score_partials), written by expert_mlp_bias_grads.
+  bool biased = false;
 };
 
 // h13 split by rows (EP activation records that keep part of a layer): rows [0, split_row) in
@@ -71,7 +77,7 @@ struct H13Split {
   const void* hi_R2F = nullptr;
 };
 
-// h13 = x . W13[e]^T, a = act(h13).  x_RD, a_RF, h13_R2F bf16; h13 keeps W13's row order.
+// h13 = x . W13[e]^T + b13[e], a = act(h13).  x_RD, a_RF, h13_R2F bf16; h13 keeps W13's row order.
 struct FpropW13Args {
   const void* x_RD = nullptr;
   const void* w13_E2FD = nullptr;
@@ -79,6 +85,8 @@ struct FpropW13Args {
   void* h13_R2F = nullptr;  // nullable: do not save h13 for backward
   const void* replica_w13_E2FD = nullptr;  // with GroupedRows::first_replica
   H13Split h13_split;  // rows past split_row go to h13_split.hi_R2F (written)
+  const void* b13_E2F = nullptr;          // shape.biased: bf16 [E_own, 2F], W13's row order
+  const void* replica_b13_E2F = nullptr;  // shape.biased with GroupedRows::first_replica
 };
 void expert_mlp_fprop_w13(const GroupedRows& rows, const ExpertMlpShape& shape,
                           const FpropW13Args& args, cudaStream_t stream);
@@ -100,7 +108,7 @@ struct RowScatter {
   int64_t owners = 0;                     // [1, 2^31 / slots_per_owner)
 };
 
-// y = (a . W2[e]^T) * score (per row, when scores_R is set), into y_RD or scattered to slots.
+// y = (a . W2[e]^T + b2[e]) * score (per row, when scores_R is set), into y_RD or scattered to slots.
 struct FpropW2Args {
   const void* a_RF = nullptr;
   const void* w2_EDF = nullptr;
@@ -108,6 +116,8 @@ struct FpropW2Args {
   void* y_RD = nullptr;             // null when scatter.row_origin_R is set
   const void* replica_w2_EDF = nullptr;  // with GroupedRows::first_replica
   RowScatter scatter;
+  const void* b2_ED = nullptr;          // shape.biased: bf16 [E_own, D]
+  const void* replica_b2_ED = nullptr;  // shape.biased with GroupedRows::first_replica
 };
 void expert_mlp_fprop_w2(const GroupedRows& rows, const ExpertMlpShape& shape,
                          const FpropW2Args& args, cudaStream_t stream);
@@ -131,7 +141,8 @@ struct DgradW2Args {
 };
 void expert_mlp_dgrad_w2(const GroupedRows& rows, const ExpertMlpShape& shape,
                          const DgradW2Args& args, cudaStream_t stream);
-// P of DgradW2Args::grad_score_partials_RP: one piece per tile of activation columns.
+// P of DgradW2Args::grad_score_partials_RP: one piece per tile of activation columns, and with
+// shape.biased one more, the last, that expert_mlp_bias_grads writes.
 int64_t dgrad_w2_score_partials(const ExpertMlpShape& shape);
 
 // grad_x = grad_h13 . W13[e].
@@ -148,7 +159,7 @@ void expert_mlp_dgrad_w13(const GroupedRows& rows, const ExpertMlpShape& shape,
 // Weight gradients, fp32 accumulation over each expert's rows; output bf16 or fp32, overwritten
 // or accumulated into (an expert with no rows then writes zeros / leaves the target unchanged).
 struct WgradOutput {
-  void* grad_w = nullptr;  // [E, D, F] for W2, [E, 2F, D] for W13 (W13's row order)
+  void* grad_w = nullptr;  // [E, D, F] for W2, [E, 2F, D] for W13 (W13's row order); the weights' layout
   DType dtype = DType::fp32;
   bool accumulate = false;
   void* replica_grad_w = nullptr;  // with GroupedRows::first_replica: [E - first_replica, ...]
@@ -162,6 +173,23 @@ void expert_mlp_wgrad_w2(const GroupedRows& rows, const ExpertMlpShape& shape,
 void expert_mlp_wgrad_w13(const GroupedRows& rows, const ExpertMlpShape& shape,
                           const void* grad_h13_R2F, const void* x_RD, const WgradOutput& out,
                           cudaStream_t stream);
+
+// The biases' gradients (shape.biased), after expert_mlp_dgrad_w2 wrote grad_h13, fp32 sums over
+// each expert's rows in row order (deterministic):
+//   grad_b13[e] = sum of grad_h13 rows,  grad_b2[e] = sum of score * grad_y rows,
+// and the bias's part of the routing score's gradient, <grad_y[r], b2[e]>, into the last piece of
+// grad_score_partials_RP (when set). Outputs as WgradOutput (grad_w: [E_own, 2F] / [E_own, D]).
+struct BiasGradArgs {
+  const void* grad_y_RD = nullptr;
+  const void* grad_h13_R2F = nullptr;
+  const float* scores_R = nullptr;  // nullable: score 1
+  const void* b2_ED = nullptr;
+  const void* replica_b2_ED = nullptr;      // with GroupedRows::first_replica
+  float* grad_score_partials_RP = nullptr;  // nullable, fp32 [R][P]
+  WgradOutput grad_b13, grad_b2;
+};
+void expert_mlp_bias_grads(const GroupedRows& rows, const ExpertMlpShape& shape, const BiasGradArgs& args,
+                           cudaStream_t stream);
 
 // A pipeline wait of a grouped GEMM that ran past its bound: the launch gave up on it and drained
 // instead of hanging, its outputs are garbage, the CUDA context stays usable. Or (bad_origin) a row

@@ -25,7 +25,7 @@ struct GroupedGemmShape {
   int32_t n_blocks = 0;          // tiles along N
   int32_t k_blocks = 0;          // rows-as-M: K / 64
   int32_t b_rows_per_expert = 0; // rows-as-M: rows of B's 2D view that belong to one expert
-  int32_t b_split_rows = 0;      // fprop blocked SwiGLU: gate-to-up row distance in B (F); 0 = one box
+  int32_t b_gate_up_split = 0;   // fprop blocked SwiGLU: gate-to-up distance (F) along B's N; 0 = none
   // Experts [first_replica, num_experts) are replicas: rows-as-M GEMMs read their B block from the
   // kernel's second map at index e - first_replica; rows-as-K GEMMs give a replica without rows
   // no tiles (nobody reads its gradient). num_experts when there are none.

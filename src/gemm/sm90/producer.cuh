@@ -67,14 +67,18 @@ __device__ __forceinline__ void load_stage(uint8_t* stage, uint64_t* full, const
                          j == 1 && (a_row0_one_box & 1) ? kOutOfBoundsRow : (a_row0_one_box & ~1) + 64 * j, full);
     });
     if constexpr (kBMnMajor) {
+      // 64-column chunks: the gate half's, then the up half's F columns on (blocked W13 stored
+      // transposed), or the tile's kBlockN columns in order.
+      const int32_t n0 = tile.n_block * (shape.b_gate_up_split > 0 ? kBlockN / 2 : kBlockN);
       load_boxes<kCluster>(share_b, cluster_rank, kBBoxes, [&](int j) {
-        load_box<kCluster>(share_b, stage_b + j * ptx::kMnChunkBytes, weights, tile.n_block * kBlockN + 64 * j,
-                           b_row0 + k0, full);
+        const bool up = shape.b_gate_up_split > 0 && j >= kBBoxes / 2;
+        const int32_t col = n0 + 64 * j + (up ? shape.b_gate_up_split - kBlockN / 2 : 0);
+        load_box<kCluster>(share_b, stage_b + j * ptx::kMnChunkBytes, weights, col, b_row0 + k0, full);
       });
     } else {
       // Gate and up rows F apart (blocked W13), or the two halves of the tile's kBlockN rows.
-      const int32_t n0 = b_row0 + tile.n_block * (shape.b_split_rows > 0 ? kBlockN / 2 : kBlockN);
-      const int32_t second = shape.b_split_rows > 0 ? shape.b_split_rows : kBlockN / 2;
+      const int32_t n0 = b_row0 + tile.n_block * (shape.b_gate_up_split > 0 ? kBlockN / 2 : kBlockN);
+      const int32_t second = shape.b_gate_up_split > 0 ? shape.b_gate_up_split : kBlockN / 2;
       load_boxes<kCluster>(share_b, cluster_rank, kBBoxes, [&](int j) {
         load_box<kCluster>(share_b, stage_b + j * (kBlockN / 2) * 128, weights, k0, n0 + j * second, full);
       });

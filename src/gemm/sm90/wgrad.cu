@@ -53,16 +53,21 @@ void wgrad(const GroupedRows& rows, const void* a_RM, const char* a_name, int64_
 
 }  // namespace
 
+// Transposed weights take their gradients transposed too: the same GEMM with A and B swapped.
 void expert_mlp_wgrad_w2(const GroupedRows& rows, const ExpertMlpShape& shape, const void* grad_y_RD,
                          const void* a_RF, const WgradOutput& out, cudaStream_t stream) {
   validate(rows, shape);
-  wgrad(rows, grad_y_RD, "grad_y_RD", shape.hidden_dim, a_RF, "a_RF", shape.intermediate_dim, out, stream);
+  const int64_t D = shape.hidden_dim, F = shape.intermediate_dim;
+  if (shape.weights_transposed) wgrad(rows, a_RF, "a_RF", F, grad_y_RD, "grad_y_RD", D, out, stream);
+  else wgrad(rows, grad_y_RD, "grad_y_RD", D, a_RF, "a_RF", F, out, stream);
 }
 
 void expert_mlp_wgrad_w13(const GroupedRows& rows, const ExpertMlpShape& shape, const void* grad_h13_R2F,
                           const void* x_RD, const WgradOutput& out, cudaStream_t stream) {
   validate(rows, shape);
-  wgrad(rows, grad_h13_R2F, "grad_h13_R2F", 2 * shape.intermediate_dim, x_RD, "x_RD", shape.hidden_dim, out, stream);
+  const int64_t D = shape.hidden_dim, F2 = 2 * shape.intermediate_dim;
+  if (shape.weights_transposed) wgrad(rows, x_RD, "x_RD", D, grad_h13_R2F, "grad_h13_R2F", F2, out, stream);
+  else wgrad(rows, grad_h13_R2F, "grad_h13_R2F", F2, x_RD, "x_RD", D, out, stream);
 }
 
 }  // namespace poise::sm90
