@@ -6,7 +6,7 @@
 # routed_experts_bench_old built against another libpoise (bench/routed_experts/README.md).
 # device_session.sh unpacks .carry/bins.tar.xz before its parts run.
 #
-#   scripts/pack_carry.sh [--bench] [--extra FILE]... [BUILD_DIR]      (default BUILD_DIR: build-lead)
+#   scripts/pack_carry.sh [--bench] [--extra FILE]... [BUILD_DIR]      (default BUILD_DIR: build)
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 bench=0
@@ -21,7 +21,7 @@ while [ $# -gt 0 ]; do
     *) break ;;
   esac
 done
-build=${1:-$root/build-lead}
+build=${1:-$root/build}
 stage=$(mktemp -d)
 trap 'rm -rf "$stage"' EXIT
 cp "$build"/tests/gpu/test_* "$build"/apps/demo/poise_demo "$stage"/
