@@ -85,7 +85,7 @@ def test_plain_swiglu_clips_nothing():
 def test_opcheck_and_make_fx():
     per_rank = reference.random_inputs(CONFIG, 1, seed=6)
     with poise.create_context(config=CONFIG, device="cpu") as context:
-        args = (*[per_rank[n][0] for n in NAMES], context.handle, "gate_up_blocked", False)
+        args = (*[per_rank[n][0] for n in NAMES], context.handle, "gate_up_blocked", False, False)
         torch.library.opcheck(torch.ops.poise.routed_experts_forward_clip_counts.default, args)
         graph = torch.fx.experimental.proxy_tensor.make_fx(
             lambda *t: poise.routed_experts(*t, context, CLIPS), tracing_mode="fake")(*[per_rank[n][0] for n in NAMES])

@@ -11,7 +11,9 @@ import torch
 
 import poise
 from poise import reference
-from gpu_cases import CONFIG, NAMES, TOLERANCE, cpu_result, inputs_on, relative_error
+from gpu_cases import (BIASED_NAMES, BLOCKED, CONFIG, DIFFERENTIABLE, GPT_OSS, INTERLEAVED, NAMES, TOLERANCE,
+                       biased_inputs_on, cpu_biased_result, cpu_result, flip_weight, inputs_on,
+                       poison_allocator, relative_error)
 
 pytestmark = pytest.mark.gpu
 
@@ -241,14 +243,76 @@ def test_prepare_weights_on_the_gpu_equals_the_cpu_bit_for_bit_and_refills_under
     same(prepared, poise.prepare_weights(w13 * 3, w2))
 
 
-def test_expert_biases_are_refused_on_the_gpu_before_any_kernel():
-    """Biases run on CPU contexts only so far: a GPU call with b13 / b2 raises poise.NotAvailable."""
+BIASED_CASES = [  # (w13_layout, weights_transposed, routing, free_fraction)
+    (INTERLEAVED, True, "uniform", 0.0),  # gpt-oss as transformers stores it
+    (INTERLEAVED, True, "one_expert", 0.3),  # one hot expert, free entries
+    (BLOCKED, True, "uniform", 0.5),
+    (INTERLEAVED, False, "uniform", 0.0),  # biases alone
+]
+
+
+@pytest.mark.parametrize("w13_layout, weights_transposed, routing, free_fraction", BIASED_CASES)
+def test_expert_biases_and_transposed_weights_match_the_cpu_reference(w13_layout, weights_transposed, routing,
+                                                                      free_fraction):
+    """gpt-oss's experts on the GPU (biases, clamped SwiGLU, weights as stored for x @ W), forward and
+    every gradient, the biases' included, against a CPU context given the weights in the plain
+    layout; every output and gradient buffer starts as NaN."""
     device = torch.device("cuda", torch.cuda.current_device())
-    inputs = inputs_on(device, seed=8)[0]
-    local = CONFIG.num_experts
-    b13 = torch.zeros(local, 2 * CONFIG.intermediate_dim, dtype=torch.bfloat16, device=device)
-    b2 = torch.zeros(local, CONFIG.hidden_dim, dtype=torch.bfloat16, device=device)
-    with poise.create_context(config=CONFIG, device=device) as context:
-        with pytest.raises(poise.NotAvailable, match="GEMM epilogues"):
-            poise.routed_experts(*[inputs[n] for n in NAMES], context, b13=b13, b2=b2)
+    inputs = biased_inputs_on(device, seed=50, routing=routing, free_fraction=free_fraction,
+                              weights_transposed=weights_transposed)[0]
+    for name in DIFFERENTIABLE:
+        inputs[name].requires_grad_()
+    grad_out = torch.randn(GPT_OSS.num_local_input_tokens, GPT_OSS.hidden_dim, device=device).bfloat16()
+    with poise.create_context(config=GPT_OSS, device=device) as context:
+        poison_allocator(device, [inputs["x_TD"]])
+        out = poise.routed_experts(*[inputs[n] for n in NAMES], context, w13_layout=w13_layout,
+                                   weights_transposed=weights_transposed, b13=inputs["b13"], b2=inputs["b2"])
+        poison_allocator(device, [inputs[n].detach() for n in DIFFERENTIABLE])
+        out.backward(grad_out)
         context.check()
+    want_out, want_grads = cpu_biased_result(GPT_OSS, inputs, grad_out, w13_layout, weights_transposed)
+    assert relative_error(out, want_out) < TOLERANCE
+    for name in DIFFERENTIABLE:
+        got = inputs[name].grad
+        assert got.shape == inputs[name].shape and got.dtype == inputs[name].dtype, name
+        assert relative_error(got, want_grads[name]) < TOLERANCE, (routing, name)
+    free = inputs["ids_TK"] == -1
+    assert bool(free.any()) == (free_fraction > 0)
+    assert bool((inputs["scores_TK"].grad[free] == 0).all()), "a free entry (id -1) got a score gradient"
+
+
+def test_expert_biases_with_clip_statistics_and_accumulated_grads_match_the_cpu_reference():
+    """Transposed weights with biases: clip counts (on h13 with b13 added; rows at the limit may fall
+    either side, so within 1% + 2) and accumulate_wgrad adding every weight and bias grad into an
+    fp32 main_grad, against the CPU reference."""
+    config = dataclasses.replace(GPT_OSS, swiglu_limit=0.75)  # clips a share of the inputs
+    device = torch.device("cuda", torch.cuda.current_device())
+    inputs = biased_inputs_on(device, seed=51, weights_transposed=True)[0]
+    parameters = ("w13", "w2", "b13", "b2")
+    start = {n: torch.randn(inputs[n].shape, device=device) for n in parameters}
+    for name in DIFFERENTIABLE:
+        inputs[name].requires_grad_()
+    for name in parameters:
+        inputs[name].main_grad = start[name].clone()
+    grad_out = torch.randn(config.num_local_input_tokens, config.hidden_dim, device=device).bfloat16()
+    options = poise.ExecutionOptions(clip_statistics=True, accumulate_wgrad=True)
+    with poise.create_context(config=config, device=device) as context:
+        out, counts = poise.routed_experts(*[inputs[n] for n in NAMES], context, options, w13_layout=INTERLEAVED,
+                                           weights_transposed=True, b13=inputs["b13"], b2=inputs["b2"])
+        out.backward(grad_out)
+        context.check()
+    want_out, want_grads = cpu_biased_result(config, inputs, grad_out, INTERLEAVED, True)
+    with poise.create_context(config=config, device="cpu") as context:
+        leaves = {n: flip_weight(inputs[n].detach().cpu(), n, True).contiguous() for n in BIASED_NAMES}
+        _, want_counts = poise.routed_experts(*[leaves[n] for n in NAMES], context,
+                                              poise.ExecutionOptions(clip_statistics=True), w13_layout=INTERLEAVED,
+                                              b13=leaves["b13"], b2=leaves["b2"])
+    assert relative_error(out, want_out) < TOLERANCE
+    assert want_counts.sum() > 0 and counts.dtype == torch.int64
+    assert bool(((counts.cpu() - want_counts).abs() <= want_counts // 100 + 2).all()), (counts, want_counts)
+    for name in parameters:
+        assert inputs[name].grad is None, name  # added into main_grad instead
+        added = inputs[name].main_grad - start[name]
+        assert relative_error(added, want_grads[name]) < TOLERANCE, name
+    for name in ("x_TD", "scores_TK"):
+        assert relative_error(inputs[name].grad, want_grads[name]) < TOLERANCE, name

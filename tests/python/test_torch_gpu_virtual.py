@@ -9,8 +9,8 @@ import torch
 
 import poise
 from poise import reference
-from gpu_cases import (BLOCKED, CONFIG, INTERLEAVED, NAMES, TOLERANCE, poison_allocator, reference_virtual,
-                       relative_error)
+from gpu_cases import (BIASED_NAMES, BLOCKED, CONFIG, GPT_OSS, INTERLEAVED, NAMES, TOLERANCE, biased_inputs_on,
+                       flip_weight, poison_allocator, reference_virtual, relative_error)
 
 pytestmark = pytest.mark.gpu
 
@@ -52,6 +52,78 @@ def test_virtual_ranks_match_the_cpu_reference(ep_size, balance, routing, wgrad,
         for name in ("x_TD", "scores_TK", "w13", "w2"):
             got = per_rank[r][name].grad
             assert relative_error(got, want_grads[r][name].reshape(got.shape)) < TOLERANCE, (r, name)
+
+
+@pytest.mark.parametrize("ep_size, balance, routing, w13_layout",
+                         [(2, "exact", "one_expert", INTERLEAVED), (4, "capacity", "uniform", BLOCKED)])
+def test_virtual_ranks_with_transposed_weights_match_the_cpu_reference(ep_size, balance, routing, w13_layout):
+    """poise.routed_experts_virtual with weights_transposed=True (w13 [E_local, D, 2F], w2
+    [E_local, F, D] per rank, read as stored) against the reference given the plain layout."""
+    config = dataclasses.replace(CONFIG, balance=balance)
+    device = torch.device("cuda", torch.cuda.current_device())
+    generated = reference.random_inputs(config, ep_size, seed=25 + ep_size, routing=routing)
+    per_rank = [{n: flip_weight(generated[n][r], n, True).contiguous().to(device).requires_grad_(n != "ids_TK")
+                 for n in NAMES} for r in range(ep_size)]
+    grad_out = [torch.randn(config.num_local_input_tokens, config.hidden_dim, device=device).bfloat16()
+                for _ in range(ep_size)]
+    with poise.create_context(config=config, device=device, ep_size=ep_size, virtual_ranks=True) as context:
+        poison_allocator(device, [inputs["x_TD"] for inputs in per_rank])
+        outs = poise.routed_experts_virtual(*[[inputs[n] for inputs in per_rank] for n in NAMES], context,
+                                            w13_layout=w13_layout, weights_transposed=True)
+        poison_allocator(device, [inputs[n].detach() for inputs in per_rank for n in ("x_TD", "scores_TK", "w13", "w2")])
+        torch.autograd.backward(outs, grad_out)
+        context.check()
+    want_outs, want_grads = reference_virtual(config, [{n: generated[n][r] for n in NAMES} for r in range(ep_size)],
+                                              grad_out, w13_layout)
+    for r in range(ep_size):
+        assert relative_error(outs[r], want_outs[r]) < TOLERANCE, r
+        for name in ("x_TD", "scores_TK", "w13", "w2"):
+            got = per_rank[r][name].grad
+            assert got.shape == per_rank[r][name].shape, (r, name)
+            assert relative_error(got, flip_weight(want_grads[r][name], name, True)) < TOLERANCE, (r, name)
+
+
+def test_virtual_ranks_raw_binding_with_expert_biases_and_transposed_weights():
+    """The per-rank entry points with b13 / b2 and weights_transposed on 4 ranks, one hot expert
+    (exact balance replicates it, biases with it), fp32 weight and bias grads into NaN buffers,
+    against reference.Engine given the plain layout."""
+    ep_size = 4
+    device = torch.device("cuda", torch.cuda.current_device())
+    per_rank = biased_inputs_on(device, seed=31, routing="one_expert", weights_transposed=True, ep_size=ep_size)
+    grad_out = [torch.randn(GPT_OSS.num_local_input_tokens, GPT_OSS.hidden_dim, device=device).bfloat16()
+                for _ in range(ep_size)]
+    column = {n: [inputs[n].data_ptr() for inputs in per_rank] for n in BIASED_NAMES}
+
+    def nan_like(name, dtype=None):
+        return [torch.full_like(inputs[name], float("nan"), dtype=dtype) for inputs in per_rank]
+
+    def addresses(tensors):
+        return [t.data_ptr() for t in tensors]
+
+    out, grad_x, grad_scores = nan_like("x_TD"), nan_like("x_TD"), nan_like("scores_TK")
+    grads = {n: nan_like(n, torch.float32) for n in ("w13", "w2", "b13", "b2")}
+    stream = torch.cuda.current_stream(device).cuda_stream
+    with poise.create_context(config=GPT_OSS, device=device, ep_size=ep_size, virtual_ranks=True) as context:
+        poise._poise.routed_experts_forward_ranks(
+            context._cpp, column["x_TD"], column["ids_TK"], column["scores_TK"], "fp32", column["w13"], INTERLEAVED,
+            column["w2"], addresses(out), stream, b13=column["b13"], b2=column["b2"], weights_transposed=True)
+        poise._poise.routed_experts_backward_ranks(
+            context._cpp, column["x_TD"], column["ids_TK"], column["scores_TK"], "fp32", column["w13"], INTERLEAVED,
+            column["w2"], addresses(grad_out), addresses(grad_x), addresses(grad_scores), addresses(grads["w13"]),
+            addresses(grads["w2"]), False, stream, b13=column["b13"], b2=column["b2"], weights_transposed=True,
+            grad_b13=addresses(grads["b13"]), grad_b2=addresses(grads["b2"]))
+        context.check()
+    engine = reference.Engine(GPT_OSS, ep_size)
+    plain = {n: [flip_weight(inputs[n], n, True).contiguous().cpu() for inputs in per_rank] for n in BIASED_NAMES}
+    want_outs = engine.forward(*[plain[n] for n in NAMES], w13_layout=INTERLEAVED, b13=plain["b13"], b2=plain["b2"])
+    assert max(engine.routing_stats.replicas) > 0  # the hot expert was replicated, its biases with it
+    want = engine.backward([g.cpu() for g in grad_out])
+    for r in range(ep_size):
+        assert relative_error(out[r], want_outs[r]) < TOLERANCE, r
+        got = {"x_TD": grad_x[r], "scores_TK": grad_scores[r], **{n: grads[n][r] for n in grads}}
+        for name, value in got.items():
+            expected = flip_weight(getattr(want[r], "grad_" + name), name, True)
+            assert relative_error(value, expected) < TOLERANCE, (r, name)
 
 
 def test_virtual_ranks_raw_binding_writes_every_poisoned_output():

@@ -120,15 +120,15 @@ def test_only_requested_grads_are_returned(config, context):
 def test_opcheck(config, context):
     inputs = layer_inputs(config, requires_grad=True)
     args = (inputs["x_TD"], inputs["ids_TK"], inputs["scores_TK"], inputs["w13"], inputs["w2"], context.handle,
-            "gate_up_blocked", False)
+            "gate_up_blocked", False, False)
     torch.library.opcheck(torch.ops.poise.routed_experts_forward.default, args)
     detached = [t.detach() for t in args[:5]]
     grad_out = torch.randn(config.num_local_input_tokens, config.hidden_dim).bfloat16()
     torch.library.opcheck(torch.ops.poise.routed_experts_backward.default,
-                          (grad_out, *detached, context.handle, "gate_up_blocked"))
+                          (grad_out, *detached, context.handle, "gate_up_blocked", False))
     buffers = (torch.zeros(detached[3].shape), torch.zeros(detached[4].shape))
     torch.library.opcheck(torch.ops.poise.routed_experts_backward_accumulate.default,
-                          (grad_out, *detached, context.handle, "gate_up_blocked", *buffers))
+                          (grad_out, *detached, context.handle, "gate_up_blocked", False, *buffers))
 
 
 @pytest.mark.parametrize("tracing_mode", ["real", "fake"])
@@ -371,10 +371,9 @@ def test_plain_eager_backward_checks_grad_out(config, context):
     """Autograd hands backward a gradient of out's shape and dtype; a direct caller may not."""
     inputs = {name: t.detach() for name, t in layer_inputs(config).items()}
     bad = torch.zeros(config.num_local_input_tokens, config.hidden_dim, dtype=torch.float32)
-    args = (bad, inputs["x_TD"], inputs["ids_TK"], inputs["scores_TK"], inputs["w13"], inputs["w2"], context.handle,
-            "gate_up_blocked")
+    tensors = [inputs[n] for n in ("x_TD", "ids_TK", "scores_TK", "w13", "w2")]
     with pytest.raises(poise.InvalidArgument, match="grad_out_TD"):
-        poise.torch.autograd.run_backward(args, None)
+        poise.torch.autograd.run_backward(bad, tensors, (context.handle, "gate_up_blocked", False), None)
 
 
 @pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")

@@ -107,7 +107,7 @@ def test_a_cuda_context_rejects_cpu_tensors(inputs):
 def test_a_context_handle_that_is_gone(inputs):
     with pytest.raises(poise.InvalidArgument) as raised:
         torch.ops.poise.routed_experts_forward(inputs["x_TD"], inputs["ids_TK"], inputs["scores_TK"], inputs["w13"],
-                                               inputs["w2"], 10**9, "gate_up_blocked", False)
+                                               inputs["w2"], 10**9, "gate_up_blocked", False, False)
     assert raised.value.name == "context"
 
 
@@ -116,10 +116,10 @@ def test_a_context_handle_that_is_gone(inputs):
 def test_backward_op_checks_grad_out(inputs, context):
     args = [inputs[n] for n in ("x_TD", "ids_TK", "scores_TK", "w13", "w2")]
     with pytest.raises(poise.InvalidArgument) as raised:
-        torch.ops.poise.routed_experts_backward(torch.zeros(T, D), *args, context.handle, "gate_up_blocked")
+        torch.ops.poise.routed_experts_backward(torch.zeros(T, D), *args, context.handle, "gate_up_blocked", False)
     assert raised.value.name == "grad_out_TD"
     with pytest.raises(poise.InvalidArgument) as raised:
         torch.ops.poise.routed_experts_backward_accumulate(
-            torch.zeros(T, D, dtype=torch.bfloat16), *args, context.handle, "gate_up_blocked",
+            torch.zeros(T, D, dtype=torch.bfloat16), *args, context.handle, "gate_up_blocked", False,
             torch.zeros(inputs["w13"].shape, dtype=torch.bfloat16), torch.zeros(inputs["w2"].shape))
     assert raised.value.name == "grad_w13_acc"  # fp32 wgrad_dtype: the buffer must be fp32

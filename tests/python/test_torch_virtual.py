@@ -116,7 +116,7 @@ def test_no_grad_and_make_fx_and_opcheck():
         args = ([t.clone().requires_grad_() for t in inputs["x_TD"]], inputs["ids_TK"],
                 [t.clone().requires_grad_() for t in inputs["scores_TK"]],
                 [t.clone().requires_grad_() for t in inputs["w13"]], [t.clone().requires_grad_() for t in inputs["w2"]],
-                context.handle, "gate_up_blocked")
+                context.handle, "gate_up_blocked", False)
         torch.library.opcheck(torch.ops.poise.routed_experts_virtual_forward, args)
 
 

@@ -58,7 +58,7 @@ def test_without_accumulation_weight_grads_come_in_the_weights_dtype(virtual_ran
             op, args = torch.ops.poise.routed_experts_virtual_backward, [grad_outs] + [inputs[n] for n in names]
         else:
             op, args = torch.ops.poise.routed_experts_backward, [grad_outs[0]] + [inputs[n][0] for n in names]
-        _, _, g13, g2 = op(*args, context.handle, "gate_up_blocked")
+        _, _, g13, g2 = op(*args, context.handle, "gate_up_blocked", False)
     g13, g2 = (g13, g2) if virtual_ranks else ([g13], [g2])
     for r in range(ep_size):
         for got, fp32 in ((g13[r], want[r].grad_w13), (g2[r], want[r].grad_w2)):

@@ -117,10 +117,11 @@ def test_implementation_is_valid_in_from_pretrained_and_on_a_built_model(tmp_pat
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_generation_runs_every_step_on_poise_and_matches_eager_logits(device):
+@pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss"])
+def test_generation_runs_every_step_on_poise_and_matches_eager_logits(name, device):
     """Prefill (2 x 12 tokens) then decode steps of 2 tokens: calls of changing size, each on the
     inference context of its bucket; the generated sequence then scores the same as under eager."""
-    model = tiny_model("qwen3_moe", device).eval()
+    model = tiny_model(name, device).eval()
     prompt = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(2)).to(device)
     model.set_experts_implementation("poise")
     with torch.no_grad():
@@ -225,23 +226,41 @@ def test_unsupported_experts_are_named_not_run():
         model(torch.zeros(1, 4, dtype=torch.long))
 
 
-def test_gpt_oss_training_step_matches_eager_on_the_cpu():
-    """gpt-oss's experts (biases, gate and up interleaved, weights stored transposed, clamped SwiGLU)
-    on the CPU engine: logits and every gradient, the experts' biases' included, as close to "eager"
-    as transformers' own grouped_mm is."""
-    model = tiny_model("gpt_oss")
-    token_ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(2))
+@pytest.mark.parametrize("device", DEVICES)
+def test_gpt_oss_training_step_matches_eager(device):
+    """gpt-oss's experts (biases, gate and up interleaved, weights stored transposed, clamped SwiGLU),
+    read as stored (weights_transposed, no copy on the GPU): logits and every gradient, the experts'
+    biases' included, as close to "eager" as transformers' own grouped_mm is."""
+    model = tiny_model("gpt_oss", device)
+    token_ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(2)).to(device)
     grads_poise = assert_training_step_like_eager(model, token_ids)
-    biases = [n for n in grads_poise if n.endswith("experts.gate_up_proj_bias") or n.endswith("experts.down_proj_bias")]
-    assert len(biases) == 2 * model.config.num_hidden_layers and all(grads_poise[n].abs().sum() > 0 for n in biases)
+    assert len(poise_hf.contexts) == 1  # every MoE layer ran on one shared training context
+    experts = [n for n in grads_poise if ".experts." in n]
+    assert len(experts) == 4 * model.config.num_hidden_layers  # weights and biases of every layer
+    assert all(grads_poise[n].abs().sum() > 0 for n in experts)
 
 
-@pytest.mark.gpu
-def test_gpt_oss_is_refused_on_the_gpu_naming_what_is_missing():
-    model = tiny_model("gpt_oss", "cuda")
+def test_gpt_oss_experts_take_their_parameters_as_stored(monkeypatch):
+    """No copy per call: poise.routed_experts gets gpt-oss's parameters themselves ([E, D, 2F] /
+    [E, F, D] with weights_transposed=True, and the biases)."""
+    model = tiny_model("gpt_oss")
+    seen = []
+
+    def spy(x_TD, ids_TK, scores_TK, w13, w2, context, **kwargs):
+        seen.append((w13, w2, kwargs))
+        return real(x_TD, ids_TK, scores_TK, w13, w2, context, **kwargs)
+
+    real = poise_hf.routed_experts
+    monkeypatch.setattr(poise_hf, "routed_experts", spy)
     model.set_experts_implementation("poise")
-    with pytest.raises(poise.NotAvailable, match="transposed weight layout.*biases"):
-        model(torch.zeros(1, 4, dtype=torch.long, device="cuda"))
+    with torch.no_grad():
+        model(torch.zeros(1, 4, dtype=torch.long))
+    experts = [layer.mlp.experts for layer in model.model.layers]
+    assert len(seen) == len(experts)
+    for (w13, w2, kwargs), module in zip(seen, experts):
+        assert w13 is module.gate_up_proj and w2 is module.down_proj
+        assert kwargs["b13"] is module.gate_up_proj_bias and kwargs["b2"] is module.down_proj_bias
+        assert kwargs["weights_transposed"] is True and kwargs["w13_layout"] == "gate_up_interleaved"
 
 
 def test_a_float32_model_is_refused_naming_hidden_states():

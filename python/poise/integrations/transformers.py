@@ -5,8 +5,9 @@ Importing this module registers "poise" in transformers' ``ExpertsInterface``; t
     model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.bfloat16, experts_implementation="poise")
     model.set_experts_implementation("poise")  # or on a model already built
 
-runs every Experts module through ``poise.routed_experts``. The Experts modules store their weights
-as Poise takes them (``gate_up_proj [E, 2F, D]``, ``down_proj [E, D, F]``), so no copy is made.
+runs every Experts module through ``poise.routed_experts`` on the module's own parameters, as
+stored (``gate_up_proj [E, 2F, D]``, ``down_proj [E, D, F]``, or gpt-oss's transposed ``[E, D, 2F]``
+/ ``[E, F, D]`` with ``weights_transposed=True``), so no copy is made on the GPU.
 
 Contexts are created on first use and shared by every layer of one shape on one device (see
 ``ContextCache``); a call of n tokens runs on the context of the smallest bucket >= n (the rows past
@@ -18,11 +19,11 @@ Expert parallelism: ``shard_experts(model, group)`` keeps each rank's E / ep_siz
 the contexts over the group (docs/transformers.md).
 
 gpt-oss's experts (biases, gate and up interleaved, weights stored transposed [E, D, 2F] /
-[E, F, D], the clamped SwiGLU) run on CPU contexts (the reference engine; the transposed weights
-are copied per call there); on the GPU their biases and transposed layout are not built yet
-(poise.NotAvailable). Not built either: experts without a gate, post-expert norms, other custom
-gates and activations, transformers' own expert sharding; such a module raises poise.NotAvailable
-naming what it lacks (docs/transformers.md).
+[E, F, D], the clamped SwiGLU) run through the same call with b13 / b2 and weights_transposed=True,
+on the GPU and on CPU contexts (whose reference engine copies the weights into its own layout).
+Not built: experts without a gate, post-expert norms, other custom gates and activations,
+transformers' own expert sharding; such a module raises poise.NotAvailable naming what it lacks
+(docs/transformers.md).
 """
 
 from __future__ import annotations
@@ -173,20 +174,21 @@ def poise_experts_forward(module: torch.nn.Module, hidden_states: torch.Tensor, 
     if num_tokens == 0:
         return torch.zeros_like(hidden_states)
     tokens = bucket_tokens(num_tokens, _settings)
+    biases = dict(b13=module.gate_up_proj_bias, b2=module.down_proj_bias) if form.biased else {}
+    w13, w2 = module.gate_up_proj, module.down_proj  # as stored: no copy
     training = torch.is_grad_enabled() and any(
-        t.requires_grad for t in (hidden_states, top_k_weights, module.gate_up_proj, module.down_proj))
+        t.requires_grad for t in (hidden_states, top_k_weights, w13, w2, *biases.values()))
     layers = (_settings.moe_layers or getattr(module.config, "num_hidden_layers", 1)) if training else 1
     device = _device_name(hidden_states.device)
-    w13, w2 = _weights_as_poise_takes_them(module, form, device)
     # Everything the layer's Config depends on: built (and checked) once per key, not per call.
-    key = (tuple(w13.shape), getattr(module, "num_experts", None), top_k, tokens, training, layers, device,
-           form.activation)
+    key = (tuple(w13.shape), form.transposed, getattr(module, "num_experts", None), top_k, tokens, training, layers,
+           device, form.activation)
     context = contexts.get(key, lambda: _layer_config(module, w13, form, tokens, top_k, training, layers), device)
     if training:
         contexts.open_pass_if_first_layer(key, context, module)
     x_TD, ids_TK, scores_TK = _padded(hidden_states, top_k_index, top_k_weights, tokens)
-    biases = dict(b13=module.gate_up_proj_bias, b2=module.down_proj_bias) if form.biased else {}
-    out_TD = routed_experts(x_TD, ids_TK, scores_TK, w13, w2, context, w13_layout=form.w13_layout, **biases)
+    out_TD = routed_experts(x_TD, ids_TK, scores_TK, w13, w2, context, w13_layout=form.w13_layout,
+                            weights_transposed=form.transposed, **biases)
     if _settings.record_routing:
         recorder.record(module, context)
     return out_TD[:num_tokens]
@@ -195,6 +197,8 @@ def poise_experts_forward(module: torch.nn.Module, hidden_states: torch.Tensor, 
 def _layer_config(module: torch.nn.Module, w13: torch.Tensor, form: "ExpertsForm", tokens: int, top_k: int,
                   training: bool, layers: int) -> Config:
     local_experts, two_f, hidden_dim = w13.shape
+    if form.transposed:  # [E, D, 2F]
+        hidden_dim, two_f = two_f, hidden_dim
     ep_size = _ep_size_and_rank(_settings.group)[0]
     num_experts = local_experts * ep_size
     expected = getattr(module, "num_experts", num_experts)
@@ -267,17 +271,6 @@ def _gpt_oss_gate():
     except ImportError:
         return None
     return GptOssExperts._apply_gate
-
-
-def _weights_as_poise_takes_them(module: torch.nn.Module, form: ExpertsForm, device: str):
-    """w13 [E, 2F, D] and w2 [E, D, F]: the parameters themselves, or for weights stored transposed
-    a copy per call on the CPU reference (the GPU takes no such copy: not built there)."""
-    if not form.transposed:
-        return module.gate_up_proj, module.down_proj
-    if device != "cpu":
-        raise NotAvailable(f"experts_implementation='poise' for {type(module).__name__} on the GPU: the transposed "
-                           "weight layout (is_transposed=True) and expert biases are not built yet (CPU only)")
-    return module.gate_up_proj.transpose(1, 2).contiguous(), module.down_proj.transpose(1, 2).contiguous()
 
 
 def _check_inputs(hidden_states: torch.Tensor, top_k_index: torch.Tensor) -> None:

@@ -14,7 +14,7 @@ from ..context import Context
 from ..errors import InvalidArgument, NotAvailable
 from ..options import ExecutionOptions
 from . import autograd
-from .checks import INPUT_NAMES, check_rank_lists
+from .checks import INPUT_NAMES, check_rank_lists, check_weights_transposed
 
 
 def routed_experts(
@@ -27,6 +27,7 @@ def routed_experts(
     options: Optional[ExecutionOptions] = None,
     *,
     w13_layout: str = "gate_up_blocked",
+    weights_transposed: bool = False,
     b13: Optional[Tensor] = None,
     b2: Optional[Tensor] = None,
 ) -> Union[Tensor, tuple[Tensor, Tensor]]:
@@ -37,52 +38,41 @@ def routed_experts(
     rows with ids -1 cost nothing); scores_TK bf16 or
     fp32 [T, K]; w13 bf16 [E_local, 2, F, D] / [E_local, 2F, D] / [E_local*2F, D] (gate rows then up
     rows per expert, or interleaved with w13_layout='gate_up_interleaved'); w2 bf16 [E_local, D, F]
-    / [E_local*D, F]. Returns out_TD bf16 [T, D]. Differentiable in x_TD, scores_TK, w13 and w2.
+    / [E_local*D, F]. ``weights_transposed=True``: the weights as stored for x @ W (transformers'
+    gpt-oss), w13 [E_local, D, 2F] (columns in w13_layout's order) and w2 [E_local, F, D], read as
+    stored (no copy on the GPU); their grads come in the same layout.
+    Returns out_TD bf16 [T, D]. Differentiable in x_TD, scores_TK, w13 and w2.
     Collective over the context's EP group. Raises poise.InvalidArgument naming the argument.
     With ``options.clip_statistics`` returns (out_TD, clip_counts): int64 [E_local, 2] on out's
     device, for each local expert the gate inputs above ``swiglu_limit`` and the up inputs outside
-    [-limit, limit] over all its rows on every rank (counted on h13 as saved, bf16; zeros for
-    plain SwiGLU).
+    [-limit, limit] over all its rows on every rank (counted on h13 as saved, bf16, biases
+    included; zeros for plain SwiGLU).
     Expert biases (gpt-oss), both or neither: b13 bf16 [E_local, 2F] in W13's row order, added
-    before the activation, and b2 bf16 [E_local, D], added before the score; differentiable too.
-    CPU contexts only so far (a GPU context raises poise.NotAvailable), without accumulate_wgrad or
-    clip_statistics.
+    before the activation, and b2 bf16 [E_local, D], added before the score; differentiable too
+    (with ``accumulate_wgrad`` their grads are added into their own .main_grad / .grad).
     """
     options = ExecutionOptions() if options is None else options
-    if b13 is not None or b2 is not None:
-        return _biased_call(x_TD, ids_TK, scores_TK, w13, w2, context, options, w13_layout, b13, b2)
+    if (b13 is None) != (b2 is None):  # the op checks the rest (check_biases)
+        raise InvalidArgument("b13" if b13 is None else "b2", "expert biases go together: pass b13 and b2")
+    tensors = (x_TD, ids_TK, scores_TK, w13, w2) + (() if b13 is None else (b13, b2))
     if torch.compiler.is_compiling():
         # Dynamo cannot trace into the C++ objects: the op's fake implementation checks instead.
         _refuse_compiled_accumulation(options)
     else:
-        _check_before_the_op(x_TD, ids_TK, scores_TK, w13, w2, context, options)
-        if autograd.plain_eager((x_TD, ids_TK, scores_TK, w13, w2)):
-            result = autograd.EagerForward.apply(x_TD, ids_TK, scores_TK, w13, w2, context.handle, w13_layout,
-                                                 options.accumulate_wgrad, options.clip_statistics,
-                                                 options.sync_check or context.sync_check)
-            return _sync_checked(result, context, options)
-    op = (torch.ops.poise.routed_experts_forward_clip_counts if options.clip_statistics
-          else torch.ops.poise.routed_experts_forward)
-    result = op(x_TD, ids_TK, scores_TK, w13, w2, context.handle, w13_layout, options.accumulate_wgrad)
+        _check_before_the_op(tensors, context, options, weights_transposed)
+        if autograd.plain_eager(tensors):
+            call = autograd.EagerCall(context.handle, w13_layout, options.accumulate_wgrad, weights_transposed,
+                                      options.clip_statistics, options.sync_check or context.sync_check)
+            return _sync_checked(autograd.EagerForward.apply(call, *tensors), context, options)
+    op = getattr(torch.ops.poise, _FORWARD_OPS[(b13 is not None, options.clip_statistics)])
+    result = op(*tensors, context.handle, w13_layout, weights_transposed, options.accumulate_wgrad)
     return result if torch.compiler.is_compiling() else _sync_checked(result, context, options)
 
 
-def _biased_call(x_TD, ids_TK, scores_TK, w13, w2, context, options, w13_layout, b13, b2) -> Tensor:
-    """poise.routed_experts with expert biases: through poise::routed_experts_biased_forward."""
-    if (b13 is None) != (b2 is None):  # the op checks the rest (check_biases)
-        raise InvalidArgument("b13" if b13 is None else "b2", "expert biases go together: pass b13 and b2")
-    if not torch.compiler.is_compiling():
-        _check_before_the_op(x_TD, ids_TK, scores_TK, w13, w2, context, options)
-        _refuse_grad_on_inference(context, (b13, b2))
-    if context.device != "cpu":
-        raise NotAvailable("expert biases (b13, b2) on the GPU: the GEMM epilogues that add them are not built yet; "
-                           "a CPU context runs them (docs/status.md)")
-    for what, on in (("accumulate_wgrad", options.accumulate_wgrad), ("clip_statistics", options.clip_statistics)):
-        if on:
-            raise NotAvailable(f"{what} with expert biases: not built yet")
-    result = torch.ops.poise.routed_experts_biased_forward(x_TD, ids_TK, scores_TK, w13, w2, b13, b2, context.handle,
-                                                           w13_layout)
-    return result if torch.compiler.is_compiling() else _sync_checked(result, context, options)
+_FORWARD_OPS = {  # (biased, clip_statistics): the forward op
+    (False, False): "routed_experts_forward", (False, True): "routed_experts_forward_clip_counts",
+    (True, False): "routed_experts_biased_forward", (True, True): "routed_experts_biased_forward_clip_counts",
+}
 
 
 def _sync_checked(result, context: Context, options: ExecutionOptions):
@@ -103,13 +93,15 @@ def routed_experts_virtual(
     options: Optional[ExecutionOptions] = None,
     *,
     w13_layout: str = "gate_up_blocked",
+    weights_transposed: bool = False,
 ) -> Union[list[Tensor], tuple[list[Tensor], list[Tensor]]]:
     """poise.routed_experts for every rank of a virtual-ranks context: each argument is a list of
     one tensor per rank (rank order, shapes and dtypes of poise.routed_experts); returns each rank's
     out_TD. Differentiable in every rank's x_TD, scores_TK, w13 and w2 (one backward call runs all
     ranks, as the ranks' backwards are collective). Raises poise.InvalidArgument naming the argument
     (with 'rank r: ' for a per-rank tensor). With ``options.clip_statistics`` returns (outs,
-    clip_counts): one int64 [E_local, 2] per rank, as poise.routed_experts documents."""
+    clip_counts): one int64 [E_local, 2] per rank, as poise.routed_experts documents;
+    ``weights_transposed`` as there, for every rank (no expert biases here yet)."""
     options = ExecutionOptions() if options is None else options
     _check_options(options)
     if options.accumulate_wgrad:
@@ -118,31 +110,34 @@ def routed_experts_virtual(
     _check_context(context)
     lists = [list(v) if isinstance(v, (list, tuple)) else v for v in (x_TD, ids_TK, scores_TK, w13, w2)]
     if not torch.compiler.is_compiling():
-        check_rank_lists(context, lists, w13_layout)  # before the op: its schema would reject less helpfully
+        # Before the op: its schema would reject less helpfully.
+        check_rank_lists(context, lists, w13_layout, weights_transposed)
         differentiable = [t for name, tensors in zip(INPUT_NAMES, lists) if name != "ids_TK" for t in tensors]
         _refuse_grad_on_inference(context, differentiable)
     op = (torch.ops.poise.routed_experts_virtual_forward_clip_counts if options.clip_statistics
           else torch.ops.poise.routed_experts_virtual_forward)
-    result = op(*lists, context.handle, w13_layout)
+    result = op(*lists, context.handle, w13_layout, weights_transposed)
     return result if torch.compiler.is_compiling() else _sync_checked(result, context, options)
 
 
 # ---- checks before the op ------------------------------------------------------------------------
 
 
-def _check_before_the_op(x_TD, ids_TK, scores_TK, w13, w2, context, options) -> None:
+def _check_before_the_op(tensors, context, options, weights_transposed) -> None:
     """What the op's schema would reject less helpfully, and what only the caller knows (grad mode)."""
     _check_context(context)
     _check_options(options)
-    tensors = {"x_TD": x_TD, "scores_TK": scores_TK, "w13": w13, "w2": w2}
-    for name, value in (("ids_TK", ids_TK), *tensors.items()):
+    check_weights_transposed(weights_transposed)
+    named = dict(zip(("x_TD", "ids_TK", "scores_TK", "w13", "w2", "b13", "b2"), tensors))
+    for name, value in named.items():
         if not isinstance(value, Tensor):
             raise InvalidArgument(name, f"must be a torch.Tensor, got {type(value).__name__}")
-    _refuse_grad_on_inference(context, tensors.values())
-    if options.accumulate_wgrad and _wants_grad(tensors.values()):
-        for name in ("w13", "w2"):
-            weight = tensors[name]
-            if weight.requires_grad and not weight.is_leaf:
+    differentiable = [t for name, t in named.items() if name != "ids_TK"]
+    _refuse_grad_on_inference(context, differentiable)
+    if options.accumulate_wgrad and _wants_grad(differentiable):
+        for name in ("w13", "w2", "b13", "b2")[:len(tensors) - 3]:
+            parameter = named[name]
+            if parameter.requires_grad and not parameter.is_leaf:
                 raise InvalidArgument(name, "accumulate_wgrad adds into the parameter's .main_grad/.grad, so pass "
                                             "the parameter itself (a leaf tensor), not a view or a result")
 

@@ -2,7 +2,8 @@
 
 Backward of a one-rank forward runs poise::routed_experts_backward, or with accumulate_wgrad
 poise::routed_experts_backward_accumulate, which adds the weight grads into the parameters'
-``.main_grad`` / ``.grad`` in place (autograd then gets None for w13 and w2). Backward of a
+``.main_grad`` / ``.grad`` in place (autograd then gets None for w13 and w2); with expert biases
+the routed_experts_biased_* twins, which do the same for b13 and b2. Backward of a
 virtual-ranks forward runs poise::routed_experts_virtual_backward for every rank at once.
 
 The plain-eager bypass: an eager call on plain tensors gains nothing from torch.library's dispatch
@@ -13,7 +14,7 @@ takes the ops.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -23,61 +24,81 @@ from ..errors import InvalidArgument
 from . import ops  # the ops whose autograd is registered here; the bypass runs their implementation
 from .checks import check_accumulation_buffer, wgrad_dtype
 
-# ---- one rank ------------------------------------------------------------------------------------
+# ---- one rank, with or without expert biases -----------------------------------------------------
+# The forward ops' inputs: the tensors (x_TD, ids_TK, scores_TK, w13, w2[, b13, b2]), then
+# (context_handle, w13_layout, weights_transposed, accumulate_wgrad).
+
+_NON_TENSOR_INPUTS = 4
 
 
 def _setup_one_rank(ctx, inputs, output) -> None:
-    x_TD, ids_TK, scores_TK, w13, w2, handle, w13_layout, accumulate_wgrad = inputs
-    ctx.save_for_backward(x_TD, ids_TK, scores_TK, w13, w2)
+    *tensors, handle, w13_layout, weights_transposed, accumulate_wgrad = inputs
+    ctx.save_for_backward(*tensors)
     # The handle, not the Context: an autograd graph kept alive (say, until interpreter exit) must
     # not keep the context's buffers alive with it. Backward finds the context by its handle.
-    ctx.context_handle = handle
-    ctx.w13_layout = w13_layout
+    ctx.call = (handle, w13_layout, weights_transposed)
     # With accumulation the parameters themselves are needed: their .main_grad / .grad.
-    ctx.weights = (w13, w2) if accumulate_wgrad else None
+    ctx.parameters = tuple(tensors[3:]) if accumulate_wgrad else None
 
 
-def _backward_one_rank(ctx, grad_out_TD):
-    x_TD, ids_TK, scores_TK, w13, w2 = ctx.saved_tensors
-    needs = ctx.needs_input_grad
+def _tensor_grads(ctx, grad_out_TD, needs: Sequence[bool]) -> tuple:
+    """The grads of the forward's tensors (None for ids_TK and for what is not needed)."""
+    tensors = ctx.saved_tensors
     # Autograd may hand a broadcast (stride 0) or otherwise strided gradient: the ops need rows.
-    args = (grad_out_TD.contiguous(), x_TD, ids_TK, scores_TK, w13, w2, ctx.context_handle, ctx.w13_layout)
-    if ctx.weights is None:
-        grad_x, grad_scores, grad_w13, grad_w2 = run_backward(args, None)
+    grad_out_TD = grad_out_TD.contiguous()
+    if ctx.parameters is None:
+        grad_x, grad_scores, *parameter_grads = run_backward(grad_out_TD, tensors, ctx.call, None)
     else:
-        grad_x, grad_scores = run_backward(args, _accumulation_buffers(ctx.weights, ctx.context_handle, needs[3:5]))
-        grad_w13 = grad_w2 = None  # already added into the buffers: autograd must not add them again
-    return (grad_x if needs[0] else None, None, grad_scores if needs[2] else None,
-            grad_w13 if needs[3] else None, grad_w2 if needs[4] else None, None, None, None)
+        buffers = _accumulation_buffers(ctx.parameters, ctx.call[0], needs[3:])
+        grad_x, grad_scores = run_backward(grad_out_TD, tensors, ctx.call, buffers)
+        parameter_grads = [None] * len(ctx.parameters)  # already added into the buffers: not again by autograd
+    grads = (grad_x, None, grad_scores, *parameter_grads)
+    return tuple(g if need else None for g, need in zip(grads, needs))
 
 
-def run_backward(args: tuple, accumulate: Optional[tuple[Tensor, Tensor]]) -> tuple:
-    """The backward op of ``args`` (and the accumulation buffers), or in plain eager mode its engine
-    call directly. The inputs were checked by the forward whose graph this is (autograd refuses saved
+def _backward_one_rank(ctx, grad_out_TD, *_grad_counts):
+    # The counts of the clip-counting forwards are integers: no gradient flows back through them.
+    needs = ctx.needs_input_grad[:-_NON_TENSOR_INPUTS]
+    return (*_tensor_grads(ctx, grad_out_TD, needs), *[None] * _NON_TENSOR_INPUTS)
+
+
+_BACKWARD_OPS = {  # (biased, accumulating): the backward op
+    (False, False): "routed_experts_backward", (False, True): "routed_experts_backward_accumulate",
+    (True, False): "routed_experts_biased_backward", (True, True): "routed_experts_biased_backward_accumulate",
+}
+
+
+def run_backward(grad_out_TD: Tensor, tensors: Sequence[Tensor], call: tuple,
+                 accumulate: Optional[Sequence[Tensor]]) -> tuple:
+    """The backward op of a forward's ``tensors`` and ``call`` (context_handle, w13_layout,
+    weights_transposed) and of the accumulation buffers, or in plain eager mode its engine call
+    directly. The inputs were checked by the forward whose graph this is (autograd refuses saved
     tensors modified in place since), so only grad_out and the buffers are checked here."""
-    tensors = args[:6] if accumulate is None else (*args[:6], *accumulate)
+    handle, w13_layout, weights_transposed = call
+    buffers = tuple(accumulate or ())
     # Grad mode on in a backward means create_graph=True: the ops' autograd fallback marks what a
     # second differentiation cannot go through; a direct call would hand back plain tensors.
-    if torch.is_grad_enabled() or not plain_eager(tensors):
-        if accumulate is None:
-            return torch.ops.poise.routed_experts_backward(*args)
-        return torch.ops.poise.routed_experts_backward_accumulate(*args, *accumulate)
-    return ops.backward_on_engine(args, accumulate, inputs_checked=True)
+    if torch.is_grad_enabled() or not plain_eager((grad_out_TD, *tensors, *buffers)):
+        op = getattr(torch.ops.poise, _BACKWARD_OPS[(len(tensors) > 5, accumulate is not None)])
+        return op(grad_out_TD, *tensors, handle, w13_layout, weights_transposed, *buffers)
+    return ops.backward_on_engine(grad_out_TD, tensors, handle, w13_layout, weights_transposed, accumulate,
+                                  inputs_checked=True)
 
 
-def _accumulation_buffers(weights: tuple[Tensor, Tensor], handle: int, needs: tuple[bool, bool]) -> tuple:
-    """Where the weight grads are added: the parameters' buffers, or scratch zeros for a weight
-    whose grad is not wanted (the kernels write both)."""
+def _accumulation_buffers(parameters: tuple[Tensor, ...], handle: int, needs: Sequence[bool]) -> tuple:
+    """Where the weight (and bias) grads are added: the parameters' buffers, or scratch zeros for a
+    parameter whose grad is not wanted (the kernels write them all)."""
     config = context_from_handle(handle)._cpp.config
-    return tuple(accumulation_buffer(weight, name, config) if need
-                 else torch.zeros_like(weight, dtype=wgrad_dtype(config))
-                 for weight, name, need in zip(weights, ("w13", "w2"), needs))
+    return tuple(accumulation_buffer(parameter, name, config) if need
+                 else torch.zeros_like(parameter, dtype=wgrad_dtype(config))
+                 for parameter, name, need in zip(parameters, ("w13", "w2", "b13", "b2"), needs))
 
 
 def accumulation_buffer(weight: Tensor, name: str, config: Any) -> Tensor:
-    """Where accumulate_wgrad adds a weight's grad: ``weight.main_grad`` if the attribute exists
-    (Megatron's gradient_accumulation_fusion contract), else ``weight.grad`` (created as zeros when
-    None, if the weight's dtype is Config.wgrad_dtype). Checked: shape, device, dtype, contiguity."""
+    """Where accumulate_wgrad adds a weight's (or bias's) grad: ``weight.main_grad`` if the
+    attribute exists (Megatron's gradient_accumulation_fusion contract), else ``weight.grad``
+    (created as zeros when None, if the weight's dtype is Config.wgrad_dtype). Checked: shape,
+    device, dtype, contiguity."""
     dtype = wgrad_dtype(config)
     if hasattr(weight, "main_grad"):
         buffer, label = weight.main_grad, f"{name}.main_grad"
@@ -94,45 +115,22 @@ def accumulation_buffer(weight: Tensor, name: str, config: Any) -> Tensor:
     return buffer
 
 
-torch.library.register_autograd("poise::routed_experts_forward", _backward_one_rank, setup_context=_setup_one_rank)
-# The counts are integers: no gradient flows back through them.
-torch.library.register_autograd("poise::routed_experts_forward_clip_counts",
-                                lambda ctx, grad_out_TD, _grad_counts: _backward_one_rank(ctx, grad_out_TD),
-                                setup_context=_setup_one_rank)
-
-
-# ---- one rank with expert biases -----------------------------------------------------------------
-
-
-def _setup_biased(ctx, inputs, output) -> None:
-    x_TD, ids_TK, scores_TK, w13, w2, b13, b2, handle, w13_layout = inputs
-    ctx.save_for_backward(x_TD, ids_TK, scores_TK, w13, w2, b13, b2)
-    ctx.context_handle, ctx.w13_layout = handle, w13_layout
-
-
-def _backward_biased(ctx, grad_out_TD):
-    saved = ctx.saved_tensors
-    grads = torch.ops.poise.routed_experts_biased_backward(grad_out_TD.contiguous(), *saved, ctx.context_handle,
-                                                           ctx.w13_layout)
-    grad_x, grad_scores, grad_w13, grad_w2, grad_b13, grad_b2 = (
-        g if need else None for g, need in zip(grads, (ctx.needs_input_grad[i] for i in (0, 2, 3, 4, 5, 6))))
-    return grad_x, None, grad_scores, grad_w13, grad_w2, grad_b13, grad_b2, None, None
-
-
-torch.library.register_autograd("poise::routed_experts_biased_forward", _backward_biased, setup_context=_setup_biased)
+for _name in ("routed_experts_forward", "routed_experts_forward_clip_counts", "routed_experts_biased_forward",
+              "routed_experts_biased_forward_clip_counts"):
+    torch.library.register_autograd(f"poise::{_name}", _backward_one_rank, setup_context=_setup_one_rank)
 
 
 # ---- virtual ranks -------------------------------------------------------------------------------
 
 
 def _setup_virtual(ctx, inputs, output) -> None:
-    x_TD, ids_TK, scores_TK, w13, w2, handle, w13_layout = inputs
+    x_TD, ids_TK, scores_TK, w13, w2, handle, w13_layout, weights_transposed = inputs
     ctx.ranks = len(x_TD)
     ctx.save_for_backward(*x_TD, *ids_TK, *scores_TK, *w13, *w2)
     # Per differentiable list, which ranks' tensors want a grad (needs_input_grad is flattened in
     # an order this code should not depend on).
     ctx.wants = [[t.requires_grad for t in tensors] for tensors in (x_TD, scores_TK, w13, w2)]
-    ctx.context_handle, ctx.w13_layout = handle, w13_layout
+    ctx.call = (handle, w13_layout, weights_transposed)
 
 
 def _backward_virtual(ctx, grad_out_TD):
@@ -140,11 +138,10 @@ def _backward_virtual(ctx, grad_out_TD):
     x_TD, ids_TK, scores_TK, w13, w2 = (list(saved[i * R:(i + 1) * R]) for i in range(5))
     # A rank whose output did not reach the loss may get None; autograd may hand strided grads.
     grad_out_TD = [torch.zeros_like(x) if g is None else g.contiguous() for g, x in zip(grad_out_TD, x_TD)]
-    grads = torch.ops.poise.routed_experts_virtual_backward(grad_out_TD, x_TD, ids_TK, scores_TK, w13, w2,
-                                                            ctx.context_handle, ctx.w13_layout)
+    grads = torch.ops.poise.routed_experts_virtual_backward(grad_out_TD, x_TD, ids_TK, scores_TK, w13, w2, *ctx.call)
     grad_x, grad_scores, grad_w13, grad_w2 = (
         [g if want else None for g, want in zip(per_rank, wants)] for per_rank, wants in zip(grads, ctx.wants))
-    return grad_x, [None] * R, grad_scores, grad_w13, grad_w2, None, None
+    return grad_x, [None] * R, grad_scores, grad_w13, grad_w2, None, None, None
 
 
 torch.library.register_autograd("poise::routed_experts_virtual_forward", _backward_virtual,
@@ -175,22 +172,36 @@ def plain_eager(tensors) -> bool:
             and all(type(t) in _PLAIN_TENSOR_TYPES for t in tensors))
 
 
+class EagerCall(NamedTuple):
+    """What an eager call carries besides its tensors."""
+
+    context_handle: int
+    w13_layout: str
+    accumulate_wgrad: bool
+    weights_transposed: bool
+    clip_counts: bool
+    sync_check: bool
+
+
 class EagerForward(torch.autograd.Function):
-    """poise::routed_experts_forward(_clip_counts) called directly: the op's implementation, saved
-    state and backward (_setup_one_rank, _backward_one_rank) under a plain autograd.Function."""
+    """poise::routed_experts_(biased_)forward(_clip_counts) called directly: the op's implementation,
+    saved state and backward (_setup_one_rank, _tensor_grads) under a plain autograd.Function.
+    ``apply(call, x_TD, ids_TK, scores_TK, w13, w2[, b13, b2])``."""
 
     @staticmethod
-    def forward(ctx, x_TD, ids_TK, scores_TK, w13, w2, handle, w13_layout, accumulate_wgrad, clip_counts, sync_check):
-        result = ops.forward_on_engine(x_TD, ids_TK, scores_TK, w13, w2, handle, w13_layout, clip_counts)
-        _setup_one_rank(ctx, (x_TD, ids_TK, scores_TK, w13, w2, handle, w13_layout, accumulate_wgrad), result)
-        ctx.sync_check = sync_check
-        if clip_counts:
+    def forward(ctx, call: EagerCall, *tensors):
+        result = ops.forward_on_engine(tensors, call.context_handle, call.w13_layout, call.weights_transposed,
+                                       call.clip_counts)
+        _setup_one_rank(ctx, (*tensors, call.context_handle, call.w13_layout, call.weights_transposed,
+                              call.accumulate_wgrad), result)
+        ctx.sync_check = call.sync_check
+        if call.clip_counts:
             ctx.mark_non_differentiable(result[1])  # integers: no gradient flows back through them
         return result
 
     @staticmethod
     def backward(ctx, grad_out_TD, *_grad_counts):
-        grads = _backward_one_rank(ctx, grad_out_TD)
+        grads = _tensor_grads(ctx, grad_out_TD, ctx.needs_input_grad[1:])
         if ctx.sync_check and not torch.cuda.is_current_stream_capturing():
-            context_from_handle(ctx.context_handle).check()  # ExecutionOptions.sync_check
-        return (*grads, None, None)
+            context_from_handle(ctx.call[0]).check()  # ExecutionOptions.sync_check
+        return (None, *grads)

@@ -80,11 +80,13 @@ def check_rows(name: str, value: torch.Tensor, config: Any, prefix: str = "") ->
 
 
 def check_inputs(
-    config: Any, ep_size: int, device: str, x_TD: Any, ids_TK: Any, scores_TK: Any, w13: Any, w2: Any, prefix: str = ""
+    config: Any, ep_size: int, device: str, x_TD: Any, ids_TK: Any, scores_TK: Any, w13: Any, w2: Any, prefix: str = "",
+    weights_transposed: bool = False,
 ) -> None:
-    """The five inputs of one rank. ``config`` is a poise.Config or the C++ Config (same fields)."""
+    """The five inputs of one rank. ``config`` is a poise.Config or the C++ Config (same fields).
+    ``weights_transposed``: w13 [E_local, D, 2F] and w2 [E_local, F, D] (x @ W, gpt-oss)."""
     T, D, F = config.num_local_input_tokens, config.hidden_dim, config.intermediate_dim
-    K, L = config.top_k, config.num_experts // ep_size
+    K = config.top_k
     for name, value in (("x_TD", x_TD), ("ids_TK", ids_TK), ("scores_TK", scores_TK)):
         check_rows(name, value, config, prefix)
     check_tensor("x_TD", x_TD, device=device, dtypes=_BF16, shapes=[(T, D)],
@@ -93,13 +95,29 @@ def check_inputs(
                  shape_rule=lambda: f"[T={T}, K={K}]", prefix=prefix)
     check_tensor("scores_TK", scores_TK, device=device, dtypes=SCORES_DTYPES, shapes=[(T, K)],
                  shape_rule=lambda: f"[T={T}, K={K}]", prefix=prefix)
-    check_tensor("w13", w13, device=device, dtypes=_BF16,
-                 shapes=[(L, 2, F, D), (L, 2 * F, D), (L * 2 * F, D)],
-                 shape_rule=lambda: (f"[E_local, 2, F, D], [E_local, 2F, D] or [E_local*2F, D] with E_local={L}, "
-                                     f"F={F}, D={D}"),
+    check_weights(config, ep_size, device, w13, w2, weights_transposed, prefix)
+
+
+def check_weights(config: Any, ep_size: int, device: str, w13: Any, w2: Any, weights_transposed: bool,
+                  prefix: str = "") -> None:
+    """w13 and w2 of one rank, in the memory orders the engines take."""
+    D, F, L = config.hidden_dim, config.intermediate_dim, config.num_experts // ep_size
+    dims = f"E_local={L}, D={D}, F={F}"
+    if weights_transposed:  # as stored for x @ W: only the 3-D forms, which transformers keeps
+        w13_shapes, w13_rule = [(L, D, 2 * F)], f"[E_local, D, 2F] (weights_transposed=True) with {dims}"
+        w2_shapes, w2_rule = [(L, F, D)], f"[E_local, F, D] (weights_transposed=True) with {dims}"
+    else:
+        w13_shapes = [(L, 2, F, D), (L, 2 * F, D), (L * 2 * F, D)]
+        w13_rule = f"[E_local, 2, F, D], [E_local, 2F, D] or [E_local*2F, D] with {dims}"
+        w2_shapes, w2_rule = [(L, D, F), (L * D, F)], f"[E_local, D, F] or [E_local*D, F] with {dims}"
+    check_tensor("w13", w13, device=device, dtypes=_BF16, shapes=w13_shapes, shape_rule=lambda: w13_rule,
                  prefix=prefix)
-    check_tensor("w2", w2, device=device, dtypes=_BF16, shapes=[(L, D, F), (L * D, F)],
-                 shape_rule=lambda: f"[E_local, D, F] or [E_local*D, F] with E_local={L}, D={D}, F={F}", prefix=prefix)
+    check_tensor("w2", w2, device=device, dtypes=_BF16, shapes=w2_shapes, shape_rule=lambda: w2_rule, prefix=prefix)
+
+
+def check_weights_transposed(weights_transposed: Any) -> None:
+    if not isinstance(weights_transposed, bool):
+        raise InvalidArgument("weights_transposed", f"must be a bool, got {type(weights_transposed).__name__}")
 
 
 def check_grad_out(config: Any, device: str, grad_out_TD: Any, prefix: str = "") -> None:
@@ -155,13 +173,15 @@ def check_training(context: Context) -> None:
         raise InvalidArgument("context", "was created with inference=true; backward needs a training context")
 
 
-def check_one_rank_call(context: Context, x_TD, ids_TK, scores_TK, w13, w2, w13_layout) -> None:
+def check_one_rank_call(context: Context, x_TD, ids_TK, scores_TK, w13, w2, w13_layout, weights_transposed) -> None:
     """The tensors of one rank's call on a one-rank context."""
     if context.virtual_ranks:
         raise InvalidArgument("context", "is a virtual-ranks context (all ranks in this process): call "
                                          "poise.routed_experts_virtual with one tensor per rank")
     check_w13_layout(w13_layout)
-    check_inputs(context._cpp.config, context.ep_size, context.device, x_TD, ids_TK, scores_TK, w13, w2)
+    check_weights_transposed(weights_transposed)
+    check_inputs(context._cpp.config, context.ep_size, context.device, x_TD, ids_TK, scores_TK, w13, w2,
+                 weights_transposed=weights_transposed)
 
 
 def check_biases(config: Any, ep_size: int, device: str, b13: Any, b2: Any, prefix: str = "") -> None:
@@ -175,10 +195,16 @@ def check_biases(config: Any, ep_size: int, device: str, b13: Any, b2: Any, pref
                      shape_rule=lambda shape=shape: "[" + ", ".join(map(str, shape)) + "]", prefix=prefix)
 
 
-def check_accumulation(context: Context, w13, w2, grad_w13_acc, grad_w2_acc) -> None:
-    """The two buffers a one-rank backward adds the weight grads into."""
-    check_accumulation_buffer("grad_w13_acc", grad_w13_acc, w13, context._cpp.config)
-    check_accumulation_buffer("grad_w2_acc", grad_w2_acc, w2, context._cpp.config)
+ACCUMULATION_NAMES = ("grad_w13_acc", "grad_w2_acc", "grad_b13_acc", "grad_b2_acc")
+
+
+def check_accumulation(context: Context, parameters: Sequence[torch.Tensor], buffers: Sequence[Any]) -> None:
+    """The buffers a one-rank backward adds the grads of ``parameters`` (w13, w2[, b13, b2]) into."""
+    if len(buffers) != len(parameters):
+        raise InvalidArgument("accumulate", f"needs one buffer per weight and bias ({len(parameters)}), "
+                                            f"got {len(buffers)}")
+    for name, buffer, parameter in zip(ACCUMULATION_NAMES, buffers, parameters):
+        check_accumulation_buffer(name, buffer, parameter, context._cpp.config)
 
 
 def _check_one_list_per_input(lists: Sequence[Any], ranks: int) -> None:
@@ -188,17 +214,19 @@ def _check_one_list_per_input(lists: Sequence[Any], ranks: int) -> None:
             raise InvalidArgument(name, f"must be a list of one tensor per rank ({ranks}), got {got}")
 
 
-def check_rank_lists(context: Context, lists: Sequence[Any], w13_layout: str) -> list[tuple]:
+def check_rank_lists(context: Context, lists: Sequence[Any], w13_layout: str, weights_transposed: bool) -> list[tuple]:
     """The per-rank lists of a virtual-ranks call (x_TD, ids_TK, scores_TK, w13, w2 in that order);
     returns one (x_TD, ids_TK, scores_TK, w13, w2) tuple per rank."""
     if not context.virtual_ranks:
         raise InvalidArgument("context", "drives one rank: create it with virtual_ranks=True for "
                                          "poise.routed_experts_virtual, or call poise.routed_experts")
     check_w13_layout(w13_layout)
+    check_weights_transposed(weights_transposed)
     _check_one_list_per_input(lists, context.ep_size)
     per_rank = list(zip(*lists))
     for r, inputs in enumerate(per_rank):
-        check_inputs(context._cpp.config, context.ep_size, context.device, *inputs, prefix=f"rank {r}: ")
+        check_inputs(context._cpp.config, context.ep_size, context.device, *inputs, prefix=f"rank {r}: ",
+                     weights_transposed=weights_transposed)
     check_same_scores_dtype([inputs[2] for inputs in per_rank])
     devices = {inputs[0].device for inputs in per_rank}
     if len(devices) != 1:  # a 'cpu' context matches any CPU tensor; virtual GPU ranks share one device

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from .. import _poise
-from ..reference.arrays import clip_counts_tensor, float32_array, int32_array, tensor_from_array, write_back
+from ..reference.arrays import clip_counts_tensor, float32_array, int32_array
 from ..reference.engines import Engine
 from .checks import SCORES_DTYPES
 from .saved_state import LatestForward, call_identity
@@ -41,50 +41,50 @@ class CpuRankEngine(LatestForward):
         super().__init__()
 
     def forward(self, x_TD, ids_TK, scores_TK, w13, w2, w13_layout: str, clip_counts: bool = False,
-                biases: Optional[tuple[torch.Tensor, torch.Tensor]] = None):
+                biases: Optional[tuple[torch.Tensor, torch.Tensor]] = None, weights_transposed: bool = False):
         """out_TD, or (out_TD, clip_counts_E2) with ``clip_counts``. ``biases``: (b13, b2) or None."""
-        engine, arrays, key = self._prepare(x_TD, ids_TK, scores_TK, w13, w2, w13_layout, biases)
+        engine, arrays, key = self._prepare(x_TD, ids_TK, scores_TK, w13, w2, w13_layout, biases, weights_transposed)
         out_TD = self._run_forward(key, lambda: engine.forward(*arrays))[self._rank]
         self.forward_calls += 1
         out = torch.from_numpy(out_TD).to(torch.bfloat16)
         return (out, clip_counts_tensor(engine.clip_counts[self._rank])) if clip_counts else out
 
     def backward(self, grad_out_TD, x_TD, ids_TK, scores_TK, w13, w2, w13_layout: str,
-                 accumulate: Optional[tuple[torch.Tensor, torch.Tensor]],
-                 biases: Optional[tuple[torch.Tensor, torch.Tensor]] = None):
+                 accumulate: Optional[tuple[torch.Tensor, ...]],
+                 biases: Optional[tuple[torch.Tensor, torch.Tensor]] = None, weights_transposed: bool = False):
         """Returns (grad_x_TD, grad_scores_TK, grad_w13, grad_w2), and with ``biases`` also
-        (grad_b13, grad_b2); with ``accumulate`` (two buffers, no biases), adds the weight grads into
-        them in place and returns them as grad_w13, grad_w2."""
-        engine, arrays, key = self._prepare(x_TD, ids_TK, scores_TK, w13, w2, w13_layout, biases)
+        (grad_b13, grad_b2); with ``accumulate`` (a buffer per weight, and per bias with biases) adds
+        those grads into the buffers in place and returns the buffers in their place."""
+        engine, arrays, key = self._prepare(x_TD, ids_TK, scores_TK, w13, w2, w13_layout, biases, weights_transposed)
         self._ensure_forward(key, lambda: engine.forward(*arrays), always=self._group is not None)
         grad_out = self._gather([float32_array(grad_out_TD)])[0]
-        buffers = self._accumulation_arrays(arrays, accumulate)
+        buffers = self._accumulation_arrays(arrays, accumulate, weights_transposed)
         results = engine.backward(*arrays, grad_out, accumulate is not None, *buffers)
         self.backward_calls += 1
-        gx, gs, g13, g2, gb13, gb2 = results[self._rank]
-        grad_x = torch.from_numpy(gx).to(torch.bfloat16)
-        grad_scores = torch.from_numpy(gs).to(scores_TK.dtype)
+        gx, gs, *parameter_grads = results[self._rank]
+        grads = (torch.from_numpy(gx).to(torch.bfloat16), torch.from_numpy(gs).to(scores_TK.dtype))
+        parameters = (w13, w2, *(biases or ()))
         if accumulate is not None:
-            return grad_x, grad_scores, write_back(accumulate[0], g13), write_back(accumulate[1], g2)
-        # Without accumulation the weight grads come in the weights' dtype, as from the GPU engine.
-        grads = (grad_x, grad_scores, tensor_from_array(g13, w13.dtype, w13.shape),
-                 tensor_from_array(g2, w2.dtype, w2.shape))
-        if biases is None:
-            return grads
-        return (*grads, *(tensor_from_array(g, b.dtype, b.shape) for g, b in zip((gb13, gb2), biases)))
+            return (*grads, *(_write_back(buffer, _from_reference_layout(g, buffer, weights_transposed))
+                              for buffer, g in zip(accumulate, parameter_grads)))
+        # Without accumulation the parameter grads come in the parameters' dtype, as from the GPU engine.
+        return (*grads, *(_from_reference_layout(g, p, weights_transposed).to(p.dtype)
+                          for p, g in zip(parameters, parameter_grads)))
 
     def _routing_stats(self) -> Any:
         return self._latest[0].routing_stats  # the key's engine: the one that ran the latest forward
 
-    def _prepare(self, x_TD, ids_TK, scores_TK, w13, w2, w13_layout: str,
-                 biases: Optional[tuple] = None) -> tuple[Any, list, tuple]:
+    def _prepare(self, x_TD, ids_TK, scores_TK, w13, w2, w13_layout: str, biases: Optional[tuple],
+                 weights_transposed: bool) -> tuple[Any, list, tuple]:
         """(the engine for this call, every rank's input arrays, the key of this forward)."""
         engine = self._engine(SCORES_DTYPES[scores_TK.dtype], w13_layout)
         tensors = (x_TD, ids_TK, scores_TK, w13, w2, *(biases or ()))
+        w13_ref, w2_ref = (to_reference_layout(w, weights_transposed) for w in (w13, w2))
         arrays = self._gather([float32_array(x_TD), int32_array(ids_TK), float32_array(scores_TK),
-                               float32_array(w13), float32_array(w2), *(float32_array(b) for b in biases or ())])
+                               float32_array(w13_ref), float32_array(w2_ref),
+                               *(float32_array(b) for b in biases or ())])
         arrays += [[], []] if biases is None else []  # the engine's b13, b2 lists: empty without biases
-        return engine, arrays, (engine, call_identity(tensors))
+        return engine, arrays, (engine, weights_transposed, call_identity(tensors))
 
     def _engine(self, scores_dtype: str, w13_layout: str) -> Any:
         key = (scores_dtype, w13_layout)
@@ -106,14 +106,19 @@ class CpuRankEngine(LatestForward):
             gathered.append([p.numpy() for p in parts])
         return gathered
 
-    def _accumulation_arrays(self, arrays: list[list[np.ndarray]], accumulate: Optional[tuple]) -> tuple[list, list]:
-        """The engine's (grad_w13, grad_w2) accumulation arrays of every rank: this rank's buffers,
-        zeros for the others (their results are theirs to compute); empty without accumulation."""
+    def _accumulation_arrays(self, arrays: list[list[np.ndarray]], accumulate: Optional[tuple],
+                             weights_transposed: bool) -> tuple[list, ...]:
+        """The engine's accumulation arrays of every rank, one list per weight (and per bias with
+        biases): this rank's buffers (in the engine's layout), zeros for the other ranks (their
+        results are theirs to compute); empty lists without accumulation."""
         if accumulate is None:
-            return [], []
-        acc13, acc2 = [np.zeros_like(a) for a in arrays[3]], [np.zeros_like(a) for a in arrays[4]]
-        acc13[self._rank], acc2[self._rank] = float32_array(accumulate[0]), float32_array(accumulate[1])
-        return acc13, acc2
+            return [], [], [], []
+        per_parameter = []
+        for index, buffer in zip((3, 4, 5, 6), accumulate):
+            lists = [np.zeros_like(a) for a in arrays[index]]
+            lists[self._rank] = float32_array(to_reference_layout(buffer, weights_transposed and index < 5))
+            per_parameter.append(lists)
+        return tuple(per_parameter + [[]] * (4 - len(per_parameter)))
 
 
 class CpuVirtualRanksEngine(LatestForward):
@@ -125,18 +130,23 @@ class CpuVirtualRanksEngine(LatestForward):
         self._engine = Engine(context.config, context.ep_size)
         super().__init__()
 
-    def forward_ranks(self, ranks: Sequence[tuple], w13_layout: str, clip_counts: bool = False):
+    def forward_ranks(self, ranks: Sequence[tuple], w13_layout: str, clip_counts: bool = False,
+                      weights_transposed: bool = False):
         """Per rank out_TD, or (out_TD list, clip_counts_E2 list) with ``clip_counts``."""
-        out_TD = self._run_forward(self._key(ranks, w13_layout), lambda: self._forward(ranks, w13_layout))
+        key = self._key(ranks, w13_layout, weights_transposed)
+        out_TD = self._run_forward(key, lambda: self._forward(ranks, w13_layout, weights_transposed))
         self.forward_calls += 1
         return (out_TD, self._engine.clip_counts) if clip_counts else out_TD
 
     def backward_ranks(self, grad_out_TD: Sequence[torch.Tensor], ranks: Sequence[tuple], w13_layout: str,
-                       accumulate: Optional[Sequence[tuple]]) -> tuple[list, list, list, list]:
-        self._ensure_forward(self._key(ranks, w13_layout), lambda: self._forward(ranks, w13_layout))
+                       accumulate: Optional[Sequence[tuple]],
+                       weights_transposed: bool = False) -> tuple[list, list, list, list]:
+        key = self._key(ranks, w13_layout, weights_transposed)
+        self._ensure_forward(key, lambda: self._forward(ranks, w13_layout, weights_transposed))
         grads = self._engine.backward(list(grad_out_TD), accumulate_into=accumulate)
         self.backward_calls += 1
-        grad_w13, grad_w2 = [g.grad_w13 for g in grads], [g.grad_w2 for g in grads]
+        grad_w13, grad_w2 = ([_in_weight_layout(getattr(g, name), weights_transposed) for g in grads]
+                             for name in ("grad_w13", "grad_w2"))
         if accumulate is None:  # in the weights' dtype, as from the GPU engine (one rounding of the fp32 sums)
             grad_w13 = [g.to(r[3].dtype) for g, r in zip(grad_w13, ranks)]
             grad_w2 = [g.to(r[4].dtype) for g, r in zip(grad_w2, ranks)]
@@ -145,9 +155,38 @@ class CpuVirtualRanksEngine(LatestForward):
     def _routing_stats(self) -> Any:
         return self._engine.routing_stats
 
-    def _forward(self, ranks: Sequence[tuple], w13_layout: str) -> list[torch.Tensor]:
-        return self._engine.forward(*[list(column) for column in zip(*ranks)], w13_layout=w13_layout)
+    def _forward(self, ranks: Sequence[tuple], w13_layout: str, weights_transposed: bool) -> list[torch.Tensor]:
+        x_TD, ids_TK, scores_TK, w13, w2 = (list(column) for column in zip(*ranks))
+        w13, w2 = ([to_reference_layout(w, weights_transposed).contiguous() for w in ws] for ws in (w13, w2))
+        return self._engine.forward(x_TD, ids_TK, scores_TK, w13, w2, w13_layout=w13_layout)
 
     @staticmethod
-    def _key(ranks: Sequence[tuple], w13_layout: str) -> tuple:
-        return (w13_layout, call_identity([t for inputs in ranks for t in inputs]))
+    def _key(ranks: Sequence[tuple], w13_layout: str, weights_transposed: bool) -> tuple:
+        return (w13_layout, weights_transposed, call_identity([t for inputs in ranks for t in inputs]))
+
+
+def to_reference_layout(weight: torch.Tensor, weights_transposed: bool) -> torch.Tensor:
+    """A weight (or its grad) as the reference engine takes it: [E_local, 2F, D] / [E_local, D, F].
+    Transposed weights ([E_local, D, 2F] / [E_local, F, D]) become a transposed view, which the
+    float32 copy into the engine makes contiguous (on the CPU the copy is made anyway)."""
+    return weight.transpose(1, 2) if weights_transposed else weight
+
+
+def _from_reference_layout(array: np.ndarray, like: torch.Tensor, weights_transposed: bool) -> torch.Tensor:
+    """A parameter's grad from the engine (float32, the reference layout) in ``like``'s shape."""
+    grad = torch.from_numpy(array)
+    if weights_transposed and grad.dim() == 3:  # a weight's, not a bias's
+        grad = grad.transpose(1, 2).contiguous()
+    return grad.reshape(like.shape)
+
+
+def _write_back(buffer: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """The engine's accumulated values (already rounded to wgrad_dtype) into the caller's buffer."""
+    with torch.no_grad():
+        buffer.copy_(values)
+    return buffer
+
+
+def _in_weight_layout(grad: torch.Tensor, weights_transposed: bool) -> torch.Tensor:
+    """A weight's grad from reference.Engine (the reference layout) in the weight's layout."""
+    return grad.transpose(1, 2).contiguous() if weights_transposed else grad

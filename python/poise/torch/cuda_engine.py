@@ -7,7 +7,7 @@ virtual-ranks context), which launch on the caller's current stream.
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Iterable, NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -25,7 +25,9 @@ class CudaEngine:
     """A CUDA context's calls.
 
     ``forward_ranks`` / ``backward_ranks`` take one (x_TD, ids_TK, scores_TK, w13, w2) tuple per
-    launch rank: one for a one-rank context, ep_size for a virtual-ranks context.
+    launch rank (one for a one-rank context, ep_size for a virtual-ranks context), or with expert
+    biases (x_TD, ids_TK, scores_TK, w13, w2, b13, b2). ``weights_transposed``: the weights as
+    stored for x @ W ([E_local, D, 2F] / [E_local, F, D]), which the GEMMs read in place.
 
     Each forward returns the C++ activation record (index, generation) that holds what its backward
     needs (a layer of the selected activation slot, or the working buffers); the engine remembers it
@@ -55,46 +57,52 @@ class CudaEngine:
 
     # ---- one rank (poise.routed_experts) -----------------------------------------------------------
 
-    def forward(self, x_TD, ids_TK, scores_TK, w13, w2, w13_layout: str, clip_counts: bool = False):
-        """out_TD, or (out_TD, clip_counts_E2) with ``clip_counts``."""
-        outs = self.forward_ranks([(x_TD, ids_TK, scores_TK, w13, w2)], w13_layout, clip_counts)
+    def forward(self, x_TD, ids_TK, scores_TK, w13, w2, w13_layout: str, clip_counts: bool = False,
+                biases: Optional[tuple[Tensor, Tensor]] = None, weights_transposed: bool = False):
+        """out_TD, or (out_TD, clip_counts_E2) with ``clip_counts``. ``biases``: (b13, b2) or None."""
+        outs = self.forward_ranks([(x_TD, ids_TK, scores_TK, w13, w2, *(biases or ()))], w13_layout, clip_counts,
+                                  weights_transposed)
         return (outs[0][0], outs[1][0]) if clip_counts else outs[0]
 
-    def backward(self, grad_out_TD, x_TD, ids_TK, scores_TK, w13, w2, w13_layout: str, accumulate):
-        grads = self.backward_ranks([grad_out_TD], [(x_TD, ids_TK, scores_TK, w13, w2)], w13_layout,
-                                    None if accumulate is None else [accumulate])
+    def backward(self, grad_out_TD, x_TD, ids_TK, scores_TK, w13, w2, w13_layout: str, accumulate,
+                 biases: Optional[tuple[Tensor, Tensor]] = None, weights_transposed: bool = False):
+        """(grad_x_TD, grad_scores_TK, grad_w13, grad_w2), and with ``biases`` (grad_b13, grad_b2)."""
+        grads = self.backward_ranks([grad_out_TD], [(x_TD, ids_TK, scores_TK, w13, w2, *(biases or ()))], w13_layout,
+                                    None if accumulate is None else [accumulate], weights_transposed)
         return tuple(per_rank[0] for per_rank in grads)
 
     # ---- every launch rank ---------------------------------------------------------------------------
 
-    def forward_ranks(self, ranks: list[tuple], w13_layout: str, clip_counts: bool = False):
+    def forward_ranks(self, ranks: list[tuple], w13_layout: str, clip_counts: bool = False,
+                      weights_transposed: bool = False):
         """Per rank out_TD, or (out_TD list, clip_counts_E2 list) with ``clip_counts``."""
         out_TD = [torch.empty_like(inputs[0]) for inputs in ranks]
         counts = [self._empty_clip_counts(inputs[0].device) for inputs in ranks] if clip_counts else None
         # Nothing requires grad: no backward follows, take no slot position. (Grad mode cannot tell:
         # the op runs inside an autograd.Function forward, where it is always off.)
         keep = any(t.requires_grad for inputs in ranks for t in inputs)
-        key = _identity(ranks)
+        key = _identity(ranks, weights_transposed)
         self._records.pop(key, None)
-        record = self._launch_forward(ranks, w13_layout, out_TD, counts, keep)
+        record = self._launch_forward(ranks, _Weights(w13_layout, weights_transposed), out_TD, counts, keep)
         if keep:
             self._remember(key, record)
         self.forward_calls += 1
         return (out_TD, counts) if clip_counts else out_TD
 
     def backward_ranks(self, grad_out_TD: list[Tensor], ranks: list[tuple], w13_layout: str,
-                       accumulate: Optional[list[tuple[Tensor, Tensor]]]):
-        """Returns per-rank lists (grad_x_TD, grad_scores_TK, grad_w13, grad_w2); the weight grads in
-        the weights' dtype, or with ``accumulate`` (a (grad_w13, grad_w2) pair of Config.wgrad_dtype
-        buffers per rank) added into those buffers, which are returned."""
-        record = self._records.pop(_identity(ranks), NO_RECORD)  # not remembered: a no_grad forward, or dropped
+                       accumulate: Optional[list[tuple]], weights_transposed: bool = False):
+        """Returns per-rank lists (grad_x_TD, grad_scores_TK, grad_w13, grad_w2), with biases also
+        (grad_b13, grad_b2); the weight and bias grads in their tensors' dtype, or with ``accumulate``
+        (per rank a tuple of Config.wgrad_dtype buffers, one per weight and bias) added into those
+        buffers, which are returned."""
+        record = self._records.pop(_identity(ranks, weights_transposed), NO_RECORD)  # a no_grad forward, or dropped
         grads = ([torch.empty_like(inputs[0]) for inputs in ranks], [torch.empty_like(inputs[2]) for inputs in ranks],
-                 *_weight_grad_outputs(ranks, accumulate))
+                 *_parameter_grad_outputs(ranks, accumulate))
         # Autograd would cast fp32 grads to the weights' bf16: without accumulation the kernels write
         # bf16 instead (the same bits, half the bytes, no cast pass). None: Config.wgrad_dtype.
         wgrad_dtype_name = WEIGHT_GRAD_DTYPE_NAME if accumulate is None else None
-        self._launch_backward(ranks, w13_layout, grad_out_TD, grads, accumulate is not None, record,
-                              wgrad_dtype_name)
+        self._launch_backward(ranks, _Weights(w13_layout, weights_transposed), grad_out_TD, grads,
+                              accumulate is not None, record, wgrad_dtype_name)
         self.backward_calls += 1
         return grads
 
@@ -108,7 +116,7 @@ class CudaEngine:
         while len(self._records) > self._MAX_RECORDS:
             self._records.pop(next(iter(self._records)))
 
-    def _launch_forward(self, ranks: list[tuple], w13_layout: str, out_TD: list[Tensor],
+    def _launch_forward(self, ranks: list[tuple], weights: "_Weights", out_TD: list[Tensor],
                         clip_counts: Optional[list[Tensor]], keep_for_backward: bool) -> tuple[int, int]:
         device = ranks[0][0].device
         stream = torch.cuda.current_stream(device).cuda_stream
@@ -117,41 +125,56 @@ class CudaEngine:
             if self._virtual_ranks:
                 return _poise.routed_experts_forward_ranks(
                     self._cpp, _column(ranks, 0), _column(ranks, 1), _column(ranks, 2), scores_dtype, _column(ranks, 3),
-                    w13_layout, _column(ranks, 4), _addresses(out_TD), stream,
-                    _addresses(clip_counts) if clip_counts else [], keep_for_backward)
-            (x, ids, scores, w13, w2), = ranks  # the scalar entry point: no lists on the one-rank hot path
+                    weights.w13_layout, _column(ranks, 4), _addresses(out_TD), stream,
+                    _addresses(clip_counts) if clip_counts else [], keep_for_backward, _column(ranks, 5),
+                    _column(ranks, 6), weights.transposed)
+            (x, ids, scores, w13, w2, *biases), = ranks  # the scalar entry point: no lists on the one-rank hot path
+            b13, b2 = (b.data_ptr() for b in biases) if biases else (0, 0)
             return _poise.routed_experts_forward(
                 self._cpp, x.data_ptr(), ids.data_ptr(), scores.data_ptr(), scores_dtype, w13.data_ptr(),
-                w13_layout, w2.data_ptr(), out_TD[0].data_ptr(), stream,
-                clip_counts[0].data_ptr() if clip_counts else 0, keep_for_backward)
+                weights.w13_layout, w2.data_ptr(), out_TD[0].data_ptr(), stream,
+                clip_counts[0].data_ptr() if clip_counts else 0, keep_for_backward, b13, b2, weights.transposed)
 
-    def _launch_backward(self, ranks: list[tuple], w13_layout: str, grad_out_TD: list[Tensor], grads: tuple,
+    def _launch_backward(self, ranks: list[tuple], weights: "_Weights", grad_out_TD: list[Tensor], grads: tuple,
                          accumulate: bool, record: tuple[int, int], wgrad_dtype_name: Optional[str]) -> None:
-        grad_x_TD, grad_scores_TK, grad_w13, grad_w2 = grads
+        grad_x_TD, grad_scores_TK, grad_w13, grad_w2, *grad_biases = grads
         device = ranks[0][0].device
         stream = torch.cuda.current_stream(device).cuda_stream
         scores_dtype = SCORES_DTYPES[ranks[0][2].dtype]
         with torch.cuda.device(device):
             if self._virtual_ranks:
+                grad_b13, grad_b2 = (_addresses(g) for g in grad_biases) if grad_biases else ([], [])
                 _poise.routed_experts_backward_ranks(
                     self._cpp, _column(ranks, 0), _column(ranks, 1), _column(ranks, 2), scores_dtype, _column(ranks, 3),
-                    w13_layout, _column(ranks, 4), _addresses(grad_out_TD), _addresses(grad_x_TD),
+                    weights.w13_layout, _column(ranks, 4), _addresses(grad_out_TD), _addresses(grad_x_TD),
                     _addresses(grad_scores_TK), _addresses(grad_w13), _addresses(grad_w2), accumulate,
-                    stream, record, wgrad_dtype_name)
+                    stream, record, wgrad_dtype_name, _column(ranks, 5), _column(ranks, 6), weights.transposed,
+                    grad_b13, grad_b2)
                 return
-            (x, ids, scores, w13, w2), = ranks  # the scalar entry point: no lists on the one-rank hot path
+            (x, ids, scores, w13, w2, *biases), = ranks  # the scalar entry point: no lists on the one-rank hot path
+            b13, b2, grad_b13, grad_b2 = (
+                (biases[0].data_ptr(), biases[1].data_ptr(), grad_biases[0][0].data_ptr(), grad_biases[1][0].data_ptr())
+                if biases else (0, 0, 0, 0))
             _poise.routed_experts_backward(
                 self._cpp, x.data_ptr(), ids.data_ptr(), scores.data_ptr(), scores_dtype, w13.data_ptr(),
-                w13_layout, w2.data_ptr(), grad_out_TD[0].data_ptr(), grad_x_TD[0].data_ptr(),
+                weights.w13_layout, w2.data_ptr(), grad_out_TD[0].data_ptr(), grad_x_TD[0].data_ptr(),
                 grad_scores_TK[0].data_ptr(), grad_w13[0].data_ptr(), grad_w2[0].data_ptr(),
-                accumulate, stream, record, wgrad_dtype_name)
+                accumulate, stream, record, wgrad_dtype_name, b13, b2, weights.transposed, grad_b13, grad_b2)
 
 
-def _weight_grad_outputs(ranks: list[tuple], accumulate: Optional[list[tuple[Tensor, Tensor]]]) -> tuple[list, list]:
-    """(grad_w13, grad_w2) per rank: new tensors of the weights' dtype, or the accumulation buffers."""
+class _Weights(NamedTuple):
+    """How a call's weights are laid out: the same for every rank."""
+
+    w13_layout: str
+    transposed: bool
+
+
+def _parameter_grad_outputs(ranks: list[tuple], accumulate: Optional[list[tuple]]) -> list[list[Tensor]]:
+    """Per weight (w13, w2, then b13, b2 with biases) the grads of every rank: new tensors of the
+    parameter's dtype, or the accumulation buffers."""
     if accumulate is None:
-        return [torch.empty_like(inputs[3]) for inputs in ranks], [torch.empty_like(inputs[4]) for inputs in ranks]
-    return [pair[0] for pair in accumulate], [pair[1] for pair in accumulate]
+        return [[torch.empty_like(inputs[i]) for inputs in ranks] for i in range(3, len(ranks[0]))]
+    return [list(per_weight) for per_weight in zip(*accumulate)]
 
 
 def _addresses(tensors: Iterable[Tensor]) -> list[int]:
@@ -159,9 +182,10 @@ def _addresses(tensors: Iterable[Tensor]) -> list[int]:
 
 
 def _column(ranks: list[tuple], input_index: int) -> list[int]:
-    """Every rank's address of one input (0 x_TD, 1 ids_TK, 2 scores_TK, 3 w13, 4 w2)."""
-    return _addresses(r[input_index] for r in ranks)
+    """Every rank's address of one input (0 x_TD, 1 ids_TK, 2 scores_TK, 3 w13, 4 w2, 5 b13, 6 b2),
+    an empty list for biases the call does not have."""
+    return _addresses(r[input_index] for r in ranks if input_index < len(r))
 
 
-def _identity(ranks: list[tuple]) -> tuple:
-    return call_identity([t for inputs in ranks for t in inputs])
+def _identity(ranks: list[tuple], weights_transposed: bool) -> tuple:
+    return (weights_transposed, call_identity([t for inputs in ranks for t in inputs]))

@@ -118,30 +118,48 @@ std::vector<NumpyArray<float>> forward(Engine& engine, const Arrays& x_TD, const
 using GradArrays = std::tuple<NumpyArray<float>, NumpyArray<float>, NumpyArray<float>, NumpyArray<float>,
                               NumpyArray<float>, NumpyArray<float>>;
 
-// grad_w13_acc / grad_w2_acc: with accumulate_wgrad, the existing weight grads of every rank (the
-// engine adds to them in fp32, then rounds to wgrad_dtype); otherwise empty lists.
+// The existing grads of every rank that accumulate_wgrad adds to: grad_w13 / grad_w2, and with
+// biases grad_b13 / grad_b2 (the engine checks their sizes). Empty lists without accumulate_wgrad.
+std::vector<RankGradients> accumulated_grads(bool accumulate_wgrad, bool biased, const Arrays& grad_w13_acc,
+                                             const Arrays& grad_w2_acc, const Arrays& grad_b13_acc,
+                                             const Arrays& grad_b2_acc) {
+  if (!accumulate_wgrad) {
+    if (!grad_w13_acc.empty() || !grad_w2_acc.empty() || !grad_b13_acc.empty() || !grad_b2_acc.empty()) {
+      throw InvalidArgument("accumulate_wgrad", "is false, so the *_acc lists must be empty");
+    }
+    return {};
+  }
+  const size_t ranks = grad_w13_acc.size();
+  for (const auto& [name, list, wanted] : {std::tuple{"grad_w2_acc", &grad_w2_acc, ranks},
+                                           std::tuple{"grad_b13_acc", &grad_b13_acc, biased ? ranks : 0},
+                                           std::tuple{"grad_b2_acc", &grad_b2_acc, biased ? ranks : 0}}) {
+    if (list->size() != wanted) {
+      throw InvalidArgument(name, "expected " + std::to_string(wanted) + " arrays (one per rank like grad_w13_acc" +
+                                      std::string(biased ? "" : ", none without biases") + "), got " +
+                                      std::to_string(list->size()));
+    }
+  }
+  std::vector<RankGradients> grads(ranks);
+  for (size_t r = 0; r < ranks; ++r) {
+    grads[r].grad_w13 = to_vector(grad_w13_acc[r]);
+    grads[r].grad_w2 = to_vector(grad_w2_acc[r]);
+    if (biased) {
+      grads[r].grad_b13 = to_vector(grad_b13_acc[r]);
+      grads[r].grad_b2 = to_vector(grad_b2_acc[r]);
+    }
+  }
+  return grads;
+}
+
 std::vector<GradArrays> backward(Engine& engine, const Arrays& x_TD, const std::vector<HostArray<int32_t>>& ids_TK,
                                  const Arrays& scores_TK, const Arrays& w13, const Arrays& w2, const Arrays& b13,
                                  const Arrays& b2, const Arrays& grad_out_TD, bool accumulate_wgrad,
-                                 const Arrays& grad_w13_acc, const Arrays& grad_w2_acc) {
+                                 const Arrays& grad_w13_acc, const Arrays& grad_w2_acc, const Arrays& grad_b13_acc,
+                                 const Arrays& grad_b2_acc) {
   std::vector<RankInputs> inputs = rank_inputs(x_TD, ids_TK, scores_TK, w13, w2, b13, b2);
-  if (accumulate_wgrad && !b13.empty()) {
-    throw InvalidArgument("accumulate_wgrad", "with expert biases: not built in this binding");
-  }
   std::vector<std::vector<float>> grad_out = to_vectors(grad_out_TD);
-  std::vector<RankGradients> grads;
-  if (accumulate_wgrad) {
-    if (grad_w13_acc.size() != grad_w2_acc.size()) {
-      throw InvalidArgument("grad_w2_acc", "expected one array per rank like grad_w13_acc");
-    }
-    grads.resize(grad_w13_acc.size());
-    for (size_t r = 0; r < grads.size(); ++r) {
-      grads[r].grad_w13 = to_vector(grad_w13_acc[r]);
-      grads[r].grad_w2 = to_vector(grad_w2_acc[r]);
-    }
-  } else if (!grad_w13_acc.empty() || !grad_w2_acc.empty()) {
-    throw InvalidArgument("accumulate_wgrad", "is false, so grad_w13_acc and grad_w2_acc must be empty");
-  }
+  std::vector<RankGradients> grads = accumulated_grads(accumulate_wgrad, !b13.empty(), grad_w13_acc, grad_w2_acc,
+                                                       grad_b13_acc, grad_b2_acc);
   {
     nb::gil_scoped_release release;
     engine.backward(inputs, grad_out, grads, accumulate_wgrad);
@@ -232,8 +250,10 @@ void bind_reference(nb::module_& m) {
            "Per-rank lists in (b13 / b2: expert biases, or empty lists), per-rank out_TD [T, D] float32 "
            "(bf16 values) out. Keeps what backward needs.")
       .def("backward", &backward, "x_TD"_a, "ids_TK"_a, "scores_TK"_a, "w13"_a, "w2"_a, "b13"_a, "b2"_a,
-           "grad_out_TD"_a, "accumulate_wgrad"_a, "grad_w13_acc"_a, "grad_w2_acc"_a,
-           "Differentiates the preceding forward (same inputs). Per rank: (grad_x_TD, grad_scores_TK, "
+           "grad_out_TD"_a, "accumulate_wgrad"_a, "grad_w13_acc"_a, "grad_w2_acc"_a, "grad_b13_acc"_a = Arrays{},
+           "grad_b2_acc"_a = Arrays{},
+           "Differentiates the preceding forward (same inputs); with accumulate_wgrad adds to the *_acc arrays "
+           "(the biases' with b13 / b2). Per rank: (grad_x_TD, grad_scores_TK, "
            "grad_w13 [E_local, 2F, D], grad_w2 [E_local, D, F], grad_b13 [E_local or 0, 2F], grad_b2 "
            "[E_local or 0, D]).");
 

@@ -43,23 +43,38 @@ std::optional<DType> call_wgrad_dtype(const std::optional<std::string>& name) {
   return dtype_from_string(*name, "wgrad_dtype");
 }
 
+// The weights of one rank's call as the C++ API takes them: w13 / w2 as stored (weights_transposed:
+// x @ W, gpt-oss), and the expert biases b13 / b2 (0: none; both or neither, checked by the Context).
+struct Weights {
+  uintptr_t w13 = 0;
+  std::string w13_layout;
+  uintptr_t w2 = 0;
+  bool transposed = false;
+  uintptr_t b13 = 0, b2 = 0;
+};
+
 ForwardArgs forward_args(uintptr_t x_TD, uintptr_t ids_TK, uintptr_t scores_TK, const std::string& scores_dtype,
-                         uintptr_t w13, const std::string& w13_layout, uintptr_t w2) {
+                         const Weights& weights) {
   ForwardArgs args;
   args.x_TD = pointer<const void>(x_TD);
   args.ids_TK = pointer<const int32_t>(ids_TK);
   args.scores_TK = pointer<const void>(scores_TK);
   args.scores_dtype = dtype_from_string(scores_dtype, "scores_TK");
-  args.w13 = pointer<const void>(w13);
-  args.w13_layout = w13_layout_from_string(w13_layout);
-  args.w2 = pointer<const void>(w2);
+  args.w13 = pointer<const void>(weights.w13);
+  args.w13_layout = w13_layout_from_string(weights.w13_layout);
+  args.w2 = pointer<const void>(weights.w2);
+  args.weights_transposed = weights.transposed;
+  args.b13 = pointer<const void>(weights.b13);
+  args.b2 = pointer<const void>(weights.b2);
   return args;
 }
 
 Record forward(Context& context, uintptr_t x_TD, uintptr_t ids_TK, uintptr_t scores_TK, const std::string& scores_dtype,
                uintptr_t w13, const std::string& w13_layout, uintptr_t w2, uintptr_t out_TD, uintptr_t stream,
-               uintptr_t clip_counts_E2, bool keep_for_backward) {
-  ForwardArgs args = forward_args(x_TD, ids_TK, scores_TK, scores_dtype, w13, w13_layout, w2);
+               uintptr_t clip_counts_E2, bool keep_for_backward, uintptr_t b13, uintptr_t b2,
+               bool weights_transposed) {
+  ForwardArgs args =
+      forward_args(x_TD, ids_TK, scores_TK, scores_dtype, {w13, w13_layout, w2, weights_transposed, b13, b2});
   args.out_TD = pointer<void>(out_TD);
   args.clip_counts_E2 = pointer<int64_t>(clip_counts_E2);
   nb::gil_scoped_release release;
@@ -69,14 +84,17 @@ Record forward(Context& context, uintptr_t x_TD, uintptr_t ids_TK, uintptr_t sco
 void backward(Context& context, uintptr_t x_TD, uintptr_t ids_TK, uintptr_t scores_TK, const std::string& scores_dtype,
               uintptr_t w13, const std::string& w13_layout, uintptr_t w2, uintptr_t grad_out_TD, uintptr_t grad_x_TD,
               uintptr_t grad_scores_TK, uintptr_t grad_w13, uintptr_t grad_w2, bool accumulate_wgrad,
-              uintptr_t stream, const std::optional<Record>& record, const std::optional<std::string>& wgrad_dtype) {
+              uintptr_t stream, const std::optional<Record>& record, const std::optional<std::string>& wgrad_dtype,
+              uintptr_t b13, uintptr_t b2, bool weights_transposed, uintptr_t grad_b13, uintptr_t grad_b2) {
   BackwardArgs args;
-  args.forward = forward_args(x_TD, ids_TK, scores_TK, scores_dtype, w13, w13_layout, w2);
+  args.forward = forward_args(x_TD, ids_TK, scores_TK, scores_dtype, {w13, w13_layout, w2, weights_transposed, b13, b2});
   args.grad_out_TD = pointer<const void>(grad_out_TD);
   args.grad_x_TD = pointer<void>(grad_x_TD);
   args.grad_scores_TK = pointer<void>(grad_scores_TK);
   args.grad_w13 = pointer<void>(grad_w13);
   args.grad_w2 = pointer<void>(grad_w2);
+  args.grad_b13 = pointer<void>(grad_b13);
+  args.grad_b2 = pointer<void>(grad_b2);
   args.accumulate_wgrad = accumulate_wgrad;
   args.wgrad_dtype = call_wgrad_dtype(wgrad_dtype);
   const std::optional<ActivationRecord> r = from_python(record);
@@ -97,19 +115,31 @@ void require_same_length(const Addresses& list, const char* name, size_t ranks) 
   }
 }
 
+// An optional list (expert biases and their grads): empty for none, else one address per rank.
+void require_none_or_same_length(const Addresses& list, const char* name, size_t ranks) {
+  if (!list.empty()) require_same_length(list, name, ranks);
+}
+
+uintptr_t address_at(const Addresses& list, size_t r) { return list.empty() ? 0 : list[r]; }
+
+// weights_transposed and w13_layout hold for every rank; b13 / b2 are empty lists without biases.
 std::vector<ForwardArgs> forward_args_per_rank(const Addresses& x_TD, const Addresses& ids_TK,
                                                const Addresses& scores_TK, const std::string& scores_dtype,
                                                const Addresses& w13, const std::string& w13_layout,
-                                               const Addresses& w2) {
+                                               const Addresses& w2, bool weights_transposed, const Addresses& b13,
+                                               const Addresses& b2) {
   const size_t ranks = x_TD.size();
   require_same_length(ids_TK, "ids_TK", ranks);
   require_same_length(scores_TK, "scores_TK", ranks);
   require_same_length(w13, "w13", ranks);
   require_same_length(w2, "w2", ranks);
+  require_none_or_same_length(b13, "b13", ranks);
+  require_none_or_same_length(b2, "b2", ranks);
   std::vector<ForwardArgs> args;
   args.reserve(ranks);
   for (size_t r = 0; r < ranks; ++r) {
-    args.push_back(forward_args(x_TD[r], ids_TK[r], scores_TK[r], scores_dtype, w13[r], w13_layout, w2[r]));
+    const Weights weights{w13[r], w13_layout, w2[r], weights_transposed, address_at(b13, r), address_at(b2, r)};
+    args.push_back(forward_args(x_TD[r], ids_TK[r], scores_TK[r], scores_dtype, weights));
   }
   return args;
 }
@@ -117,13 +147,14 @@ std::vector<ForwardArgs> forward_args_per_rank(const Addresses& x_TD, const Addr
 Record forward_ranks(Context& context, const Addresses& x_TD, const Addresses& ids_TK, const Addresses& scores_TK,
                      const std::string& scores_dtype, const Addresses& w13, const std::string& w13_layout,
                      const Addresses& w2, const Addresses& out_TD, uintptr_t stream, const Addresses& clip_counts_E2,
-                     bool keep_for_backward) {
-  std::vector<ForwardArgs> args = forward_args_per_rank(x_TD, ids_TK, scores_TK, scores_dtype, w13, w13_layout, w2);
+                     bool keep_for_backward, const Addresses& b13, const Addresses& b2, bool weights_transposed) {
+  std::vector<ForwardArgs> args =
+      forward_args_per_rank(x_TD, ids_TK, scores_TK, scores_dtype, w13, w13_layout, w2, weights_transposed, b13, b2);
   require_same_length(out_TD, "out_TD", args.size());
-  if (!clip_counts_E2.empty()) require_same_length(clip_counts_E2, "clip_counts_E2", args.size());
+  require_none_or_same_length(clip_counts_E2, "clip_counts_E2", args.size());
   for (size_t r = 0; r < args.size(); ++r) {
     args[r].out_TD = pointer<void>(out_TD[r]);
-    if (!clip_counts_E2.empty()) args[r].clip_counts_E2 = pointer<int64_t>(clip_counts_E2[r]);
+    args[r].clip_counts_E2 = pointer<int64_t>(address_at(clip_counts_E2, r));
   }
   nb::gil_scoped_release release;
   return to_python(routed_experts_forward(context, args, pointer<CUstream_st>(stream), keep_for_backward));
@@ -134,14 +165,18 @@ void backward_ranks(Context& context, const Addresses& x_TD, const Addresses& id
                     const Addresses& w2, const Addresses& grad_out_TD, const Addresses& grad_x_TD,
                     const Addresses& grad_scores_TK, const Addresses& grad_w13, const Addresses& grad_w2,
                     bool accumulate_wgrad, uintptr_t stream, const std::optional<Record>& record,
-                    const std::optional<std::string>& wgrad_dtype) {
-  std::vector<ForwardArgs> forward = forward_args_per_rank(x_TD, ids_TK, scores_TK, scores_dtype, w13, w13_layout, w2);
+                    const std::optional<std::string>& wgrad_dtype, const Addresses& b13, const Addresses& b2,
+                    bool weights_transposed, const Addresses& grad_b13, const Addresses& grad_b2) {
+  std::vector<ForwardArgs> forward =
+      forward_args_per_rank(x_TD, ids_TK, scores_TK, scores_dtype, w13, w13_layout, w2, weights_transposed, b13, b2);
   const size_t ranks = forward.size();
   require_same_length(grad_out_TD, "grad_out_TD", ranks);
   require_same_length(grad_x_TD, "grad_x_TD", ranks);
   require_same_length(grad_scores_TK, "grad_scores_TK", ranks);
   require_same_length(grad_w13, "grad_w13", ranks);
   require_same_length(grad_w2, "grad_w2", ranks);
+  require_none_or_same_length(grad_b13, "grad_b13", ranks);
+  require_none_or_same_length(grad_b2, "grad_b2", ranks);
   std::vector<BackwardArgs> args(ranks);
   for (size_t r = 0; r < ranks; ++r) {
     args[r].forward = forward[r];
@@ -150,6 +185,8 @@ void backward_ranks(Context& context, const Addresses& x_TD, const Addresses& id
     args[r].grad_scores_TK = pointer<void>(grad_scores_TK[r]);
     args[r].grad_w13 = pointer<void>(grad_w13[r]);
     args[r].grad_w2 = pointer<void>(grad_w2[r]);
+    args[r].grad_b13 = pointer<void>(address_at(grad_b13, r));
+    args[r].grad_b2 = pointer<void>(address_at(grad_b2, r));
     args[r].accumulate_wgrad = accumulate_wgrad;
     args[r].wgrad_dtype = call_wgrad_dtype(wgrad_dtype);
   }
@@ -178,26 +215,35 @@ const char* to_string(W13Layout layout) {
 void bind_routed_experts(nb::module_& m) {
   m.def("routed_experts_forward", &forward, "context"_a, "x_TD"_a, "ids_TK"_a, "scores_TK"_a, "scores_dtype"_a,
         "w13"_a, "w13_layout"_a, "w2"_a, "out_TD"_a, "stream"_a, "clip_counts_E2"_a = 0, "keep_for_backward"_a = true,
+        "b13"_a = 0, "b2"_a = 0, "weights_transposed"_a = false,
         "poise::routed_experts_forward on device addresses (integers) and a cudaStream_t (integer); "
-        "clip_counts_E2: int64 [E_local, 2] for the SwiGLU clip counts, or 0. Returns the activation record "
-        "(index, generation) that holds the forward's state for its backward.");
+        "clip_counts_E2: int64 [E_local, 2] for the SwiGLU clip counts, or 0; b13 / b2: the expert biases "
+        "(bf16 [E_local, 2F] / [E_local, D]), or 0; weights_transposed: w13 [E_local, D, 2F] and w2 "
+        "[E_local, F, D] (x @ W). Returns the activation record (index, generation) that holds the forward's "
+        "state for its backward.");
   m.def("routed_experts_backward", &backward, "context"_a, "x_TD"_a, "ids_TK"_a, "scores_TK"_a, "scores_dtype"_a,
         "w13"_a, "w13_layout"_a, "w2"_a, "grad_out_TD"_a, "grad_x_TD"_a, "grad_scores_TK"_a, "grad_w13"_a,
         "grad_w2"_a, "accumulate_wgrad"_a, "stream"_a, "record"_a = nb::none(), "wgrad_dtype"_a = nb::none(),
+        "b13"_a = 0, "b2"_a = 0, "weights_transposed"_a = false, "grad_b13"_a = 0, "grad_b2"_a = 0,
         "poise::routed_experts_backward on device addresses (integers) and a cudaStream_t (integer); record: the "
         "forward's (index, generation), None for the latest forward (recomputed when overwritten); wgrad_dtype: "
-        "'bf16' or 'fp32' for grad_w13 / grad_w2, None for Config.wgrad_dtype.");
+        "'bf16' or 'fp32' for the weight (and bias) grads, None for Config.wgrad_dtype; b13 / b2 / "
+        "weights_transposed as for routed_experts_forward; grad_b13 / grad_b2: the bias grads ([E_local, 2F] / "
+        "[E_local, D] in wgrad_dtype), required with biases, else 0.");
   m.def("routed_experts_forward_ranks", &forward_ranks, "context"_a, "x_TD"_a, "ids_TK"_a, "scores_TK"_a,
         "scores_dtype"_a, "w13"_a, "w13_layout"_a, "w2"_a, "out_TD"_a, "stream"_a,
-        "clip_counts_E2"_a = Addresses{}, "keep_for_backward"_a = true,
+        "clip_counts_E2"_a = Addresses{}, "keep_for_backward"_a = true, "b13"_a = Addresses{}, "b2"_a = Addresses{},
+        "weights_transposed"_a = false,
         "poise::routed_experts_forward over the launch ranks of a virtual-ranks context: one address per rank "
-        "in each list (clip_counts_E2: empty, or one int64 [E_local, 2] per rank).");
+        "in each list (clip_counts_E2, b13, b2: empty, or one per rank).");
   m.def("routed_experts_backward_ranks", &backward_ranks, "context"_a, "x_TD"_a, "ids_TK"_a, "scores_TK"_a,
         "scores_dtype"_a, "w13"_a, "w13_layout"_a, "w2"_a, "grad_out_TD"_a, "grad_x_TD"_a, "grad_scores_TK"_a,
         "grad_w13"_a, "grad_w2"_a, "accumulate_wgrad"_a, "stream"_a, "record"_a = nb::none(),
-        "wgrad_dtype"_a = nb::none(),
+        "wgrad_dtype"_a = nb::none(), "b13"_a = Addresses{}, "b2"_a = Addresses{}, "weights_transposed"_a = false,
+        "grad_b13"_a = Addresses{}, "grad_b2"_a = Addresses{},
         "poise::routed_experts_backward over the launch ranks of a virtual-ranks context: one address per rank "
-        "in each list (wgrad_dtype as for routed_experts_backward).");
+        "in each list (wgrad_dtype as for routed_experts_backward; b13, b2, grad_b13, grad_b2: empty, or one "
+        "per rank).");
   m.def(
       "quantize_fp8_weight_blocks",
       [](uintptr_t w, int64_t matrices, int64_t rows, int64_t cols, uintptr_t values, uintptr_t scales,
