@@ -17,8 +17,10 @@
 #                from the same source against another libpoise (routed_experts_bench_old: see
 #                bench/routed_experts/README.md) is carried by scripts/pack_carry.sh --bench --extra FILE.
 #     transformers  bench/transformers/bench.py: a Qwen3-30B-A3B-dims model, "poise" against
-#                transformers' "grouped_mm" and "eager" -> $OUT/transformers_h200.json (needs python first;
-#                $TRANSFORMERS_ARGS: more arguments)
+#                transformers' "grouped_mm" and "eager" -> $OUT/transformers_h200.json, then a
+#                gpt-oss-20b-dims model (--family gpt_oss) -> $OUT/transformers_gpt_oss_h200.json
+#                (needs python first; $TRANSFORMERS_ARGS: more arguments to both;
+#                $TRANSFORMERS_FAMILIES: which, default "qwen3_moe gpt_oss"; at most 3 + 3 minutes)
 #     padding    bench/free_padding/bench.py: a context of 8192 tokens serving 1024 (ids -1 padding)
 #                against one of 1024 -> $OUT/free_padding_h200.json (needs python first)
 #     fp8        bench/fp8_weights/bench.py: poise.prepare_weights refilling FP8 weights in place
@@ -84,9 +86,16 @@ part_bench() {
   [ ${#runs[@]} -gt 0 ] && python3 bench/routed_experts/compare.py "${runs[@]}"
 }
 part_transformers() {
-  PYTHONUNBUFFERED=1 timeout 420 python3 bench/transformers/bench.py --out "$OUT/transformers_h200.json" \
-    --commit "$commit" ${TRANSFORMERS_ARGS:-} > "$OUT/transformers.log" 2>&1
-  echo "transformers rc=$?"; grep -v "^\[transformers\]" "$OUT/transformers.log" | tail -6
+  local family out log
+  for family in ${TRANSFORMERS_FAMILIES:-qwen3_moe gpt_oss}; do
+    case "$family" in
+      qwen3_moe) out=transformers_h200.json log=transformers.log ;;
+      *) out=transformers_${family}_h200.json log=transformers_$family.log ;;
+    esac
+    PYTHONUNBUFFERED=1 timeout 180 python3 bench/transformers/bench.py --family "$family" --out "$OUT/$out" \
+      --commit "$commit" ${TRANSFORMERS_ARGS:-} > "$OUT/$log" 2>&1
+    echo "transformers $family rc=$?"; grep -v "^\[transformers\]" "$OUT/$log" | tail -6
+  done
 }
 part_padding() {
   PYTHONUNBUFFERED=1 timeout 240 python3 bench/free_padding/bench.py --out "$OUT/free_padding_h200.json" \

@@ -2,8 +2,15 @@
 """Poise inside a Hugging Face model: training step and generation with experts_implementation
 "poise" against transformers' "grouped_mm" and "eager", same model, same inputs, one process.
 
-The model: a Qwen3-MoE decoder at Qwen3-30B-A3B's dimensions (D=2048, F=768, E=128, K=8, 32 heads,
-4 KV heads, vocab 151936) with --layers decoder layers, random weights (bf16), random token ids.
+The model (--family), with --layers decoder layers, random weights (bf16), random token ids:
+- qwen3_moe (default): a Qwen3-MoE decoder at Qwen3-30B-A3B's dimensions (D=2048, F=768, E=128, K=8,
+  32 heads, 4 KV heads, vocab 151936) -> bench/results/transformers_h200.json.
+- gpt_oss: a gpt-oss decoder at gpt-oss-20b's dimensions (D=2880, F=2880, E=32, K=4, 64 heads of 64,
+  8 KV heads, vocab 201088, sliding and full attention layers alternating, attention sinks): experts
+  with biases, gate and up interleaved, weights stored transposed (gate_up_proj [E, D, 2F],
+  down_proj [E, F, D]) and the clamped SwiGLU; Poise runs them on the weights as stored
+  -> bench/results/transformers_gpt_oss_h200.json. transformers runs gpt-oss's attention eagerly (its
+  sinks have no SDPA path), so the rest of the model weighs more than in Qwen3-MoE.
 - Training: forward with labels + backward (no optimizer: it does not depend on the experts
   implementation), batch x seq tokens. Step time, tokens/s, peak memory.
 - The MoE blocks' share: the same step with "zero" experts (a bench-only implementation returning
@@ -13,9 +20,10 @@ The model: a Qwen3-MoE decoder at Qwen3-30B-A3B's dimensions (D=2048, F=768, E=1
   decode time per step is (generate(decode-steps) - generate(1)) / (decode-steps - 1).
 Timings are medians of --reps, alternating implementations so that the card's drift hits all alike.
 
-Usage: python3 bench/transformers/bench.py [--out FILE] [--implementations poise,grouped_mm,eager]
-  [--layers 2] [--batch 8] [--seq 1024] [--decode-steps 64] [--reps 5] [--tiny --device cpu]
---tiny: a model with the same structure at tiny dims, for a smoke test on the CPU (tests/python).
+Usage: python3 bench/transformers/bench.py [--family qwen3_moe|gpt_oss] [--out FILE]
+  [--implementations poise,grouped_mm,eager] [--layers 2] [--batch 8] [--seq 1024] [--decode-steps 64]
+  [--reps 5] [--tiny --device cpu]
+--tiny: a model of the family's structure at tiny dims, for a smoke test on the CPU (tests/python).
 """
 from __future__ import annotations
 
@@ -35,13 +43,23 @@ import poise.integrations.transformers as poise_hf  # noqa: E402  registers "poi
 from provenance import commit_of  # noqa: E402
 from smi_sampler import device_identity  # noqa: E402
 
-DEFAULT_OUT = "bench/results/transformers_h200.json"
 IMPLEMENTATIONS = ("poise", "grouped_mm", "eager")
 QWEN3_30B_A3B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
                      num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
                      num_experts_per_tok=8, norm_topk_prob=True)
 TINY = dict(vocab_size=512, hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_attention_heads=4,
             num_key_value_heads=2, head_dim=32, num_experts=16, num_experts_per_tok=4, norm_topk_prob=True)
+# gpt-oss-20b's config.json; the rest (yarn RoPE of factor 32 over 4096 positions, sliding window 128 on
+# every other layer, swiglu_alpha 1.702, swiglu_limit 7.0, attention biases) is GptOssConfig's default.
+GPT_OSS_20B = dict(vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_local_experts=32,
+                   num_experts_per_tok=4, num_attention_heads=64, num_key_value_heads=8, head_dim=64)
+TINY_GPT_OSS = dict(vocab_size=512, hidden_size=128, intermediate_size=64, num_local_experts=8, num_experts_per_tok=4,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+FAMILIES = {  # name: (config class, dims, tiny dims, default --out)
+    "qwen3_moe": (transformers.Qwen3MoeConfig, QWEN3_30B_A3B, TINY, "bench/results/transformers_h200.json"),
+    "gpt_oss": (transformers.GptOssConfig, GPT_OSS_20B, TINY_GPT_OSS, "bench/results/transformers_gpt_oss_h200.json"),
+}
+DEFAULT_OUT = FAMILIES["qwen3_moe"][3]
 
 
 def zero_experts(module, hidden_states, top_k_index, top_k_weights):
@@ -54,7 +72,10 @@ ExpertsInterface.register("zero", zero_experts)
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default=DEFAULT_OUT, help=f"JSON results (default {DEFAULT_OUT})")
+    ap.add_argument("--family", default="qwen3_moe", choices=sorted(FAMILIES),
+                    help="the model: qwen3_moe (Qwen3-30B-A3B dims, default) or gpt_oss (gpt-oss-20b dims)")
+    ap.add_argument("--out", default=None, help=f"JSON results (default {DEFAULT_OUT}; gpt_oss: "
+                                                f"{FAMILIES['gpt_oss'][3]})")
     ap.add_argument("--commit", default=None, help="recorded commit (default: $POISE_COMMIT, else git)")
     ap.add_argument("--implementations", default=",".join(IMPLEMENTATIONS),
                     help="comma-separated, of: " + ", ".join(IMPLEMENTATIONS))
@@ -67,6 +88,8 @@ def parse_args(argv=None):
     ap.add_argument("--tiny", action="store_true", help="tiny dims (a smoke test, e.g. on the CPU)")
     args = ap.parse_args(argv)
     args.implementations = args.implementations.split(",")
+    if args.out is None:
+        args.out = FAMILIES[args.family][3]
     for name in args.implementations:
         if name not in IMPLEMENTATIONS:
             ap.error(f"--implementations: unknown {name!r} (known: {', '.join(IMPLEMENTATIONS)})")
@@ -79,9 +102,11 @@ def parse_args(argv=None):
 
 
 def build_model(args):
-    dims = TINY if args.tiny else QWEN3_30B_A3B
-    config = transformers.Qwen3MoeConfig(**dims, num_hidden_layers=args.layers,
-                                         max_position_embeddings=args.seq + args.decode_steps + 8)
+    config_class, dims, tiny_dims, _ = FAMILIES[args.family]
+    dims = tiny_dims if args.tiny else dims
+    # gpt-oss keeps gpt-oss-20b's max_position_embeddings (131072), the context its yarn RoPE parameters describe.
+    positions = {} if args.family == "gpt_oss" else dict(max_position_embeddings=args.seq + args.decode_steps + 8)
+    config = config_class(**dims, num_hidden_layers=args.layers, **positions)
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).to(args.device)
 
@@ -184,7 +209,8 @@ def main(argv=None):
     model = build_model(args)
     rows = summarize(measure(model, args), args)
     result = {"benchmark": "transformers", "commit": commit_of(args.commit), "device": device,
-              "model": {"family": "qwen3_moe", "tiny": args.tiny, "layers": args.layers, **model.config.to_diff_dict()},
+              "model": {"family": args.family, "tiny": args.tiny, "layers": args.layers,
+                        "attn_implementation": model.config._attn_implementation, **model.config.to_diff_dict()},
               "batch": args.batch, "seq": args.seq, "decode_steps": args.decode_steps, "reps": args.reps,
               "transformers": transformers.__version__, "torch": torch.__version__, "results": rows,
               "seconds": time.perf_counter() - started}
