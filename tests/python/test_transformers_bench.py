@@ -1,6 +1,7 @@
 """bench/transformers/bench.py on the CPU at tiny dims: its arguments, and one whole run's JSON
 (the figures themselves come from the H200: scripts/device_session.sh python transformers)."""
 import json
+import math
 
 import pytest
 
@@ -17,6 +18,11 @@ def test_defaults_are_the_issue_s_case(bench):
     assert (args.layers, args.batch, args.seq, args.decode_steps) == (2, 8, 1024, 64)
     assert args.implementations == ["poise", "grouped_mm", "eager"]
     assert args.out == "bench/results/transformers_h200.json"
+
+
+def test_gpt_oss_family_writes_its_own_file(bench):
+    args = bench.parse_args(["--family", "gpt_oss"])
+    assert args.family == "gpt_oss" and args.out == "bench/results/transformers_gpt_oss_h200.json"
 
 
 @pytest.mark.parametrize("argv", [["--implementations", "fast"], ["--decode-steps", "1"], ["--batch", "0"]])
@@ -36,6 +42,8 @@ def test_tiny_run_writes_every_figure(bench, tmp_path):
     rows = result["results"]
     assert set(rows) == {"poise", "grouped_mm", "eager", "zero (the rest of the model)"}
     for name in ("poise", "grouped_mm", "eager"):
-        assert rows[name]["train_step_ms"] > 0 and rows[name]["decode_step_ms"] > 0
+        # A decode step is a difference of two timings (generate - prefill): at tiny dims on a busy
+        # CPU it may come out negative, so only its presence is checked.
+        assert rows[name]["train_step_ms"] > 0 and math.isfinite(rows[name]["decode_step_ms"])
         assert set(rows[name]["moe_speedup_vs_grouped_mm"]) == {"train_moe_ms", "prefill_moe_ms", "decode_moe_step_ms"}
     assert result["model"]["tiny"] and result["model"]["num_hidden_layers"] == 2
