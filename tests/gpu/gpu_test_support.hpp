@@ -31,6 +31,17 @@ inline uint64_t fresh_seed() {
   return static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
 }
 
+// [E][rows][cols] -> [E][cols][rows]: a stack of expert matrices in the other layout (weights stored
+// for x @ W against nn.Linear's).
+template <class T>
+std::vector<T> transpose_experts(const std::vector<T>& m, int64_t E, int64_t rows, int64_t cols) {
+  std::vector<T> t(m.size());
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t i = 0; i < rows; ++i)
+      for (int64_t j = 0; j < cols; ++j) t[(e * cols + j) * rows + i] = m[(e * rows + i) * cols + j];
+  return t;
+}
+
 // An unsigned number from the environment, `fallback` when unset (POISE_FUZZ_CASES and the like).
 inline uint64_t env_u64(const char* name, uint64_t fallback) {
   const char* s = std::getenv(name);

@@ -24,6 +24,7 @@ namespace poise {
 namespace {
 
 using testing::rejected_name;
+using testing::transpose_experts;
 
 constexpr double kTolerance = 1e-2;  // relative L2, as the other Context tests: bf16 rounding, fp32 sums
 
@@ -41,15 +42,6 @@ struct LayerCase {
 };
 
 void PrintTo(const LayerCase& c, std::ostream* os) { *os << c.name; }
-
-// [E][rows][cols] -> [E][cols][rows]: a stack of expert matrices in the other layout.
-std::vector<float> transpose_experts(const std::vector<float>& m, int64_t E, int64_t rows, int64_t cols) {
-  std::vector<float> t(m.size());
-  for (int64_t e = 0; e < E; ++e)
-    for (int64_t i = 0; i < rows; ++i)
-      for (int64_t j = 0; j < cols; ++j) t[(e * cols + j) * rows + i] = m[(e * rows + i) * cols + j];
-  return t;
-}
 
 std::vector<float> random_bf16(int64_t n, float stddev, std::mt19937_64& gen) {
   std::normal_distribution<float> dist(0.0f, stddev);

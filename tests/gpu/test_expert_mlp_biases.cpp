@@ -18,6 +18,7 @@ namespace poise::test {
 namespace {
 
 using poise::testing::rejected_name;
+using poise::testing::transpose_experts;
 
 // One seed per run, mixed into every case's own.
 uint64_t run_seed() {
@@ -35,16 +36,6 @@ struct BiasCase {
 };
 
 void PrintTo(const BiasCase& c, std::ostream* os) { *os << c.name; }
-
-// [E][rows][cols] -> [E][cols][rows]: a stack of expert matrices in the other layout.
-template <class T>
-std::vector<T> transpose_experts(const std::vector<T>& m, int64_t E, int64_t rows, int64_t cols) {
-  std::vector<T> t(m.size());
-  for (int64_t e = 0; e < E; ++e)
-    for (int64_t i = 0; i < rows; ++i)
-      for (int64_t j = 0; j < cols; ++j) t[(e * cols + j) * rows + i] = m[(e * rows + i) * cols + j];
-  return t;
-}
 
 template <class T>
 std::vector<T> slice_experts(const std::vector<T>& m, int64_t per_expert, int64_t first, int64_t end) {
