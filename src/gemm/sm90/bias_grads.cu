@@ -144,18 +144,14 @@ void expert_mlp_bias_grads(const GroupedRows& rows, const ExpertMlpShape& shape,
   require_ptr(args.grad_h13_R2F, "grad_h13_R2F");
   require_sum_targets(rows, args.grad_b13, "grad_b13.grad_w", "grad_b13.replica_grad_w");
   require_sum_targets(rows, args.grad_b2, "grad_b2.grad_w", "grad_b2.replica_grad_w");
-  if (args.grad_score_partials_RP) {
-    require_ptr(args.b2_ED, "b2_ED");
-    require_replica_ptr(rows, args.replica_b2_ED, "replica_b2_ED");
-  }
   const int64_t D = shape.hidden_dim, F = shape.intermediate_dim;
+  const ExpertBias b2 = args.grad_score_partials_RP
+                            ? expert_bias(rows, args.b2_ED, "b2_ED", args.replica_b2_ED, "replica_b2_ED", D)
+                            : ExpertBias{};
   launch_column_sums(rows, args.grad_h13_R2F, nullptr, 2 * F, args.grad_b13, stream);
   launch_column_sums(rows, args.grad_y_RD, args.scores_R, D, args.grad_b2, stream);
   if (!args.grad_score_partials_RP) return;
-  const BiasScore a{rows.row_offsets_E, rows.row_counts_E, static_cast<const __nv_bfloat16*>(args.grad_y_RD),
-                    ExpertBias{static_cast<const __nv_bfloat16*>(args.b2_ED),
-                               static_cast<const __nv_bfloat16*>(args.replica_b2_ED),
-                               static_cast<int32_t>(own_experts(rows)), static_cast<int32_t>(D)},
+  const BiasScore a{rows.row_offsets_E, rows.row_counts_E, static_cast<const __nv_bfloat16*>(args.grad_y_RD), b2,
                     args.grad_score_partials_RP, static_cast<int32_t>(dgrad_w2_score_partials(shape))};
   bias_score_kernel<<<dim3(kScoreBlocksPerExpert, static_cast<uint32_t>(rows.num_experts)), kThreads, 0, stream>>>(a);
   runtime::cuda_check_launch("bias_score_kernel");

@@ -61,19 +61,6 @@ struct GroupedRowAddress {
   }
 };
 
-// Expert biases (gpt-oss) added to the accumulators before the epilogue's math: bf16 rows of N,
-// the own experts' at own_EN, replica experts' (e >= first_replica) at replicas_EN. No bias: null.
-struct ExpertBias {
-  const __nv_bfloat16* own_EN;
-  const __nv_bfloat16* replicas_EN;
-  int32_t first_replica;
-  int32_t N;
-  __device__ bool enabled() const { return own_EN != nullptr || replicas_EN != nullptr; }
-  __device__ const __nv_bfloat16* row(int32_t expert) const {
-    return expert < first_replica ? own_EN + int64_t(expert) * N : replicas_EN + int64_t(expert - first_replica) * N;
-  }
-};
-
 // d[tile column n] += bias[column_of(n)] for every accumulator of this thread (column_of: the bias
 // column of tile column n, or -1 past the expert's columns, which are never stored).
 template <int kN, class ColumnOf>

@@ -20,10 +20,8 @@ WeightMaps w13_maps(const GroupedRows& rows, const ExpertMlpShape& shape, const 
 
 ExpertBias b13_of(const GroupedRows& rows, const ExpertMlpShape& shape, const FpropW13Args& args) {
   if (!shape.biased) return {};
-  require_ptr(args.b13_E2F, "b13_E2F");
-  require_replica_ptr(rows, args.replica_b13_E2F, "replica_b13_E2F");
-  return {bf16(const_cast<void*>(args.b13_E2F)), bf16(const_cast<void*>(args.replica_b13_E2F)),
-          static_cast<int32_t>(own_experts(rows)), static_cast<int32_t>(2 * shape.intermediate_dim)};
+  return expert_bias(rows, args.b13_E2F, "b13_E2F", args.replica_b13_E2F, "replica_b13_E2F",
+                     2 * shape.intermediate_dim);
 }
 
 }  // namespace

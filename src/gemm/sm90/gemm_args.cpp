@@ -75,6 +75,14 @@ ActivationParams activation_params(const ExpertMlpShape& shape) {
   return p;
 }
 
+ExpertBias expert_bias(const GroupedRows& rows, const void* own_EN, const char* own_name, const void* replicas_EN,
+                       const char* replicas_name, int64_t N) {
+  require_ptr(own_EN, own_name);
+  require_replica_ptr(rows, replicas_EN, replicas_name);
+  return {static_cast<const __nv_bfloat16*>(own_EN), static_cast<const __nv_bfloat16*>(replicas_EN),
+          static_cast<int32_t>(own_experts(rows)), static_cast<int32_t>(N)};
+}
+
 GroupedGemmShape base_shape(const GroupedRows& rows) {
   GroupedGemmShape s;
   s.row_offsets_E = rows.row_offsets_E;

@@ -30,6 +30,10 @@ int32_t ceil_div(int64_t a, int64_t b);
 inline __nv_bfloat16* bf16(void* p) { return static_cast<__nv_bfloat16*>(p); }
 
 ActivationParams activation_params(const ExpertMlpShape& shape);
+// A launch's expert biases, bf16 [E_own, N] and the replica experts' [E - first_replica, N]: the
+// own pointer required, the replicas' when there are replicas.
+ExpertBias expert_bias(const GroupedRows& rows, const void* own_EN, const char* own_name, const void* replicas_EN,
+                       const char* replicas_name, int64_t N);
 // What every launch shares: the row groups, tile counters, fault word.
 GroupedGemmShape base_shape(const GroupedRows& rows);
 // Fprop and dgrad GEMMs over the routed rows: A = [R][K] rows (read in 64-row boxes), B = E weight

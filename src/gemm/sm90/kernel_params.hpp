@@ -1,7 +1,11 @@
 // What the host passes the grouped-GEMM kernels, as plain structs (host and device compilers).
 #pragma once
 
+#include <cuda_bf16.h>
+
 #include <cstdint>
+
+#include "numerics/host_device.hpp"
 
 namespace poise::sm90 {
 
@@ -37,6 +41,20 @@ struct GroupedGemmShape {
   unsigned long long* fault_word = nullptr;
   uint32_t wait_timeout_ns = 0;
   int32_t drop_first_stage = 0;  // fault injection (tests): CTA 0 never loads its first stage
+};
+
+// Expert biases (gpt-oss), added to the accumulators before an epilogue's math: bf16 rows of N,
+// the own experts' at own_EN, replica experts' (e >= first_replica) at replicas_EN. No bias: null
+// (built on the host by gemm_args.hpp's expert_bias).
+struct ExpertBias {
+  const __nv_bfloat16* own_EN = nullptr;
+  const __nv_bfloat16* replicas_EN = nullptr;
+  int32_t first_replica = 0;
+  int32_t N = 0;
+  POISE_HD bool enabled() const { return own_EN != nullptr || replicas_EN != nullptr; }
+  POISE_HD const __nv_bfloat16* row(int32_t expert) const {
+    return expert < first_replica ? own_EN + int64_t(expert) * N : replicas_EN + int64_t(expert - first_replica) * N;
+  }
 };
 
 // The SwiGLU variant of the fprop and dgrad epilogues (activation.cuh).

@@ -30,8 +30,7 @@ struct RowsOperands {
   const void* replica_w;
   const char* replica_name;
   bool b_mn_major;
-  const void* bias = nullptr;  // [E_own, D]
-  const void* replica_bias = nullptr;
+  ExpertBias bias;  // FPROP W2's b2 [E_own, D], or none
 };
 
 // out_RD = A . B (+ bias) over each expert's rows: D columns, scaled by scores_R when set, into
@@ -45,15 +44,13 @@ void launch_rows(const GroupedRows& rows, const RowsOperands& o, int64_t D, void
   const WeightMaps map_b = weight_maps(rows, o.w, o.w_name, o.replica_w, o.replica_name, b_rows, b_cols,
                                        kBMnMajor ? 64 : kBlockN / 2);
   const GroupedGemmShape s = rows_gemm_shape(rows, o.K, b_rows, D, kBlockN);
-  const ExpertBias bias{bf16(const_cast<void*>(o.bias)), bf16(const_cast<void*>(o.replica_bias)),
-                        s.first_replica, static_cast<int32_t>(D)};
   if (scatter.row_origin_R) {
     RowsScatterEpilogue epi = rows_scatter_epilogue(scatter, scores_R, D);
-    epi.bias = bias;
+    epi.bias = o.bias;
     launch<RowsAre::M, kBMnMajor>(map_a, map_b, s, epi, stream);
   } else {
     launch<RowsAre::M, kBMnMajor>(map_a, map_b, s,
-                                  RowsStoreEpilogue{bf16(out_RD), scores_R, static_cast<int32_t>(D), bias}, stream);
+                                  RowsStoreEpilogue{bf16(out_RD), scores_R, static_cast<int32_t>(D), o.bias}, stream);
   }
 }
 
@@ -77,12 +74,7 @@ void expert_mlp_fprop_w2(const GroupedRows& rows, const ExpertMlpShape& shape, c
   RowsOperands o{.a = args.a_RF, .a_name = "a_RF", .K = shape.intermediate_dim, .w = args.w2_EDF,
                  .w_name = "w2_EDF", .replica_w = args.replica_w2_EDF, .replica_name = "replica_w2_EDF",
                  .b_mn_major = shape.weights_transposed};
-  if (shape.biased) {
-    require_ptr(args.b2_ED, "b2_ED");
-    require_replica_ptr(rows, args.replica_b2_ED, "replica_b2_ED");
-    o.bias = args.b2_ED;
-    o.replica_bias = args.replica_b2_ED;
-  }
+  if (shape.biased) o.bias = expert_bias(rows, args.b2_ED, "b2_ED", args.replica_b2_ED, "replica_b2_ED", shape.hidden_dim);
   rows_gemm(rows, shape, o, args.y_RD, "y_RD", args.scatter, args.scores_R, stream);
 }
 
