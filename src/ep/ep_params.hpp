@@ -47,7 +47,7 @@ struct EpDims {
   // Backward: grad_out rows go to the experts unscaled; DGRAD W2 applies the scores and computes
   // the scores' gradients per row in score_partials pieces, which combine-push sums and sends to
   // the owners (grad_scores_TK window region).
-  int32_t score_partials = 0;  // P: pieces per row of the scores' gradients
+  int32_t score_partials = 0;  // P: pieces per row of the scores' gradients (per call)
   int32_t swiglu_clamped = 0;
   float swiglu_alpha = 1.702f;
   float swiglu_limit = 7.0f;

@@ -50,19 +50,6 @@ sm90::RowScatter combine_scatter(const EpLaunch& l, int slot) {
   return s;
 }
 
-sm90::ExpertMlpShape sm90_shape(const EpLaunch& l) {
-  sm90::ExpertMlpShape shape;
-  shape.hidden_dim = l.dims.D;
-  shape.intermediate_dim = l.dims.F;
-  shape.activation = l.dims.swiglu_clamped ? Activation::swiglu_clamped : Activation::swiglu;
-  shape.swiglu_alpha = l.dims.swiglu_alpha;
-  shape.swiglu_limit = l.dims.swiglu_limit;
-  shape.w13_layout = l.dims.w13_interleaved ? W13Layout::gate_up_interleaved : W13Layout::gate_up_blocked;
-  shape.weights_transposed = l.dims.weights_transposed != 0;
-  shape.biased = l.dims.biased != 0;
-  return shape;
-}
-
 // h13 of a partial activation record: rows past the split in the working record's buffer.
 sm90::H13Split h13_split(const EpLaunch& l, const RankScratch& rs) {
   if (rs.h13_split >= l.dims.capacity_rows) return {};
@@ -72,7 +59,7 @@ sm90::H13Split h13_split(const EpLaunch& l, const RankScratch& rs) {
 // with_w2 = false: only h13 (and a), what a recomputed forward must give backward. tail_only: the
 // rows of a partial record's groups past its split (RankScratch::tail_offsets / tail_counts).
 void sm90_forward(const EpLaunch& l, const LaunchIo& io, bool with_w2, bool tail_only, cudaStream_t stream) {
-  const sm90::ExpertMlpShape shape = sm90_shape(l);
+  const sm90::ExpertMlpShape shape = expert_mlp_shape(l.dims);
   for (int s = 0; s < l.launch_ranks; ++s) {
     const RankScratch& rs = l.scratch.rank[s];
     sm90::GroupedRows rows = sm90_rows(l, s);
@@ -121,7 +108,7 @@ void bias_backward(const EpLaunch& l, const LaunchIo& io, int s, const sm90::Gro
 // the score's gradient pieces that combine-push sends home. Replica slots' weight gradients are
 // always overwritten (the owners accumulate them).
 void sm90_backward(const EpLaunch& l, const LaunchIo& io, bool accumulate, cudaStream_t stream) {
-  const sm90::ExpertMlpShape shape = sm90_shape(l);
+  const sm90::ExpertMlpShape shape = expert_mlp_shape(l.dims);
   for (int s = 0; s < l.launch_ranks; ++s) {
     const RankScratch& rs = l.scratch.rank[s];
     const sm90::GroupedRows rows = sm90_rows(l, s);
@@ -156,6 +143,19 @@ void sm90_backward(const EpLaunch& l, const LaunchIo& io, bool accumulate, cudaS
 }
 
 }  // namespace
+
+sm90::ExpertMlpShape expert_mlp_shape(const EpDims& d) {
+  sm90::ExpertMlpShape shape;
+  shape.hidden_dim = d.D;
+  shape.intermediate_dim = d.F;
+  shape.activation = d.swiglu_clamped ? Activation::swiglu_clamped : Activation::swiglu;
+  shape.swiglu_alpha = d.swiglu_alpha;
+  shape.swiglu_limit = d.swiglu_limit;
+  shape.w13_layout = d.w13_interleaved ? W13Layout::gate_up_interleaved : W13Layout::gate_up_blocked;
+  shape.weights_transposed = d.weights_transposed != 0;
+  shape.biased = d.biased != 0;
+  return shape;
+}
 
 void expert_forward_h13(const EpLaunch& l, const LaunchIo& io, bool tail_only, cudaStream_t stream) {
   sm90_forward(l, io, /*with_w2=*/false, tail_only, stream);

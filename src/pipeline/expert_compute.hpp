@@ -6,8 +6,12 @@
 #include <cuda_runtime.h>
 
 #include "ep/ep_params.hpp"
+#include "gemm/sm90/expert_mlp.hpp"
 
 namespace poise::ep {
+
+// The expert MLP's shape for the SM90 kernels: the layer's, with the call's per-call fields.
+sm90::ExpertMlpShape expert_mlp_shape(const EpDims& dims);
 
 // recv_x rows -> h13_R2F (saved), a_RF, y rows in the owners' combine slots.
 void expert_forward(const EpLaunch& l, const LaunchIo& io, cudaStream_t stream);

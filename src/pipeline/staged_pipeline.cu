@@ -10,6 +10,7 @@
 #include "comm/virtual_transport.hpp"
 #include "ep/data_path.hpp"
 #include "gemm/sm90/expert_mlp.hpp"
+#include "pipeline/expert_compute.hpp"
 #include "pipeline/pipeline_checks.hpp"
 #include "poise/errors.hpp"
 
@@ -65,8 +66,6 @@ layout::Keep keep_of(const Config& c, int64_t ep_size, const PipelineOptions& o)
 }
 
 EpDims make_dims(const Config& c, int64_t ep_size, const layout::WorkspaceLayout& l) {
-  sm90::ExpertMlpShape shape;
-  shape.intermediate_dim = c.intermediate_dim;
   EpDims d;
   d.T = static_cast<int32_t>(c.num_local_input_tokens);
   d.D = static_cast<int32_t>(c.hidden_dim);
@@ -84,9 +83,10 @@ EpDims make_dims(const Config& c, int64_t ep_size, const layout::WorkspaceLayout
   d.swiglu_clamped = c.activation == Activation::swiglu_clamped;
   d.swiglu_alpha = static_cast<float>(c.swiglu_alpha);
   d.swiglu_limit = static_cast<float>(c.swiglu_limit);
-  d.score_partials = static_cast<int32_t>(sm90::dgrad_w2_score_partials(shape));  // a call's biases add one
-  shape.biased = true;
-  const int64_t most_pieces = sm90::dgrad_w2_score_partials(shape);
+  // Each call sets score_partials (set_call_dims): a biased call's DGRAD W2 writes the most.
+  sm90::ExpertMlpShape biased = expert_mlp_shape(d);
+  biased.biased = true;
+  const int64_t most_pieces = sm90::dgrad_w2_score_partials(biased);
   if (most_pieces > l.score_partials) {
     throw std::logic_error("EP pipeline: DGRAD W2 writes " + std::to_string(most_pieces) +
                            " score pieces per row, the workspace layout holds " + std::to_string(l.score_partials));

@@ -48,14 +48,14 @@ void validate_forward_args(const ForwardArgs& a, int slot, const ForwardArgs& fi
   if (a.clip_counts_E2) require_pointer(a.clip_counts_E2, slot, "clip_counts_E2", 8);
 }
 
-// What a call's arguments (the same on every rank, checked above) tell the kernels. launch_for's
-// dims count the score pieces of an unbiased call; biases add theirs.
+// What a call's arguments (the same on every rank, checked above) tell the kernels, and the score
+// pieces per row its DGRAD W2 (and bias gradients) write.
 void set_call_dims(EpDims& d, const ForwardArgs& a) {
   d.scores_bf16 = a.scores_dtype == DType::bf16;
   d.w13_interleaved = a.w13_layout == W13Layout::gate_up_interleaved;
   d.weights_transposed = a.weights_transposed ? 1 : 0;
   d.biased = a.b13 != nullptr ? 1 : 0;
-  d.score_partials += d.biased;
+  d.score_partials = static_cast<int32_t>(sm90::dgrad_w2_score_partials(expert_mlp_shape(d)));
 }
 
 }  // namespace
