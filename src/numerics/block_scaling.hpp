@@ -41,18 +41,31 @@ struct BlockScaled {
   std::vector<float> scales;
 };
 
+// One scale block of a row-major matrix with `cols` columns, rows [r0, r1) x columns [c0, c1):
+// quantized with the block's own scale into the same places of `values`; returns the scale. The
+// amax is order-free (amax_with), so every block shape below shares this one loop.
+inline float quantize_block(const float* x, int64_t cols, int64_t r0, int64_t r1, int64_t c0, int64_t c1,
+                            uint8_t* values) {
+  float amax = 0.0f;
+  for (int64_t r = r0; r < r1; ++r)
+    for (int64_t c = c0; c < c1; ++c) amax = amax_with(amax, x[r * cols + c]);
+  const float scale = block_scale(amax);
+  for (int64_t r = r0; r < r1; ++r)
+    for (int64_t c = c0; c < c1; ++c) values[r * cols + c] = quantize(x[r * cols + c], scale);
+  return scale;
+}
+
+// The end of the scale block that starts at `begin` along a dimension of `size`.
+inline int64_t block_end(int64_t begin, int64_t size) { return begin + kScaleBlock < size ? begin + kScaleBlock : size; }
+
 // rows x cols, row-major, 1 x 128 tiles along the row: scales [rows][scale_blocks(cols)].
 inline BlockScaled quantize_row_tiles(const float* x, int64_t rows, int64_t cols) {
   const int64_t tiles = scale_blocks(cols);
   BlockScaled out{std::vector<uint8_t>(rows * cols), std::vector<float>(rows * tiles)};
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t t = 0; t < tiles; ++t) {
-      const int64_t begin = t * kScaleBlock, end = begin + kScaleBlock < cols ? begin + kScaleBlock : cols;
-      float amax = 0.0f;
-      for (int64_t c = begin; c < end; ++c) amax = amax_with(amax, x[r * cols + c]);
-      const float scale = block_scale(amax);
-      out.scales[r * tiles + t] = scale;
-      for (int64_t c = begin; c < end; ++c) out.values[r * cols + c] = quantize(x[r * cols + c], scale);
+      const int64_t c0 = t * kScaleBlock;
+      out.scales[r * tiles + t] = quantize_block(x, cols, r, r + 1, c0, block_end(c0, cols), out.values.data());
     }
   return out;
 }
@@ -64,16 +77,10 @@ inline BlockScaled quantize_weight_blocks(const float* w, int64_t matrices, int6
   for (int64_t m = 0; m < matrices; ++m)
     for (int64_t rb = 0; rb < row_blocks; ++rb)
       for (int64_t cb = 0; cb < col_blocks; ++cb) {
-        const int64_t r0 = rb * kScaleBlock, r1 = r0 + kScaleBlock < rows ? r0 + kScaleBlock : rows;
-        const int64_t c0 = cb * kScaleBlock, c1 = c0 + kScaleBlock < cols ? c0 + kScaleBlock : cols;
-        const float* block = w + m * rows * cols;
-        float amax = 0.0f;
-        for (int64_t r = r0; r < r1; ++r)
-          for (int64_t c = c0; c < c1; ++c) amax = amax_with(amax, block[r * cols + c]);
-        const float scale = block_scale(amax);
-        out.scales[(m * row_blocks + rb) * col_blocks + cb] = scale;
-        for (int64_t r = r0; r < r1; ++r)
-          for (int64_t c = c0; c < c1; ++c) out.values[m * rows * cols + r * cols + c] = quantize(block[r * cols + c], scale);
+        const int64_t r0 = rb * kScaleBlock, c0 = cb * kScaleBlock;
+        out.scales[(m * row_blocks + rb) * col_blocks + cb] =
+            quantize_block(w + m * rows * cols, cols, r0, block_end(r0, rows), c0, block_end(c0, cols),
+                           out.values.data() + m * rows * cols);
       }
   return out;
 }
@@ -90,15 +97,9 @@ inline BlockScaled quantize_column_tiles(const float* x, int64_t rows, int64_t c
   int64_t tile = 0;
   for (size_t g = 0; g < group_rows.size(); ++g)
     for (int64_t t0 = 0; t0 < group_rows[g]; t0 += kScaleBlock, ++tile) {
-      const int64_t r0 = group_offsets[g] + t0;
-      const int64_t r1 = r0 + (group_rows[g] - t0 < kScaleBlock ? group_rows[g] - t0 : kScaleBlock);
-      for (int64_t c = 0; c < cols; ++c) {
-        float amax = 0.0f;
-        for (int64_t r = r0; r < r1; ++r) amax = amax_with(amax, x[r * cols + c]);
-        const float scale = block_scale(amax);
-        out.scales[tile * cols + c] = scale;
-        for (int64_t r = r0; r < r1; ++r) out.values[r * cols + c] = quantize(x[r * cols + c], scale);
-      }
+      const int64_t r0 = group_offsets[g] + t0, r1 = group_offsets[g] + block_end(t0, group_rows[g]);
+      for (int64_t c = 0; c < cols; ++c)
+        out.scales[tile * cols + c] = quantize_block(x, cols, r0, r1, c, c + 1, out.values.data());
     }
   return out;
 }
