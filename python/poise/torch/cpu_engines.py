@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from .. import _poise
-from ..reference.arrays import clip_counts_tensor, float32_array, int32_array
+from ..reference.arrays import clip_counts_tensor, float32_array, int32_array, tensor_from_array, write_back
 from ..reference.engines import Engine
 from .checks import SCORES_DTYPES
 from .saved_state import LatestForward, call_identity
@@ -63,13 +63,12 @@ class CpuRankEngine(LatestForward):
         self.backward_calls += 1
         gx, gs, *parameter_grads = results[self._rank]
         grads = (torch.from_numpy(gx).to(torch.bfloat16), torch.from_numpy(gs).to(scores_TK.dtype))
-        parameters = (w13, w2, *(biases or ()))
+        as_stored = [_grad_as_stored(g, weights_transposed) for g in parameter_grads]
         if accumulate is not None:
-            return (*grads, *(_write_back(buffer, _from_reference_layout(g, buffer, weights_transposed))
-                              for buffer, g in zip(accumulate, parameter_grads)))
+            return (*grads, *(write_back(buffer, g) for buffer, g in zip(accumulate, as_stored)))
         # Without accumulation the parameter grads come in the parameters' dtype, as from the GPU engine.
-        return (*grads, *(_from_reference_layout(g, p, weights_transposed).to(p.dtype)
-                          for p, g in zip(parameters, parameter_grads)))
+        parameters = (w13, w2, *(biases or ()))
+        return (*grads, *(tensor_from_array(g, p.dtype, p.shape) for p, g in zip(parameters, as_stored)))
 
     def _routing_stats(self) -> Any:
         return self._latest[0].routing_stats  # the key's engine: the one that ran the latest forward
@@ -79,7 +78,7 @@ class CpuRankEngine(LatestForward):
         """(the engine for this call, every rank's input arrays, the key of this forward)."""
         engine = self._engine(SCORES_DTYPES[scores_TK.dtype], w13_layout)
         tensors = (x_TD, ids_TK, scores_TK, w13, w2, *(biases or ()))
-        w13_ref, w2_ref = (to_reference_layout(w, weights_transposed) for w in (w13, w2))
+        w13_ref, w2_ref = (swap_weight_layout(w, weights_transposed) for w in (w13, w2))
         arrays = self._gather([float32_array(x_TD), int32_array(ids_TK), float32_array(scores_TK),
                                float32_array(w13_ref), float32_array(w2_ref),
                                *(float32_array(b) for b in biases or ())])
@@ -116,7 +115,7 @@ class CpuRankEngine(LatestForward):
         per_parameter = []
         for index, buffer in zip((3, 4, 5, 6), accumulate):
             lists = [np.zeros_like(a) for a in arrays[index]]
-            lists[self._rank] = float32_array(to_reference_layout(buffer, weights_transposed and index < 5))
+            lists[self._rank] = float32_array(swap_weight_layout(buffer, weights_transposed and index < 5))
             per_parameter.append(lists)
         return tuple(per_parameter + [[]] * (4 - len(per_parameter)))
 
@@ -145,7 +144,7 @@ class CpuVirtualRanksEngine(LatestForward):
         self._ensure_forward(key, lambda: self._forward(ranks, w13_layout, weights_transposed))
         grads = self._engine.backward(list(grad_out_TD), accumulate_into=accumulate)
         self.backward_calls += 1
-        grad_w13, grad_w2 = ([_in_weight_layout(getattr(g, name), weights_transposed) for g in grads]
+        grad_w13, grad_w2 = ([swap_weight_layout(getattr(g, name), weights_transposed).contiguous() for g in grads]
                              for name in ("grad_w13", "grad_w2"))
         if accumulate is None:  # in the weights' dtype, as from the GPU engine (one rounding of the fp32 sums)
             grad_w13 = [g.to(r[3].dtype) for g, r in zip(grad_w13, ranks)]
@@ -157,7 +156,7 @@ class CpuVirtualRanksEngine(LatestForward):
 
     def _forward(self, ranks: Sequence[tuple], w13_layout: str, weights_transposed: bool) -> list[torch.Tensor]:
         x_TD, ids_TK, scores_TK, w13, w2 = (list(column) for column in zip(*ranks))
-        w13, w2 = ([to_reference_layout(w, weights_transposed).contiguous() for w in ws] for ws in (w13, w2))
+        w13, w2 = ([swap_weight_layout(w, weights_transposed).contiguous() for w in ws] for ws in (w13, w2))
         return self._engine.forward(x_TD, ids_TK, scores_TK, w13, w2, w13_layout=w13_layout)
 
     @staticmethod
@@ -165,28 +164,14 @@ class CpuVirtualRanksEngine(LatestForward):
         return (w13_layout, weights_transposed, call_identity([t for inputs in ranks for t in inputs]))
 
 
-def to_reference_layout(weight: torch.Tensor, weights_transposed: bool) -> torch.Tensor:
-    """A weight (or its grad) as the reference engine takes it: [E_local, 2F, D] / [E_local, D, F].
-    Transposed weights ([E_local, D, 2F] / [E_local, F, D]) become a transposed view, which the
-    float32 copy into the engine makes contiguous (on the CPU the copy is made anyway)."""
+def swap_weight_layout(weight: torch.Tensor, weights_transposed: bool) -> torch.Tensor:
+    """With ``weights_transposed``, a weight (or its grad) in the other of the two layouts, as a view:
+    [E_local, D, 2F] / [E_local, F, D] as stored for x @ W <-> [E_local, 2F, D] / [E_local, D, F], the
+    reference engine's (the transpose is its own inverse). Else the weight itself."""
     return weight.transpose(1, 2) if weights_transposed else weight
 
 
-def _from_reference_layout(array: np.ndarray, like: torch.Tensor, weights_transposed: bool) -> torch.Tensor:
-    """A parameter's grad from the engine (float32, the reference layout) in ``like``'s shape."""
-    grad = torch.from_numpy(array)
-    if weights_transposed and grad.dim() == 3:  # a weight's, not a bias's
-        grad = grad.transpose(1, 2).contiguous()
-    return grad.reshape(like.shape)
-
-
-def _write_back(buffer: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """The engine's accumulated values (already rounded to wgrad_dtype) into the caller's buffer."""
-    with torch.no_grad():
-        buffer.copy_(values)
-    return buffer
-
-
-def _in_weight_layout(grad: torch.Tensor, weights_transposed: bool) -> torch.Tensor:
-    """A weight's grad from reference.Engine (the reference layout) in the weight's layout."""
-    return grad.transpose(1, 2).contiguous() if weights_transposed else grad
+def _grad_as_stored(grad: np.ndarray, weights_transposed: bool) -> np.ndarray:
+    """A parameter's grad from the engine (the reference layout) in the parameter's memory order: a
+    transposed weight's transposed back, a bias's as it is."""
+    return np.ascontiguousarray(grad.swapaxes(1, 2)) if weights_transposed and grad.ndim == 3 else grad
