@@ -31,6 +31,21 @@ constexpr double kFp32Tolerance = 1e-4;  // fp32 outputs from bf16 operands, fp3
 
 inline bool have_sm90() { return cuda_device_count() > 0 && is_sm90_device(0); }
 
+// What the host-validation tests hand the entry points, which must refuse before touching the
+// device: an address nothing reads (kFakeAddress), 4 experts' grouped rows there, D = 256, F = 128.
+inline int32_t* const kFakeAddress = reinterpret_cast<int32_t*>(0x1000);
+inline GroupedRows fake_grouped_rows() {
+  GroupedRows rows{kFakeAddress, kFakeAddress, 4, 1024};
+  rows.faults.word = reinterpret_cast<unsigned long long*>(kFakeAddress);
+  return rows;
+}
+inline ExpertMlpShape validation_shape() {
+  ExpertMlpShape shape;
+  shape.hidden_dim = 256;
+  shape.intermediate_dim = 128;
+  return shape;
+}
+
 inline std::vector<double> to_double(const std::vector<uint16_t>& v) {
   std::vector<double> d(v.size());
   for (size_t i = 0; i < v.size(); ++i) d[i] = from_bf16(v[i]);

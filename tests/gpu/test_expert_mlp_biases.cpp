@@ -743,13 +743,10 @@ TEST(ExpertMlpBiasReplicas, SplitWeightsAndBiasesEqualOneBufferBitwise) {
 // ---- host validation (no GPU needed: ctest's test_expert_mlp_biases_validation, label cpu) -------
 
 TEST(ExpertMlpBiasValidation, MissingBiasesAreNamedBeforeAnyLaunch) {
-  int32_t* fake = reinterpret_cast<int32_t*>(0x1000);
-  float* fake_f = reinterpret_cast<float*>(0x1000);
-  GroupedRows rows{fake, fake, 4, 1024};
-  rows.faults.word = reinterpret_cast<unsigned long long*>(fake);
-  ExpertMlpShape shape;
-  shape.hidden_dim = 256;
-  shape.intermediate_dim = 128;
+  int32_t* fake = kFakeAddress;
+  float* fake_f = reinterpret_cast<float*>(kFakeAddress);
+  const GroupedRows rows = fake_grouped_rows();
+  const ExpertMlpShape shape = validation_shape();
   ExpertMlpShape biased = shape;
   biased.biased = true;
   EXPECT_EQ(sm90::dgrad_w2_score_partials(biased), sm90::dgrad_w2_score_partials(shape) + 1) << "the bias's piece";

@@ -59,12 +59,9 @@ TEST(ExpertMlpValidation, PipelineFaultsAreDescribedByKind) {
 // Host validation names the argument and launches nothing, before any TMA descriptor is encoded
 // (runs without a GPU too: ctest's test_expert_mlp_validation, label cpu).
 TEST(ExpertMlpValidation, RejectsBadArgumentsByName) {
-  int32_t* fake = reinterpret_cast<int32_t*>(0x1000);
-  GroupedRows rows{fake, fake, 4, 1024};
-  rows.faults.word = reinterpret_cast<unsigned long long*>(fake);
-  ExpertMlpShape shape;
-  shape.hidden_dim = 256;
-  shape.intermediate_dim = 128;
+  int32_t* fake = kFakeAddress;
+  const GroupedRows rows = fake_grouped_rows();
+  const ExpertMlpShape shape = validation_shape();
   const sm90::FpropW13Args ok{fake, fake, fake, nullptr};
   ExpertMlpShape bad = shape;
   bad.hidden_dim = 100;
@@ -133,12 +130,9 @@ TEST(ExpertMlpValidation, RejectsBadArgumentsByName) {
 // (Its descriptors come after those of the GEMM operands, which need the CUDA driver.)
 TEST(ExpertMlpValidation, MisalignedH13IsNamedBeforeLaunch) {
   if (!have_sm90()) GTEST_SKIP() << "needs an SM90 GPU (the driver encodes the operand descriptors first)";
-  int32_t* fake = reinterpret_cast<int32_t*>(0x1000);
-  GroupedRows rows{fake, fake, 4, 1024};
-  rows.faults.word = reinterpret_cast<unsigned long long*>(fake);
-  ExpertMlpShape shape;
-  shape.hidden_dim = 256;
-  shape.intermediate_dim = 128;
+  int32_t* fake = kFakeAddress;
+  const GroupedRows rows = fake_grouped_rows();
+  const ExpertMlpShape shape = validation_shape();
   void* misaligned = reinterpret_cast<uint8_t*>(fake) + 2;
   std::string name = "<no error>";
   try {
