@@ -476,6 +476,9 @@ TEST(ContextBiasesValidation, CallsThatDisagreeAreRefusedByName) {
   EXPECT_EQ(forward_name([](auto& a) { a[1].b13 = a[1].b2 = nullptr; }), "args[1].b13");  // rank 0's only
   EXPECT_EQ(forward_name([](auto& a) { a[0].b13 = a[0].b2 = nullptr; }), "args[1].b13");  // rank 1's only
   EXPECT_EQ(forward_name([](auto& a) { a[1].weights_transposed = true; }), "args[1].weights_transposed");
+  // The replica push and the bias-score kernel read biases 16 bytes at a time.
+  EXPECT_EQ(forward_name([](auto& a) { a[0].b13 = static_cast<const char*>(a[0].b13) + 2; }), "args[0].b13");
+  EXPECT_EQ(forward_name([](auto& a) { a[1].b2 = static_cast<const char*>(a[1].b2) + 2; }), "args[1].b2");
   routed_experts_forward(*context, layer.forward_args(), stream);
 
   auto backward_name = [&](auto&& mutate) {
@@ -485,6 +488,7 @@ TEST(ContextBiasesValidation, CallsThatDisagreeAreRefusedByName) {
   };
   EXPECT_EQ(backward_name([](auto& b) { b[1].grad_b13 = nullptr; }), "args[1].grad_b13");
   EXPECT_EQ(backward_name([](auto& b) { b[0].grad_b2 = nullptr; }), "args[0].grad_b2");
+  EXPECT_EQ(backward_name([](auto& b) { b[1].grad_b13 = static_cast<char*>(b[1].grad_b13) + 4; }), "args[1].grad_b13");
   EXPECT_EQ(backward_name([](auto& b) { b[1].forward.weights_transposed = true; }), "args[1].weights_transposed");
   EXPECT_EQ(backward_name([](auto& b) { b[1].forward.b13 = b[1].forward.b2 = nullptr; }), "args[1].b13");
   // Without biases, bias gradients must be null (a caller passing them expects them written).
