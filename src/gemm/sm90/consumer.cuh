@@ -7,6 +7,7 @@
 
 #include "gemm/sm90/epilogue_direct.cuh"
 #include "gemm/sm90/kernel_params.hpp"
+#include "gemm/sm90/mainloop_fp8.cuh"
 #include "gemm/sm90/ptx/smem_desc.cuh"
 #include "gemm/sm90/ptx/tma.cuh"
 #include "gemm/sm90/ptx/wgmma.cuh"
@@ -84,9 +85,10 @@ __device__ __forceinline__ uint32_t mainloop(const Ring& ring, uint32_t it, cons
   return it;
 }
 
-// Warpgroups 1 and 2: every tile of the walk, its K loop, then its epilogue.
+// Warpgroups 1 and 2: every tile of the walk, its K loop (BF16, or kFp8: mainloop_fp8.cuh), then
+// its epilogue.
 template <int kBlockN, RowsAre kRows, bool kBMnMajor, class Ring, uint32_t kABytes, class Scheduler, class Epilogue,
-          int kCluster>
+          int kCluster, bool kFp8>
 __device__ __forceinline__ void run_consumers(const Ring& ring, uint8_t* staging_base, uint32_t staging_per_consumer,
                                               const Scheduler& scheduler, const TileQueue& queue, bool dynamic_tiles,
                                               int32_t first_tile, int32_t tile_stride, int32_t cluster_rank, int lane,
@@ -116,8 +118,15 @@ __device__ __forceinline__ void run_consumers(const Ring& ring, uint8_t* staging
       }
       continue;
     }
-    it = mainloop<kBlockN, kRows, kBMnMajor, kDeferredParts, Ring, kABytes>(ring, it, tile, k_blocks, consumer,
-                                                                             consumer_thread, lane, acc, pending);
+    if constexpr (kFp8) {
+      static_assert(kBlockN == kFp8BlockN && kRows == RowsAre::M && !kBMnMajor && kDeferredParts == 0,
+                    "FP8: rows as M, K-major operands, 128-wide tiles");
+      it = mainloop_fp8<Ring, kABytes>(ring, it, tile, k_blocks, consumer, consumer_thread % 128, scheduler.shape(),
+                                       acc);
+    } else {
+      it = mainloop<kBlockN, kRows, kBMnMajor, kDeferredParts, Ring, kABytes>(ring, it, tile, k_blocks, consumer,
+                                                                               consumer_thread, lane, acc, pending);
+    }
     // Computed here, not held through the loop: the consumers run at the edge of their registers.
     const int thread = consumer_thread % 128;
     uint8_t* const staging = staging_base + consumer * staging_per_consumer;

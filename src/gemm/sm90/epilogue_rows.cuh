@@ -7,6 +7,7 @@
 
 #include "gemm/sm90/epilogue_common.cuh"
 #include "gemm/sm90/epilogue_direct.cuh"
+#include "gemm/sm90/expert_mlp.hpp"
 #include "gemm/sm90/fault.cuh"
 
 namespace poise::sm90 {
@@ -102,5 +103,18 @@ struct RowsScatterEpilogue : RowsStoreEpilogue {
     });
   }
 };
+
+// The scatter epilogue of a launch (host side): the API's RowScatter, rows scaled by scores_R.
+inline RowsScatterEpilogue rows_scatter_epilogue(const RowScatter& scatter, const float* scores_R, int64_t N) {
+  RowsScatterEpilogue epi{};
+  epi.scores_R = scores_R;  // the base's rows pointer is not used
+  epi.N = static_cast<int32_t>(N);
+  epi.row_origin_R = scatter.row_origin_R;
+  epi.owner_bases = scatter.owner_bases;
+  epi.slot_offset = scatter.slot_offset;
+  epi.slots_per_owner = static_cast<int32_t>(scatter.slots_per_owner);
+  epi.origins = static_cast<int32_t>(scatter.owners * scatter.slots_per_owner);
+  return epi;
+}
 
 }  // namespace poise::sm90

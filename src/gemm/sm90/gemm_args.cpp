@@ -110,13 +110,12 @@ CUtensorMap rows_operand_map(const void* a_RK, const GroupedRows& rows, int64_t 
 }
 
 WeightMaps weight_maps(const GroupedRows& rows, const void* w, const char* name, const void* replica_w,
-                       const char* replica_name, int64_t rows_per_expert, int64_t cols, int box_rows) {
+                       const char* replica_name, int64_t rows_per_expert, int64_t cols, int box_rows, bool e4m3) {
+  const auto map = e4m3 ? make_fp8_tensor_map : make_bf16_tensor_map;
   const int64_t own = own_experts(rows), replicas = replica_experts(rows);
   WeightMaps m;
-  if (own > 0) m.own = make_bf16_tensor_map(w, own * rows_per_expert, cols, box_rows, name);
-  if (replicas > 0) {
-    m.replicas = make_bf16_tensor_map(replica_w, replicas * rows_per_expert, cols, box_rows, replica_name);
-  }
+  if (own > 0) m.own = map(w, own * rows_per_expert, cols, box_rows, name);
+  if (replicas > 0) m.replicas = map(replica_w, replicas * rows_per_expert, cols, box_rows, replica_name);
   if (own == 0) m.own = m.replicas;
   if (replicas == 0) m.replicas = m.own;
   return m;

@@ -43,11 +43,12 @@ GroupedGemmShape rows_gemm_shape(const GroupedRows& rows, int64_t K, int64_t b_r
 CUtensorMap rows_operand_map(const void* a_RK, const GroupedRows& rows, int64_t K, const char* name);
 
 // TMA maps of a per-expert weight tensor: the own experts' and the replicas' (the same map when
-// one side is empty, so the kernel always gets a valid descriptor).
+// one side is empty, so the kernel always gets a valid descriptor); e4m3: FP8 values (tensor_map.hpp).
 struct WeightMaps {
   CUtensorMap own, replicas;
 };
 WeightMaps weight_maps(const GroupedRows& rows, const void* w, const char* name, const void* replica_w,
-                       const char* replica_name, int64_t rows_per_expert, int64_t cols, int box_rows);
+                       const char* replica_name, int64_t rows_per_expert, int64_t cols, int box_rows,
+                       bool e4m3 = false);
 
 }  // namespace poise::sm90

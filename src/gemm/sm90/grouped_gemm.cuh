@@ -48,7 +48,9 @@ static_assert((kThreadsPerCta - kConsumerThreads) * kProducerRegisters + kConsum
                   kThreadsPerCta * kLaunchRegisters,
               "producer + consumer registers must fit the launch's allocation");
 
-template <int kBlockN, int kStages, RowsAre kRows, bool kBMnMajor, class Epilogue, int kCluster>
+// kFp8: e4m3 operands with block scales (GroupedGemmShape::scales, mainloop_fp8.cuh). Their TMA maps
+// describe e4m3 pairs as 16-bit elements (tensor_map.hpp), so a stage's boxes are the BF16 kernel's.
+template <int kBlockN, int kStages, RowsAre kRows, bool kBMnMajor, class Epilogue, int kCluster, bool kFp8 = false>
 __global__ void __launch_bounds__(kThreadsPerCta, 1)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
                         const __grid_constant__ CUtensorMap map_b,
@@ -99,7 +101,7 @@ __global__ void __launch_bounds__(kThreadsPerCta, 1)
     ptx::warpgroup_claim_registers<kConsumerRegisters>();
     const ConsumerRing<kStages, kCluster, Smem::kStageBytes> consumer_ring{smem, full_bar, full_bar + kStages, lane};
     run_consumers<kBlockN, kRows, kBMnMajor, decltype(consumer_ring), Smem::kABytes, decltype(scheduler), Epilogue,
-                  kCluster>(consumer_ring, smem + Smem::kStagingOffset, Smem::kStagingPerConsumer, scheduler, queue,
+                  kCluster, kFp8>(consumer_ring, smem + Smem::kStagingOffset, Smem::kStagingPerConsumer, scheduler, queue,
                             dynamic_tiles, first_tile, tile_stride, cluster_rank, lane, epilogue);
   }
   // Clusters: no CTA leaves while its peer may still multicast into it or arrive on its barriers.

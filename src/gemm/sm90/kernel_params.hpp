@@ -20,6 +20,20 @@ inline constexpr int kThreadsPerCta = 384;  // producer warpgroup + two consumer
 // the sum runs over an expert's rows).
 enum class RowsAre { M, K };
 
+// FP8 block-scaled rows-as-M GEMMs (expert_mlp_fp8.hpp): the fp32 scales of both operands, one per
+// 128-wide K block. A: [R][k_blocks] per row; B: [experts][ceil(b_rows_per_expert / 128)][k_blocks]
+// per 128 x 128 weight block, the replica experts' (e >= first_replica) at e - first_replica.
+struct BlockScales {
+  const float* a_RKb = nullptr;
+  const float* b_own = nullptr;
+  const float* b_replicas = nullptr;
+  int32_t k_blocks = 0;  // ceil(K / 128)
+  POISE_HD const float* b_expert(int32_t expert, int32_t first_replica, int32_t b_row_blocks) const {
+    return expert < first_replica ? b_own + int64_t(expert) * b_row_blocks * k_blocks
+                                  : b_replicas + int64_t(expert - first_replica) * b_row_blocks * k_blocks;
+  }
+};
+
 // What the scheduler and the producer need to know about one grouped GEMM.
 struct GroupedGemmShape {
   const int32_t* row_offsets_E = nullptr;  // device [E]: first row of each expert (multiple of 128)
@@ -27,7 +41,7 @@ struct GroupedGemmShape {
   int32_t num_experts = 0;
   int32_t m_blocks = 0;          // rows-as-K: ceil(M / 128)
   int32_t n_blocks = 0;          // tiles along N
-  int32_t k_blocks = 0;          // rows-as-M: K / 64
+  int32_t k_blocks = 0;          // rows-as-M: K / 64 (FP8: ceil(K / 128), a stage holding 128 e4m3 of K)
   int32_t b_rows_per_expert = 0; // rows-as-M: rows of B's 2D view that belong to one expert
   int32_t b_gate_up_split = 0;   // fprop blocked SwiGLU: gate-to-up distance (F) along B's N; 0 = none
   // Experts [first_replica, num_experts) are replicas: rows-as-M GEMMs read their B block from the
@@ -41,6 +55,7 @@ struct GroupedGemmShape {
   unsigned long long* fault_word = nullptr;
   uint32_t wait_timeout_ns = 0;
   int32_t drop_first_stage = 0;  // fault injection (tests): CTA 0 never loads its first stage
+  BlockScales scales;            // FP8 kernels only
 };
 
 // Expert biases (gpt-oss), added to the accumulators before an epilogue's math: bf16 rows of N,

@@ -7,18 +7,6 @@
 namespace poise::sm90 {
 namespace {
 
-RowsScatterEpilogue rows_scatter_epilogue(const RowScatter& scatter, const float* scores_R, int64_t N) {
-  RowsScatterEpilogue epi{};
-  epi.scores_R = scores_R;  // the base's rows pointer is not used
-  epi.N = static_cast<int32_t>(N);
-  epi.row_origin_R = scatter.row_origin_R;
-  epi.owner_bases = scatter.owner_bases;
-  epi.slot_offset = scatter.slot_offset;
-  epi.slots_per_owner = static_cast<int32_t>(scatter.slots_per_owner);
-  epi.origins = static_cast<int32_t>(scatter.owners * scatter.slots_per_owner);
-  return epi;
-}
-
 // What tells the two rows GEMMs apart: A = [rows][K], each expert's weights B (the replica
 // experts' in replica_w), stored [K][D] (MN-major) or [D][K] (K-major), and FPROP W2's bias.
 struct RowsOperands {

@@ -63,6 +63,11 @@ CUtensorMap make_bf16_tensor_map(const void* base, int64_t rows, int64_t cols, i
   return encode(base, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, rows, cols, 64, box_rows, argument_name);
 }
 
+CUtensorMap make_fp8_tensor_map(const void* base, int64_t rows, int64_t cols, int box_rows,
+                                const char* argument_name) {
+  return encode(base, CU_TENSOR_MAP_DATA_TYPE_UINT16, 2, rows, cols / 2, 64, box_rows, argument_name);
+}
+
 CUtensorMap make_store_tensor_map(const void* base, bool fp32, int64_t rows, int64_t cols,
                                   const char* argument_name) {
   if (base == nullptr) return CUtensorMap{};

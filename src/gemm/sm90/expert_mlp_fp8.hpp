@@ -1,0 +1,57 @@
+// Host API of the SM90 FP8 block-scaled expert GEMMs (the DeepSeek-V3 recipe, docs/fp8.md): E4M3
+// operands, rows in 1 x 128 tiles along K, weights in 128 x 128 blocks, the products of each
+// 128-wide K block summed by wgmma and promoted into fp32 with the block's two scales.
+//
+// Grouped rows, shapes, faults and outputs as in expert_mlp.hpp (the BF16 GEMMs); what differs is
+// the operands. Built: the forward GEMMs of the blocked W13 layout in the standard weight layout
+// ([E, 2F, D] and [E, D, F], read K-major as FP8 wgmma needs); other layouts, biases and the
+// backward GEMMs raise poise::NotAvailable.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "gemm/sm90/expert_mlp.hpp"
+
+namespace poise::sm90 {
+
+// Rows of an FP8 GEMM operand: e4m3 values [R][K] and fp32 scales [R][ceil(K/128)] (row tile t
+// scales columns [128 t, 128 t + 128)), as quant::launch_row_tiles writes them.
+struct Fp8Rows {
+  const void* values_RK = nullptr;
+  const float* scales_RKb = nullptr;
+};
+
+// Per-expert FP8 weights: e4m3 values [E][N][K] and fp32 scales [E][ceil(N/128)][ceil(K/128)], as
+// poise::quantize_fp8_weight_blocks writes them.
+struct Fp8Weights {
+  const void* values = nullptr;
+  const float* scales = nullptr;
+};
+
+// h13 = x . W13[e]^T, a = act(h13), with x and W13 in FP8: a_RF and h13_R2F bf16 as in FpropW13Args.
+struct FpropW13Fp8Args {
+  Fp8Rows x;            // K = D
+  Fp8Weights w13;       // [E_own, 2F, D]
+  Fp8Weights replica_w13;  // with GroupedRows::first_replica
+  void* a_RF = nullptr;
+  void* h13_R2F = nullptr;  // nullable
+  H13Split h13_split;
+};
+void expert_mlp_fprop_w13_fp8(const GroupedRows& rows, const ExpertMlpShape& shape, const FpropW13Fp8Args& args,
+                              cudaStream_t stream);
+
+// y = (a . W2[e]^T) * score, with a and W2 in FP8: into y_RD or scattered to slots as FpropW2Args.
+struct FpropW2Fp8Args {
+  Fp8Rows a;           // K = F
+  Fp8Weights w2;       // [E_own, D, F]
+  Fp8Weights replica_w2;  // with GroupedRows::first_replica
+  const float* scores_R = nullptr;  // nullable
+  void* y_RD = nullptr;             // null when scatter.row_origin_R is set
+  RowScatter scatter;
+};
+void expert_mlp_fprop_w2_fp8(const GroupedRows& rows, const ExpertMlpShape& shape, const FpropW2Fp8Args& args,
+                             cudaStream_t stream);
+
+}  // namespace poise::sm90
