@@ -59,6 +59,9 @@ class MemoryPlan:
     """num_activation_slots * activation_slot_bytes."""
     device_scratch_bytes: int
     """Per-call intermediates (h13, a, grads) on the device."""
+    fp8_operand_bytes: int
+    """Of device scratch, gemm_precision='fp8_block_scaled': the call's FP8 operands (e4m3 x and a
+    rows, every expert group's weights, their scales); 0 in bf16."""
     host_overflow_scratch_bytes: int
     """Host-backed virtual memory for overflow rows."""
     total_device_bytes: int

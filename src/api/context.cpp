@@ -99,7 +99,6 @@ std::unique_ptr<Context> Context::create_virtual_ranks(const Config& config, int
   config.validate(ep_size);
   std::unique_ptr<Context> context(new Context(config, ep_size, 0, options));
   context->state_->launch_ranks = ep_size;
-  ep::StagedPipeline::require_built(config);
   if (cuda_device_count() == 0) {
     throw DeviceError("create_virtual_ranks: no CUDA device; virtual ranks run on one SM90 GPU "
                       "(poise::reference runs the same semantics on the CPU)");
@@ -266,7 +265,6 @@ static ep::StagedPipeline& pipeline_of(Context& context, std::unique_ptr<ep::Sta
     throw NotAvailable("routed_experts on a Context::create context with ep_size > 1 needs a communicator "
                        "(multi-GPU, not in this build yet); use Context::create_virtual_ranks on one GPU");
   }
-  ep::StagedPipeline::require_built(context.config());
   if (cuda_device_count() == 0) {
     throw DeviceError("routed_experts: no CUDA device; the CPU semantics are in poise::reference");
   }

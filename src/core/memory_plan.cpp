@@ -104,6 +104,7 @@ void sum_regions(MemoryPlan& p, const layout::WorkspaceLayout& l) {
   p.communication_bytes = round_up(l.window.bytes - p.replica_weight_bytes - kept_rows, kWindowGranularity);
   p.activation_slots_total_bytes = kept_rows + kept_buffers;
   p.device_scratch_bytes = l.buffers.bytes - kept_buffers;
+  p.fp8_operand_bytes = l.buffers.fp8_bytes();
   p.host_overflow_scratch_bytes = 0;  // not built (plan_memory)
   p.total_device_bytes =
       p.communication_bytes + p.replica_weight_bytes + p.activation_slots_total_bytes + p.device_scratch_bytes;
@@ -182,9 +183,11 @@ std::string MemoryPlan::explain() const {
       c.inference ? "device rows x 3F x 2 (h13, a) + routing layout"
                   : "device rows x (5F x 2 + F/16) (h13, a, grad_h13, score pieces) + routing layout");
   row("host overflow scratch", host_overflow_scratch_bytes, "host-backed (VMM) rows: not built yet");
-  if (c.gemm_precision == GemmPrecision::fp8_block_scaled)
-    os << "  gemm_precision fp8_block_scaled: planned as bf16 (the FP8 rows, scales and kernels are not built "
-          "yet; docs/fp8.md)\n";
+  if (c.gemm_precision == GemmPrecision::fp8_block_scaled) {
+    row("  of which FP8 operands", fp8_operand_bytes,
+        "e4m3 x and a rows (device rows x (D + F)) and every group's weights (3 F D), fp32 scales per 128; "
+        "quantized per call (docs/fp8.md)");
+  }
   row("total device", total_device_bytes, "");
   row("total virtual", total_virtual_bytes, "device + host overflow");
   return os.str();

@@ -3,10 +3,12 @@
 #include <algorithm>
 #include <cmath>
 
+#include "numerics/block_scaling.hpp"
+
 namespace poise::layout {
 namespace {
 
-constexpr int64_t kBf16 = 2, kFp32 = 4, kInt32 = 4, kU64 = 8;
+constexpr int64_t kBf16 = 2, kFp32 = 4, kInt32 = 4, kU64 = 8, kE4m3 = 1;
 
 int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 
@@ -28,7 +30,7 @@ class Block {
 // The numbers every region is sized by.
 struct Dims {
   int64_t T, K, D, F, E, R, TK, groups, B, capacity, score_partials;
-  bool exact, training;
+  bool exact, training, fp8;
 };
 
 Dims dims_of(const Config& c, int64_t ep_size, int64_t replica_slots) {
@@ -41,6 +43,7 @@ Dims dims_of(const Config& c, int64_t ep_size, int64_t replica_slots) {
   d.score_partials = (d.F + kScorePieceColumns - 1) / kScorePieceColumns + 1;  // + the expert biases' piece
   d.exact = c.balance == Balance::exact;
   d.training = !c.inference;
+  d.fp8 = c.gemm_precision == GemmPrecision::fp8_block_scaled;
   return d;
 }
 
@@ -113,6 +116,17 @@ RankBuffers rank_buffers(const Dims& d, const Keep& k) {
   if (d.training) r.grad_h13_R2F = b.add(kBf16 * d.capacity * 2 * d.F);
   r.gemm_tile_counters = b.add(kInt32 * 2);
   r.gemm_fault_word = b.add(8);
+  if (d.fp8) {
+    using numerics::scale_blocks;  // of 128 (a last block of 64 when a dimension is 64 mod 128)
+    r.fp8_x_RD = b.add(kE4m3 * d.capacity * d.D);
+    r.fp8_x_scales = b.add(kFp32 * d.capacity * scale_blocks(d.D));
+    r.fp8_a_RF = b.add(kE4m3 * d.capacity * d.F);
+    r.fp8_a_scales = b.add(kFp32 * d.capacity * scale_blocks(d.F));
+    r.fp8_w13 = b.add(kE4m3 * d.groups * 2 * d.F * d.D);
+    r.fp8_w13_scales = b.add(kFp32 * d.groups * scale_blocks(2 * d.F) * scale_blocks(d.D));
+    r.fp8_w2 = b.add(kE4m3 * d.groups * d.D * d.F);
+    r.fp8_w2_scales = b.add(kFp32 * d.groups * scale_blocks(d.D) * scale_blocks(d.F));
+  }
   r.bytes = b.end();
   return r;
 }

@@ -95,7 +95,18 @@ struct RankBuffers {
   Region grad_h13_R2F;                 // bf16 [capacity][2F] (training)
   Region gemm_tile_counters;           // int32 [2]
   Region gemm_fault_word;              // u64 [1]: the expert GEMMs' device fault (sm90::FaultWord)
+  // gemm_precision fp8_block_scaled: each call's FP8 operands (docs/fp8.md), e4m3 values and fp32
+  // scales per 128 of K: the received x rows and the SwiGLU output, 1 x 128 tiles; every group's
+  // weights (own experts, then replica slots), 128 x 128 blocks.
+  Region fp8_x_RD, fp8_x_scales;      // u8 [capacity][D], fp32 [capacity][D/128]
+  Region fp8_a_RF, fp8_a_scales;      // u8 [capacity][F], fp32 [capacity][F/128]
+  Region fp8_w13, fp8_w13_scales;     // u8 [groups][2F][D], fp32 [groups][2F/128][D/128]
+  Region fp8_w2, fp8_w2_scales;       // u8 [groups][D][F], fp32 [groups][D/128][F/128]
   int64_t bytes = 0;
+  int64_t fp8_bytes() const {
+    return fp8_x_RD.bytes + fp8_x_scales.bytes + fp8_a_RF.bytes + fp8_a_scales.bytes + fp8_w13.bytes +
+           fp8_w13_scales.bytes + fp8_w2.bytes + fp8_w2_scales.bytes;
+  }
 };
 
 struct WorkspaceLayout {

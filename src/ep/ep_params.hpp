@@ -48,6 +48,7 @@ struct EpDims {
   // the scores' gradients per row in score_partials pieces, which combine-push sums and sends to
   // the owners (grad_scores_TK window region).
   int32_t score_partials = 0;  // P: pieces per row of the scores' gradients (per call)
+  int32_t fp8 = 0;  // gemm_precision fp8_block_scaled: the forward's GEMMs take FP8 operands
   int32_t swiglu_clamped = 0;
   float swiglu_alpha = 1.702f;
   float swiglu_limit = 7.0f;
@@ -76,6 +77,18 @@ struct WorkspaceOffsets {
   size_t replica_b2 = 0;        // bf16 [B][D]
   size_t replica_grad_b13 = 0;  // fp32 [B][2F] (training)
   size_t replica_grad_b2 = 0;   // fp32 [B][D]  (training)
+};
+
+// A rank's FP8 operands of one call (EpDims::fp8; layout::RankBuffers): e4m3 values, fp32 scales.
+struct Fp8Scratch {
+  uint8_t* x_RD = nullptr;   // [capacity][D]: the received x rows, 1 x 128 tiles
+  float* x_scales = nullptr;
+  uint8_t* a_RF = nullptr;   // [capacity][F]: the SwiGLU output
+  float* a_scales = nullptr;
+  uint8_t* w13 = nullptr;    // [groups][2F][D]: own experts', then replica slots' weights, 128 x 128 blocks
+  float* w13_scales = nullptr;
+  uint8_t* w2 = nullptr;     // [groups][D][F]
+  float* w2_scales = nullptr;
 };
 
 // One rank's private device buffers (and where its own workspace and error word are).
@@ -108,6 +121,7 @@ struct RankScratch {
   // between launches; the rank's GEMMs run one after another on the pipeline's stream.
   int32_t* gemm_tile_counters = nullptr;
   unsigned long long* gemm_fault_word = nullptr;  // where this rank's expert GEMMs record a device fault
+  Fp8Scratch fp8;  // EpDims::fp8
 };
 
 // One rank's call arguments (see poise::ForwardArgs / BackwardArgs).

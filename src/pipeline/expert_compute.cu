@@ -3,6 +3,10 @@
 #include <cstddef>
 
 #include "gemm/sm90/expert_mlp.hpp"
+#include "gemm/sm90/expert_mlp_fp8.hpp"
+#include "numerics/block_scaling.hpp"
+#include "quant/row_tiles.hpp"
+#include "quant/weight_blocks.hpp"
 
 namespace poise::ep {
 namespace {
@@ -56,6 +60,50 @@ sm90::H13Split h13_split(const EpLaunch& l, const RankScratch& rs) {
   return {rs.h13_split, rs.h13_hi_R2F};
 }
 
+// gemm_precision fp8_block_scaled (docs/fp8.md): the call's operands quantized into the rank's
+// Fp8Scratch, then the FP8 GEMMs. Weights: the own experts' from the call, the replica slots' from
+// the workspace (their owners' BF16 weights, so the same bits as the owner's own quantization).
+struct Fp8GroupWeights {
+  sm90::Fp8Weights w13, w2;
+};
+// The FP8 weights of groups [first, ...) in the rank's Fp8Scratch.
+Fp8GroupWeights fp8_weights_from(const Fp8Scratch& q, int64_t first, int64_t D, int64_t F) {
+  using numerics::scale_blocks;
+  return {{q.w13 + first * 2 * F * D, q.w13_scales + first * scale_blocks(2 * F) * scale_blocks(D)},
+          {q.w2 + first * D * F, q.w2_scales + first * scale_blocks(D) * scale_blocks(F)}};
+}
+
+// bf16 w13 [groups][2F][D] and w2 [groups][D][F] into `into`.
+void quantize_group_weights(const bf16* w13, const bf16* w2, int64_t groups, int64_t D, int64_t F,
+                            const Fp8GroupWeights& into, cudaStream_t stream) {
+  auto values = [](const sm90::Fp8Weights& w) { return static_cast<uint8_t*>(const_cast<void*>(w.values)); };
+  auto scales = [](const sm90::Fp8Weights& w) { return const_cast<float*>(w.scales); };
+  quant::launch_weight_blocks(w13, groups, 2 * F, D, values(into.w13), scales(into.w13), stream);
+  quant::launch_weight_blocks(w2, groups, D, F, values(into.w2), scales(into.w2), stream);
+}
+
+void fp8_forward(const EpLaunch& l, const LaunchIo& io, int s, const sm90::GroupedRows& rows, bool with_w2,
+                 cudaStream_t stream) {
+  const sm90::ExpertMlpShape shape = expert_mlp_shape(l.dims);
+  const RankScratch& rs = l.scratch.rank[s];
+  const Fp8Scratch& q = rs.fp8;
+  const int64_t D = l.dims.D, F = l.dims.F, own = l.dims.E_local, capacity = l.dims.capacity_rows;
+  const bool replicas = rows.first_replica >= 0;
+  const Fp8GroupWeights own_w = fp8_weights_from(q, 0, D, F), replica_w = fp8_weights_from(q, own, D, F);
+  quantize_group_weights(io.rank[s].w13_E2FD, io.rank[s].w2_EDF, own, D, F, own_w, stream);
+  if (replicas) quantize_group_weights(replica_w13(l, s), replica_w2(l, s), l.dims.groups - own, D, F, replica_w, stream);
+  // Every received row (row-local tiles: the bits the sender's quantization would give).
+  quant::launch_row_tiles(workspace_rows(l, s, l.ws.recv_x), capacity, D, q.x_RD, q.x_scales, stream);
+  sm90::FpropW13Fp8Args a13{.x = {q.x_RD, q.x_scales}, .w13 = own_w.w13, .a_RF = rs.a_RF, .h13_R2F = rs.h13_R2F,
+                            .h13_split = h13_split(l, rs)};
+  sm90::FpropW2Fp8Args a2{.a = {q.a_RF, q.a_scales}, .w2 = own_w.w2, .scatter = combine_scatter(l, s)};
+  if (replicas) a13.replica_w13 = replica_w.w13, a2.replica_w2 = replica_w.w2;
+  sm90::expert_mlp_fprop_w13_fp8(rows, shape, a13, stream);
+  if (!with_w2) return;
+  quant::launch_row_tiles(rs.a_RF, capacity, F, q.a_RF, q.a_scales, stream);
+  sm90::expert_mlp_fprop_w2_fp8(rows, shape, a2, stream);
+}
+
 // with_w2 = false: only h13 (and a), what a recomputed forward must give backward. tail_only: the
 // rows of a partial record's groups past its split (RankScratch::tail_offsets / tail_counts).
 void sm90_forward(const EpLaunch& l, const LaunchIo& io, bool with_w2, bool tail_only, cudaStream_t stream) {
@@ -64,6 +112,10 @@ void sm90_forward(const EpLaunch& l, const LaunchIo& io, bool with_w2, bool tail
     const RankScratch& rs = l.scratch.rank[s];
     sm90::GroupedRows rows = sm90_rows(l, s);
     if (tail_only) rows.row_offsets_E = rs.tail_offsets, rows.row_counts_E = rs.tail_counts;
+    if (l.dims.fp8) {
+      fp8_forward(l, io, s, rows, with_w2, stream);
+      continue;
+    }
     sm90::FpropW13Args w13{workspace_rows(l, s, l.ws.recv_x), io.rank[s].w13_E2FD, rs.a_RF, rs.h13_R2F};
     w13.h13_split = h13_split(l, rs);
     w13.b13_E2F = io.rank[s].b13_E2F;

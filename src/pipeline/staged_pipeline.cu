@@ -28,7 +28,6 @@ static_assert(kGroupAlignment == kExpertRowAlignment);
 
 void validate_config(const Config& c, int64_t ep_size, const PipelineOptions& o) {
   c.validate(ep_size);
-  StagedPipeline::require_built(c);
   if (c.balance == Balance::exact) {
     require(c.balance_tolerance <= 16.0, "balance_tolerance",
             "must be in [0, 16], got " + std::to_string(c.balance_tolerance));
@@ -80,6 +79,7 @@ EpDims make_dims(const Config& c, int64_t ep_size, const layout::WorkspaceLayout
   d.row_limit = static_cast<int32_t>(l.row_limit);
   d.capacity_rows = static_cast<int32_t>(l.capacity_rows);
   d.num_chunks = (d.T + kTokensPerChunk - 1) / kTokensPerChunk;
+  d.fp8 = c.gemm_precision == GemmPrecision::fp8_block_scaled;
   d.swiglu_clamped = c.activation == Activation::swiglu_clamped;
   d.swiglu_alpha = static_cast<float>(c.swiglu_alpha);
   d.swiglu_limit = static_cast<float>(c.swiglu_limit);
@@ -153,12 +153,6 @@ int64_t StagedPipeline::capacity_rows(const Config& c, int64_t ep_size, const Pi
 size_t StagedPipeline::workspace_bytes(const Config& c, int64_t ep_size, const PipelineOptions& o) {
   validate_config(c, ep_size, o);
   return static_cast<size_t>(layout::workspace_layout(c, ep_size, keep_of(c, ep_size, o)).window.bytes);
-}
-
-void StagedPipeline::require_built(const Config& config) {
-  if (config.gemm_precision == GemmPrecision::fp8_block_scaled)
-    throw NotAvailable("gemm_precision: the FP8 block-scaled expert GEMMs are not built on the GPU yet; the CPU "
-                       "reference engine runs them (docs/fp8.md)");
 }
 
 size_t StagedPipeline::bytes_per_rank(const Config& c, int64_t ep_size, const PipelineOptions& o) {
@@ -241,6 +235,9 @@ void StagedPipeline::allocate_rank_buffers(int s) {
   rs.grad_h13_R2F = at<bf16>(base, lb.grad_h13_R2F);
   rs.gemm_tile_counters = at<int32_t>(base, lb.gemm_tile_counters);
   rs.gemm_fault_word = at<unsigned long long>(base, lb.gemm_fault_word);
+  rs.fp8 = {at<uint8_t>(base, lb.fp8_x_RD), at<float>(base, lb.fp8_x_scales), at<uint8_t>(base, lb.fp8_a_RF),
+            at<float>(base, lb.fp8_a_scales), at<uint8_t>(base, lb.fp8_w13),   at<float>(base, lb.fp8_w13_scales),
+            at<uint8_t>(base, lb.fp8_w2),   at<float>(base, lb.fp8_w2_scales)};
 }
 
 StagedPipeline::~StagedPipeline() {

@@ -124,9 +124,6 @@ class StagedPipeline {
   // Replica slots B the options give (exact balance; 0 in capacity mode).
   static int64_t replica_slots(const Config& config, int64_t ep_size, const PipelineOptions& options = {});
 
-  // NotAvailable for what a valid Config asks that the GPU path does not run yet (FP8 GEMMs).
-  static void require_built(const Config& config);
-
   // All ep_size ranks in this process on the current GPU (virtual ranks).
   static std::unique_ptr<StagedPipeline> create_virtual(const Config& config, int64_t ep_size,
                                                         const PipelineOptions& options = {});

@@ -109,20 +109,24 @@ TEST(Context, CallsWithoutTheRightPathFailLoudly) {
             "args_per_rank");
 }
 
-TEST(Context, Fp8GemmsAreRefusedOnTheGpuBeforeAnyKernel) {
-  // The CPU reference engine runs gemm_precision = fp8_block_scaled; the GPU kernels are not built,
-  // so a GPU context says so (even on a machine without a GPU, before asking for one).
+TEST(Context, Fp8ContextsPlanTheirFp8Operands) {
+  // gemm_precision = fp8_block_scaled: the rank's buffers gain the call's FP8 operands (e4m3 x and a
+  // rows, every expert group's weights, fp32 scales per 128 of K), each region padded to 256 bytes.
   Config c = small_config();
   c.gemm_precision = GemmPrecision::fp8_block_scaled;
   auto ctx = Context::create(c, 1, 0);  // plans only
-  EXPECT_NE(ctx->plan().explain().find("fp8_block_scaled: planned as bf16"), std::string::npos);
-  try {
-    routed_experts_forward(*ctx, fake_forward_args(), nullptr);
-    ADD_FAILURE() << "an FP8 call ran on the GPU path";
-  } catch (const NotAvailable& e) {
-    EXPECT_NE(std::string(e.what()).find("gemm_precision"), std::string::npos) << e.what();
-  }
-  EXPECT_THROW(Context::create_virtual_ranks(c, 2), NotAvailable);
+  const MemoryPlan& p = ctx->plan();
+  const int64_t rows = p.device_rows, groups = p.num_local_experts + p.num_replica_slots;
+  const int64_t D = c.hidden_dim, F = c.intermediate_dim;  // 64: one scale per row or block
+  auto padded = [](int64_t bytes) { return (bytes + 255) / 256 * 256; };
+  const int64_t expected = padded(rows * D) + padded(4 * rows) + padded(rows * F) + padded(4 * rows) +
+                           padded(groups * 2 * F * D) + padded(4 * groups) + padded(groups * D * F) + padded(4 * groups);
+  EXPECT_EQ(p.fp8_operand_bytes, expected);
+  const MemoryPlan bf16 = plan_memory(small_config(), 1);
+  EXPECT_EQ(bf16.fp8_operand_bytes, 0);
+  EXPECT_EQ(p.device_scratch_bytes - bf16.device_scratch_bytes, expected);
+  EXPECT_NE(p.explain().find("of which FP8 operands"), std::string::npos) << p.explain();
+  EXPECT_EQ(bf16.explain().find("FP8"), std::string::npos);
   EXPECT_EQ(gemm_precision_from_string("fp8_block_scaled"), GemmPrecision::fp8_block_scaled);
   EXPECT_EQ(rejected_name([] { gemm_precision_from_string("fp8"); }), "gemm_precision");
 }
