@@ -68,7 +68,9 @@ void expert_forward_fp8(const ExpertShape& shape, const SwigluParams& act, int64
           D, [&](int64_t k) { return x_rows.values[r * D + k]; }, [&](int64_t k) { return w.w13.values[j * D + k]; },
           [&](int64_t kb) { return x_rows.scales[r * d_blocks + kb]; },
           [&](int64_t kb) { return w.w13.scales[(j / kScaleBlock) * d_blocks + kb]; });
-    for (int64_t f = 0; f < F; ++f) a[f] = swiglu_forward(h13[shape.gate_row(f)], h13[shape.up_row(f)], act);
+    // a as the GPU keeps it, in BF16 (the rows the W13 epilogue writes and WGRAD reads), then tiled.
+    for (int64_t f = 0; f < F; ++f)
+      a[f] = round_to_bf16(swiglu_forward(h13[shape.gate_row(f)], h13[shape.up_row(f)], act));
     const BlockScaled a_q = numerics::quantize_row_tiles(a.data(), 1, F);
     for (int64_t d = 0; d < D; ++d)
       y_RD[r * D + d] = round_to_bf16(promoted_dot(

@@ -209,3 +209,33 @@ def test_capacity_mode_plans_every_received_row_on_the_device():
     assert p.host_overflow_scratch_bytes == 0
     with pytest.raises(poise.NotAvailable, match="host_overflow_scratch_factor"):
         poise.plan_memory(dataclasses.replace(config, host_overflow_scratch_factor=0.5), EP_SIZE)
+
+
+@pytest.mark.parametrize("changes", [dict(), dict(inference=True),
+                                     dict(balance="capacity", receive_capacity_factor=3.0),
+                                     dict(hidden_dim=64 * 15, intermediate_dim=64 * 7, top_k=1)],
+                         ids=["training", "inference", "capacity", "odd_dims"])
+@pytest.mark.parametrize("ep_size", [1, 8])
+def test_fp8_plans_its_operands_in_device_scratch(changes, ep_size):
+    """gemm_precision='fp8_block_scaled': the call's FP8 operands (e4m3 x and a of every device row,
+    every expert group's W13 and W2, fp32 scales per 128 of K, each region padded to 256 bytes) are
+    device scratch on top of the BF16 plan's, and fp8_operand_bytes says how much; 0 in bf16."""
+    bf16 = plan(ep_size, **changes)
+    fp8 = plan(ep_size, **changes, gemm_precision="fp8_block_scaled")
+    assert bf16.fp8_operand_bytes == 0
+    assert fp8.fp8_operand_bytes > 0
+    assert fp8.device_rows == bf16.device_rows and fp8.num_replica_slots == bf16.num_replica_slots
+    assert fp8.device_scratch_bytes - bf16.device_scratch_bytes == fp8.fp8_operand_bytes
+    assert fp8.total_device_bytes - bf16.total_device_bytes == fp8.fp8_operand_bytes
+    D, F = fp8.config.hidden_dim, fp8.config.intermediate_dim
+    groups = fp8.num_local_experts + fp8.num_replica_slots
+
+    def blocks(n):
+        return -(-n // 128)
+
+    values = fp8.device_rows * (D + F) + groups * 3 * F * D
+    scales = 4 * (fp8.device_rows * (blocks(D) + blocks(F))
+                  + groups * (blocks(2 * F) * blocks(D) + blocks(D) * blocks(F)))
+    assert values + scales <= fp8.fp8_operand_bytes < values + scales + 8 * 256
+    assert "of which FP8 operands" in fp8.explain()
+    assert "FP8" not in bf16.explain()

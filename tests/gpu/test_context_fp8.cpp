@@ -1,0 +1,388 @@
+// FP8 block-scaled experts through the public entry points (Config::gemm_precision =
+// fp8_block_scaled, docs/fp8.md): a GPU context's forward quantizes every call's weights (128 x 128
+// blocks), the received x rows and the SwiGLU output a (1 x 128 tiles) and runs FP8 GEMMs. Checked
+// against the CPU reference engine in FP8 mode, which quantizes the same operands the same way, so
+// what is left is fp32 summation order (and now and then an e4m3 value of a that rounds the other
+// way): out within kOutRelL2 in relative L2 and every element within kOutElement x (|want| + its
+// row's rms). Against the BF16 reference the same out is a few percent off (E4M3 keeps 3 mantissa
+// bits), printed and recorded (RecordProperty) for every rank.
+//
+// Cases: one rank (Context::create) and virtual ranks (R = 2, 4) in exact balance and capacity mode,
+// a hot expert (exact balance replicates it), the last expert given no rows, D = 192 and F = 320
+// (64 mod 128: a last scale block 64 wide), swiglu and swiglu_clamped, two layers in a row on one
+// context (the second with other weights: quantized again). Also: the backward is refused
+// (NotAvailable naming gemm_precision) before any kernel and leaves the context usable; the call
+// options the FP8 GEMMs do not take (interleaved W13, transposed weights, biases) are refused by
+// name, before any kernel; the device bytes a context holds against its plan (FP8 operands included).
+// Fresh inputs every run (seed in the trace; POISE_TEST_SEED replays); outputs poisoned (NaN) first.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <limits>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "gpu_test_support.hpp"
+#include "poise/poise.hpp"
+#include "poise/reference.hpp"
+#include "testing/device_layer.hpp"
+
+namespace poise {
+namespace {
+
+using testing::relative_error_to;
+
+// GPU against the FP8 reference engine (the same quantized operands, fp32 sums in another order).
+constexpr double kOutRelL2 = 2e-2;
+constexpr double kOutElement = 5e-2;  // |got - want| <= kOutElement * (|want| + rms of want's row)
+// GPU FP8 against the BF16 reference engine: what E4M3 costs on these inputs (x ~ N(0, 1), weights
+// ~ N(0, 1/fan-in)). The two CPU reference engines differ by 5.8% - 6.5% relative L2 on out for
+// every shape, balance, activation and routing below (4 seeds each; exact and capacity alike);
+// the GPU adds its distance to the FP8 reference (< kOutRelL2) either way.
+constexpr double kFp8GapLow = 4e-2;  // below: not the FP8 GEMMs (BF16 is ~0.3% from float64)
+constexpr double kFp8GapHigh = 9e-2;
+
+Config fp8_config(int64_t ranks, Balance balance, Activation activation) {
+  Config c;
+  c.num_local_input_tokens = 96;
+  c.hidden_dim = 192;        // 64 mod 128: the last scale block of x, W13 and W2 is 64 wide
+  c.intermediate_dim = 320;  // 64 mod 128 too (a's last tile, W2's last block column)
+  c.top_k = 4;
+  c.num_experts = ranks == 1 ? 8 : 4 * ranks;
+  c.activation = activation;
+  c.swiglu_alpha = 1.702;
+  c.swiglu_limit = 1.5;  // h13 ~ N(0, 1): the clamp bites
+  c.balance = balance;
+  c.receive_capacity_factor = double(ranks);  // capacity mode: dropless whatever the routing
+  c.gemm_precision = GemmPrecision::fp8_block_scaled;
+  return c;
+}
+
+// The expert no token picks (on the last rank): its weights are quantized, its group has no rows.
+int32_t empty_expert(const Config& c) { return int32_t(c.num_experts - 1); }
+
+// Every token's K distinct picks: with `hot`, expert 0 first (exact balance replicates it) and K-1
+// others; never empty_expert.
+void shape_routing(const Config& c, std::vector<reference::RankInputs>& inputs, bool hot) {
+  const int64_t K = c.top_k;
+  const int32_t empty = empty_expert(c);
+  for (auto& in : inputs) {
+    for (int64_t t = 0; t < c.num_local_input_tokens; ++t) {
+      int32_t* ids = &in.ids_TK[t * K];
+      if (hot) {  // 0, then K-1 consecutive experts (mod E-2) in [1, E-2]
+        for (int64_t k = 0; k < K; ++k) ids[k] = k == 0 ? 0 : int32_t(1 + (t + k - 1) % (c.num_experts - 2));
+        continue;
+      }
+      for (int64_t k = 0; k < K; ++k) {
+        if (ids[k] != empty) continue;
+        for (int32_t e = 0; e < empty; ++e) {
+          if (std::find(ids, ids + K, e) == ids + K) {
+            ids[k] = e;
+            break;
+          }
+        }
+      }
+    }
+  }
+}
+
+// x ~ N(0, 1), softmax scores (the last 3 tokens of every rank padding: zero scores), skewed toward
+// rank 0's experts, then shape_routing.
+std::vector<reference::RankInputs> fp8_inputs(const Config& c, int64_t R, uint64_t seed, bool hot) {
+  auto inputs = reference::random_inputs(c, R, {.seed = seed, .skew = 2.0, .padding_rows = 3}, reference::Options{});
+  shape_routing(c, inputs, hot);
+  return inputs;
+}
+
+// The oracle: out of the FP8 reference engine (with the replica slots a GPU context plans) and of
+// the BF16 one on the same inputs, and the FP8 forward's routing.
+struct Want {
+  std::vector<std::vector<float>> fp8, bf16;
+  reference::RoutingStats stats;
+};
+
+Want reference_outputs(const Config& c, int64_t R, const std::vector<reference::RankInputs>& inputs) {
+  reference::Options options;
+  options.replica_slots = plan_memory(c, R).num_replica_slots;
+  reference::Engine fp8(c, R, options);
+  Want want{fp8.forward(inputs), {}, fp8.routing_stats()};
+  Config bf16 = c;
+  bf16.gemm_precision = GemmPrecision::bf16;
+  options.replica_slots = plan_memory(bf16, R).num_replica_slots;
+  want.bf16 = reference::Engine(bf16, R, options).forward(inputs);
+  return want;
+}
+
+// What the inputs claim to exercise, checked on the reference's run (else the case tests less).
+void expect_routing_exercised(const Config& c, int64_t R, bool hot, const Want& want) {
+  EXPECT_EQ(want.stats.expert_rows[empty_expert(c)], 0) << "the empty expert got rows";
+  if (hot && c.balance == Balance::exact && R > 1) {
+    int64_t replicas = 0;
+    for (int64_t n : want.stats.replicas) replicas += n;
+    EXPECT_GT(replicas, 0) << "the hot expert was not replicated";
+  }
+}
+
+// got against want (bf16 [T, D]): relative L2, and each element against kOutElement * (|want| + the
+// rms of want's row). A NaN counts as outside; padding rows (all zero) must be exactly zero.
+struct OutComparison {
+  double rel_l2 = 0;
+  double worst = 0;  // max |got - want| / (|want| + row rms) over the elements that are not NaN
+  int64_t outside = 0;
+};
+
+OutComparison compare_out(const std::vector<float>& got, const std::vector<float>& want, int64_t D) {
+  OutComparison cmp{relative_error_to(got, want), 0.0, 0};
+  for (size_t row = 0; row * D < want.size(); ++row) {
+    const float* w = &want[row * D];
+    const float* g = &got[row * D];
+    double sum2 = 0;
+    for (int64_t d = 0; d < D; ++d) sum2 += double(w[d]) * w[d];
+    const double rms = std::sqrt(sum2 / double(D));
+    for (int64_t d = 0; d < D; ++d) {
+      const double diff = std::abs(double(g[d]) - double(w[d])), scale = std::abs(double(w[d])) + rms;
+      if (!(diff <= kOutElement * scale)) ++cmp.outside;
+      const double ratio = scale > 0 ? diff / scale : (diff == 0 ? 0.0 : std::numeric_limits<double>::infinity());
+      if (ratio > cmp.worst) cmp.worst = ratio;  // a NaN is counted in `outside`
+    }
+  }
+  return cmp;
+}
+
+std::string format_double(double v) {
+  char buffer[32];
+  std::snprintf(buffer, sizeof(buffer), "%.3e", v);
+  return buffer;
+}
+
+// Every rank's out against the FP8 reference (tolerances above) and the BF16 one (the FP8 gap),
+// the numbers printed and recorded as test properties (`label`_rank<r>_...).
+void expect_out_matches(const std::vector<std::vector<float>>& got, const Want& want, const Config& c,
+                        const std::string& label) {
+  for (size_t r = 0; r < got.size(); ++r) {
+    SCOPED_TRACE(label + ", rank " + std::to_string(r));
+    const OutComparison cmp = compare_out(got[r], want.fp8[r], c.hidden_dim);
+    const double gap = relative_error_to(got[r], want.bf16[r]);
+    const double reference_gap = relative_error_to(want.fp8[r], want.bf16[r]);
+    EXPECT_LT(cmp.rel_l2, kOutRelL2) << "out_TD against the FP8 reference (relative L2)";
+    EXPECT_EQ(cmp.outside, 0) << "out_TD elements beyond " << kOutElement
+                              << " x (|want| + row rms) of the FP8 reference; worst " << cmp.worst;
+    EXPECT_GT(gap, kFp8GapLow) << "out_TD is as close to the BF16 reference as BF16 is: the FP8 path did not run";
+    EXPECT_LT(gap, kFp8GapHigh) << "out_TD against the BF16 reference (relative L2)";
+    std::printf("[ fp8      ] %s rank %zu: out vs FP8 reference %.3e rel L2 (worst element %.4f of |want| + row "
+                "rms), vs BF16 reference %.3e (the FP8 reference's own: %.3e)\n",
+                label.c_str(), r, cmp.rel_l2, cmp.worst, gap, reference_gap);
+    const std::string key = label + "_rank" + std::to_string(r);
+    ::testing::Test::RecordProperty(key + "_vs_fp8_reference", format_double(cmp.rel_l2));
+    ::testing::Test::RecordProperty(key + "_worst_element", format_double(cmp.worst));
+    ::testing::Test::RecordProperty(key + "_vs_bf16_reference", format_double(gap));
+  }
+}
+
+// Context::device_bytes (per rank, after a call) against the plan, FP8 operands included: never
+// more than the plan beyond 1% + 1 MiB of bookkeeping, not grossly less (the plan rounds the window
+// to 2 MiB granules). As tests/python/test_torch_gpu.py checks it for BF16 contexts.
+void expect_holds_its_plan(const Context& context) {
+  const MemoryPlan& plan = context.plan();
+  EXPECT_GT(plan.fp8_operand_bytes, 0);
+  const double held = double(context.device_bytes()), planned = double(plan.total_device_bytes);
+  const double mib = double(1 << 20);
+  EXPECT_LE(held, planned * 1.01 + mib) << "held " << held << " bytes, planned " << planned;
+  EXPECT_GE(held, planned * 0.9 - 4 * mib) << "held " << held << " bytes, planned " << planned;
+}
+
+// One layer: inputs, the oracle, its device tensors (outputs poisoned).
+struct Layer {
+  std::vector<reference::RankInputs> inputs;
+  Want want;
+  std::unique_ptr<DeviceLayer> device;
+};
+
+Layer make_layer(const Config& c, int64_t R, uint64_t seed, bool hot) {
+  Layer l{fp8_inputs(c, R, seed, hot), {}, nullptr};
+  l.want = reference_outputs(c, R, l.inputs);
+  expect_routing_exercised(c, R, hot, l.want);
+  l.device = std::make_unique<DeviceLayer>(c, R, l.inputs, reference::random_grad_out(c, R, seed + 1), DType::fp32);
+  l.device->poison_outputs();
+  return l;
+}
+
+// ---- the forward against the reference -----------------------------------------------------------
+
+struct Fp8Case {
+  std::string name;
+  int64_t ranks;
+  Balance balance;
+  Activation activation;
+  bool hot_expert;
+};
+
+void PrintTo(const Fp8Case& c, std::ostream* os) { *os << c.name; }
+
+class ContextFp8 : public ::testing::TestWithParam<Fp8Case> {};
+
+// Two layers on one context, each against the reference; the second has other weights (each call
+// quantizes its own) and runs without keeping state for backward.
+TEST_P(ContextFp8, ForwardMatchesTheFp8Reference) {
+  if (!testing::have_sm90_gpu()) GTEST_SKIP() << "needs an SM90 GPU";
+  const Fp8Case& fc = GetParam();
+  const uint64_t seed = testing::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const Config c = fp8_config(fc.ranks, fc.balance, fc.activation);
+  const int64_t R = fc.ranks;
+  Layer first = make_layer(c, R, seed, fc.hot_expert);
+  Layer second = make_layer(c, R, seed + 7919, fc.hot_expert);
+
+  auto context = testing::make_context(c, R);
+  testing::TestStream stream;
+  routed_experts_forward(*context, first.device->forward_args(), stream);
+  context->check(stream);
+  expect_out_matches(first.device->out_TD(), first.want, c, fc.name + "_layer0");
+  routed_experts_forward(*context, second.device->forward_args(), stream, /*keep_for_backward=*/false);
+  context->check(stream);
+  expect_out_matches(second.device->out_TD(), second.want, c, fc.name + "_layer1");
+  expect_holds_its_plan(*context);
+}
+
+constexpr auto kSwiglu = Activation::swiglu;
+constexpr auto kClamped = Activation::swiglu_clamped;
+
+INSTANTIATE_TEST_SUITE_P(
+    RanksAndBalance, ContextFp8,
+    ::testing::Values(
+        // name, ranks, balance, activation, hot expert
+        Fp8Case{"R1_swiglu", 1, Balance::exact, kSwiglu, false},
+        Fp8Case{"R1_clamped_hot", 1, Balance::capacity, kClamped, true},
+        Fp8Case{"R2_exact_hot_swiglu", 2, Balance::exact, kSwiglu, true},
+        Fp8Case{"R2_capacity_hot_clamped", 2, Balance::capacity, kClamped, true},
+        Fp8Case{"R4_exact_hot_clamped", 4, Balance::exact, kClamped, true},
+        Fp8Case{"R4_exact_skewed_swiglu", 4, Balance::exact, kSwiglu, false},
+        Fp8Case{"R4_capacity_hot_swiglu", 4, Balance::capacity, kSwiglu, true}),
+    [](const ::testing::TestParamInfo<Fp8Case>& info) { return info.param.name; });
+
+// ---- what is refused -----------------------------------------------------------------------------
+
+// The message of the exception `call` throws, "NotAvailable: ..." (or "<other>: ..."), "(accepted)"
+// when it throws none.
+template <class Call>
+std::string refusal(Call&& call) {
+  try {
+    call();
+  } catch (const NotAvailable& e) {
+    return std::string("NotAvailable: ") + e.what();
+  } catch (const InvalidArgument& e) {
+    return std::string("InvalidArgument: ") + e.what();
+  } catch (const std::exception& e) {
+    return std::string("another exception: ") + e.what();
+  }
+  return "(accepted)";
+}
+
+bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+
+class ContextFp8Refusals : public ::testing::TestWithParam<int64_t> {};
+
+// The FP8 backward GEMMs are not built: routed_experts_backward raises NotAvailable naming
+// gemm_precision before anything is enqueued (every gradient keeps its poison), for the latest
+// forward and for an explicit record alike; the context then runs the next forward correctly.
+TEST_P(ContextFp8Refusals, BackwardIsRefusedAndTheContextStaysUsable) {
+  if (!testing::have_sm90_gpu()) GTEST_SKIP() << "needs an SM90 GPU";
+  const int64_t R = GetParam();
+  const uint64_t seed = testing::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const Config c = fp8_config(R, Balance::exact, kClamped);
+  Layer layer = make_layer(c, R, seed, /*hot=*/true);
+  auto context = testing::make_context(c, R);
+  testing::TestStream stream;
+  const ActivationRecord record = routed_experts_forward(*context, layer.device->forward_args(), stream);
+  context->check(stream);
+  expect_out_matches(layer.device->out_TD(), layer.want, c, "backward_R" + std::to_string(R) + "_before");
+
+  layer.device->poison_outputs();
+  for (const ActivationRecord* r : {static_cast<const ActivationRecord*>(nullptr), &record}) {
+    const std::string why =
+        refusal([&] { routed_experts_backward(*context, layer.device->backward_args(), stream, r); });
+    EXPECT_TRUE(contains(why, "NotAvailable: ") && contains(why, "gemm_precision")) << why;
+  }
+  EXPECT_NO_THROW(context->check(stream));
+  testing::expect_all_nan(layer.device->grad_x_TD(), "grad_x_TD after the refused backward");
+  testing::expect_all_nan(layer.device->grad_scores_TK(), "grad_scores_TK after the refused backward");
+  testing::expect_all_nan(layer.device->grad_w13(), "grad_w13 after the refused backward");
+  testing::expect_all_nan(layer.device->grad_w2(), "grad_w2 after the refused backward");
+
+  Layer next = make_layer(c, R, seed + 7919, /*hot=*/true);
+  routed_experts_forward(*context, next.device->forward_args(), stream);
+  context->check(stream);
+  expect_out_matches(next.device->out_TD(), next.want, c, "backward_R" + std::to_string(R) + "_after");
+}
+
+// A device buffer of `bytes` zero bytes, freed with it.
+class DeviceBytes {
+ public:
+  explicit DeviceBytes(size_t bytes) {
+    EXPECT_EQ(cudaMalloc(&data_, bytes), cudaSuccess);
+    EXPECT_EQ(cudaMemset(data_, 0, bytes), cudaSuccess);
+  }
+  ~DeviceBytes() { cudaFree(data_); }
+  DeviceBytes(const DeviceBytes&) = delete;
+  DeviceBytes& operator=(const DeviceBytes&) = delete;
+  void* data() const { return data_; }
+
+ private:
+  void* data_ = nullptr;
+};
+
+// The call options the FP8 GEMMs do not take (set on every rank, otherwise valid) are refused with
+// NotAvailable naming the argument (and gemm_precision) before anything is enqueued (out keeps its
+// poison); the same context then runs the plain call correctly.
+TEST_P(ContextFp8Refusals, UnbuiltCallOptionsAreRefusedByName) {
+  if (!testing::have_sm90_gpu()) GTEST_SKIP() << "needs an SM90 GPU";
+  const int64_t R = GetParam();
+  const uint64_t seed = testing::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const Config c = fp8_config(R, Balance::exact, kSwiglu);
+  Layer layer = make_layer(c, R, seed, /*hot=*/true);
+  const int64_t E_local = c.num_local_experts(R);
+  std::vector<std::unique_ptr<DeviceBytes>> b13, b2;  // bf16 [E_local, 2F] and [E_local, D] per rank
+  for (int64_t r = 0; r < R; ++r) {
+    b13.push_back(std::make_unique<DeviceBytes>(size_t(E_local * 2 * c.intermediate_dim) * 2));
+    b2.push_back(std::make_unique<DeviceBytes>(size_t(E_local * c.hidden_dim) * 2));
+  }
+  auto context = testing::make_context(c, R);
+  testing::TestStream stream;
+
+  auto refused = [&](auto&& mutate) {
+    std::vector<ForwardArgs> args(layer.device->forward_args().begin(), layer.device->forward_args().end());
+    for (size_t r = 0; r < args.size(); ++r) mutate(args[r], r);
+    return refusal([&] { routed_experts_forward(*context, args, stream); });
+  };
+  const std::string interleaved =
+      refused([](ForwardArgs& a, size_t) { a.w13_layout = W13Layout::gate_up_interleaved; });
+  const std::string transposed = refused([](ForwardArgs& a, size_t) { a.weights_transposed = true; });
+  const std::string biased = refused([&](ForwardArgs& a, size_t r) { a.b13 = b13[r]->data(), a.b2 = b2[r]->data(); });
+  for (const auto& [why, name] : {std::pair{interleaved, "args[0].w13_layout"},
+                                  std::pair{transposed, "args[0].weights_transposed"},
+                                  std::pair{biased, "args[0].b13"}}) {
+    EXPECT_TRUE(contains(why, "NotAvailable: ") && contains(why, name) && contains(why, "gemm_precision"))
+        << name << ": " << why;
+  }
+  EXPECT_NO_THROW(context->check(stream));
+  testing::expect_all_nan(layer.device->out_TD(), "out_TD after the refused calls");
+
+  routed_experts_forward(*context, layer.device->forward_args(), stream);
+  context->check(stream);
+  expect_out_matches(layer.device->out_TD(), layer.want, c, "options_R" + std::to_string(R));
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, ContextFp8Refusals, ::testing::Values(int64_t{1}, int64_t{2}),
+                         [](const ::testing::TestParamInfo<int64_t>& info) {
+                           return "R" + std::to_string(info.param);
+                         });
+
+}  // namespace
+}  // namespace poise
