@@ -38,8 +38,11 @@ namespace {
 using testing::relative_error_to;
 
 // GPU against the FP8 reference engine (the same quantized operands, fp32 sums in another order).
-constexpr double kOutRelL2 = 2e-2;
-constexpr double kOutElement = 5e-2;  // |got - want| <= kOutElement * (|want| + rms of want's row)
+// Measured on the H200: 2.4e-3 - 6.0e-3 relative L2. Elementwise up to 0.058 x (|want| + row rms):
+// where the order flips a bf16 rounding of a, its e4m3 value can move one E4M3 step (6-12%), and that
+// one product moves the output element.
+constexpr double kOutRelL2 = 1.5e-2;
+constexpr double kOutElement = 0.1;  // |got - want| <= kOutElement * (|want| + rms of want's row)
 // GPU FP8 against the BF16 reference engine: what E4M3 costs on these inputs (x ~ N(0, 1), weights
 // ~ N(0, 1/fan-in)). The two CPU reference engines differ by 5.8% - 6.5% relative L2 on out for
 // every shape, balance, activation and routing below (4 seeds each; exact and capacity alike);

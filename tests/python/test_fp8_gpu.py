@@ -19,8 +19,11 @@ pytestmark = pytest.mark.gpu
 # D and F 64 mod 128: the last scale block of x, a and the weights is 64 wide.
 CONFIG = poise.Config(num_local_input_tokens=96, hidden_dim=192, intermediate_dim=320, top_k=4, num_experts=8,
                       swiglu_limit=1.5, gemm_precision="fp8_block_scaled")
-OUT_REL_L2 = 2e-2  # GPU against the CPU FP8 reference: the same quantized operands, sums in another order
-ELEMENT = 5e-2     # |got - want| <= ELEMENT * (|want| + rms of want's row)
+# GPU against the CPU FP8 reference: the same quantized operands, sums in another order (measured:
+# 2.4e-3 - 6e-3; an element up to 0.058 x (|want| + row rms) where a flips one E4M3 step:
+# tests/gpu/test_context_fp8.cpp).
+OUT_REL_L2 = 1.5e-2
+ELEMENT = 0.1  # |got - want| <= ELEMENT * (|want| + rms of want's row)
 # FP8 against BF16 on these inputs: the CPU engines differ by 5.8% - 6.5% (tests/gpu/test_context_fp8.cpp).
 FP8_GAP = (4e-2, 9e-2)
 
