@@ -2,7 +2,8 @@
 // (the host's and the device's NaNs differ in their bits): the weights' 128 x 128 blocks (the public
 // poise::quantize_fp8_weight_blocks) and the activations' 1 x 128 row tiles (quant::launch_row_tiles).
 // Random bf16 values with an all-zero tile, a NaN (its whole tile NaN), a value far beyond 448, dims
-// that are multiples of 64 but not of 128; outputs poisoned first.
+// that are multiples of 64 but not of 128; outputs poisoned first. Buffers `misalign` values past an
+// aligned address take the kernels' scalar path (the vector loads need 16-byte aligned bf16).
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -23,11 +24,12 @@ namespace {
 
 struct Shape {
   int64_t matrices, rows, cols;
+  int misalign = 0;  // values by which the input and output buffers start past an aligned address
 };
 
 std::string shape_name(const ::testing::TestParamInfo<Shape>& info) {
   return std::to_string(info.param.matrices) + "x" + std::to_string(info.param.rows) + "x" +
-         std::to_string(info.param.cols);
+         std::to_string(info.param.cols) + (info.param.misalign ? "_misaligned" : "");
 }
 
 // Random bf16 values of `shape`, the first (up to) 128 x 128 zero, one value far beyond 448, the last NaN.
@@ -43,10 +45,11 @@ std::vector<float> test_values(const Shape& s, uint64_t seed) {
   return w;
 }
 
-// `quantize` run on the device over `w` (as bf16) into poisoned buffers: (values, scales).
+// `quantize` run on the device over `w` (as bf16) into poisoned buffers, both `misalign` values past
+// cudaMalloc's alignment: (values, scales).
 using DeviceQuantize = std::function<void(const void* w, uint8_t* values, float* scales)>;
 std::pair<std::vector<uint8_t>, std::vector<float>> on_device(const std::vector<float>& w, size_t num_scales,
-                                                              const DeviceQuantize& quantize) {
+                                                              int misalign, const DeviceQuantize& quantize) {
   std::vector<uint16_t> bits(w.size());
   for (size_t i = 0; i < w.size(); ++i) {
     uint32_t u;
@@ -54,15 +57,17 @@ std::pair<std::vector<uint8_t>, std::vector<float>> on_device(const std::vector<
     bits[i] = static_cast<uint16_t>(u >> 16);
   }
   void *w_dev = nullptr, *values_dev = nullptr, *scales_dev = nullptr;
-  EXPECT_EQ(cudaMalloc(&w_dev, w.size() * 2), cudaSuccess);
-  EXPECT_EQ(cudaMalloc(&values_dev, w.size()), cudaSuccess);
+  EXPECT_EQ(cudaMalloc(&w_dev, (w.size() + misalign) * 2), cudaSuccess);
+  EXPECT_EQ(cudaMalloc(&values_dev, w.size() + misalign), cudaSuccess);
+  auto* const w_at = static_cast<uint16_t*>(w_dev) + misalign;
+  auto* const values_at = static_cast<uint8_t*>(values_dev) + misalign;
   EXPECT_EQ(cudaMalloc(&scales_dev, num_scales * sizeof(float)), cudaSuccess);
-  EXPECT_EQ(cudaMemcpy(w_dev, bits.data(), w.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
-  EXPECT_EQ(cudaMemset(values_dev, 0xA5, w.size()), cudaSuccess);
+  EXPECT_EQ(cudaMemcpy(w_at, bits.data(), w.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+  EXPECT_EQ(cudaMemset(values_dev, 0xA5, w.size() + misalign), cudaSuccess);
   EXPECT_EQ(cudaMemset(scales_dev, 0xFF, num_scales * sizeof(float)), cudaSuccess);
-  quantize(w_dev, static_cast<uint8_t*>(values_dev), static_cast<float*>(scales_dev));
+  quantize(w_at, values_at, static_cast<float*>(scales_dev));
   std::pair<std::vector<uint8_t>, std::vector<float>> out{std::vector<uint8_t>(w.size()), std::vector<float>(num_scales)};
-  EXPECT_EQ(cudaMemcpy(out.first.data(), values_dev, w.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+  EXPECT_EQ(cudaMemcpy(out.first.data(), values_at, w.size(), cudaMemcpyDeviceToHost), cudaSuccess);
   EXPECT_EQ(cudaMemcpy(out.second.data(), scales_dev, num_scales * sizeof(float), cudaMemcpyDeviceToHost), cudaSuccess);
   cudaFree(w_dev), cudaFree(values_dev), cudaFree(scales_dev);
   return out;
@@ -93,7 +98,7 @@ TEST_P(Fp8WeightBlocksGpu, EqualTheReferenceBitForBit) {
   SCOPED_TRACE("seed " + std::to_string(seed));
   const std::vector<float> w = test_values(s, seed);
   const reference::Fp8WeightBlocks want = reference::quantize_fp8_weight_blocks(w, s.matrices, s.rows, s.cols);
-  expect_same_bits(on_device(w, want.scales.size(),
+  expect_same_bits(on_device(w, want.scales.size(), s.misalign,
                              [&](const void* dev, uint8_t* values, float* scales) {
                                quantize_fp8_weight_blocks(dev, s.matrices, s.rows, s.cols, values, scales, nullptr);
                              }),
@@ -101,7 +106,8 @@ TEST_P(Fp8WeightBlocksGpu, EqualTheReferenceBitForBit) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, Fp8WeightBlocksGpu,
-                         ::testing::Values(Shape{3, 192, 320}, Shape{2, 256, 128}, Shape{1, 64, 64}, Shape{4, 1536, 2048}),
+                         ::testing::Values(Shape{3, 192, 320}, Shape{2, 256, 128}, Shape{1, 64, 64}, Shape{4, 1536, 2048},
+                                           Shape{37, 320, 448}, Shape{3, 192, 320, 1}),
                          shape_name);
 
 class Fp8RowTilesGpu : public ::testing::TestWithParam<Shape> {};
@@ -113,7 +119,7 @@ TEST_P(Fp8RowTilesGpu, EqualTheReferenceBitForBit) {
   SCOPED_TRACE("seed " + std::to_string(seed));
   const std::vector<float> x = test_values(s, seed);
   const numerics::BlockScaled want = numerics::quantize_row_tiles(x.data(), s.rows, s.cols);
-  expect_same_bits(on_device(x, want.scales.size(),
+  expect_same_bits(on_device(x, want.scales.size(), s.misalign,
                              [&](const void* dev, uint8_t* values, float* scales) {
                                quant::launch_row_tiles(static_cast<const __nv_bfloat16*>(dev), s.rows, s.cols, values,
                                                        scales, nullptr);
@@ -123,7 +129,8 @@ TEST_P(Fp8RowTilesGpu, EqualTheReferenceBitForBit) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, Fp8RowTilesGpu,
-                         ::testing::Values(Shape{1, 77, 192}, Shape{1, 64, 128}, Shape{1, 1, 64}, Shape{1, 4096, 7168}),
+                         ::testing::Values(Shape{1, 77, 192}, Shape{1, 64, 128}, Shape{1, 1, 64}, Shape{1, 4096, 7168},
+                                           Shape{1, 5, 64}, Shape{1, 77, 192, 3}),
                          shape_name);
 
 }  // namespace
