@@ -119,8 +119,7 @@ __device__ __forceinline__ void run_consumers(const Ring& ring, uint8_t* staging
       continue;
     }
     if constexpr (kFp8) {
-      static_assert(kBlockN == kFp8BlockN && kRows == RowsAre::M && !kBMnMajor && kDeferredParts == 0,
-                    "FP8: rows as M, K-major operands, 128-wide tiles");
+      static_assert(kRows == RowsAre::M && !kBMnMajor && kDeferredParts == 0, "FP8: rows as M, K-major operands");
       it = mainloop_fp8<Ring, kABytes>(ring, it, tile, k_blocks, consumer, consumer_thread % 128, scheduler.shape(),
                                        acc);
     } else {

@@ -9,8 +9,11 @@
 #include "gemm/sm90/epilogue_common.cuh"
 #include "gemm/sm90/epilogue_direct.cuh"
 #include "gemm/sm90/epilogue_staging.cuh"
+#include "gemm/sm90/expert_mlp.hpp"
+#include "gemm/sm90/gemm_args.hpp"
 #include "gemm/sm90/ptx/mbarrier.cuh"
 #include "gemm/sm90/ptx/tma.cuh"
+#include "gemm/sm90/tensor_map.hpp"
 
 namespace poise::sm90 {
 
@@ -147,5 +150,29 @@ struct SwigluFpropEpilogue {
     else store_impl<kBlockN, false>(d, tile, consumer, thread, ring, it);
   }
 };
+
+// The epilogue of one FPROP W13 launch (host side; BF16 and FP8 operands alike): a_RF, h13 (null:
+// not saved) split at h13_split_row's row into args.h13_split.hi_R2F, the shape's activation, b13.
+template <bool kInterleaved>
+SwigluFpropEpilogue<kInterleaved> swiglu_fprop_epilogue(const GroupedRows& rows, const ExpertMlpShape& shape,
+                                                        void* a_RF, void* h13_R2F, const H13Split& h13_split,
+                                                        const ExpertBias& b13) {
+  const int32_t split = h13_split_row(rows, h13_split);  // checked before any descriptor
+  const int64_t F = shape.intermediate_dim;
+  SwigluFpropEpilogue<kInterleaved> epi{};
+  epi.a_map = make_store_tensor_map(a_RF, false, rows.max_rows, F, "a_RF");
+  // The low buffer holds rows [0, split) only: its map must not reach past them.
+  if (split > 0) epi.h13_map = make_store_tensor_map(h13_R2F, false, split, 2 * F, "h13_R2F");
+  if (split < rows.max_rows)
+    epi.h13_hi_map = make_store_tensor_map(h13_split.hi_R2F, false, rows.max_rows, 2 * F, "h13_split.hi_R2F");
+  epi.a_RF = bf16(a_RF);
+  epi.h13_R2F = bf16(h13_R2F);
+  epi.h13_hi_R2F = static_cast<__nv_bfloat16*>(const_cast<void*>(h13_split.hi_R2F));
+  epi.h13_split = split;
+  epi.F = static_cast<int32_t>(F);
+  epi.act = activation_params(shape);
+  epi.b13 = b13;
+  return epi;
+}
 
 }  // namespace poise::sm90

@@ -1,7 +1,7 @@
 // The FP8 block-scaled forward GEMMs: FPROP W13 + SwiGLU and FPROP W2 into rows or slots
 // (expert_mlp_fp8.hpp), on the grouped-GEMM kernel with its FP8 K loop (mainloop_fp8.cuh).
 #include "gemm/sm90/epilogue_rows.cuh"
-#include "gemm/sm90/epilogue_swiglu_fprop_direct.cuh"
+#include "gemm/sm90/epilogue_swiglu_fprop.cuh"
 #include "gemm/sm90/expert_mlp_fp8.hpp"
 #include "gemm/sm90/launch.cuh"
 #include "gemm/sm90/tensor_map.hpp"
@@ -40,7 +40,7 @@ void require_weights(const GroupedRows& rows, const Fp8Weights& own, const Fp8We
 }
 
 // A rows-as-M FP8 GEMM: A = rows [R][K], B = weights [E][b_rows][K] with their scales, N columns in
-// n_tile-wide tiles (64: the blocked W13's gate / up halves; 128: W2's D rows).
+// n_tile-wide tiles (kBlockN / 2 activation columns of the blocked W13, kBlockN of W2's D rows).
 struct Fp8Gemm {
   CUtensorMap map_a;
   WeightMaps map_b;
@@ -51,7 +51,7 @@ Fp8Gemm fp8_gemm(const GroupedRows& rows, const Fp8Rows& a, const char* a_name, 
                  int64_t n_tile) {
   Fp8Gemm g;
   g.map_a = make_fp8_tensor_map(a.values_RK, rows.max_rows, K, kTileM / 2, a_name);
-  g.map_b = weight_maps(rows, w.values, w_names[0], replica_w.values, w_names[2], b_rows, K, kFp8BlockN / 2,
+  g.map_b = weight_maps(rows, w.values, w_names[0], replica_w.values, w_names[2], b_rows, K, kBlockN / 2,
                         /*e4m3=*/true);
   g.shape = rows_gemm_shape(rows, K, b_rows, N, n_tile);
   g.shape.k_blocks = ceil_div(K, 128);
@@ -70,20 +70,13 @@ void expert_mlp_fprop_w13_fp8(const GroupedRows& rows, const ExpertMlpShape& sha
   require_weights(rows, args.w13, args.replica_w13, w_names);
   require_ptr(args.a_RF, "a_RF");
   if (rows.max_rows == 0) return;
-  const int32_t split = h13_split_row(rows, args.h13_split);
+  const auto epi = swiglu_fprop_epilogue<false>(rows, shape, args.a_RF, args.h13_R2F, args.h13_split, {});
   const int64_t D = shape.hidden_dim, F = shape.intermediate_dim;
-  // N = F activation columns, 64 per tile: the tile's B is 64 gate rows and the 64 up rows F below.
-  Fp8Gemm g = fp8_gemm(rows, args.x, "x.values_RK", args.w13, args.replica_w13, w_names, D, 2 * F, F,
-                       kFp8BlockN / 2);
+  // N = F activation columns, kBlockN / 2 per tile: the tile's B is that many gate rows and the up
+  // rows F below them.
+  Fp8Gemm g = fp8_gemm(rows, args.x, "x.values_RK", args.w13, args.replica_w13, w_names, D, 2 * F, F, kBlockN / 2);
   g.shape.b_gate_up_split = static_cast<int32_t>(F);
-  SwigluFpropDirectEpilogue epi{};
-  epi.a_RF = bf16(args.a_RF);
-  epi.h13_R2F = bf16(args.h13_R2F);
-  epi.h13_hi_R2F = static_cast<__nv_bfloat16*>(const_cast<void*>(args.h13_split.hi_R2F));
-  epi.h13_split = split;
-  epi.F = static_cast<int32_t>(F);
-  epi.act = activation_params(shape);
-  launch<RowsAre::M, false, SwigluFpropDirectEpilogue, /*kFp8=*/true>(g.map_a, g.map_b, g.shape, epi, stream);
+  launch<RowsAre::M, false, SwigluFpropEpilogue<false>, /*kFp8=*/true>(g.map_a, g.map_b, g.shape, epi, stream);
 }
 
 void expert_mlp_fprop_w2_fp8(const GroupedRows& rows, const ExpertMlpShape& shape, const FpropW2Fp8Args& args,
@@ -95,7 +88,7 @@ void expert_mlp_fprop_w2_fp8(const GroupedRows& rows, const ExpertMlpShape& shap
   validate_rows_output(args.y_RD, "y_RD", args.scatter, shape.hidden_dim);
   if (rows.max_rows == 0) return;
   const int64_t D = shape.hidden_dim, F = shape.intermediate_dim;
-  const Fp8Gemm g = fp8_gemm(rows, args.a, "a.values_RK", args.w2, args.replica_w2, w_names, F, D, D, kFp8BlockN);
+  const Fp8Gemm g = fp8_gemm(rows, args.a, "a.values_RK", args.w2, args.replica_w2, w_names, F, D, D, kBlockN);
   if (args.scatter.row_origin_R) {
     launch<RowsAre::M, false, RowsScatterEpilogue, true>(g.map_a, g.map_b, g.shape,
                                                           rows_scatter_epilogue(args.scatter, args.scores_R, D), stream);

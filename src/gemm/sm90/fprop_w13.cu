@@ -2,7 +2,6 @@
 #include "gemm/sm90/epilogue_swiglu_fprop.cuh"
 #include "gemm/sm90/expert_mlp.hpp"
 #include "gemm/sm90/launch.cuh"
-#include "gemm/sm90/tensor_map.hpp"
 
 namespace poise::sm90 {
 
@@ -35,37 +34,18 @@ void expert_mlp_fprop_w13(const GroupedRows& rows, const ExpertMlpShape& shape, 
   require_replica_ptr(rows, args.replica_w13_E2FD, "replica_w13_E2FD");
   const ExpertBias b13 = b13_of(rows, shape, args);
   if (rows.max_rows == 0) return;
-  const int32_t split = h13_split_row(rows, args.h13_split);  // checked before any descriptor
   const int64_t D = shape.hidden_dim, F = shape.intermediate_dim;
   const bool blocked = shape.w13_layout == W13Layout::gate_up_blocked;
-  const CUtensorMap map_a = rows_operand_map(args.x_RD, rows, D, "x_RD");
-  const WeightMaps map_b = w13_maps(rows, shape, args);
   GroupedGemmShape s = rows_gemm_shape(rows, D, shape.weights_transposed ? D : 2 * F, F, kBlockN / 2);
   s.b_gate_up_split = blocked ? static_cast<int32_t>(F) : 0;
-  const CUtensorMap a_map = make_store_tensor_map(args.a_RF, false, rows.max_rows, F, "a_RF");
-  // The low buffer holds rows [0, split) only: its map must not reach past them.
-  const CUtensorMap h13_map =
-      split > 0 ? make_store_tensor_map(args.h13_R2F, false, split, 2 * F, "h13_R2F") : CUtensorMap{};
-  const CUtensorMap h13_hi_map =
-      split < rows.max_rows
-          ? make_store_tensor_map(args.h13_split.hi_R2F, false, rows.max_rows, 2 * F, "h13_split.hi_R2F")
-          : CUtensorMap{};
-  auto run = [&](auto epi) {
-    epi.a_map = a_map;
-    epi.h13_map = h13_map;
-    epi.h13_hi_map = h13_hi_map;
-    epi.a_RF = bf16(args.a_RF);
-    epi.h13_R2F = bf16(args.h13_R2F);
-    epi.h13_hi_R2F = static_cast<__nv_bfloat16*>(const_cast<void*>(args.h13_split.hi_R2F));
-    epi.h13_split = split;
-    epi.F = static_cast<int32_t>(F);
-    epi.act = activation_params(shape);
-    epi.b13 = b13;
+  auto run = [&](auto epi) {  // built first: it checks h13_split before any descriptor
+    const CUtensorMap map_a = rows_operand_map(args.x_RD, rows, D, "x_RD");
+    const WeightMaps map_b = w13_maps(rows, shape, args);
     if (shape.weights_transposed) launch<RowsAre::M, true>(map_a, map_b, s, epi, stream);
     else launch<RowsAre::M, false>(map_a, map_b, s, epi, stream);
   };
-  if (blocked) run(SwigluFpropEpilogue<false>{});
-  else run(SwigluFpropEpilogue<true>{});
+  if (blocked) run(swiglu_fprop_epilogue<false>(rows, shape, args.a_RF, args.h13_R2F, args.h13_split, b13));
+  else run(swiglu_fprop_epilogue<true>(rows, shape, args.a_RF, args.h13_R2F, args.h13_split, b13));
 }
 
 }  // namespace poise::sm90

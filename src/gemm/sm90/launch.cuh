@@ -24,16 +24,14 @@ inline int sm_count() {
   return sms;
 }
 
-// kFp8: the FP8 block-scaled kernel (128-wide tiles, more stages of the same bytes).
+// kFp8: the FP8 block-scaled kernel (mainloop_fp8.cuh).
 template <RowsAre kRows, bool kBMnMajor, class Epilogue, bool kFp8 = false>
 void launch(const CUtensorMap& map_a, const WeightMaps& map_b, const GroupedGemmShape& shape,
             const Epilogue& epilogue, cudaStream_t stream) {
   static_assert(Epilogue::kStagingBuffers <= 1, "4 stages leave room for one staging buffer per consumer");
   constexpr int kCluster = Epilogue::kPairedTiles ? 2 : 1;
-  constexpr int kN = kFp8 ? kFp8BlockN : kBlockN;
-  constexpr int kRingStages = kFp8 ? kFp8Stages : kStages;
-  auto kernel = grouped_gemm_kernel<kN, kRingStages, kRows, kBMnMajor, Epilogue, kCluster, kFp8>;
-  constexpr uint32_t smem = GroupedGemmSmem<kN, kRingStages, Epilogue::kStagingBuffers>::kTotalBytes;
+  auto kernel = grouped_gemm_kernel<kBlockN, kStages, kRows, kBMnMajor, Epilogue, kCluster, kFp8>;
+  constexpr uint32_t smem = GroupedGemmSmem<kBlockN, kStages, Epilogue::kStagingBuffers>::kTotalBytes;
   check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
              "cudaFuncSetAttribute(grouped_gemm_kernel)");
   cudaLaunchConfig_t config{};
