@@ -25,6 +25,9 @@
 #                against one of 1024 -> $OUT/free_padding_h200.json (needs python first)
 #     fp8        bench/fp8_weights/bench.py: poise.prepare_weights refilling FP8 weights in place
 #                -> $OUT/fp8_weights_h200.json (needs python first)
+#     fp8fwd     bench/fp8_forward/bench.py: the FP8 forward, poise.routed_experts on an FP8 context vs a
+#                BF16 one, eager torch._scaled_grouped_mm and the eager BF16 baseline
+#                -> $OUT/fp8_forward_h200.json ($FP8FWD_ARGS: more arguments; needs python first)
 #     multigpu   torchrun, one process per GPU: bench/multigpu/multigpu_bench.py -> $OUT/multigpu_h200.json
 #                ($MULTIGPU_ARGS, e.g. --quick; needs python first)
 set -uo pipefail
@@ -106,6 +109,11 @@ part_fp8() {
   PYTHONUNBUFFERED=1 timeout 120 python3 bench/fp8_weights/bench.py --out "$OUT/fp8_weights_h200.json" \
     --commit "$commit" > "$OUT/fp8_weights.log" 2>&1
   echo "fp8 rc=$?"; tail -3 "$OUT/fp8_weights.log"
+}
+part_fp8fwd() {
+  PYTHONUNBUFFERED=1 timeout 300 python3 bench/fp8_forward/bench.py --out "$OUT/fp8_forward_h200.json" \
+    --commit "$commit" ${FP8FWD_ARGS:-} > "$OUT/fp8_forward.log" 2>&1
+  echo "fp8fwd rc=$?"; tail -24 "$OUT/fp8_forward.log"
 }
 part_multigpu() {
   local n; n=$(nvidia-smi -L | wc -l)
