@@ -36,8 +36,8 @@ struct Config {
 
   double host_overflow_scratch_factor = 0.0;  // host-backed (VMM) rows = factor * balanced rows
 
-  // fp8_block_scaled: the CPU reference engine runs it (docs/fp8.md); the GPU kernels are not
-  // built yet, so a GPU context refuses it (NotAvailable) before any kernel runs.
+  // fp8_block_scaled (docs/fp8.md): the CPU reference engine runs forward and backward; a GPU
+  // context runs the forward, and its backward raises NotAvailable (not built yet).
   GemmPrecision gemm_precision = GemmPrecision::bf16;
 
   DType wgrad_dtype = DType::fp32;

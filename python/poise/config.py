@@ -66,7 +66,8 @@ class Config:
 
     gemm_precision: GemmPrecision = "bf16"
     """'bf16', or 'fp8_block_scaled': E4M3 operands with DeepSeek-V3 block scales (docs/fp8.md). The CPU
-    reference engine runs it; the GPU kernels are not built yet (a GPU context raises NotAvailable)."""
+    reference engine runs forward and backward; a GPU context runs the forward (its backward raises
+    NotAvailable: the FP8 backward GEMMs are not built yet)."""
 
     wgrad_dtype: WgradDType = "fp32"
     """Weight-gradient dtype: 'fp32' or 'bf16' ('float32', 'bfloat16' and torch dtypes are accepted)."""
