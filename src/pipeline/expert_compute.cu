@@ -73,13 +73,14 @@ Fp8GroupWeights fp8_weights_from(const Fp8Scratch& q, int64_t first, int64_t D, 
           {q.w2 + first * D * F, q.w2_scales + first * scale_blocks(D) * scale_blocks(F)}};
 }
 
-// bf16 w13 [groups][2F][D] and w2 [groups][D][F] into `into`.
-void quantize_group_weights(const bf16* w13, const bf16* w2, int64_t groups, int64_t D, int64_t F,
-                            const Fp8GroupWeights& into, cudaStream_t stream) {
+// bf16 w13 [groups][2F][D] and w2 [groups][D][F] into `into`, but for the groups no row reads
+// (rows_G[g] == 0: a rank's empty experts, its unused replica slots).
+void quantize_group_weights(const bf16* w13, const bf16* w2, int64_t groups, const int32_t* rows_G, int64_t D,
+                            int64_t F, const Fp8GroupWeights& into, cudaStream_t stream) {
   auto values = [](const sm90::Fp8Weights& w) { return static_cast<uint8_t*>(const_cast<void*>(w.values)); };
   auto scales = [](const sm90::Fp8Weights& w) { return const_cast<float*>(w.scales); };
-  quant::launch_weight_blocks(w13, groups, 2 * F, D, values(into.w13), scales(into.w13), stream);
-  quant::launch_weight_blocks(w2, groups, D, F, values(into.w2), scales(into.w2), stream);
+  quant::launch_weight_blocks(w13, groups, 2 * F, D, values(into.w13), scales(into.w13), stream, rows_G);
+  quant::launch_weight_blocks(w2, groups, D, F, values(into.w2), scales(into.w2), stream, rows_G);
 }
 
 void fp8_forward(const EpLaunch& l, const LaunchIo& io, int s, const sm90::GroupedRows& rows, bool with_w2,
@@ -90,8 +91,11 @@ void fp8_forward(const EpLaunch& l, const LaunchIo& io, int s, const sm90::Group
   const int64_t D = l.dims.D, F = l.dims.F, own = l.dims.E_local, capacity = l.dims.capacity_rows;
   const bool replicas = rows.first_replica >= 0;
   const Fp8GroupWeights own_w = fp8_weights_from(q, 0, D, F), replica_w = fp8_weights_from(q, own, D, F);
-  quantize_group_weights(io.rank[s].w13_E2FD, io.rank[s].w2_EDF, own, D, F, own_w, stream);
-  if (replicas) quantize_group_weights(replica_w13(l, s), replica_w2(l, s), l.dims.groups - own, D, F, replica_w, stream);
+  quantize_group_weights(io.rank[s].w13_E2FD, io.rank[s].w2_EDF, own, rows.row_counts_E, D, F, own_w, stream);
+  if (replicas) {
+    quantize_group_weights(replica_w13(l, s), replica_w2(l, s), l.dims.groups - own, rows.row_counts_E + own, D, F,
+                           replica_w, stream);
+  }
   // Every received row (row-local tiles: the bits the sender's quantization would give).
   quant::launch_row_tiles(workspace_rows(l, s, l.ws.recv_x), capacity, D, q.x_RD, q.x_scales, stream);
   sm90::FpropW13Fp8Args a13{.x = {q.x_RD, q.x_scales}, .w13 = own_w.w13, .a_RF = rs.a_RF, .h13_R2F = rs.h13_R2F,

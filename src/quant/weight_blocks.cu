@@ -36,10 +36,12 @@ __device__ float block_amax(uint32_t amax_bits) {
 // w, values: 16- and 8-byte aligned (cols is a multiple of 64, so every row of a block is too).
 __global__ void __launch_bounds__(kThreads) weight_blocks_kernel(const __nv_bfloat16* w, int64_t rows, int64_t cols,
                                                                   uint32_t row_blocks, uint32_t col_blocks,
-                                                                  uint8_t* values, float* scales) {
+                                                                  uint8_t* values, float* scales,
+                                                                  const int32_t* rows_M) {
   // (matrix * row_blocks + row block) * col_blocks + col block, split in 32 bits (the grid's limit)
   const uint32_t block = blockIdx.x;
   const uint32_t cb = block % col_blocks, rb = block / col_blocks % row_blocks, m = block / col_blocks / row_blocks;
+  if (rows_M != nullptr && rows_M[m] == 0) return;
   const int64_t r0 = int64_t(rb) * kBlock, c0 = int64_t(cb) * kBlock;
   const int64_t height = min(numerics::kScaleBlock, rows - r0), width = min(numerics::kScaleBlock, cols - c0);
   // This thread's 8 columns, and its rows: row0, row0 + 16, ..., row0 + 112 of the block.
@@ -68,9 +70,10 @@ __global__ void __launch_bounds__(kThreads) weight_blocks_kernel(const __nv_bflo
 __global__ void __launch_bounds__(kThreads) weight_blocks_unaligned_kernel(const __nv_bfloat16* w, int64_t rows,
                                                                             int64_t cols, uint32_t row_blocks,
                                                                             uint32_t col_blocks, uint8_t* values,
-                                                                            float* scales) {
+                                                                            float* scales, const int32_t* rows_M) {
   const uint32_t block = blockIdx.x;
   const uint32_t cb = block % col_blocks, rb = block / col_blocks % row_blocks, m = block / col_blocks / row_blocks;
+  if (rows_M != nullptr && rows_M[m] == 0) return;
   const int64_t r0 = int64_t(rb) * kBlock, c0 = int64_t(cb) * kBlock;
   const int64_t height = min(numerics::kScaleBlock, rows - r0), width = min(numerics::kScaleBlock, cols - c0);
   const int64_t first = m * rows * cols + r0 * cols + c0;
@@ -95,7 +98,7 @@ bool aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t
 }  // namespace
 
 void launch_weight_blocks(const __nv_bfloat16* w_MRC, int64_t matrices, int64_t rows, int64_t cols,
-                          uint8_t* values_MRC, float* scales, cudaStream_t stream) {
+                          uint8_t* values_MRC, float* scales, cudaStream_t stream, const int32_t* rows_M) {
   const int64_t row_blocks = numerics::scale_blocks(rows), col_blocks = numerics::scale_blocks(cols);
   const int64_t blocks = matrices * row_blocks * col_blocks;
   if (blocks == 0) return;
@@ -103,7 +106,8 @@ void launch_weight_blocks(const __nv_bfloat16* w_MRC, int64_t matrices, int64_t 
                           ? weight_blocks_kernel
                           : weight_blocks_unaligned_kernel;
   kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(w_MRC, rows, cols, static_cast<uint32_t>(row_blocks),
-                                                                 static_cast<uint32_t>(col_blocks), values_MRC, scales);
+                                                                 static_cast<uint32_t>(col_blocks), values_MRC, scales,
+                                                                 rows_M);
   runtime::cuda_check_launch("weight_blocks_kernel");
 }
 

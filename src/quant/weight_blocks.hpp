@@ -11,8 +11,9 @@ namespace poise::quant {
 
 // w_MRC: `matrices` row-major [rows, cols] bf16 matrices. values_MRC: e4m3 bits, same layout;
 // scales: fp32 [matrices][ceil(rows/128)][ceil(cols/128)]. Enqueued on `stream`; arguments checked
-// by the caller (src/api/fp8_weights.cpp).
+// by the caller (src/api/fp8_weights.cpp). rows_M (device int32 [matrices], nullable): matrix m is
+// skipped, its values and scales left as they are, when rows_M[m] == 0 (an expert no row reads).
 void launch_weight_blocks(const __nv_bfloat16* w_MRC, int64_t matrices, int64_t rows, int64_t cols,
-                          uint8_t* values_MRC, float* scales, cudaStream_t stream);
+                          uint8_t* values_MRC, float* scales, cudaStream_t stream, const int32_t* rows_M = nullptr);
 
 }  // namespace poise::quant

@@ -18,6 +18,7 @@
 #include "poise/fp8.hpp"
 #include "poise/reference.hpp"
 #include "quant/row_tiles.hpp"
+#include "quant/weight_blocks.hpp"
 
 namespace poise {
 namespace {
@@ -109,6 +110,45 @@ INSTANTIATE_TEST_SUITE_P(Shapes, Fp8WeightBlocksGpu,
                          ::testing::Values(Shape{3, 192, 320}, Shape{2, 256, 128}, Shape{1, 64, 64}, Shape{4, 1536, 2048},
                                            Shape{37, 320, 448}, Shape{3, 192, 320, 1}),
                          shape_name);
+
+// The pipeline's per-call quantization skips the experts no row reads (rows_M[m] == 0): their
+// values and scales stay as they were (here the poison); the others are the reference's bits.
+TEST_P(Fp8WeightBlocksGpu, SkipTheMatricesNoRowReads) {
+  if (!testing::have_sm90_gpu()) GTEST_SKIP() << "needs an SM90 GPU";
+  const Shape s = GetParam();
+  if (s.matrices < 2) GTEST_SKIP() << "needs a matrix to skip and one to quantize";
+  const uint64_t seed = testing::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const std::vector<float> w = test_values(s, seed);
+  const reference::Fp8WeightBlocks want = reference::quantize_fp8_weight_blocks(w, s.matrices, s.rows, s.cols);
+  std::vector<int32_t> rows_M(s.matrices);
+  for (int64_t m = 0; m < s.matrices; ++m) rows_M[m] = m % 2 == 0 ? 0 : static_cast<int32_t>(m);  // even: no rows
+  int32_t* rows_dev = nullptr;
+  ASSERT_EQ(cudaMalloc(&rows_dev, rows_M.size() * sizeof(int32_t)), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(rows_dev, rows_M.data(), rows_M.size() * sizeof(int32_t), cudaMemcpyHostToDevice), cudaSuccess);
+  const auto got = on_device(w, want.scales.size(), s.misalign, [&](const void* dev, uint8_t* values, float* scales) {
+    quant::launch_weight_blocks(static_cast<const __nv_bfloat16*>(dev), s.matrices, s.rows, s.cols, values, scales,
+                                nullptr, rows_dev);
+  });
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  cudaFree(rows_dev);
+  const int64_t per_matrix = s.rows * s.cols, scales_per_matrix = static_cast<int64_t>(want.scales.size()) / s.matrices;
+  auto nan_byte = [](uint8_t q) { return (q & 0x7F) == 0x7F; };
+  int64_t wrong = 0;
+  for (int64_t m = 0; m < s.matrices; ++m) {
+    for (int64_t i = m * per_matrix; i < (m + 1) * per_matrix; ++i) {
+      const uint8_t q = got.first[i], want_q = want.values_MRC[i];
+      wrong += rows_M[m] == 0 ? q != 0xA5 : (q != want_q && !(nan_byte(q) && nan_byte(want_q)));
+    }
+    for (int64_t i = m * scales_per_matrix; i < (m + 1) * scales_per_matrix; ++i) {
+      uint32_t bits;
+      std::memcpy(&bits, &got.second[i], sizeof bits);
+      wrong += rows_M[m] == 0 ? bits != 0xFFFFFFFFu
+                              : !(got.second[i] == want.scales[i] || (std::isnan(got.second[i]) && std::isnan(want.scales[i])));
+    }
+  }
+  EXPECT_EQ(wrong, 0) << "skipped matrices written, or quantized ones differing from the reference";
+}
 
 class Fp8RowTilesGpu : public ::testing::TestWithParam<Shape> {};
 
