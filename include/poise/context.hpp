@@ -58,6 +58,14 @@ struct ForwardArgs {
   // W13's row order, added before the activation; b2 bf16 [E_local, D], added before the score.
   const void* b13 = nullptr;
   const void* b2 = nullptr;
+  // Config::gemm_precision fp8_block_scaled: the local experts' weights as quantize_fp8_weight_blocks
+  // prepared them (poise/fp8.hpp: e4m3 in w13's / w2's shape, fp32 block scales), all four or none,
+  // on every rank or none. The call reads them instead of quantizing w13 and w2, which it still
+  // takes (exact balance pushes them to replica slots).
+  const void* w13_fp8 = nullptr;
+  const float* w13_fp8_scales = nullptr;
+  const void* w2_fp8 = nullptr;
+  const float* w2_fp8_scales = nullptr;
 };
 
 struct BackwardArgs {

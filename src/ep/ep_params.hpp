@@ -131,6 +131,11 @@ struct RankIo {
   const void* scores_TK = nullptr;
   const bf16* w13_E2FD = nullptr;
   const bf16* w2_EDF = nullptr;
+  // EpDims::fp8, nullable (all four or none): the prepared FP8 weights (ForwardArgs::w13_fp8 ...).
+  const uint8_t* w13_fp8 = nullptr;
+  const float* w13_fp8_scales = nullptr;
+  const uint8_t* w2_fp8 = nullptr;
+  const float* w2_fp8_scales = nullptr;
   const bf16* b13_E2F = nullptr;  // EpDims::biased
   const bf16* b2_ED = nullptr;
   bf16* out_TD = nullptr;

@@ -48,6 +48,20 @@ void validate_forward_args(const ForwardArgs& a, int slot, const ForwardArgs& fi
   if (a.clip_counts_E2) require_pointer(a.clip_counts_E2, slot, "clip_counts_E2", 8);
 }
 
+// Prepared FP8 weights (ForwardArgs::w13_fp8 ...): all four or none, on every rank or none, only
+// where the GEMMs are FP8; values 16-byte aligned (TMA), scales 4.
+void validate_prepared_fp8(const ForwardArgs& a, int slot, const ForwardArgs& first, bool fp8) {
+  const bool prepared = a.w13_fp8 || a.w13_fp8_scales || a.w2_fp8 || a.w2_fp8_scales;
+  require(prepared == (first.w13_fp8 != nullptr), arg_name(slot, "w13_fp8"),
+          "prepared FP8 weights must be set on every rank of one call or on none");
+  if (!prepared) return;
+  require(fp8, arg_name(slot, "w13_fp8"), "prepared FP8 weights are read only with gemm_precision fp8_block_scaled");
+  require_pointer(a.w13_fp8, slot, "w13_fp8", 16);
+  require_pointer(a.w13_fp8_scales, slot, "w13_fp8_scales", 4);
+  require_pointer(a.w2_fp8, slot, "w2_fp8", 16);
+  require_pointer(a.w2_fp8_scales, slot, "w2_fp8_scales", 4);
+}
+
 // gemm_precision fp8_block_scaled: what the FP8 GEMMs do not take yet (sm90/expert_mlp_fp8.hpp).
 void require_fp8_built(const ForwardArgs& a, int slot) {
   const auto refuse = [&](bool asked, const char* field, const char* what) {
@@ -98,6 +112,7 @@ LaunchIo StagedPipeline::forward_io(std::span<const ForwardArgs> args, bool back
   for (int s = 0; s < launch_.launch_ranks; ++s) {
     const ForwardArgs& a = args[s];
     validate_forward_args(a, s, args[0], backward);
+    validate_prepared_fp8(a, s, args[0], launch_.dims.fp8 != 0);
     if (launch_.dims.fp8) require_fp8_built(a, s);
     RankIo& r = io.rank[s];
     r.x_TD = static_cast<const bf16*>(a.x_TD);
@@ -105,6 +120,10 @@ LaunchIo StagedPipeline::forward_io(std::span<const ForwardArgs> args, bool back
     r.scores_TK = a.scores_TK;
     r.w13_E2FD = static_cast<const bf16*>(a.w13);
     r.w2_EDF = static_cast<const bf16*>(a.w2);
+    r.w13_fp8 = static_cast<const uint8_t*>(a.w13_fp8);
+    r.w13_fp8_scales = a.w13_fp8_scales;
+    r.w2_fp8 = static_cast<const uint8_t*>(a.w2_fp8);
+    r.w2_fp8_scales = a.w2_fp8_scales;
     r.b13_E2F = static_cast<const bf16*>(a.b13);
     r.b2_ED = static_cast<const bf16*>(a.b2);
     r.out_TD = static_cast<bf16*>(a.out_TD);

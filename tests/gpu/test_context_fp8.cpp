@@ -382,6 +382,86 @@ TEST_P(ContextFp8Refusals, UnbuiltCallOptionsAreRefusedByName) {
   expect_out_matches(layer.device->out_TD(), layer.want, c, "options_R" + std::to_string(R));
 }
 
+// Prepared weights (ForwardArgs::w13_fp8 ..., quantized by poise::quantize_fp8_weight_blocks as an
+// optimizer step would) give the bits of the call's own quantization: the same kernel, the same
+// blocks. Then a half-set, a set on one rank only, and prepared weights on a BF16 context are
+// refused by name before anything is enqueued.
+TEST_P(ContextFp8Refusals, PreparedWeightsGiveTheBitsOfTheCallsQuantization) {
+  if (!testing::have_sm90_gpu()) GTEST_SKIP() << "needs an SM90 GPU";
+  const int64_t R = GetParam();
+  const uint64_t seed = testing::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const Config c = fp8_config(R, Balance::exact, kSwiglu);
+  Layer layer = make_layer(c, R, seed, /*hot=*/true);
+  const int64_t E = c.num_local_experts(R), D = c.hidden_dim, F = c.intermediate_dim;
+  auto blocks = [](int64_t n) { return (n + 127) / 128; };
+  testing::TestStream stream;
+  struct Prepared {
+    std::unique_ptr<DeviceBytes> w13, w13_scales, w2, w2_scales;
+  };
+  std::vector<Prepared> prepared(R);
+  std::vector<ForwardArgs> args(layer.device->forward_args().begin(), layer.device->forward_args().end());
+  for (int64_t r = 0; r < R; ++r) {
+    Prepared& p = prepared[r];
+    p.w13 = std::make_unique<DeviceBytes>(size_t(E * 2 * F * D));
+    p.w13_scales = std::make_unique<DeviceBytes>(size_t(E * blocks(2 * F) * blocks(D)) * 4);
+    p.w2 = std::make_unique<DeviceBytes>(size_t(E * D * F));
+    p.w2_scales = std::make_unique<DeviceBytes>(size_t(E * blocks(D) * blocks(F)) * 4);
+    quantize_fp8_weight_blocks(args[r].w13, E, 2 * F, D, static_cast<uint8_t*>(p.w13->data()),
+                               static_cast<float*>(p.w13_scales->data()), stream);
+    quantize_fp8_weight_blocks(args[r].w2, E, D, F, static_cast<uint8_t*>(p.w2->data()),
+                               static_cast<float*>(p.w2_scales->data()), stream);
+  }
+  auto context = testing::make_context(c, R);
+  routed_experts_forward(*context, layer.device->forward_args(), stream);
+  context->check(stream);
+  const std::vector<std::vector<float>> quantized_in_call = layer.device->out_TD();
+  expect_out_matches(quantized_in_call, layer.want, c, "prepared_R" + std::to_string(R) + "_in_call");
+
+  layer.device->poison_outputs();
+  for (int64_t r = 0; r < R; ++r) {
+    args[r].w13_fp8 = prepared[r].w13->data();
+    args[r].w13_fp8_scales = static_cast<const float*>(prepared[r].w13_scales->data());
+    args[r].w2_fp8 = prepared[r].w2->data();
+    args[r].w2_fp8_scales = static_cast<const float*>(prepared[r].w2_scales->data());
+  }
+  routed_experts_forward(*context, args, stream);
+  context->check(stream);
+  const std::vector<std::vector<float>> from_prepared = layer.device->out_TD();
+  for (int64_t r = 0; r < R; ++r) {
+    int64_t differing = 0;
+    for (size_t i = 0; i < from_prepared[r].size(); ++i) {
+      const float a = from_prepared[r][i], b = quantized_in_call[r][i];
+      differing += !(a == b || (std::isnan(a) && std::isnan(b)));
+    }
+    EXPECT_EQ(differing, 0) << "rank " << r << ": out from prepared weights differs from the call's quantization";
+  }
+
+  layer.device->poison_outputs();
+  auto refused = [&](auto&& mutate, const Context& on) {
+    std::vector<ForwardArgs> changed = args;
+    for (size_t r = 0; r < changed.size(); ++r) mutate(changed[r], r);
+    return refusal([&] { routed_experts_forward(const_cast<Context&>(on), changed, stream); });
+  };
+  const std::string half = refused([](ForwardArgs& a, size_t) { a.w2_fp8_scales = nullptr; }, *context);
+  EXPECT_TRUE(contains(half, "InvalidArgument: ") && contains(half, "args[0].w2_fp8_scales")) << half;
+  if (R > 1) {
+    const std::string one_rank = refused([](ForwardArgs& a, size_t r) {
+      if (r == 1) a.w13_fp8 = nullptr, a.w13_fp8_scales = nullptr, a.w2_fp8 = nullptr, a.w2_fp8_scales = nullptr;
+    }, *context);
+    EXPECT_TRUE(contains(one_rank, "InvalidArgument: ") && contains(one_rank, "args[1].w13_fp8")) << one_rank;
+  }
+  Config bf16 = c;
+  bf16.gemm_precision = GemmPrecision::bf16;
+  auto bf16_context = testing::make_context(bf16, R);
+  const std::string on_bf16 = refused([](ForwardArgs&, size_t) {}, *bf16_context);
+  EXPECT_TRUE(contains(on_bf16, "InvalidArgument: ") && contains(on_bf16, "args[0].w13_fp8") &&
+              contains(on_bf16, "gemm_precision"))
+      << on_bf16;
+  EXPECT_NO_THROW(context->check(stream));
+  testing::expect_all_nan(layer.device->out_TD(), "out_TD after the refused calls");
+}
+
 INSTANTIATE_TEST_SUITE_P(Ranks, ContextFp8Refusals, ::testing::Values(int64_t{1}, int64_t{2}),
                          [](const ::testing::TestParamInfo<int64_t>& info) {
                            return "R" + std::to_string(info.param);
