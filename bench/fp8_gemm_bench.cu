@@ -35,15 +35,8 @@
 #include "gemm/sm90/expert_mlp_fp8.hpp"
 #include "quant/row_tiles.hpp"
 #include "quant/weight_blocks.hpp"
+#include "bench_support.hpp"  // CHECK
 
-#define CHECK(expr)                                                                                       \
-  do {                                                                                                    \
-    cudaError_t s_ = (expr);                                                                              \
-    if (s_ != cudaSuccess) {                                                                              \
-      std::fprintf(stderr, "%s failed: %s (%s:%d)\n", #expr, cudaGetErrorString(s_), __FILE__, __LINE__); \
-      std::exit(1);                                                                                       \
-    }                                                                                                     \
-  } while (0)
 
 namespace {
 

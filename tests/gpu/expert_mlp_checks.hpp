@@ -137,6 +137,76 @@ inline void expect_close(const Comparison& c, double tol, const char* what) {
   EXPECT_LT(c.rel_error, tol) << what << ": " << c.describe();
 }
 
+// Slices [first, end) of per-expert blocks of `per_expert` values.
+template <class T>
+std::vector<T> slice_experts(const std::vector<T>& m, int64_t per_expert, int64_t first, int64_t end) {
+  return std::vector<T>(m.begin() + first * per_expert, m.begin() + end * per_expert);
+}
+
+// The bits of two buffers equal (NaN poison included, which == on floats would not accept).
+template <class T>
+bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
+}
+
+// fn(expert, row) for every valid row of every expert.
+template <class Fn>
+void for_each_row(const RowLayout& l, Fn fn) {
+  for (size_t e = 0; e < l.counts.size(); ++e)
+    for (int64_t r = l.offsets[e]; r < l.offsets[e] + l.counts[e]; ++r) fn(int64_t(e), r);
+}
+
+// Rows scattered to slots (sm90::RowScatter, the EP pipeline's direct combine): every valid row's
+// bytes land in its slot of its owner's buffer, bit for bit the grouped row the plain store writes;
+// slots no row names keep their poison. Two owners of S slots each, 256 guard bytes before slot 0
+// (slot_offset); valid rows take a random slot each (an injective draw), padding rows name none.
+// bad_rows: valid rows given an origin outside the owners' slots, which must be stored nowhere.
+inline void check_row_scatter(const RowLayout& l, int64_t D, uint64_t seed, const std::vector<uint16_t>& grouped,
+                       const std::function<void(const sm90::RowScatter&)>& run, const char* what,
+                       const std::vector<int64_t>& bad_rows = {}) {
+  const int64_t R = l.rows, owners = 2, guard = 256 / 2;  // guard in bf16 elements
+  int64_t valid_rows = 0;
+  for (int32_t c : l.counts) valid_rows += c;
+  const int64_t S = std::max<int64_t>(1, (valid_rows + 1) / 2 + 3);  // slots per owner, some left free
+  std::vector<int32_t> slots(owners * S);
+  std::iota(slots.begin(), slots.end(), 0);
+  std::shuffle(slots.begin(), slots.end(), std::mt19937_64(seed));
+  std::vector<int32_t> origin(R, -1);
+  int64_t next = 0;
+  for (int64_t r = 0; r < R; ++r)
+    if (l.is_row_valid(r)) origin[r] = slots[next++];
+  for (size_t i = 0; i < bad_rows.size(); ++i) origin[bad_rows[i]] = i % 2 ? -5 : static_cast<int32_t>(owners * S);
+  std::vector<std::unique_ptr<DeviceBuffer<uint16_t>>> owner_rows;
+  std::vector<char*> bases;
+  for (int64_t o = 0; o < owners; ++o) {
+    owner_rows.push_back(std::make_unique<DeviceBuffer<uint16_t>>(std::vector<uint16_t>(guard + S * D, kBf16Poison)));
+    bases.push_back(reinterpret_cast<char*>(owner_rows.back()->ptr));
+  }
+  DeviceBuffer<char*> dbases(bases);
+  DeviceBuffer<int32_t> dorigin(origin);
+  run({dorigin.ptr, dbases.ptr, guard * 2, S, owners});
+  cuda_ok(cudaDeviceSynchronize(), what);
+  std::vector<int64_t> row_of_slot(owners * S, -1);
+  for (int64_t r = 0; r < R; ++r)
+    if (l.is_row_valid(r) && std::find(bad_rows.begin(), bad_rows.end(), r) == bad_rows.end())
+      row_of_slot[origin[r]] = r;
+  int64_t wrong = 0, poison_lost = 0;
+  for (int64_t o = 0; o < owners; ++o) {
+    const auto got = owner_rows[o]->download();
+    for (int64_t i = 0; i < guard; ++i) poison_lost += got[i] != kBf16Poison;
+    for (int64_t s = 0; s < S; ++s) {
+      const int64_t r = row_of_slot[o * S + s];
+      for (int64_t d = 0; d < D; ++d) {
+        const uint16_t v = got[guard + s * D + d];
+        if (r < 0) poison_lost += v != kBf16Poison;
+        else wrong += v != grouped[r * D + d];
+      }
+    }
+  }
+  EXPECT_EQ(wrong, 0) << what << ": elements that differ from the grouped rows";
+  EXPECT_EQ(poison_lost, 0) << what << ": elements written outside the named slots";
+}
+
 struct Case {
   const char* name;
   std::vector<int32_t> counts;

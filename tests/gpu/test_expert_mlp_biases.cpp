@@ -37,23 +37,6 @@ struct BiasCase {
 
 void PrintTo(const BiasCase& c, std::ostream* os) { *os << c.name; }
 
-template <class T>
-std::vector<T> slice_experts(const std::vector<T>& m, int64_t per_expert, int64_t first, int64_t end) {
-  return std::vector<T>(m.begin() + first * per_expert, m.begin() + end * per_expert);
-}
-
-// The bits of two buffers equal (NaN poison included, which == on floats would not accept).
-template <class T>
-bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
-}
-
-template <class Fn>
-void for_each_row(const RowLayout& l, Fn fn) {
-  for (size_t e = 0; e < l.counts.size(); ++e)
-    for (int64_t r = l.offsets[e]; r < l.offsets[e] + l.counts[e]; ++r) fn(int64_t(e), r);
-}
-
 // Fixture with gpt-oss's clamp (limit 7, not the kernel tests' 1.5) and the case's layout and biases.
 struct BiasFixture : Fixture {
   BiasCase bc;

@@ -71,22 +71,6 @@ std::vector<int32_t> case_counts(const Fp8Case& c) {
   return counts;
 }
 
-template <class T>
-std::vector<T> slice_experts(const std::vector<T>& m, int64_t per_expert, int64_t first, int64_t end) {
-  return std::vector<T>(m.begin() + first * per_expert, m.begin() + end * per_expert);
-}
-
-template <class T>
-bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
-}
-
-template <class Fn>
-void for_each_row(const RowLayout& l, Fn fn) {
-  for (size_t e = 0; e < l.counts.size(); ++e)
-    for (int64_t r = l.offsets[e]; r < l.offsets[e] + l.counts[e]; ++r) fn(int64_t(e), r);
-}
-
 std::vector<uint16_t> poisoned16(int64_t n) { return std::vector<uint16_t>(n, kBf16Poison); }
 
 // The kernel tests' Fixture (blocked W13, dynamic tile order, fault word) with the case's seed and
@@ -383,10 +367,9 @@ TEST_P(ExpertMlpFp8, FpropW2MatchesFloat64OnDequantizedOperands) {
   }
 }
 
-// Rows scattered to slots (RowScatter, the EP combine without its copy pass), as
-// test_expert_mlp_kernels.cpp checks the BF16 GEMMs: every valid row's bytes land in its slot of its
-// owner's buffer, bit for bit the grouped row; slots no row names and the guard keep their poison.
-// Two owners of S slots each, 256 guard bytes before slot 0; valid rows take a random slot each.
+// Rows scattered to slots (RowScatter, the EP combine without its copy pass), checked as the BF16
+// GEMMs' (expert_mlp_checks.hpp check_row_scatter): every valid row's bytes land in its slot, bit
+// for bit the grouped row; slots no row names and the guard keep their poison.
 TEST_P(ExpertMlpFp8, FpropW2RowScatterEqualsGroupedRowsBitwise) {
   Fp8Fixture fx(GetParam());
   SCOPED_TRACE(fx.trace());
@@ -403,52 +386,13 @@ TEST_P(ExpertMlpFp8, FpropW2RowScatterEqualsGroupedRowsBitwise) {
   args.y_RD = dy.ptr;
   sm90::expert_mlp_fprop_w2_fp8(fx.rows, fx.shape, args, nullptr);
   cuda_ok(cudaDeviceSynchronize(), "fprop_w2_fp8 grouped");
-  const auto grouped = dy.download();
-
-  const int64_t owners = 2, guard = 256 / 2;  // guard in bf16 elements
-  int64_t valid_rows = 0;
-  for (int32_t c : fx.l.counts) valid_rows += c;
-  const int64_t S = std::max<int64_t>(1, (valid_rows + 1) / 2 + 3);
-  std::vector<int32_t> slots(owners * S);
-  std::iota(slots.begin(), slots.end(), 0);
-  std::shuffle(slots.begin(), slots.end(), rng.gen);
-  std::vector<int32_t> origin(R, -1);
-  std::vector<int64_t> row_of_slot(owners * S, -1);
-  int64_t next = 0;
-  for (int64_t r = 0; r < R; ++r)
-    if (fx.l.is_row_valid(r)) {
-      origin[r] = slots[next++];
-      row_of_slot[origin[r]] = r;
-    }
-  std::vector<std::unique_ptr<DeviceBuffer<uint16_t>>> owner_rows;
-  std::vector<char*> bases;
-  for (int64_t o = 0; o < owners; ++o) {
-    owner_rows.push_back(std::make_unique<DeviceBuffer<uint16_t>>(poisoned16(guard + S * D)));
-    bases.push_back(reinterpret_cast<char*>(owner_rows.back()->ptr));
-  }
-  DeviceBuffer<char*> dbases(bases);
-  DeviceBuffer<int32_t> dorigin(origin);
-  args.y_RD = nullptr;
-  args.scatter = {dorigin.ptr, dbases.ptr, guard * 2, S, owners};
-  sm90::expert_mlp_fprop_w2_fp8(fx.rows, fx.shape, args, nullptr);
-  cuda_ok(cudaDeviceSynchronize(), "fprop_w2_fp8 scattered");
-  EXPECT_FALSE(fx.take_fault().occurred) << "device fault";
-
-  int64_t wrong = 0, poison_lost = 0;
-  for (int64_t o = 0; o < owners; ++o) {
-    const auto got = owner_rows[o]->download();
-    for (int64_t i = 0; i < guard; ++i) poison_lost += got[i] != kBf16Poison;
-    for (int64_t s = 0; s < S; ++s) {
-      const int64_t r = row_of_slot[o * S + s];
-      for (int64_t d = 0; d < D; ++d) {
-        const uint16_t v = got[guard + s * D + d];
-        if (r < 0) poison_lost += v != kBf16Poison;
-        else wrong += v != grouped[r * D + d];
-      }
-    }
-  }
-  EXPECT_EQ(wrong, 0) << "scattered elements that differ from the grouped rows";
-  EXPECT_EQ(poison_lost, 0) << "elements written outside the named slots";
+  check_row_scatter(fx.l, D, fx.seed + 4, dy.download(), [&](const sm90::RowScatter& scatter) {
+    args.y_RD = nullptr;
+    args.scatter = scatter;
+    sm90::expert_mlp_fprop_w2_fp8(fx.rows, fx.shape, args, nullptr);
+    cuda_ok(cudaDeviceSynchronize(), "fprop_w2_fp8 scattered");
+    EXPECT_FALSE(fx.take_fault().occurred) << "device fault";
+  }, "fprop_w2_fp8 scattered");
 }
 
 // The forward as the pipeline chains it, every quantization on the device: x rows by

@@ -54,56 +54,6 @@ TEST_P(ExpertMlpKernels, FpropW2ScoredMatchesFloat64) {
   expect_close(compare_rows_bf16(dy.download(), y_ref, fx.l, D), kBf16Tolerance, "y_RD (scores)");
 }
 
-// Rows scattered to slots (sm90::RowScatter, the EP pipeline's direct combine): every valid row's
-// bytes land in its slot of its owner's buffer, bit for bit the grouped row the plain store writes;
-// slots no row names keep their poison. Two owners of S slots each, 256 guard bytes before slot 0
-// (slot_offset); valid rows take a random slot each (an injective draw), padding rows name none.
-// bad_rows: valid rows given an origin outside the owners' slots, which must be stored nowhere.
-void check_row_scatter(const Fixture& fx, uint64_t seed, const std::vector<uint16_t>& grouped,
-                       const std::function<void(const sm90::RowScatter&)>& run, const char* what,
-                       const std::vector<int64_t>& bad_rows = {}) {
-  const int64_t R = fx.l.rows, D = fx.cs.D, owners = 2, guard = 256 / 2;  // guard in bf16 elements
-  int64_t valid_rows = 0;
-  for (int32_t c : fx.cs.counts) valid_rows += c;
-  const int64_t S = std::max<int64_t>(1, (valid_rows + 1) / 2 + 3);  // slots per owner, some left free
-  std::vector<int32_t> slots(owners * S);
-  std::iota(slots.begin(), slots.end(), 0);
-  std::shuffle(slots.begin(), slots.end(), std::mt19937_64(seed));
-  std::vector<int32_t> origin(R, -1);
-  int64_t next = 0;
-  for (int64_t r = 0; r < R; ++r)
-    if (fx.l.is_row_valid(r)) origin[r] = slots[next++];
-  for (size_t i = 0; i < bad_rows.size(); ++i) origin[bad_rows[i]] = i % 2 ? -5 : static_cast<int32_t>(owners * S);
-  std::vector<std::unique_ptr<DeviceBuffer<uint16_t>>> owner_rows;
-  std::vector<char*> bases;
-  for (int64_t o = 0; o < owners; ++o) {
-    owner_rows.push_back(std::make_unique<DeviceBuffer<uint16_t>>(std::vector<uint16_t>(guard + S * D, kBf16Poison)));
-    bases.push_back(reinterpret_cast<char*>(owner_rows.back()->ptr));
-  }
-  DeviceBuffer<char*> dbases(bases);
-  DeviceBuffer<int32_t> dorigin(origin);
-  run({dorigin.ptr, dbases.ptr, guard * 2, S, owners});
-  cuda_ok(cudaDeviceSynchronize(), what);
-  std::vector<int64_t> row_of_slot(owners * S, -1);
-  for (int64_t r = 0; r < R; ++r)
-    if (fx.l.is_row_valid(r) && std::find(bad_rows.begin(), bad_rows.end(), r) == bad_rows.end())
-      row_of_slot[origin[r]] = r;
-  int64_t wrong = 0, poison_lost = 0;
-  for (int64_t o = 0; o < owners; ++o) {
-    const auto got = owner_rows[o]->download();
-    for (int64_t i = 0; i < guard; ++i) poison_lost += got[i] != kBf16Poison;
-    for (int64_t s = 0; s < S; ++s) {
-      const int64_t r = row_of_slot[o * S + s];
-      for (int64_t d = 0; d < D; ++d) {
-        const uint16_t v = got[guard + s * D + d];
-        if (r < 0) poison_lost += v != kBf16Poison;
-        else wrong += v != grouped[r * D + d];
-      }
-    }
-  }
-  EXPECT_EQ(wrong, 0) << what << ": elements that differ from the grouped rows";
-  EXPECT_EQ(poison_lost, 0) << what << ": elements written outside the named slots";
-}
 
 TEST_P(ExpertMlpKernels, RowScatterEqualsGroupedRowsBitwise) {
   Fixture fx(GetParam());
@@ -115,7 +65,7 @@ TEST_P(ExpertMlpKernels, RowScatterEqualsGroupedRowsBitwise) {
   for (const float* scores_R : {static_cast<const float*>(nullptr), static_cast<const float*>(w2in.ds.ptr)}) {
     sm90::expert_mlp_fprop_w2(fx.rows, fx.shape, {w2in.da.ptr, w2in.dw2.ptr, scores_R, dy.ptr}, nullptr);
     cuda_ok(cudaDeviceSynchronize(), "fprop_w2 grouped");
-    check_row_scatter(fx, fx.cs.seed + 11, dy.download(), [&](const sm90::RowScatter& scatter) {
+    check_row_scatter(fx.l, fx.cs.D, fx.cs.seed + 11, dy.download(), [&](const sm90::RowScatter& scatter) {
       sm90::FpropW2Args args{w2in.da.ptr, w2in.dw2.ptr, scores_R, nullptr};
       args.scatter = scatter;
       sm90::expert_mlp_fprop_w2(fx.rows, fx.shape, args, nullptr);
@@ -126,7 +76,7 @@ TEST_P(ExpertMlpKernels, RowScatterEqualsGroupedRowsBitwise) {
   DeviceBuffer<uint16_t> dgx(std::vector<uint16_t>(R * D, kBf16Poison));
   sm90::expert_mlp_dgrad_w13(fx.rows, fx.shape, {w13in.dgh.ptr, w13in.dw13.ptr, dgx.ptr}, nullptr);
   cuda_ok(cudaDeviceSynchronize(), "dgrad_w13 grouped");
-  check_row_scatter(fx, fx.cs.seed + 12, dgx.download(), [&](const sm90::RowScatter& scatter) {
+  check_row_scatter(fx.l, fx.cs.D, fx.cs.seed + 12, dgx.download(), [&](const sm90::RowScatter& scatter) {
     sm90::DgradW13Args args{w13in.dgh.ptr, w13in.dw13.ptr, nullptr};
     args.scatter = scatter;
     sm90::expert_mlp_dgrad_w13(fx.rows, fx.shape, args, nullptr);
@@ -144,7 +94,7 @@ TEST(ExpertMlpRowScatter, OriginOutOfRangeIsReportedAndStoredNowhere) {
   cuda_ok(cudaDeviceSynchronize(), "fprop_w2 grouped");
   ASSERT_FALSE(fx.take_fault().occurred) << "no fault before the bad origins";
   const std::vector<int64_t> bad_rows = {5, fx.l.offsets[2] + 7};  // valid rows of experts 0 and 2
-  check_row_scatter(fx, 55, dy.download(), [&](const sm90::RowScatter& scatter) {
+  check_row_scatter(fx.l, fx.cs.D, 55, dy.download(), [&](const sm90::RowScatter& scatter) {
     sm90::FpropW2Args args{in.da.ptr, in.dw2.ptr, nullptr, nullptr};
     args.scatter = scatter;
     sm90::expert_mlp_fprop_w2(fx.rows, fx.shape, args, nullptr);
