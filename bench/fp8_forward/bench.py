@@ -38,11 +38,9 @@ import torch.nn.functional as Fn
 BENCH = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(BENCH))  # bench/: the routed-experts bench, the FP8 ceiling, clocks, commit
 from fp8_gemm.ceiling import measure as measure_ceiling  # noqa: E402
-from provenance import commit_of  # noqa: E402
 from routed_experts.bench import (  # noqa: E402
-    SHAPES, TOLERANCE as BF16_TOLERANCE, baseline_forward, block_clocks, make_inputs, poise_config, rel_err,
-    routing_name, write_report)
-from smi_sampler import SmiSampler, device_identity  # noqa: E402
+    SHAPES, TOLERANCE as BF16_TOLERANCE, baseline_forward, make_inputs, poise_config, rel_err, routing_name,
+    run_benchmark)
 from timing import time_block  # noqa: E402
 
 DEFAULT_OUT = "bench/results/fp8_forward_h200.json"
@@ -357,27 +355,7 @@ def run_case(name, skew_target, args):
 
 
 def main(argv=None):
-    args = parse_args(argv)
-    started = time.perf_counter()
-    commit = commit_of(args.commit)
-    device = {"torch_name": torch.cuda.get_device_name(), **device_identity()}
-    print(f"device: {device}\ncommit: {commit}", flush=True)
-    records, spans = [], []
-    with SmiSampler(period_ms=25) as smi:
-        for name in args.shapes:
-            for skew_target in args.skews:
-                rec, case_spans = run_case(name, skew_target, args)
-                records.append(rec)
-                spans.append(case_spans)
-                write_report(args.out, report(records, args, commit, device, started))  # a cut run keeps its cases
-                torch.cuda.empty_cache()
-    for rec, case_spans in zip(records, spans):
-        rec.update(block_clocks(smi, case_spans))
-    write_report(args.out, report(records, args, commit, device, started))
-    print_table(records)
-    print(f"wrote {args.out} ({time.perf_counter() - started:.0f} s)")
-    return 0 if all(r["correct"] for r in records) else 1
-
+    return run_benchmark(parse_args(argv), run_case, report, print_table)
 
 if __name__ == "__main__":
     sys.exit(main())

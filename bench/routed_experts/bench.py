@@ -294,8 +294,11 @@ def run_case(name, skew_target, args):
     return case_record(name, skew_target, skew, block_ms, errors), spans
 
 
-def main(argv=None):
-    args = parse_args(argv)
+def run_benchmark(args, run_case, report, print_table):
+    """Every (shape, skew) case of args under one clock sampler: run_case(name, skew_target, args) ->
+    (record, spans); report(records, args, commit, device, started) -> the JSON written to args.out
+    after each case (a run cut short keeps its records) and at the end with each block's clocks.
+    Returns the exit status: 0 when every record is correct. Shared with bench/fp8_forward."""
     started = time.perf_counter()
     commit = commit_of(args.commit)
     device = {"torch_name": torch.cuda.get_device_name(), **device_identity()}
@@ -307,7 +310,6 @@ def main(argv=None):
                 rec, case_spans = run_case(name, skew_target, args)
                 records.append(rec)
                 spans.append(case_spans)
-                # each case as it ends: a run cut short keeps its records
                 write_report(args.out, report(records, args, commit, device, started))
                 torch.cuda.empty_cache()
     for rec, case_spans in zip(records, spans):  # the sampler has stopped: all its lines are in
@@ -317,6 +319,9 @@ def main(argv=None):
     print(f"wrote {args.out} ({time.perf_counter() - started:.0f} s)")
     return 0 if all(r["correct"] for r in records) else 1
 
+
+def main(argv=None):
+    return run_benchmark(parse_args(argv), run_case, report, print_table)
 
 if __name__ == "__main__":
     sys.exit(main())
