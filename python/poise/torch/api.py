@@ -14,7 +14,8 @@ from ..context import Context
 from ..errors import InvalidArgument, NotAvailable
 from ..options import ExecutionOptions
 from . import autograd
-from .checks import INPUT_NAMES, check_rank_lists, check_weights_transposed
+from .checks import INPUT_NAMES, PREPARED_FIELDS, check_prepared, check_rank_lists, check_weights_transposed
+from .fp8_weights import FORMATS, PreparedWeights
 
 
 def routed_experts(
@@ -30,6 +31,7 @@ def routed_experts(
     weights_transposed: bool = False,
     b13: Optional[Tensor] = None,
     b2: Optional[Tensor] = None,
+    prepared: Optional[PreparedWeights] = None,
 ) -> Union[Tensor, tuple[Tensor, Tensor]]:
     """The routed experts of one MoE layer on this rank: out_TD[t] = sum_k scores_TK[t,k] * expert(x_TD[t]).
 
@@ -50,29 +52,62 @@ def routed_experts(
     Expert biases (gpt-oss), both or neither: b13 bf16 [E_local, 2F] in W13's row order, added
     before the activation, and b2 bf16 [E_local, D], added before the score; differentiable too
     (with ``accumulate_wgrad`` their grads are added into their own .main_grad / .grad).
+    ``prepared``: w13 and w2 as poise.prepare_weights quantized them (a poise.PreparedWeights on the
+    context's device, for these w13 / w2: refill it with ``out=`` after each weight update), which
+    a gemm_precision='fp8_block_scaled' GPU context's forward reads instead of quantizing w13 and w2
+    on every call (the same bits when they are current; w13 and w2 are still required: replica slots
+    and a backward read them). Not on BF16 contexts (InvalidArgument naming ``prepared``), not on CPU
+    contexts yet (NotAvailable naming ``prepared``: the reference engine quantizes w13 and w2
+    itself), not with expert biases or transposed weights (not built in FP8); the prepared tensors
+    get no grads.
     """
     options = ExecutionOptions() if options is None else options
     if (b13 is None) != (b2 is None):  # the op checks the rest (check_biases)
         raise InvalidArgument("b13" if b13 is None else "b2", "expert biases go together: pass b13 and b2")
     tensors = (x_TD, ids_TK, scores_TK, w13, w2) + (() if b13 is None else (b13, b2))
+    fp8 = None if prepared is None else _prepared_tensors(prepared)  # the op checks the rest (check_prepared)
     if torch.compiler.is_compiling():
         # Dynamo cannot trace into the C++ objects: the op's fake implementation checks instead.
         _refuse_compiled_accumulation(options)
     else:
-        _check_before_the_op(tensors, context, options, weights_transposed)
-        if autograd.plain_eager(tensors):
+        _check_before_the_op(tensors, context, options, weights_transposed, fp8)
+        if autograd.plain_eager(tensors + (fp8 or ())):
             call = autograd.EagerCall(context.handle, w13_layout, options.accumulate_wgrad, weights_transposed,
-                                      options.clip_statistics, options.sync_check or context.sync_check)
+                                      options.clip_statistics, options.sync_check or context.sync_check, fp8)
             return _sync_checked(autograd.EagerForward.apply(call, *tensors), context, options)
-    op = getattr(torch.ops.poise, _FORWARD_OPS[(b13 is not None, options.clip_statistics)])
-    result = op(*tensors, context.handle, w13_layout, weights_transposed, options.accumulate_wgrad)
+    if fp8 is not None and b13 is not None:
+        raise _biases_with_prepared()
+    op = getattr(torch.ops.poise, _FORWARD_OPS[(b13 is not None, fp8 is not None, options.clip_statistics)])
+    result = op(*tensors, *(fp8 or ()), context.handle, w13_layout, weights_transposed, options.accumulate_wgrad)
     return result if torch.compiler.is_compiling() else _sync_checked(result, context, options)
 
 
-_FORWARD_OPS = {  # (biased, clip_statistics): the forward op
-    (False, False): "routed_experts_forward", (False, True): "routed_experts_forward_clip_counts",
-    (True, False): "routed_experts_biased_forward", (True, True): "routed_experts_biased_forward_clip_counts",
+_FORWARD_OPS = {  # (biased, prepared, clip_statistics): the forward op
+    (False, False, False): "routed_experts_forward", (False, False, True): "routed_experts_forward_clip_counts",
+    (True, False, False): "routed_experts_biased_forward",
+    (True, False, True): "routed_experts_biased_forward_clip_counts",
+    (False, True, False): "routed_experts_prepared_forward",
+    (False, True, True): "routed_experts_prepared_forward_clip_counts",
 }
+
+
+def _prepared_tensors(prepared) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """A PreparedWeights' tensors in the ops' order (checks.PREPARED_FIELDS)."""
+    if not isinstance(prepared, PreparedWeights):
+        raise InvalidArgument("prepared", f"must be a poise.PreparedWeights (from poise.prepare_weights) or None, "
+                                          f"got {type(prepared).__name__}")
+    if prepared.format not in FORMATS:
+        raise InvalidArgument("prepared", f"holds format {prepared.format!r}, not one of {', '.join(FORMATS)}")
+    tensors = tuple(getattr(prepared, field) for field in PREPARED_FIELDS)
+    for field, value in zip(PREPARED_FIELDS, tensors):
+        if not isinstance(value, Tensor):  # the op's schema would reject it less helpfully
+            raise InvalidArgument(f"prepared.{field}", f"must be a torch.Tensor, got {type(value).__name__}")
+    return tensors
+
+
+def _biases_with_prepared() -> NotAvailable:
+    return NotAvailable("b13: expert biases are not built for gemm_precision fp8_block_scaled yet, so neither "
+                        "with prepared FP8 weights")
 
 
 def _sync_checked(result, context: Context, options: ExecutionOptions):
@@ -123,8 +158,9 @@ def routed_experts_virtual(
 # ---- checks before the op ------------------------------------------------------------------------
 
 
-def _check_before_the_op(tensors, context, options, weights_transposed) -> None:
-    """What the op's schema would reject less helpfully, and what only the caller knows (grad mode)."""
+def _check_before_the_op(tensors, context, options, weights_transposed, prepared=None) -> None:
+    """What the op's schema would reject less helpfully, and what only the caller knows (grad mode).
+    ``prepared``: the prepared FP8 weights' tensors, or None."""
     _check_context(context)
     _check_options(options)
     check_weights_transposed(weights_transposed)
@@ -132,6 +168,9 @@ def _check_before_the_op(tensors, context, options, weights_transposed) -> None:
     for name, value in named.items():
         if not isinstance(value, Tensor):
             raise InvalidArgument(name, f"must be a torch.Tensor, got {type(value).__name__}")
+    if prepared is not None and "b13" in named:  # no op takes both: refused here (the op checks prepared)
+        check_prepared(context, weights_transposed, prepared)
+        raise _biases_with_prepared()
     differentiable = [t for name, t in named.items() if name != "ids_TK"]
     _refuse_grad_on_inference(context, differentiable)
     if options.accumulate_wgrad and _wants_grad(differentiable):

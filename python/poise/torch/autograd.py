@@ -3,7 +3,8 @@
 Backward of a one-rank forward runs poise::routed_experts_backward, or with accumulate_wgrad
 poise::routed_experts_backward_accumulate, which adds the weight grads into the parameters'
 ``.main_grad`` / ``.grad`` in place (autograd then gets None for w13 and w2); with expert biases
-the routed_experts_biased_* twins, which do the same for b13 and b2. Backward of a
+the routed_experts_biased_* twins, which do the same for b13 and b2; a forward with prepared FP8
+weights (routed_experts_prepared_*) has the backward of its five tensors. Backward of a
 virtual-ranks forward runs poise::routed_experts_virtual_backward for every rank at once.
 
 The plain-eager bypass: an eager call on plain tensors gains nothing from torch.library's dispatch
@@ -120,6 +121,26 @@ for _name in ("routed_experts_forward", "routed_experts_forward_clip_counts", "r
     torch.library.register_autograd(f"poise::{_name}", _backward_one_rank, setup_context=_setup_one_rank)
 
 
+# ---- one rank with prepared FP8 weights ----------------------------------------------------------
+# The inputs: the five tensors, the four prepared ones (read by the forward only: neither saved nor
+# differentiated), then the non-tensor inputs. Backward is the five tensors' (routed_experts_backward).
+
+_PREPARED_INPUTS = 4
+
+
+def _setup_prepared(ctx, inputs, output) -> None:
+    _setup_one_rank(ctx, (*inputs[:5], *inputs[5 + _PREPARED_INPUTS:]), output)
+
+
+def _backward_prepared(ctx, grad_out_TD, *_grad_counts):
+    grads = _tensor_grads(ctx, grad_out_TD, ctx.needs_input_grad[:5])
+    return (*grads, *[None] * (_PREPARED_INPUTS + _NON_TENSOR_INPUTS))
+
+
+for _name in ("routed_experts_prepared_forward", "routed_experts_prepared_forward_clip_counts"):
+    torch.library.register_autograd(f"poise::{_name}", _backward_prepared, setup_context=_setup_prepared)
+
+
 # ---- virtual ranks -------------------------------------------------------------------------------
 
 
@@ -181,17 +202,21 @@ class EagerCall(NamedTuple):
     weights_transposed: bool
     clip_counts: bool
     sync_check: bool
+    # Prepared FP8 weights (checks.PREPARED_FIELDS' order), read by the forward only: not inputs of
+    # the autograd.Function (no grads, not saved).
+    prepared: Optional[tuple[Tensor, ...]] = None
 
 
 class EagerForward(torch.autograd.Function):
     """poise::routed_experts_(biased_)forward(_clip_counts) called directly: the op's implementation,
     saved state and backward (_setup_one_rank, _tensor_grads) under a plain autograd.Function.
-    ``apply(call, x_TD, ids_TK, scores_TK, w13, w2[, b13, b2])``."""
+    ``apply(call, x_TD, ids_TK, scores_TK, w13, w2[, b13, b2])``; prepared FP8 weights travel in
+    ``call.prepared``."""
 
     @staticmethod
     def forward(ctx, call: EagerCall, *tensors):
         result = ops.forward_on_engine(tensors, call.context_handle, call.w13_layout, call.weights_transposed,
-                                       call.clip_counts)
+                                       call.clip_counts, call.prepared)
         _setup_one_rank(ctx, (*tensors, call.context_handle, call.w13_layout, call.weights_transposed,
                               call.accumulate_wgrad), result)
         ctx.sync_check = call.sync_check

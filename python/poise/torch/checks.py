@@ -15,7 +15,7 @@ from typing import Any, Callable, Collection, Sequence
 import torch
 
 from ..context import Context, context_from_handle
-from ..errors import InvalidArgument
+from ..errors import InvalidArgument, NotAvailable
 
 SCORES_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 WGRAD_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -193,6 +193,55 @@ def check_biases(config: Any, ep_size: int, device: str, b13: Any, b2: Any, pref
     for name, value, shape in (("b13", b13, (local, 2 * config.intermediate_dim)), ("b2", b2, (local, config.hidden_dim))):
         check_tensor(name, value, device=device, dtypes=_BF16, shapes=[shape],
                      shape_rule=lambda shape=shape: "[" + ", ".join(map(str, shape)) + "]", prefix=prefix)
+
+
+PREPARED_FIELDS = ("w13", "w13_scales", "w2", "w2_scales")  # PreparedWeights' tensors, in the ops' order
+
+
+def _blocks(n: int) -> int:
+    """128-wide scale blocks over n (FP8 block scaling, docs/fp8.md)."""
+    return -(-n // 128)
+
+
+def check_prepared(context: Context, weights_transposed: bool, prepared: Sequence[Any]) -> None:
+    """Prepared FP8 weights of a one-rank call (poise.prepare_weights' tensors, PREPARED_FIELDS'
+    order): check_prepared_arguments, then a CPU context refuses them (NotAvailable: the reference
+    engine quantizes w13 / w2 itself)."""
+    check_prepared_arguments(context, weights_transposed, prepared)
+    if context.device == "cpu":
+        raise NotAvailable("prepared: the CPU reference engine does not take prepared FP8 weights yet (it quantizes "
+                           "w13 and w2 itself, bit for bit as poise.prepare_weights does): call without prepared")
+
+
+def check_prepared_arguments(context: Context, weights_transposed: bool, prepared: Sequence[Any]) -> None:
+    """Only on a gemm_precision='fp8_block_scaled' context (else InvalidArgument naming ``prepared``),
+    not with transposed weights (NotAvailable); each tensor on the context's device, contiguous, e4m3
+    values in w13's / w2's shape ([E_local, 2F, D] or [E_local, 2, F, D] / [E_local, D, F]) and fp32
+    scales [E_local, ceil(rows/128), ceil(cols/128)] (InvalidArgument naming ``prepared.<field>``)."""
+    config = context._cpp.config
+    if config.gemm_precision != "fp8_block_scaled":
+        raise InvalidArgument("prepared", "prepared FP8 weights are read only with gemm_precision="
+                                          f"'fp8_block_scaled'; this context's Config has '{config.gemm_precision}'")
+    if weights_transposed:
+        raise NotAvailable("weights_transposed: transposed weights are not built for gemm_precision fp8_block_scaled "
+                           "(nor with prepared weights) yet")
+    L, D, F = config.num_experts // context.ep_size, config.hidden_dim, config.intermediate_dim
+    dims = f"E_local={L}, D={D}, F={F}"
+    w13_blocks, w2_blocks = (L, _blocks(2 * F), _blocks(D)), (L, _blocks(D), _blocks(F))
+    expected = {  # field: (dtype, shapes, the rule for the message)
+        "w13": (torch.float8_e4m3fn, [(L, 2 * F, D), (L, 2, F, D)],
+                f"[E_local, 2F, D] or [E_local, 2, F, D] with {dims}"),
+        "w13_scales": (torch.float32, [w13_blocks], f"[E_local, ceil(2F/128), ceil(D/128)] = {list(w13_blocks)}"),
+        "w2": (torch.float8_e4m3fn, [(L, D, F)], f"[E_local, D, F] with {dims}"),
+        "w2_scales": (torch.float32, [w2_blocks], f"[E_local, ceil(D/128), ceil(F/128)] = {list(w2_blocks)}"),
+    }
+    if len(prepared) != len(PREPARED_FIELDS):
+        raise InvalidArgument("prepared", f"needs the {len(PREPARED_FIELDS)} tensors {PREPARED_FIELDS}, "
+                                          f"got {len(prepared)}")
+    for field, value in zip(PREPARED_FIELDS, prepared):
+        dtype, shapes, rule = expected[field]
+        check_tensor(f"prepared.{field}", value, device=context.device, dtypes=(dtype,), shapes=shapes,
+                     shape_rule=lambda rule=rule: rule)
 
 
 ACCUMULATION_NAMES = ("grad_w13_acc", "grad_w2_acc", "grad_b13_acc", "grad_b2_acc")

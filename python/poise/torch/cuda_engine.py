@@ -58,10 +58,13 @@ class CudaEngine:
     # ---- one rank (poise.routed_experts) -----------------------------------------------------------
 
     def forward(self, x_TD, ids_TK, scores_TK, w13, w2, w13_layout: str, clip_counts: bool = False,
-                biases: Optional[tuple[Tensor, Tensor]] = None, weights_transposed: bool = False):
-        """out_TD, or (out_TD, clip_counts_E2) with ``clip_counts``. ``biases``: (b13, b2) or None."""
+                biases: Optional[tuple[Tensor, Tensor]] = None, weights_transposed: bool = False,
+                prepared: Optional[tuple[Tensor, ...]] = None):
+        """out_TD, or (out_TD, clip_counts_E2) with ``clip_counts``. ``biases``: (b13, b2) or None.
+        ``prepared``: the prepared FP8 weights (w13_fp8, w13_fp8_scales, w2_fp8, w2_fp8_scales), which
+        the forward reads instead of quantizing w13 and w2, or None."""
         outs = self.forward_ranks([(x_TD, ids_TK, scores_TK, w13, w2, *(biases or ()))], w13_layout, clip_counts,
-                                  weights_transposed)
+                                  weights_transposed, prepared)
         return (outs[0][0], outs[1][0]) if clip_counts else outs[0]
 
     def backward(self, grad_out_TD, x_TD, ids_TK, scores_TK, w13, w2, w13_layout: str, accumulate,
@@ -74,8 +77,10 @@ class CudaEngine:
     # ---- every launch rank ---------------------------------------------------------------------------
 
     def forward_ranks(self, ranks: list[tuple], w13_layout: str, clip_counts: bool = False,
-                      weights_transposed: bool = False):
-        """Per rank out_TD, or (out_TD list, clip_counts_E2 list) with ``clip_counts``."""
+                      weights_transposed: bool = False, prepared: Optional[tuple[Tensor, ...]] = None):
+        """Per rank out_TD, or (out_TD list, clip_counts_E2 list) with ``clip_counts``. ``prepared``:
+        one-rank contexts only (forward's); not part of the call's identity (a backward reads w13
+        and w2)."""
         out_TD = [torch.empty_like(inputs[0]) for inputs in ranks]
         counts = [self._empty_clip_counts(inputs[0].device) for inputs in ranks] if clip_counts else None
         # Nothing requires grad: no backward follows, take no slot position. (Grad mode cannot tell:
@@ -83,7 +88,7 @@ class CudaEngine:
         keep = any(t.requires_grad for inputs in ranks for t in inputs)
         key = _identity(ranks, weights_transposed)
         self._records.pop(key, None)
-        record = self._launch_forward(ranks, _Weights(w13_layout, weights_transposed), out_TD, counts, keep)
+        record = self._launch_forward(ranks, _Weights(w13_layout, weights_transposed), out_TD, counts, keep, prepared)
         if keep:
             self._remember(key, record)
         self.forward_calls += 1
@@ -117,12 +122,14 @@ class CudaEngine:
             self._records.pop(next(iter(self._records)))
 
     def _launch_forward(self, ranks: list[tuple], weights: "_Weights", out_TD: list[Tensor],
-                        clip_counts: Optional[list[Tensor]], keep_for_backward: bool) -> tuple[int, int]:
+                        clip_counts: Optional[list[Tensor]], keep_for_backward: bool,
+                        prepared: Optional[tuple[Tensor, ...]] = None) -> tuple[int, int]:
         device = ranks[0][0].device
         stream = torch.cuda.current_stream(device).cuda_stream
         scores_dtype = SCORES_DTYPES[ranks[0][2].dtype]
         with torch.cuda.device(device):  # the pipeline allocates on the current device
             if self._virtual_ranks:
+                assert prepared is None, "prepared FP8 weights: one-rank contexts only"
                 return _poise.routed_experts_forward_ranks(
                     self._cpp, _column(ranks, 0), _column(ranks, 1), _column(ranks, 2), scores_dtype, _column(ranks, 3),
                     weights.w13_layout, _column(ranks, 4), _addresses(out_TD), stream,
@@ -130,10 +137,12 @@ class CudaEngine:
                     _column(ranks, 6), weights.transposed)
             (x, ids, scores, w13, w2, *biases), = ranks  # the scalar entry point: no lists on the one-rank hot path
             b13, b2 = (b.data_ptr() for b in biases) if biases else (0, 0)
+            w13_fp8, w13_fp8_scales, w2_fp8, w2_fp8_scales = _addresses(prepared) if prepared else (0, 0, 0, 0)
             return _poise.routed_experts_forward(
                 self._cpp, x.data_ptr(), ids.data_ptr(), scores.data_ptr(), scores_dtype, w13.data_ptr(),
                 weights.w13_layout, w2.data_ptr(), out_TD[0].data_ptr(), stream,
-                clip_counts[0].data_ptr() if clip_counts else 0, keep_for_backward, b13, b2, weights.transposed)
+                clip_counts[0].data_ptr() if clip_counts else 0, keep_for_backward, b13, b2, weights.transposed,
+                w13_fp8, w13_fp8_scales, w2_fp8, w2_fp8_scales)
 
     def _launch_backward(self, ranks: list[tuple], weights: "_Weights", grad_out_TD: list[Tensor], grads: tuple,
                          accumulate: bool, record: tuple[int, int], wgrad_dtype_name: Optional[str]) -> None:

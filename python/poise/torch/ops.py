@@ -23,6 +23,14 @@ One-rank contexts (poise.routed_experts); ``weights_transposed``: w13 [E_local, 
   routed_experts_biased_backward_accumulate(..., weights_transposed, grad_w13_acc!, grad_w2_acc!,
                                             grad_b13_acc!, grad_b2_acc!) -> (grad_x_TD, grad_scores_TK)
 
+  With prepared FP8 weights (poise.prepare_weights: w13_fp8 e4m3 in w13's shape, w13_fp8_scales fp32
+  [E_local, ceil(2F/128), ceil(D/128)], w2_fp8, w2_fp8_scales likewise) after w2, gemm_precision
+  'fp8_block_scaled' contexts only, the forwards; their backward is routed_experts_backward(_accumulate)
+  of the five tensors (the prepared weights are read by the forward only):
+  routed_experts_prepared_forward(x_TD, ..., w2, w13_fp8, w13_fp8_scales, w2_fp8, w2_fp8_scales,
+                                  context_handle, w13_layout, weights_transposed, accumulate_wgrad) -> out_TD
+  routed_experts_prepared_forward_clip_counts(same) -> (out_TD, clip_counts_E2)
+
 Virtual-ranks contexts (poise.routed_experts_virtual), every tensor argument a list of one tensor
 per rank in rank order:
 
@@ -50,8 +58,8 @@ import torch
 from torch import Tensor
 
 from ..context import Context
-from .checks import (check_accumulation, check_biases, check_grad_out, check_one_rank_call, check_rank_grad_outs,
-                     check_rank_lists, check_training, open_context)
+from .checks import (check_accumulation, check_biases, check_grad_out, check_one_rank_call, check_prepared,
+                     check_rank_grad_outs, check_rank_lists, check_training, open_context)
 from .engines import engine_of
 
 
@@ -64,13 +72,16 @@ def _clip_counts_shape(context: Context) -> tuple[int, int]:
 
 
 def forward_on_engine(tensors: Sequence[Tensor], context_handle: int, w13_layout: str, weights_transposed: bool,
-                      clip_counts: bool):
+                      clip_counts: bool, prepared: Optional[Sequence[Tensor]] = None):
     """The forward ops' implementation (and the plain-eager bypass's): out_TD, or with clip_counts
-    (out_TD, clip_counts_E2)."""
-    context = _open_call(context_handle, tensors, w13_layout, weights_transposed)
+    (out_TD, clip_counts_E2). ``prepared``: the prepared FP8 weights (checks.PREPARED_FIELDS' order),
+    or None."""
+    context = _open_call(context_handle, tensors, w13_layout, weights_transposed, prepared)
     x_TD, ids_TK, scores_TK, w13, w2, *biases = tensors
+    # Only a CUDA engine takes prepared weights (check_prepared refuses them on a CPU context).
+    extra = {} if prepared is None else {"prepared": tuple(prepared)}
     return engine_of(context).forward(x_TD, ids_TK, scores_TK, w13, w2, w13_layout, clip_counts=clip_counts,
-                                      biases=tuple(biases) or None, weights_transposed=weights_transposed)
+                                      biases=tuple(biases) or None, weights_transposed=weights_transposed, **extra)
 
 
 def backward_on_engine(grad_out_TD: Tensor, tensors: Sequence[Tensor], context_handle: int, w13_layout: str,
@@ -89,11 +100,14 @@ def backward_on_engine(grad_out_TD: Tensor, tensors: Sequence[Tensor], context_h
     return grads if accumulate is None else grads[:2]
 
 
-def _open_call(context_handle: int, tensors: Sequence[Tensor], w13_layout: str, weights_transposed: bool) -> Context:
+def _open_call(context_handle: int, tensors: Sequence[Tensor], w13_layout: str, weights_transposed: bool,
+               prepared: Optional[Sequence[Tensor]] = None) -> Context:
     context = open_context(context_handle)
     check_one_rank_call(context, *tensors[:5], w13_layout, weights_transposed)
     if len(tensors) > 5:
         check_biases(context._cpp.config, context.ep_size, context.device, *tensors[5:])
+    if prepared is not None:
+        check_prepared(context, weights_transposed, prepared)
     return context
 
 
@@ -106,8 +120,8 @@ def _open_backward(context_handle: int, grad_out_TD: Tensor, tensors: Sequence[T
     return context
 
 
-def _fake_forward(tensors, context_handle, w13_layout, weights_transposed, clip_counts: bool):
-    context = _open_call(context_handle, tensors, w13_layout, weights_transposed)
+def _fake_forward(tensors, context_handle, w13_layout, weights_transposed, clip_counts: bool, prepared=None):
+    context = _open_call(context_handle, tensors, w13_layout, weights_transposed, prepared)
     out = torch.empty_like(tensors[0])
     return (out, out.new_empty(_clip_counts_shape(context), dtype=torch.int64)) if clip_counts else out
 
@@ -248,6 +262,44 @@ def _(grad_out_TD, x_TD, ids_TK, scores_TK, w13, w2, b13, b2, context_handle, w1
       grad_w13_acc, grad_w2_acc, grad_b13_acc, grad_b2_acc):
     return _fake_backward(grad_out_TD, (x_TD, ids_TK, scores_TK, w13, w2, b13, b2), context_handle, w13_layout,
                           weights_transposed, (grad_w13_acc, grad_w2_acc, grad_b13_acc, grad_b2_acc))
+
+
+# ---- one rank with prepared FP8 weights (gemm_precision fp8_block_scaled) ------------------------
+# Backward: routed_experts_backward(_accumulate) of the five tensors (autograd.py).
+
+
+@torch.library.custom_op("poise::routed_experts_prepared_forward", mutates_args=())
+def routed_experts_prepared_forward(
+    x_TD: Tensor, ids_TK: Tensor, scores_TK: Tensor, w13: Tensor, w2: Tensor, w13_fp8: Tensor,
+    w13_fp8_scales: Tensor, w2_fp8: Tensor, w2_fp8_scales: Tensor,
+    context_handle: int, w13_layout: str, weights_transposed: bool, accumulate_wgrad: bool,
+) -> Tensor:
+    return forward_on_engine((x_TD, ids_TK, scores_TK, w13, w2), context_handle, w13_layout, weights_transposed,
+                             clip_counts=False, prepared=(w13_fp8, w13_fp8_scales, w2_fp8, w2_fp8_scales))
+
+
+@routed_experts_prepared_forward.register_fake
+def _(x_TD, ids_TK, scores_TK, w13, w2, w13_fp8, w13_fp8_scales, w2_fp8, w2_fp8_scales, context_handle, w13_layout,
+      weights_transposed, accumulate_wgrad):
+    return _fake_forward((x_TD, ids_TK, scores_TK, w13, w2), context_handle, w13_layout, weights_transposed, False,
+                         (w13_fp8, w13_fp8_scales, w2_fp8, w2_fp8_scales))
+
+
+@torch.library.custom_op("poise::routed_experts_prepared_forward_clip_counts", mutates_args=())
+def routed_experts_prepared_forward_clip_counts(
+    x_TD: Tensor, ids_TK: Tensor, scores_TK: Tensor, w13: Tensor, w2: Tensor, w13_fp8: Tensor,
+    w13_fp8_scales: Tensor, w2_fp8: Tensor, w2_fp8_scales: Tensor,
+    context_handle: int, w13_layout: str, weights_transposed: bool, accumulate_wgrad: bool,
+) -> tuple[Tensor, Tensor]:
+    return forward_on_engine((x_TD, ids_TK, scores_TK, w13, w2), context_handle, w13_layout, weights_transposed,
+                             clip_counts=True, prepared=(w13_fp8, w13_fp8_scales, w2_fp8, w2_fp8_scales))
+
+
+@routed_experts_prepared_forward_clip_counts.register_fake
+def _(x_TD, ids_TK, scores_TK, w13, w2, w13_fp8, w13_fp8_scales, w2_fp8, w2_fp8_scales, context_handle, w13_layout,
+      weights_transposed, accumulate_wgrad):
+    return _fake_forward((x_TD, ids_TK, scores_TK, w13, w2), context_handle, w13_layout, weights_transposed, True,
+                         (w13_fp8, w13_fp8_scales, w2_fp8, w2_fp8_scales))
 
 
 # ---- virtual ranks -------------------------------------------------------------------------------

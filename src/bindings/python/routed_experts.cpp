@@ -53,6 +53,19 @@ struct Weights {
   uintptr_t b13 = 0, b2 = 0;
 };
 
+// Prepared FP8 weights of one rank's forward (ForwardArgs::w13_fp8 ...; 0: none; all four or none,
+// checked by the Context).
+struct PreparedFp8 {
+  uintptr_t w13 = 0, w13_scales = 0, w2 = 0, w2_scales = 0;
+};
+
+void set_prepared(ForwardArgs& args, const PreparedFp8& p) {
+  args.w13_fp8 = pointer<const void>(p.w13);
+  args.w13_fp8_scales = pointer<const float>(p.w13_scales);
+  args.w2_fp8 = pointer<const void>(p.w2);
+  args.w2_fp8_scales = pointer<const float>(p.w2_scales);
+}
+
 ForwardArgs forward_args(uintptr_t x_TD, uintptr_t ids_TK, uintptr_t scores_TK, const std::string& scores_dtype,
                          const Weights& weights) {
   ForwardArgs args;
@@ -72,9 +85,11 @@ ForwardArgs forward_args(uintptr_t x_TD, uintptr_t ids_TK, uintptr_t scores_TK, 
 Record forward(Context& context, uintptr_t x_TD, uintptr_t ids_TK, uintptr_t scores_TK, const std::string& scores_dtype,
                uintptr_t w13, const std::string& w13_layout, uintptr_t w2, uintptr_t out_TD, uintptr_t stream,
                uintptr_t clip_counts_E2, bool keep_for_backward, uintptr_t b13, uintptr_t b2,
-               bool weights_transposed) {
+               bool weights_transposed, uintptr_t w13_fp8, uintptr_t w13_fp8_scales, uintptr_t w2_fp8,
+               uintptr_t w2_fp8_scales) {
   ForwardArgs args =
       forward_args(x_TD, ids_TK, scores_TK, scores_dtype, {w13, w13_layout, w2, weights_transposed, b13, b2});
+  set_prepared(args, {w13_fp8, w13_fp8_scales, w2_fp8, w2_fp8_scales});
   args.out_TD = pointer<void>(out_TD);
   args.clip_counts_E2 = pointer<int64_t>(clip_counts_E2);
   nb::gil_scoped_release release;
@@ -147,14 +162,22 @@ std::vector<ForwardArgs> forward_args_per_rank(const Addresses& x_TD, const Addr
 Record forward_ranks(Context& context, const Addresses& x_TD, const Addresses& ids_TK, const Addresses& scores_TK,
                      const std::string& scores_dtype, const Addresses& w13, const std::string& w13_layout,
                      const Addresses& w2, const Addresses& out_TD, uintptr_t stream, const Addresses& clip_counts_E2,
-                     bool keep_for_backward, const Addresses& b13, const Addresses& b2, bool weights_transposed) {
+                     bool keep_for_backward, const Addresses& b13, const Addresses& b2, bool weights_transposed,
+                     const Addresses& w13_fp8, const Addresses& w13_fp8_scales, const Addresses& w2_fp8,
+                     const Addresses& w2_fp8_scales) {
   std::vector<ForwardArgs> args =
       forward_args_per_rank(x_TD, ids_TK, scores_TK, scores_dtype, w13, w13_layout, w2, weights_transposed, b13, b2);
   require_same_length(out_TD, "out_TD", args.size());
   require_none_or_same_length(clip_counts_E2, "clip_counts_E2", args.size());
+  require_none_or_same_length(w13_fp8, "w13_fp8", args.size());
+  require_none_or_same_length(w13_fp8_scales, "w13_fp8_scales", args.size());
+  require_none_or_same_length(w2_fp8, "w2_fp8", args.size());
+  require_none_or_same_length(w2_fp8_scales, "w2_fp8_scales", args.size());
   for (size_t r = 0; r < args.size(); ++r) {
     args[r].out_TD = pointer<void>(out_TD[r]);
     args[r].clip_counts_E2 = pointer<int64_t>(address_at(clip_counts_E2, r));
+    set_prepared(args[r], {address_at(w13_fp8, r), address_at(w13_fp8_scales, r), address_at(w2_fp8, r),
+                           address_at(w2_fp8_scales, r)});
   }
   nb::gil_scoped_release release;
   return to_python(routed_experts_forward(context, args, pointer<CUstream_st>(stream), keep_for_backward));
@@ -215,12 +238,15 @@ const char* to_string(W13Layout layout) {
 void bind_routed_experts(nb::module_& m) {
   m.def("routed_experts_forward", &forward, "context"_a, "x_TD"_a, "ids_TK"_a, "scores_TK"_a, "scores_dtype"_a,
         "w13"_a, "w13_layout"_a, "w2"_a, "out_TD"_a, "stream"_a, "clip_counts_E2"_a = 0, "keep_for_backward"_a = true,
-        "b13"_a = 0, "b2"_a = 0, "weights_transposed"_a = false,
+        "b13"_a = 0, "b2"_a = 0, "weights_transposed"_a = false, "w13_fp8"_a = 0, "w13_fp8_scales"_a = 0,
+        "w2_fp8"_a = 0, "w2_fp8_scales"_a = 0,
         "poise::routed_experts_forward on device addresses (integers) and a cudaStream_t (integer); "
         "clip_counts_E2: int64 [E_local, 2] for the SwiGLU clip counts, or 0; b13 / b2: the expert biases "
         "(bf16 [E_local, 2F] / [E_local, D]), or 0; weights_transposed: w13 [E_local, D, 2F] and w2 "
-        "[E_local, F, D] (x @ W). Returns the activation record (index, generation) that holds the forward's "
-        "state for its backward.");
+        "[E_local, F, D] (x @ W); w13_fp8 / w13_fp8_scales / w2_fp8 / w2_fp8_scales: prepared FP8 weights "
+        "(quantize_fp8_weight_blocks' e4m3 values and fp32 block scales; gemm_precision fp8_block_scaled), all "
+        "four or 0. Returns the activation record (index, generation) that holds the forward's state for its "
+        "backward.");
   m.def("routed_experts_backward", &backward, "context"_a, "x_TD"_a, "ids_TK"_a, "scores_TK"_a, "scores_dtype"_a,
         "w13"_a, "w13_layout"_a, "w2"_a, "grad_out_TD"_a, "grad_x_TD"_a, "grad_scores_TK"_a, "grad_w13"_a,
         "grad_w2"_a, "accumulate_wgrad"_a, "stream"_a, "record"_a = nb::none(), "wgrad_dtype"_a = nb::none(),
@@ -233,9 +259,11 @@ void bind_routed_experts(nb::module_& m) {
   m.def("routed_experts_forward_ranks", &forward_ranks, "context"_a, "x_TD"_a, "ids_TK"_a, "scores_TK"_a,
         "scores_dtype"_a, "w13"_a, "w13_layout"_a, "w2"_a, "out_TD"_a, "stream"_a,
         "clip_counts_E2"_a = Addresses{}, "keep_for_backward"_a = true, "b13"_a = Addresses{}, "b2"_a = Addresses{},
-        "weights_transposed"_a = false,
+        "weights_transposed"_a = false, "w13_fp8"_a = Addresses{}, "w13_fp8_scales"_a = Addresses{},
+        "w2_fp8"_a = Addresses{}, "w2_fp8_scales"_a = Addresses{},
         "poise::routed_experts_forward over the launch ranks of a virtual-ranks context: one address per rank "
-        "in each list (clip_counts_E2, b13, b2: empty, or one per rank).");
+        "in each list (clip_counts_E2, b13, b2, w13_fp8, w13_fp8_scales, w2_fp8, w2_fp8_scales: empty, or one "
+        "per rank).");
   m.def("routed_experts_backward_ranks", &backward_ranks, "context"_a, "x_TD"_a, "ids_TK"_a, "scores_TK"_a,
         "scores_dtype"_a, "w13"_a, "w13_layout"_a, "w2"_a, "grad_out_TD"_a, "grad_x_TD"_a, "grad_scores_TK"_a,
         "grad_w13"_a, "grad_w2"_a, "accumulate_wgrad"_a, "stream"_a, "record"_a = nb::none(),
