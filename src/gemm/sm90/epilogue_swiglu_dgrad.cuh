@@ -9,8 +9,11 @@
 #include "gemm/sm90/epilogue_common.cuh"
 #include "gemm/sm90/epilogue_direct.cuh"
 #include "gemm/sm90/epilogue_staging.cuh"
+#include "gemm/sm90/expert_mlp.hpp"
+#include "gemm/sm90/gemm_args.hpp"
 #include "gemm/sm90/ptx/mbarrier.cuh"
 #include "gemm/sm90/ptx/tma.cuh"
+#include "gemm/sm90/tensor_map.hpp"
 
 namespace poise::sm90 {
 
@@ -190,5 +193,32 @@ struct SwigluDgradEpilogue {
     }
   }
 };
+
+// The epilogue of one DGRAD W2 launch (host side; BF16 and FP8 operands alike), from the outputs and
+// inputs DgradW2Args names (h13 split at h13_split_row's row into h13_split.hi_R2F).
+template <bool kInterleaved>
+SwigluDgradEpilogue<kInterleaved> swiglu_dgrad_epilogue(const GroupedRows& rows, const ExpertMlpShape& shape,
+                                                        const void* h13_R2F, const H13Split& h13_split,
+                                                        void* grad_h13_R2F, void* a_RF, const float* scores_R,
+                                                        float* grad_score_partials_RP) {
+  const int32_t split = h13_split_row(rows, h13_split);  // checked before any descriptor
+  const int64_t F = shape.intermediate_dim;
+  SwigluDgradEpilogue<kInterleaved> epi{};
+  // h13 is read by the producer in 64 x 64 boxes; the low buffer's map must not reach past its rows.
+  if (split > 0) epi.h13_map = make_bf16_tensor_map(h13_R2F, split, 2 * F, 64, "h13_R2F");
+  if (split < rows.max_rows)
+    epi.h13_hi_map = make_bf16_tensor_map(h13_split.hi_R2F, rows.max_rows, 2 * F, 64, "h13_split.hi_R2F");
+  epi.grad_h13_map = make_store_tensor_map(grad_h13_R2F, false, rows.max_rows, 2 * F, "grad_h13_R2F");
+  epi.a_map = make_store_tensor_map(a_RF, false, rows.max_rows, F, "a_RF");
+  epi.h13_split = split;
+  epi.grad_h13_R2F = bf16(grad_h13_R2F);
+  epi.a_RF = bf16(a_RF);
+  epi.scores_R = scores_R;
+  epi.grad_score_partials_RP = grad_score_partials_RP;
+  epi.score_partials = static_cast<int32_t>(dgrad_w2_score_partials(shape));
+  epi.F = static_cast<int32_t>(F);
+  epi.act = activation_params(shape);
+  return epi;
+}
 
 }  // namespace poise::sm90

@@ -3,9 +3,11 @@
 // 128-wide K block summed by wgmma and promoted into fp32 with the block's two scales.
 //
 // Grouped rows, shapes, faults and outputs as in expert_mlp.hpp (the BF16 GEMMs); what differs is
-// the operands. Built: the forward GEMMs of the blocked W13 layout in the standard weight layout
-// ([E, 2F, D] and [E, D, F], read K-major as FP8 wgmma needs); other layouts, biases and the
-// backward GEMMs raise poise::NotAvailable.
+// the operands. FP8 wgmma reads both operands K-major: the forward reads the weights as stored
+// ([E, 2F, D], [E, D, F]); DGRAD reads them transposed, from an FP8 copy quantized in that
+// orientation (quant::launch_weight_blocks_transposed: the same values and scales, transposed).
+// Built: FPROP and DGRAD of the blocked W13 layout; the interleaved layout, transposed weights,
+// biases and WGRAD raise poise::NotAvailable.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -53,5 +55,34 @@ struct FpropW2Fp8Args {
 };
 void expert_mlp_fprop_w2_fp8(const GroupedRows& rows, const ExpertMlpShape& shape, const FpropW2Fp8Args& args,
                              cudaStream_t stream);
+
+// grad_a = score * (grad_y . W2[e]), then as expert_mlp_dgrad_w2 (DgradW2Args): grad_h13 =
+// swiglu_backward(h13, grad_a), a_RF = score * act(h13) and the score pieces, BF16 / fp32 as there.
+// grad_y in FP8 row tiles (K = D); W2 transposed: e4m3 [E][F][D], scales [E][ceil(F/128)][ceil(D/128)].
+struct DgradW2Fp8Args {
+  Fp8Rows grad_y;           // K = D
+  Fp8Weights w2_t;          // W2[e]^T [E_own, F, D]
+  Fp8Weights replica_w2_t;  // with GroupedRows::first_replica
+  const void* h13_R2F = nullptr;
+  const float* scores_R = nullptr;  // nullable
+  void* grad_h13_R2F = nullptr;
+  void* a_RF = nullptr;                     // nullable
+  float* grad_score_partials_RP = nullptr;  // nullable, fp32 [R][dgrad_w2_score_partials(shape)]
+  H13Split h13_split;
+};
+void expert_mlp_dgrad_w2_fp8(const GroupedRows& rows, const ExpertMlpShape& shape, const DgradW2Fp8Args& args,
+                             cudaStream_t stream);
+
+// grad_x = grad_h13 . W13[e], with grad_h13 in FP8 row tiles along 2F (W13's row order) and W13
+// transposed: e4m3 [E][D][2F], scales [E][ceil(D/128)][ceil(2F/128)]. Into grad_x_RD or slots.
+struct DgradW13Fp8Args {
+  Fp8Rows grad_h13;          // K = 2F
+  Fp8Weights w13_t;          // W13[e]^T [E_own, D, 2F]
+  Fp8Weights replica_w13_t;  // with GroupedRows::first_replica
+  void* grad_x_RD = nullptr;  // null when scatter.row_origin_R is set
+  RowScatter scatter;
+};
+void expert_mlp_dgrad_w13_fp8(const GroupedRows& rows, const ExpertMlpShape& shape, const DgradW13Fp8Args& args,
+                              cudaStream_t stream);
 
 }  // namespace poise::sm90
