@@ -25,6 +25,8 @@
 #                against one of 1024 -> $OUT/free_padding_h200.json (needs python first)
 #     fp8        bench/fp8_weights/bench.py: poise.prepare_weights refilling FP8 weights in place
 #                -> $OUT/fp8_weights_h200.json (needs python first)
+#     fp8gemm    .carry/fp8_gemm_bench (the FP8 forward GEMMs against the BF16 ones) -> $OUT/fp8_gemm_h200.json,
+#                then bench/fp8_gemm/ceiling.py (dense BF16 / FP8 ceilings) -> $OUT/fp8_ceiling_h200.json
 #     fp8fwd     bench/fp8_forward/bench.py: the FP8 forward, poise.routed_experts on an FP8 context vs a
 #                BF16 one, eager torch._scaled_grouped_mm and the eager BF16 baseline
 #                -> $OUT/fp8_forward_h200.json ($FP8FWD_ARGS: more arguments; needs python first)
@@ -109,6 +111,11 @@ part_fp8() {
   PYTHONUNBUFFERED=1 timeout 120 python3 bench/fp8_weights/bench.py --out "$OUT/fp8_weights_h200.json" \
     --commit "$commit" > "$OUT/fp8_weights.log" 2>&1
   echo "fp8 rc=$?"; tail -3 "$OUT/fp8_weights.log"
+}
+part_fp8gemm() {
+  timeout 120 .carry/fp8_gemm_bench --out "$OUT/fp8_gemm_h200.json" 2> "$OUT/fp8_gemm.log"
+  echo "fp8gemm rc=$?"; tail -24 "$OUT/fp8_gemm.log"
+  timeout 150 python3 bench/fp8_gemm/ceiling.py --out "$OUT/fp8_ceiling_h200.json" 2>&1 | tail -5
 }
 part_fp8fwd() {
   PYTHONUNBUFFERED=1 timeout 300 python3 bench/fp8_forward/bench.py --out "$OUT/fp8_forward_h200.json" \

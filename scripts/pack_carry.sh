@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Packs what a device call needs from this machine's build into .carry/ (see scripts/device_session.sh):
-# the C++ GPU test binaries, the demo and, with --bench, routed_experts_bench, stripped and in one xz
+# the C++ GPU test binaries, the demo and, with --bench, routed_experts_bench and fp8_gemm_bench, stripped and in one xz
 # tarball (about 4 MB instead of about 58: the device tool carries at most 64 MiB with the tree), plus
 # .carry/COMMIT. --extra FILE (repeatable) packs FILE too, under its own name: e.g. a
 # routed_experts_bench_old built against another libpoise (bench/routed_experts/README.md).
@@ -25,7 +25,7 @@ build=${1:-$root/build}
 stage=$(mktemp -d)
 trap 'rm -rf "$stage"' EXIT
 cp "$build"/tests/gpu/test_* "$build"/apps/demo/poise_demo "$stage"/
-[ "$bench" = 1 ] && cp "$build"/bench/routed_experts_bench "$stage"/
+[ "$bench" = 1 ] && cp "$build"/bench/routed_experts_bench "$build"/bench/fp8_gemm_bench "$stage"/
 [ ${#extras[@]} -gt 0 ] && cp "${extras[@]}" "$stage"/
 strip --strip-unneeded "$stage"/*
 rm -rf "$root/.carry"
