@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Packs what a device call needs from this machine's build into .carry/ (see scripts/device_session.sh):
-# the C++ GPU test binaries, the demo and, with --bench, routed_experts_bench and fp8_gemm_bench, stripped and in one xz
-# tarball (about 4 MB instead of about 58: the device tool carries at most 64 MiB with the tree), plus
+# the C++ GPU test binaries, the demo and, with --bench, routed_experts_bench and fp8_gemm_bench,
+# stripped and in one xz tarball (about 4 MB instead of about 58: the device tool carries at most
+# 64 MiB with the tree), plus
 # .carry/COMMIT. --extra FILE (repeatable) packs FILE too, under its own name: e.g. a
 # routed_experts_bench_old built against another libpoise (bench/routed_experts/README.md).
 # device_session.sh unpacks .carry/bins.tar.xz before its parts run.
