@@ -100,15 +100,17 @@ void fp8_forward(const EpLaunch& l, const LaunchIo& io, int s, const sm90::Group
     quantize_group_weights(replica_w13(l, s), replica_w2(l, s), l.dims.groups - own, rows.row_counts_E + own, D, F,
                            replica_w, stream);
   }
-  // Every received row (row-local tiles: the bits the sender's quantization would give).
-  quant::launch_row_tiles(workspace_rows(l, s, l.ws.recv_x), capacity, D, q.x_RD, q.x_scales, stream);
+  // The received rows up to the last group's end (row-local tiles: the bits the sender's quantization
+  // would give); rows past it are read by no GEMM.
+  const int32_t* rows_end = rs.group_offsets + l.dims.groups;
+  quant::launch_row_tiles(workspace_rows(l, s, l.ws.recv_x), capacity, D, q.x_RD, q.x_scales, stream, rows_end);
   sm90::FpropW13Fp8Args a13{.x = {q.x_RD, q.x_scales}, .w13 = own_w.w13, .a_RF = rs.a_RF, .h13_R2F = rs.h13_R2F,
                             .h13_split = h13_split(l, rs)};
   sm90::FpropW2Fp8Args a2{.a = {q.a_RF, q.a_scales}, .w2 = own_w.w2, .scatter = combine_scatter(l, s)};
   if (replicas) a13.replica_w13 = replica_w.w13, a2.replica_w2 = replica_w.w2;
   sm90::expert_mlp_fprop_w13_fp8(rows, shape, a13, stream);
   if (!with_w2) return;
-  quant::launch_row_tiles(rs.a_RF, capacity, F, q.a_RF, q.a_scales, stream);
+  quant::launch_row_tiles(rs.a_RF, capacity, F, q.a_RF, q.a_scales, stream, rows_end);
   sm90::expert_mlp_fprop_w2_fp8(rows, shape, a2, stream);
 }
 

@@ -36,7 +36,8 @@ __device__ Index tile_at(int s) {
 template <typename Index>
 __global__ void __launch_bounds__(kThreads)
     row_tiles_kernel(const __nv_bfloat16* x, Index rows, int64_t cols, Index tiles_per_row, uint8_t* values,
-                     float* scales) {
+                     float* scales, const int32_t* rows_end) {
+  if (rows_end != nullptr) rows = min(rows, Index(max(*rows_end, 0)));
   const Index tiles = rows * tiles_per_row;
   const int lane = threadIdx.x % kLanesPerTile;
   int64_t at[kSteps];  // this lane's first element (and e4m3 byte) at each step; -1: none
@@ -64,7 +65,8 @@ __global__ void __launch_bounds__(kThreads)
 // tile, one value at a time, with the host's functions. Correct, not fast.
 __global__ void __launch_bounds__(kThreads)
     row_tiles_unaligned_kernel(const __nv_bfloat16* x, int64_t rows, int64_t cols, int64_t tiles_per_row,
-                               uint8_t* values, float* scales) {
+                               uint8_t* values, float* scales, const int32_t* rows_end) {
+  if (rows_end != nullptr) rows = min(rows, int64_t(max(*rows_end, 0)));
   constexpr int kPerLane = static_cast<int>(numerics::kScaleBlock) / 32;
   const int64_t tile = int64_t(blockIdx.x) * (kThreads / 32) + threadIdx.x / 32;
   if (tile >= rows * tiles_per_row) return;  // whole warps
@@ -89,20 +91,21 @@ bool aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t
 }  // namespace
 
 void launch_row_tiles(const __nv_bfloat16* x_RC, int64_t rows, int64_t cols, uint8_t* values_RC, float* scales_RT,
-                      cudaStream_t stream) {
+                      cudaStream_t stream, const int32_t* rows_end) {
   const int64_t tiles_per_row = numerics::scale_blocks(cols), tiles = rows * tiles_per_row;
   if (tiles == 0) return;
   const int64_t ctas = (tiles + kTilesPerCta - 1) / kTilesPerCta;
   if (!aligned(x_RC, sizeof(uint4)) || !aligned(values_RC, sizeof(uint2))) {
     const int64_t warp_ctas = (tiles + kThreads / 32 - 1) / (kThreads / 32);
     row_tiles_unaligned_kernel<<<static_cast<unsigned>(warp_ctas), kThreads, 0, stream>>>(
-        x_RC, rows, cols, tiles_per_row, values_RC, scales_RT);
+        x_RC, rows, cols, tiles_per_row, values_RC, scales_RT, rows_end);
   } else if (ctas * kTilesPerCta <= UINT32_MAX) {  // every tile number the grid forms fits 32 bits
     row_tiles_kernel<uint32_t><<<static_cast<unsigned>(ctas), kThreads, 0, stream>>>(
-        x_RC, static_cast<uint32_t>(rows), cols, static_cast<uint32_t>(tiles_per_row), values_RC, scales_RT);
+        x_RC, static_cast<uint32_t>(rows), cols, static_cast<uint32_t>(tiles_per_row), values_RC, scales_RT,
+        rows_end);
   } else {
     row_tiles_kernel<int64_t><<<static_cast<unsigned>(ctas), kThreads, 0, stream>>>(x_RC, rows, cols, tiles_per_row,
-                                                                                    values_RC, scales_RT);
+                                                                                    values_RC, scales_RT, rows_end);
   }
   runtime::cuda_check_launch("row_tiles_kernel");
 }

@@ -11,8 +11,10 @@
 namespace poise::quant {
 
 // x_RC: rows x cols row-major bf16 (cols a multiple of 64). values_RC: e4m3 bits, same layout;
-// scales_RT: fp32 [rows][ceil(cols/128)]. Enqueued on `stream`.
+// scales_RT: fp32 [rows][ceil(cols/128)]. Enqueued on `stream`. rows_end (device int32, nullable):
+// only rows [0, *rows_end) are quantized, the others left as they are (the rows a call's expert
+// groups end at, known on the device only).
 void launch_row_tiles(const __nv_bfloat16* x_RC, int64_t rows, int64_t cols, uint8_t* values_RC, float* scales_RT,
-                      cudaStream_t stream);
+                      cudaStream_t stream, const int32_t* rows_end = nullptr);
 
 }  // namespace poise::quant

@@ -16,4 +16,13 @@ namespace poise::quant {
 void launch_weight_blocks(const __nv_bfloat16* w_MRC, int64_t matrices, int64_t rows, int64_t cols,
                           uint8_t* values_MRC, float* scales, cudaStream_t stream, const int32_t* rows_M = nullptr);
 
+// The same blocks written transposed: values_MCR e4m3 [matrices][cols][rows] (value [m][c][r] is
+// the e4m3 of w [m][r][c], quantized with its block's scale), scales_T fp32
+// [matrices][ceil(cols/128)][ceil(rows/128)]. The bits of launch_weight_blocks' output transposed
+// (a block's scale does not depend on its orientation): the K-major weights of the FP8 DGRAD GEMMs.
+// rows_M as in launch_weight_blocks.
+void launch_weight_blocks_transposed(const __nv_bfloat16* w_MRC, int64_t matrices, int64_t rows, int64_t cols,
+                                     uint8_t* values_MCR, float* scales_T, cudaStream_t stream,
+                                     const int32_t* rows_M = nullptr);
+
 }  // namespace poise::quant

@@ -1,6 +1,8 @@
 // FP8 quantization on the GPU against the reference's numerics, bit for bit up to a NaN's payload
 // (the host's and the device's NaNs differ in their bits): the weights' 128 x 128 blocks (the public
-// poise::quantize_fp8_weight_blocks) and the activations' 1 x 128 row tiles (quant::launch_row_tiles).
+// poise::quantize_fp8_weight_blocks, and quant::launch_weight_blocks_transposed against the
+// reference's blocks transposed on the host) and the activations' 1 x 128 row tiles
+// (quant::launch_row_tiles).
 // Random bf16 values with an all-zero tile, a NaN (its whole tile NaN), a value far beyond 448, dims
 // that are multiples of 64 but not of 128; outputs poisoned first. Buffers `misalign` values past an
 // aligned address take the kernels' scalar path (the vector loads need 16-byte aligned bf16).
@@ -106,13 +108,49 @@ TEST_P(Fp8WeightBlocksGpu, EqualTheReferenceBitForBit) {
                    want.values_MRC, want.scales);
 }
 
+// The reference's blocks in launch_weight_blocks_transposed's layout: values_MRC holds [m][c][r],
+// scales [m][ceil(cols/128)][ceil(rows/128)].
+reference::Fp8WeightBlocks transposed(const reference::Fp8WeightBlocks& q, const Shape& s) {
+  const int64_t row_blocks = numerics::scale_blocks(s.rows), col_blocks = numerics::scale_blocks(s.cols);
+  reference::Fp8WeightBlocks t{std::vector<uint8_t>(q.values_MRC.size()), std::vector<float>(q.scales.size())};
+  for (int64_t m = 0; m < s.matrices; ++m) {
+    for (int64_t r = 0; r < s.rows; ++r)
+      for (int64_t c = 0; c < s.cols; ++c)
+        t.values_MRC[(m * s.cols + c) * s.rows + r] = q.values_MRC[(m * s.rows + r) * s.cols + c];
+    for (int64_t rb = 0; rb < row_blocks; ++rb)
+      for (int64_t cb = 0; cb < col_blocks; ++cb)
+        t.scales[(m * col_blocks + cb) * row_blocks + rb] = q.scales[(m * row_blocks + rb) * col_blocks + cb];
+  }
+  return t;
+}
+
+// The DGRAD GEMMs' K-major weights: the same bits as EqualTheReferenceBitForBit's, transposed.
+TEST_P(Fp8WeightBlocksGpu, TransposedEqualsTheReferenceTransposed) {
+  if (!testing::have_sm90_gpu()) GTEST_SKIP() << "needs an SM90 GPU";
+  const Shape s = GetParam();
+  const uint64_t seed = testing::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const std::vector<float> w = test_values(s, seed);
+  const reference::Fp8WeightBlocks want =
+      transposed(reference::quantize_fp8_weight_blocks(w, s.matrices, s.rows, s.cols), s);
+  expect_same_bits(on_device(w, want.scales.size(), s.misalign,
+                             [&](const void* dev, uint8_t* values, float* scales) {
+                               quant::launch_weight_blocks_transposed(static_cast<const __nv_bfloat16*>(dev),
+                                                                      s.matrices, s.rows, s.cols, values, scales,
+                                                                      nullptr);
+                               ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+                             }),
+                   want.values_MRC, want.scales);
+}
+
 INSTANTIATE_TEST_SUITE_P(Shapes, Fp8WeightBlocksGpu,
                          ::testing::Values(Shape{3, 192, 320}, Shape{2, 256, 128}, Shape{1, 64, 64}, Shape{4, 1536, 2048},
                                            Shape{37, 320, 448}, Shape{3, 192, 320, 1}),
                          shape_name);
 
 // The pipeline's per-call quantization skips the experts no row reads (rows_M[m] == 0): their
-// values and scales stay as they were (here the poison); the others are the reference's bits.
+// values and scales stay as they were (here the poison); the others are the reference's bits, in
+// either orientation (a matrix keeps its place in both layouts).
 TEST_P(Fp8WeightBlocksGpu, SkipTheMatricesNoRowReads) {
   if (!testing::have_sm90_gpu()) GTEST_SKIP() << "needs an SM90 GPU";
   const Shape s = GetParam();
@@ -120,34 +158,39 @@ TEST_P(Fp8WeightBlocksGpu, SkipTheMatricesNoRowReads) {
   const uint64_t seed = testing::fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   const std::vector<float> w = test_values(s, seed);
-  const reference::Fp8WeightBlocks want = reference::quantize_fp8_weight_blocks(w, s.matrices, s.rows, s.cols);
+  const reference::Fp8WeightBlocks blocks = reference::quantize_fp8_weight_blocks(w, s.matrices, s.rows, s.cols);
   std::vector<int32_t> rows_M(s.matrices);
   for (int64_t m = 0; m < s.matrices; ++m) rows_M[m] = m % 2 == 0 ? 0 : static_cast<int32_t>(m);  // even: no rows
   int32_t* rows_dev = nullptr;
   ASSERT_EQ(cudaMalloc(&rows_dev, rows_M.size() * sizeof(int32_t)), cudaSuccess);
   ASSERT_EQ(cudaMemcpy(rows_dev, rows_M.data(), rows_M.size() * sizeof(int32_t), cudaMemcpyHostToDevice), cudaSuccess);
-  const auto got = on_device(w, want.scales.size(), s.misalign, [&](const void* dev, uint8_t* values, float* scales) {
-    quant::launch_weight_blocks(static_cast<const __nv_bfloat16*>(dev), s.matrices, s.rows, s.cols, values, scales,
-                                nullptr, rows_dev);
-  });
-  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  cudaFree(rows_dev);
-  const int64_t per_matrix = s.rows * s.cols, scales_per_matrix = static_cast<int64_t>(want.scales.size()) / s.matrices;
-  auto nan_byte = [](uint8_t q) { return (q & 0x7F) == 0x7F; };
-  int64_t wrong = 0;
-  for (int64_t m = 0; m < s.matrices; ++m) {
-    for (int64_t i = m * per_matrix; i < (m + 1) * per_matrix; ++i) {
-      const uint8_t q = got.first[i], want_q = want.values_MRC[i];
-      wrong += rows_M[m] == 0 ? q != 0xA5 : (q != want_q && !(nan_byte(q) && nan_byte(want_q)));
+  for (const bool transpose : {false, true}) {
+    SCOPED_TRACE(transpose ? "launch_weight_blocks_transposed" : "launch_weight_blocks");
+    const reference::Fp8WeightBlocks want = transpose ? transposed(blocks, s) : blocks;
+    const auto launch = transpose ? quant::launch_weight_blocks_transposed : quant::launch_weight_blocks;
+    const auto got = on_device(w, want.scales.size(), s.misalign, [&](const void* dev, uint8_t* values, float* scales) {
+      launch(static_cast<const __nv_bfloat16*>(dev), s.matrices, s.rows, s.cols, values, scales, nullptr, rows_dev);
+    });
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const int64_t per_matrix = s.rows * s.cols, scales_per_matrix = static_cast<int64_t>(want.scales.size()) / s.matrices;
+    auto nan_byte = [](uint8_t q) { return (q & 0x7F) == 0x7F; };
+    int64_t wrong = 0;
+    for (int64_t m = 0; m < s.matrices; ++m) {
+      for (int64_t i = m * per_matrix; i < (m + 1) * per_matrix; ++i) {
+        const uint8_t q = got.first[i], want_q = want.values_MRC[i];
+        wrong += rows_M[m] == 0 ? q != 0xA5 : (q != want_q && !(nan_byte(q) && nan_byte(want_q)));
+      }
+      for (int64_t i = m * scales_per_matrix; i < (m + 1) * scales_per_matrix; ++i) {
+        uint32_t bits;
+        std::memcpy(&bits, &got.second[i], sizeof bits);
+        wrong += rows_M[m] == 0 ? bits != 0xFFFFFFFFu
+                                : !(got.second[i] == want.scales[i] ||
+                                    (std::isnan(got.second[i]) && std::isnan(want.scales[i])));
+      }
     }
-    for (int64_t i = m * scales_per_matrix; i < (m + 1) * scales_per_matrix; ++i) {
-      uint32_t bits;
-      std::memcpy(&bits, &got.second[i], sizeof bits);
-      wrong += rows_M[m] == 0 ? bits != 0xFFFFFFFFu
-                              : !(got.second[i] == want.scales[i] || (std::isnan(got.second[i]) && std::isnan(want.scales[i])));
-    }
+    EXPECT_EQ(wrong, 0) << "skipped matrices written, or quantized ones differing from the reference";
   }
-  EXPECT_EQ(wrong, 0) << "skipped matrices written, or quantized ones differing from the reference";
+  cudaFree(rows_dev);
 }
 
 class Fp8RowTilesGpu : public ::testing::TestWithParam<Shape> {};
@@ -166,6 +209,42 @@ TEST_P(Fp8RowTilesGpu, EqualTheReferenceBitForBit) {
                                ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
                              }),
                    want.values, want.scales);
+}
+
+// rows_end (device int32): only rows [0, *rows_end) are quantized, as the FP8 forward quantizes the
+// rows up to its last expert group's end; the rows past it keep their poison.
+TEST_P(Fp8RowTilesGpu, StopAtTheRowsEnd) {
+  if (!testing::have_sm90_gpu()) GTEST_SKIP() << "needs an SM90 GPU";
+  const Shape s = GetParam();
+  const uint64_t seed = testing::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const std::vector<float> x = test_values(s, seed);
+  const numerics::BlockScaled want = numerics::quantize_row_tiles(x.data(), s.rows, s.cols);
+  const int32_t end = static_cast<int32_t>(s.rows / 2);  // 0 for one row: nothing quantized
+  int32_t* end_dev = nullptr;
+  ASSERT_EQ(cudaMalloc(&end_dev, sizeof end), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(end_dev, &end, sizeof end, cudaMemcpyHostToDevice), cudaSuccess);
+  const auto got = on_device(x, want.scales.size(), s.misalign, [&](const void* dev, uint8_t* values, float* scales) {
+    quant::launch_row_tiles(static_cast<const __nv_bfloat16*>(dev), s.rows, s.cols, values, scales, nullptr, end_dev);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  });
+  cudaFree(end_dev);
+  const int64_t tiles_per_row = numerics::scale_blocks(s.cols);
+  auto nan_byte = [](uint8_t q) { return (q & 0x7F) == 0x7F; };
+  int64_t wrong = 0;
+  for (int64_t r = 0; r < s.rows; ++r) {
+    for (int64_t c = 0; c < s.cols; ++c) {
+      const uint8_t q = got.first[r * s.cols + c], want_q = want.values[r * s.cols + c];
+      wrong += r >= end ? q != 0xA5 : (q != want_q && !(nan_byte(q) && nan_byte(want_q)));
+    }
+    for (int64_t t = 0; t < tiles_per_row; ++t) {
+      const float v = got.second[r * tiles_per_row + t], w = want.scales[r * tiles_per_row + t];
+      uint32_t bits;
+      std::memcpy(&bits, &v, sizeof bits);
+      wrong += r >= end ? bits != 0xFFFFFFFFu : !(v == w || (std::isnan(v) && std::isnan(w)));
+    }
+  }
+  EXPECT_EQ(wrong, 0) << "rows past the end written, or rows before it differing from the reference";
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, Fp8RowTilesGpu,
