@@ -156,6 +156,36 @@ void for_each_row(const RowLayout& l, Fn fn) {
     for (int64_t r = l.offsets[e]; r < l.offsets[e] + l.counts[e]; ++r) fn(int64_t(e), r);
 }
 
+// DGRAD W2's float64 expectations over the valid rows, from grad_a0 = grad_y . W2[e] [R][F] (before
+// the score) and the saved bf16 h13 [R][2F] (gate / up columns per layout): grad_h13 =
+// act_backward(h13, score * grad_a0), a = score * act(h13), the routing score's gradient
+// sum_f grad_a0 * act(h13), and per row the L2 norm of that sum's terms (the scale of its rounding).
+// scores null: score 1.
+struct DgradW2Ref {
+  std::vector<double> grad_h13, a, grad_scores, grad_score_terms;
+};
+inline DgradW2Ref ref_dgrad_w2(const RowLayout& l, const std::vector<double>& grad_a0,
+                               const std::vector<uint16_t>& h13, const float* scores, int64_t F, W13Layout layout,
+                               const Act& act) {
+  DgradW2Ref ref{std::vector<double>(l.rows * 2 * F, 0.0), std::vector<double>(l.rows * F, 0.0),
+                 std::vector<double>(l.rows, 0.0), std::vector<double>(l.rows, 0.0)};
+  for_each_row(l, [&](int64_t, int64_t r) {
+    const double score = scores ? scores[r] : 1.0;
+    double terms2 = 0;
+    for (int64_t f = 0; f < F; ++f) {
+      const int64_t gc = gate_col(f, F, layout), uc = up_col(f, F, layout);
+      const double g = from_bf16(h13[r * 2 * F + gc]), u = from_bf16(h13[r * 2 * F + uc]);
+      const double a = act_forward(g, u, act), ga0 = grad_a0[r * F + f];
+      act_backward(g, u, score * ga0, act, ref.grad_h13[r * 2 * F + gc], ref.grad_h13[r * 2 * F + uc]);
+      ref.a[r * F + f] = score * a;
+      ref.grad_scores[r] += ga0 * a;
+      terms2 += (ga0 * a) * (ga0 * a);
+    }
+    ref.grad_score_terms[r] = std::sqrt(terms2);
+  });
+  return ref;
+}
+
 // Rows scattered to slots (sm90::RowScatter, the EP pipeline's direct combine): every valid row's
 // bytes land in its slot of its owner's buffer, bit for bit the grouped row the plain store writes;
 // slots no row names keep their poison. Two owners of S slots each, 256 guard bytes before slot 0

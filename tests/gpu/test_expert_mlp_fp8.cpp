@@ -1,21 +1,25 @@
 // The SM90 FP8 block-scaled expert GEMMs (gemm/sm90/expert_mlp_fp8.hpp, docs/fp8.md): FPROP W13
-// (blocked layout, swiglu and clamped swiglu) and FPROP W2 (scores, row scatter) against float64 on
-// the DEQUANTIZED operands (from_e4m3(q) * scale, exact in double), so what is left is fp32
-// summation order and the bf16 outputs: every element within kElementTolerance of
-// (|want| + its row's rms), and within kRelL2 in relative L2 overall.
+// (blocked layout, swiglu and clamped swiglu), FPROP W2 (scores, row scatter), DGRAD W2 + SwiGLU
+// backward and DGRAD W13 (row scatter) against float64 on the DEQUANTIZED operands (from_e4m3(q) *
+// scale, exact in double), so what is left is fp32 summation order and the bf16 outputs: every
+// element within kElementTolerance of (|want| + its row's rms), and within kRelL2 in relative L2
+// overall. DGRAD reads the weights' transposed FP8 copy, built here as the normal orientation's
+// blocks transposed (values and scales); the float64 model reads the normal orientation.
 //
 // Fresh random inputs every run (seed printed in the trace; POISE_TEST_SEED replays), never zeros,
 // every 1 x 128 row tile and 128 x 128 weight block scaled by its own power of two, so a scale read
 // from the wrong tile or block is far off. Outputs are poisoned (NaN) before every run; rows no expert
 // owns are NaN in every input (their FP8 values and scales NaN too) and must keep their poison in
-// every output. Also: h13 split by rows, the pipeline's chain with the device's quantization
-// (quant::launch_row_tiles, poise::quantize_fp8_weight_blocks), replica experts' weights from other
-// buffers (bitwise the one-buffer run), and the host validation (label cpu: no GPU needed).
+// every output. Also: h13 split by rows (written by FPROP W13, read by DGRAD W2), the pipeline's
+// chain with the device's quantization (quant::launch_row_tiles, poise::quantize_fp8_weight_blocks),
+// replica experts' weights from other buffers (bitwise the one-buffer run, FPROP and DGRAD), and the
+// host validation (label cpu: no GPU needed).
 
 #include <cuda_bf16.h>
 
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <memory>
 #include <sstream>
 #include <string>
@@ -163,6 +167,25 @@ Fp8Operand weight_blocks(const std::vector<uint16_t>& w, int64_t E, int64_t N, i
   return Fp8Operand(std::move(q), std::move(deq));
 }
 
+// The DGRAD copy of FP8 weights [E][N][K]: each expert's matrix transposed, values [E][K][N] and
+// scales [E][blocks(K)][blocks(N)] (a 128 x 128 block's scale serves both orientations), the float64
+// values transposed along.
+Fp8Operand transposed_weights(const Fp8Operand& w, int64_t E, int64_t N, int64_t K) {
+  const int64_t nb = scale_blocks(N), kb = scale_blocks(K);
+  BlockScaled t{std::vector<uint8_t>(E * N * K), std::vector<float>(E * nb * kb)};
+  std::vector<double> deq(E * N * K);
+  for (int64_t e = 0; e < E; ++e) {
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t k = 0; k < K; ++k) {
+        t.values[(e * K + k) * N + n] = w.q.values[(e * N + n) * K + k];
+        deq[(e * K + k) * N + n] = w.deq[(e * N + n) * K + k];
+      }
+    for (int64_t i = 0; i < nb; ++i)
+      for (int64_t j = 0; j < kb; ++j) t.scales[(e * kb + j) * nb + i] = w.q.scales[(e * nb + i) * kb + j];
+  }
+  return Fp8Operand(std::move(t), std::move(deq));
+}
+
 // One expert range [first, end) of FP8 weights on the device (replica slots).
 struct Fp8WeightSlice {
   DeviceBuffer<uint8_t> values;
@@ -213,6 +236,20 @@ std::vector<double> model_y(const Fp8Fixture& fx, const Fp8Operand& a, const Fp8
   return y;
 }
 
+// grad_a0 = grad_y . W2[e] (before the score): W2 [E][D][F] read as [K][N].
+std::vector<double> model_grad_a0(const Fp8Fixture& fx, const Fp8Operand& grad_y, const Fp8Operand& w2) {
+  return ref_rows_gemm(fx.l, grad_y.deq, fx.cs.D, w2.deq, fx.cs.F, false);
+}
+
+// grad_x = grad_h13 . W13[e]: W13 [E][2F][D] read as [K][N].
+std::vector<double> model_grad_x(const Fp8Fixture& fx, const Fp8Operand& grad_h13, const Fp8Operand& w13) {
+  return ref_rows_gemm(fx.l, grad_h13.deq, 2 * fx.cs.F, w13.deq, fx.cs.D, false);
+}
+
+// h13 as DGRAD W2 reads it (saved bf16 [R][2F], ~ N(0, 2): the clamps at 1.5 bite; not an FP8
+// operand, so plain normal draws), padding rows NaN.
+std::vector<uint16_t> random_h13(Rng& rng, const Fp8Fixture& fx) { return random_rows(rng, fx.l, 2 * fx.cs.F, 2.0f); }
+
 // ---- comparison ------------------------------------------------------------------------------------
 
 // A bf16 [R][C] grouped-rows output against float64: relative L2, every element against its row's
@@ -243,6 +280,40 @@ void expect_fp8_close(const std::vector<uint16_t>& out, const std::vector<double
   });
   EXPECT_EQ(outliers, 0) << what << ": elements beyond " << kElementTolerance
                          << " * (|want| + row rms); worst (err / bound " << worst << ") at " << worst_at;
+}
+
+// The routing score's gradient from DGRAD W2's partials [R][P], summed in piece order: every valid
+// row within kElementTolerance of (|want| + the L2 norm of its sum's terms), kRelL2 overall; the
+// partials of rows no expert owns keep their poison (never written).
+void expect_score_grad_close(const std::vector<float>& partials_RP, int64_t P, const DgradW2Ref& ref,
+                             const RowLayout& l, const std::string& what) {
+  const auto gs = sum_score_partials(partials_RP, P);
+  ErrorAccumulator acc;
+  int64_t outliers = 0, poison_lost = 0;
+  double worst = 0.0;
+  std::string worst_at;
+  for (int64_t r = 0; r < l.rows; ++r) {
+    if (!l.is_row_valid(r)) {
+      for (int64_t p = 0; p < P; ++p) poison_lost += std::memcmp(&partials_RP[r * P + p], &kFp32PoisonBits, 4) != 0;
+      continue;
+    }
+    const double got = gs[r], want = ref.grad_scores[r];
+    acc.add(got, want);
+    if (!std::isfinite(got)) continue;  // counted by expect_close
+    const double bound = kElementTolerance * (std::abs(want) + ref.grad_score_terms[r]);
+    const double err = std::abs(got - want);
+    if (err > bound) ++outliers;
+    if (bound > 0 && err / bound > worst) {
+      worst = err / bound;
+      worst_at = "row " + std::to_string(r) + ": got " + std::to_string(got) + " want " + std::to_string(want) +
+                 " terms' norm " + std::to_string(ref.grad_score_terms[r]);
+    }
+  }
+  Comparison c = acc.finish();
+  c.poison_lost = poison_lost;
+  expect_close(c, kRelL2, what.c_str());
+  EXPECT_EQ(outliers, 0) << what << ": rows beyond " << kElementTolerance
+                         << " * (|want| + norm of the terms); worst (err / bound " << worst << ") at " << worst_at;
 }
 
 // The clamped cases must reach the clamps (else they test plain SwiGLU twice).
@@ -443,6 +514,125 @@ TEST_P(ExpertMlpFp8, ForwardChainWithDeviceQuantization) {
   expect_fp8_close(dy.download(), model_y(fx, ha, hw2, scores.data()), fx.l, D, "y_RD");
 }
 
+// DGRAD W2's outputs, poisoned: grad_h13 and a_RF bf16 (NaN), the score partials fp32 (NaN).
+struct DgradW2Outputs {
+  DeviceBuffer<uint16_t> grad_h13, a;
+  DeviceBuffer<float> partials;
+  DgradW2Outputs(int64_t R, int64_t F, int64_t P)
+      : grad_h13(poisoned16(R * 2 * F)), a(poisoned16(R * F)), partials(std::vector<float>(R * P, fp32_poison())) {}
+};
+
+// DGRAD W2 + SwiGLU backward, swiglu and clamped swiglu, with and without scores (score 1): grad_a =
+// score * (grad_y . W2[e]) from grad_y's row tiles and W2's transposed blocks, then as the BF16 GEMM
+// (ref_dgrad_w2 on the saved bf16 h13): grad_h13, a_RF = score * act(h13) and the score's gradient
+// (its partials summed). Then h13 read from two buffers split by rows: every output bit for bit the
+// one-buffer run.
+TEST_P(ExpertMlpFp8, DgradW2MatchesFloat64OnDequantizedOperands) {
+  Fp8Fixture fx(GetParam());
+  SCOPED_TRACE(fx.trace());
+  const int64_t R = fx.l.rows, D = fx.cs.D, F = fx.cs.F, E = fx.E();
+  const int64_t P = sm90::dgrad_w2_score_partials(fx.shape);
+  Rng rng(fx.seed + 5);
+  const Fp8Operand gy = row_tiles(random_rows_fp8(rng, fx.l, D), R, D);
+  const Fp8Operand w2 = weight_blocks(random_w2(rng, fx), E, D, F);
+  const Fp8Operand w2_t = transposed_weights(w2, E, D, F);
+  const auto h13 = random_h13(rng, fx);
+  const auto scores = rng.uniform(R, 0.1f, 1.0f);
+  DeviceBuffer<uint16_t> dh(h13);
+  DeviceBuffer<float> ds(scores);
+  const auto grad_a0 = model_grad_a0(fx, gy, w2);
+
+  auto run = [&](const float* scores_R, const void* h13_R2F, const sm90::H13Split& split, DgradW2Outputs& o,
+                 const char* what) {
+    sm90::DgradW2Fp8Args args;
+    args.grad_y = gy.rows();
+    args.w2_t = w2_t.weights();
+    args.h13_R2F = h13_R2F;
+    args.scores_R = scores_R;
+    args.grad_h13_R2F = o.grad_h13.ptr;
+    args.a_RF = o.a.ptr;
+    args.grad_score_partials_RP = o.partials.ptr;
+    args.h13_split = split;
+    sm90::expert_mlp_dgrad_w2_fp8(fx.rows, fx.shape, args, nullptr);
+    cuda_ok(cudaDeviceSynchronize(), what);
+    EXPECT_FALSE(fx.take_fault().occurred) << "device fault";
+  };
+  for (bool clamped : {false, true}) {
+    fx.set_activation(clamped);
+    SCOPED_TRACE(clamped ? "swiglu_clamped (limit 1.5)" : "swiglu");
+    expect_clamps_bite(fx, to_double(h13));
+    for (const float* scores_R : {static_cast<const float*>(nullptr), static_cast<const float*>(ds.ptr)}) {
+      SCOPED_TRACE(scores_R ? "scores_R" : "no scores");
+      DgradW2Outputs o(R, F, P);
+      run(scores_R, dh.ptr, {}, o, "dgrad_w2_fp8");
+      const DgradW2Ref ref = ref_dgrad_w2(fx.l, grad_a0, h13, scores_R ? scores.data() : nullptr, F,
+                                          W13Layout::gate_up_blocked, fx.act);
+      expect_fp8_close(o.grad_h13.download(), ref.grad_h13, fx.l, 2 * F, "grad_h13_R2F");
+      expect_fp8_close(o.a.download(), ref.a, fx.l, F, "a_RF (score * act(h13))");
+      expect_score_grad_close(o.partials.download(), P, ref, fx.l, "grad_score_partials_RP (summed)");
+    }
+  }
+
+  // h13 split by rows (H13Split): rows [0, split_row) read from h13_R2F, the others from hi_R2F, each
+  // NaN in the other's rows (a row read from the wrong buffer turns NaN).
+  const int64_t split = R / 2 / 128 * 128;
+  SCOPED_TRACE("h13 split_row " + std::to_string(split));
+  std::vector<uint16_t> lo(h13), hi(h13);
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t j = 0; j < 2 * F; ++j) (r < split ? hi : lo)[r * 2 * F + j] = kBf16Poison;
+  DeviceBuffer<uint16_t> dlo(lo), dhi(hi);
+  DgradW2Outputs one(R, F, P), two(R, F, P);
+  run(ds.ptr, dh.ptr, {}, one, "dgrad_w2_fp8 (one h13 buffer)");
+  run(ds.ptr, dlo.ptr, {split, dhi.ptr}, two, "dgrad_w2_fp8 (split h13)");
+  EXPECT_TRUE(same_bits(one.grad_h13.download(), two.grad_h13.download())) << "grad_h13_R2F differs with h13 split";
+  EXPECT_TRUE(same_bits(one.a.download(), two.a.download())) << "a_RF differs with h13 split";
+  EXPECT_TRUE(same_bits(one.partials.download(), two.partials.download())) << "score partials differ with h13 split";
+}
+
+TEST_P(ExpertMlpFp8, DgradW13MatchesFloat64OnDequantizedOperands) {
+  Fp8Fixture fx(GetParam());
+  SCOPED_TRACE(fx.trace());
+  const int64_t R = fx.l.rows, D = fx.cs.D, F = fx.cs.F, E = fx.E();
+  Rng rng(fx.seed + 6);
+  const Fp8Operand gh = row_tiles(random_rows_fp8(rng, fx.l, 2 * F), R, 2 * F);  // tiles along 2F, W13's row order
+  const Fp8Operand w13 = weight_blocks(random_w13(rng, fx), E, 2 * F, D);
+  const Fp8Operand w13_t = transposed_weights(w13, E, 2 * F, D);
+  DeviceBuffer<uint16_t> dgx(poisoned16(R * D));
+  sm90::DgradW13Fp8Args args;
+  args.grad_h13 = gh.rows();
+  args.w13_t = w13_t.weights();
+  args.grad_x_RD = dgx.ptr;
+  sm90::expert_mlp_dgrad_w13_fp8(fx.rows, fx.shape, args, nullptr);
+  cuda_ok(cudaDeviceSynchronize(), "dgrad_w13_fp8");
+  EXPECT_FALSE(fx.take_fault().occurred) << "device fault";
+  expect_fp8_close(dgx.download(), model_grad_x(fx, gh, w13), fx.l, D, "grad_x_RD");
+}
+
+// DGRAD W13's rows scattered to slots, checked as FPROP W2's (check_row_scatter).
+TEST_P(ExpertMlpFp8, DgradW13RowScatterEqualsGroupedRowsBitwise) {
+  Fp8Fixture fx(GetParam());
+  SCOPED_TRACE(fx.trace());
+  const int64_t R = fx.l.rows, D = fx.cs.D, F = fx.cs.F, E = fx.E();
+  Rng rng(fx.seed + 7);
+  const Fp8Operand gh = row_tiles(random_rows_fp8(rng, fx.l, 2 * F), R, 2 * F);
+  const Fp8Operand w13_t = transposed_weights(weight_blocks(random_w13(rng, fx), E, 2 * F, D), E, 2 * F, D);
+  DeviceBuffer<uint16_t> dgx(poisoned16(R * D));
+  sm90::DgradW13Fp8Args args;
+  args.grad_h13 = gh.rows();
+  args.w13_t = w13_t.weights();
+  args.grad_x_RD = dgx.ptr;
+  sm90::expert_mlp_dgrad_w13_fp8(fx.rows, fx.shape, args, nullptr);
+  cuda_ok(cudaDeviceSynchronize(), "dgrad_w13_fp8 grouped");
+  EXPECT_FALSE(fx.take_fault().occurred) << "device fault";
+  check_row_scatter(fx.l, D, fx.seed + 8, dgx.download(), [&](const sm90::RowScatter& scatter) {
+    args.grad_x_RD = nullptr;
+    args.scatter = scatter;
+    sm90::expert_mlp_dgrad_w13_fp8(fx.rows, fx.shape, args, nullptr);
+    cuda_ok(cudaDeviceSynchronize(), "dgrad_w13_fp8 scattered");
+    EXPECT_FALSE(fx.take_fault().occurred) << "device fault";
+  }, "dgrad_w13_fp8 scattered");
+}
+
 std::vector<Fp8Case> fp8_cases() {
   return {
       {"small_D128_F128_E2", {100, 200}, 128, 128, 1},
@@ -522,6 +712,75 @@ TEST(ExpertMlpFp8Replicas, SplitWeightsEqualOneBufferBitwise) {
   }
 }
 
+// The same for the DGRAD GEMMs on the weights' transposed copies: DGRAD W2 (grad_h13, a_RF, score
+// partials) and DGRAD W13 (grad_x), bit for bit the one-buffer run, which matches float64.
+TEST(ExpertMlpFp8Replicas, DgradSplitWeightsEqualOneBufferBitwise) {
+  if (!have_sm90()) GTEST_SKIP() << "needs an SM90 GPU";
+  Fp8Fixture fx(Fp8Case{"dgrad_replicas", {200, 0, 333, 0, 129, 64}, 192, 320, 42});
+  SCOPED_TRACE(fx.trace());
+  fx.set_activation(true);
+  const int64_t R = fx.l.rows, D = fx.cs.D, F = fx.cs.F, E = fx.E();
+  const int64_t P = sm90::dgrad_w2_score_partials(fx.shape);
+  Rng rng(fx.seed);
+  const Fp8Operand gy = row_tiles(random_rows_fp8(rng, fx.l, D), R, D);
+  const Fp8Operand gh = row_tiles(random_rows_fp8(rng, fx.l, 2 * F), R, 2 * F);
+  const Fp8Operand w2 = weight_blocks(random_w2(rng, fx), E, D, F);
+  const Fp8Operand w13 = weight_blocks(random_w13(rng, fx), E, 2 * F, D);
+  const Fp8Operand w2_t = transposed_weights(w2, E, D, F), w13_t = transposed_weights(w13, E, 2 * F, D);
+  const auto h13 = random_h13(rng, fx);
+  const auto scores = rng.uniform(R, 0.1f, 1.0f);
+  DeviceBuffer<uint16_t> dh(h13);
+  DeviceBuffer<float> ds(scores);
+
+  auto run = [&](const GroupedRows& rows, sm90::Fp8Weights w2_own, sm90::Fp8Weights w2_rep,
+                 sm90::Fp8Weights w13_own, sm90::Fp8Weights w13_rep, DgradW2Outputs& o, DeviceBuffer<uint16_t>& gx) {
+    sm90::DgradW2Fp8Args d2;
+    d2.grad_y = gy.rows();
+    d2.w2_t = w2_own;
+    d2.replica_w2_t = w2_rep;
+    d2.h13_R2F = dh.ptr;
+    d2.scores_R = ds.ptr;
+    d2.grad_h13_R2F = o.grad_h13.ptr;
+    d2.a_RF = o.a.ptr;
+    d2.grad_score_partials_RP = o.partials.ptr;
+    sm90::expert_mlp_dgrad_w2_fp8(rows, fx.shape, d2, nullptr);
+    sm90::DgradW13Fp8Args d13;
+    d13.grad_h13 = gh.rows();
+    d13.w13_t = w13_own;
+    d13.replica_w13_t = w13_rep;
+    d13.grad_x_RD = gx.ptr;
+    sm90::expert_mlp_dgrad_w13_fp8(rows, fx.shape, d13, nullptr);
+    cuda_ok(cudaDeviceSynchronize(), "fp8 dgrad");
+    EXPECT_FALSE(fx.take_fault().occurred) << "device fault";
+  };
+  DgradW2Outputs one(R, F, P);
+  DeviceBuffer<uint16_t> one_gx(poisoned16(R * D));
+  run(fx.rows, w2_t.weights(), {}, w13_t.weights(), {}, one, one_gx);
+  const DgradW2Ref ref =
+      ref_dgrad_w2(fx.l, model_grad_a0(fx, gy, w2), h13, scores.data(), F, W13Layout::gate_up_blocked, fx.act);
+  expect_fp8_close(one.grad_h13.download(), ref.grad_h13, fx.l, 2 * F, "grad_h13_R2F (one buffer)");
+  expect_fp8_close(one.a.download(), ref.a, fx.l, F, "a_RF (one buffer)");
+  expect_score_grad_close(one.partials.download(), P, ref, fx.l, "score partials (one buffer)");
+  expect_fp8_close(one_gx.download(), model_grad_x(fx, gh, w13), fx.l, D, "grad_x_RD (one buffer)");
+
+  for (int64_t own : {int64_t{3}, int64_t{0}}) {
+    SCOPED_TRACE("first_replica " + std::to_string(own));
+    // W2^T is [E][F][D], W13^T [E][D][2F].
+    const Fp8WeightSlice w2_own(w2_t, F, D, 0, own), w2_rep(w2_t, F, D, own, E), w13_own(w13_t, D, 2 * F, 0, own),
+        w13_rep(w13_t, D, 2 * F, own, E);
+    GroupedRows rows = fx.rows;
+    rows.first_replica = own;
+    DgradW2Outputs split(R, F, P);
+    DeviceBuffer<uint16_t> split_gx(poisoned16(R * D));
+    run(rows, w2_own.weights(), w2_rep.weights(), w13_own.weights(), w13_rep.weights(), split, split_gx);
+    EXPECT_TRUE(same_bits(one.grad_h13.download(), split.grad_h13.download()))
+        << "grad_h13_R2F differs between one buffer and split weights";
+    EXPECT_TRUE(same_bits(one.a.download(), split.a.download())) << "a_RF differs";
+    EXPECT_TRUE(same_bits(one.partials.download(), split.partials.download())) << "score partials differ";
+    EXPECT_TRUE(same_bits(one_gx.download(), split_gx.download())) << "grad_x_RD differs";
+  }
+}
+
 // ---- host validation (no GPU needed: ctest's test_expert_mlp_fp8_validation, label cpu) ----------
 
 sm90::FpropW13Fp8Args fake_w13_args() {
@@ -595,6 +854,74 @@ TEST(ExpertMlpFp8Validation, NullOperandsAreNamedBeforeAnyLaunch) {
   EXPECT_EQ(rejected_name([&] { sm90::expert_mlp_fprop_w13_fp8(rows, odd, fake_w13_args(), nullptr); }), "hidden_dim");
 }
 
+sm90::DgradW2Fp8Args fake_dgrad_w2_args() {
+  const void* fake = kFakeAddress;
+  const float* fake_f = reinterpret_cast<const float*>(kFakeAddress);
+  sm90::DgradW2Fp8Args args;
+  args.grad_y = {fake, fake_f};
+  args.w2_t = {fake, fake_f};
+  args.h13_R2F = fake;
+  args.grad_h13_R2F = kFakeAddress;
+  return args;
+}
+
+sm90::DgradW13Fp8Args fake_dgrad_w13_args() {
+  const void* fake = kFakeAddress;
+  const float* fake_f = reinterpret_cast<const float*>(kFakeAddress);
+  sm90::DgradW13Fp8Args args;
+  args.grad_h13 = {fake, fake_f};
+  args.w13_t = {fake, fake_f};
+  args.grad_x_RD = kFakeAddress;
+  return args;
+}
+
+TEST(ExpertMlpFp8Validation, DgradNullOperandsAreNamedBeforeAnyLaunch) {
+  const GroupedRows rows = fake_grouped_rows();
+  const ExpertMlpShape shape = validation_shape();
+  auto w2_without = [&](auto clear) {
+    sm90::DgradW2Fp8Args args = fake_dgrad_w2_args();
+    clear(args);
+    return rejected_name([&] { sm90::expert_mlp_dgrad_w2_fp8(rows, shape, args, nullptr); });
+  };
+  EXPECT_EQ(w2_without([](auto& a) { a.grad_y.values_RK = nullptr; }), "grad_y.values_RK");
+  EXPECT_EQ(w2_without([](auto& a) { a.grad_y.scales_RKb = nullptr; }), "grad_y.scales_RKb");
+  EXPECT_EQ(w2_without([](auto& a) { a.w2_t.values = nullptr; }), "w2_t.values");
+  EXPECT_EQ(w2_without([](auto& a) { a.w2_t.scales = nullptr; }), "w2_t.scales");
+  EXPECT_EQ(w2_without([](auto& a) { a.h13_R2F = nullptr; }), "h13_R2F");
+  EXPECT_EQ(w2_without([](auto& a) { a.grad_h13_R2F = nullptr; }), "grad_h13_R2F");
+
+  auto w13_without = [&](auto clear) {
+    sm90::DgradW13Fp8Args args = fake_dgrad_w13_args();
+    clear(args);
+    return rejected_name([&] { sm90::expert_mlp_dgrad_w13_fp8(rows, shape, args, nullptr); });
+  };
+  EXPECT_EQ(w13_without([](auto& a) { a.grad_h13.values_RK = nullptr; }), "grad_h13.values_RK");
+  EXPECT_EQ(w13_without([](auto& a) { a.grad_h13.scales_RKb = nullptr; }), "grad_h13.scales_RKb");
+  EXPECT_EQ(w13_without([](auto& a) { a.w13_t.values = nullptr; }), "w13_t.values");
+  EXPECT_EQ(w13_without([](auto& a) { a.w13_t.scales = nullptr; }), "w13_t.scales");
+  EXPECT_EQ(w13_without([](auto& a) { a.grad_x_RD = nullptr; }), "grad_x_RD");
+
+  // With replica slots (experts 2, 3), their transposed weights are required too.
+  GroupedRows with_replicas = rows;
+  with_replicas.first_replica = 2;
+  const void* fake = kFakeAddress;
+  const float* fake_f = reinterpret_cast<const float*>(kFakeAddress);
+  sm90::DgradW2Fp8Args d2 = fake_dgrad_w2_args();
+  d2.replica_w2_t = {nullptr, fake_f};
+  EXPECT_EQ(rejected_name([&] { sm90::expert_mlp_dgrad_w2_fp8(with_replicas, shape, d2, nullptr); }),
+            "replica_w2_t.values");
+  d2.replica_w2_t = {fake, nullptr};
+  EXPECT_EQ(rejected_name([&] { sm90::expert_mlp_dgrad_w2_fp8(with_replicas, shape, d2, nullptr); }),
+            "replica_w2_t.scales");
+  sm90::DgradW13Fp8Args d13 = fake_dgrad_w13_args();
+  d13.replica_w13_t = {nullptr, fake_f};
+  EXPECT_EQ(rejected_name([&] { sm90::expert_mlp_dgrad_w13_fp8(with_replicas, shape, d13, nullptr); }),
+            "replica_w13_t.values");
+  d13.replica_w13_t = {fake, nullptr};
+  EXPECT_EQ(rejected_name([&] { sm90::expert_mlp_dgrad_w13_fp8(with_replicas, shape, d13, nullptr); }),
+            "replica_w13_t.scales");
+}
+
 TEST(ExpertMlpFp8Validation, UnbuiltVariantsAreNotAvailable) {
   const GroupedRows rows = fake_grouped_rows();
   const ExpertMlpShape shape = validation_shape();
@@ -610,6 +937,16 @@ TEST(ExpertMlpFp8Validation, UnbuiltVariantsAreNotAvailable) {
       << "interleaved W13";
   EXPECT_THROW(sm90::expert_mlp_fprop_w2_fp8(rows, biased, f2, nullptr), poise::NotAvailable) << "biased W2";
   EXPECT_THROW(sm90::expert_mlp_fprop_w2_fp8(rows, transposed, f2, nullptr), poise::NotAvailable) << "transposed W2";
+  const auto d2 = fake_dgrad_w2_args();
+  const auto d13 = fake_dgrad_w13_args();
+  EXPECT_THROW(sm90::expert_mlp_dgrad_w2_fp8(rows, biased, d2, nullptr), poise::NotAvailable) << "biased DGRAD W2";
+  EXPECT_THROW(sm90::expert_mlp_dgrad_w2_fp8(rows, transposed, d2, nullptr), poise::NotAvailable)
+      << "transposed DGRAD W2";
+  EXPECT_THROW(sm90::expert_mlp_dgrad_w2_fp8(rows, interleaved, d2, nullptr), poise::NotAvailable)
+      << "interleaved DGRAD W2";
+  EXPECT_THROW(sm90::expert_mlp_dgrad_w13_fp8(rows, biased, d13, nullptr), poise::NotAvailable) << "biased DGRAD W13";
+  EXPECT_THROW(sm90::expert_mlp_dgrad_w13_fp8(rows, transposed, d13, nullptr), poise::NotAvailable)
+      << "transposed DGRAD W13";
 }
 
 }  // namespace

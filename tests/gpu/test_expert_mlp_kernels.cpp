@@ -121,21 +121,8 @@ TEST_P(ExpertMlpKernels, DgradW2SwigluBackwardMatchesFloat64) {
   cuda_ok(cudaDeviceSynchronize(), "dgrad_w2");
 
   const auto gacc = ref_rows_gemm(fx.l, to_double(gy), D, to_double(w2), F, false);
-  std::vector<double> gh_ref(R * 2 * F, 0.0), a_ref(R * F, 0.0), gs_ref(R, 0.0);
-  for (int64_t r = 0; r < R; ++r) {
-    if (!fx.l.is_row_valid(r)) continue;
-    for (int64_t f = 0; f < F; ++f) {
-      const int64_t gc = gate_col(f, F, fx.cs.layout), uc = up_col(f, F, fx.cs.layout);
-      const double g = from_bf16(h13[r * 2 * F + gc]), u = from_bf16(h13[r * 2 * F + uc]);
-      const double a = act_forward(g, u, fx.act);
-      double dg, du;
-      act_backward(g, u, scores[r] * gacc[r * F + f], fx.act, dg, du);
-      gh_ref[r * 2 * F + gc] = dg;
-      gh_ref[r * 2 * F + uc] = du;
-      a_ref[r * F + f] = scores[r] * a;
-      gs_ref[r] += gacc[r * F + f] * a;
-    }
-  }
+  const DgradW2Ref ref = ref_dgrad_w2(fx.l, gacc, h13, scores.data(), F, fx.cs.layout, fx.act);
+  const auto &gh_ref = ref.grad_h13, &a_ref = ref.a, &gs_ref = ref.grad_scores;
   expect_close(compare_rows_bf16(dgh.download(), gh_ref, fx.l, 2 * F), kBf16Tolerance, "grad_h13_R2F");
   expect_close(compare_rows_bf16(da.download(), a_ref, fx.l, F), kBf16Tolerance, "a_RF (score * a)");
   const auto gs = sum_score_partials(dgs.download(), P);
