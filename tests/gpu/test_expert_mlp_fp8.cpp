@@ -803,57 +803,6 @@ sm90::FpropW2Fp8Args fake_w2_args() {
   return args;
 }
 
-TEST(ExpertMlpFp8Validation, NullOperandsAreNamedBeforeAnyLaunch) {
-  const GroupedRows rows = fake_grouped_rows();
-  const ExpertMlpShape shape = validation_shape();
-  auto w13_without = [&](auto clear) {
-    sm90::FpropW13Fp8Args args = fake_w13_args();
-    clear(args);
-    return rejected_name([&] { sm90::expert_mlp_fprop_w13_fp8(rows, shape, args, nullptr); });
-  };
-  EXPECT_EQ(w13_without([](auto& a) { a.x.values_RK = nullptr; }), "x.values_RK");
-  EXPECT_EQ(w13_without([](auto& a) { a.x.scales_RKb = nullptr; }), "x.scales_RKb");
-  EXPECT_EQ(w13_without([](auto& a) { a.w13.values = nullptr; }), "w13.values");
-  EXPECT_EQ(w13_without([](auto& a) { a.w13.scales = nullptr; }), "w13.scales");
-  EXPECT_EQ(w13_without([](auto& a) { a.a_RF = nullptr; }), "a_RF");
-
-  auto w2_without = [&](auto clear) {
-    sm90::FpropW2Fp8Args args = fake_w2_args();
-    clear(args);
-    return rejected_name([&] { sm90::expert_mlp_fprop_w2_fp8(rows, shape, args, nullptr); });
-  };
-  EXPECT_EQ(w2_without([](auto& a) { a.a.values_RK = nullptr; }), "a.values_RK");
-  EXPECT_EQ(w2_without([](auto& a) { a.a.scales_RKb = nullptr; }), "a.scales_RKb");
-  EXPECT_EQ(w2_without([](auto& a) { a.w2.values = nullptr; }), "w2.values");
-  EXPECT_EQ(w2_without([](auto& a) { a.w2.scales = nullptr; }), "w2.scales");
-  EXPECT_EQ(w2_without([](auto& a) { a.y_RD = nullptr; }), "y_RD");
-
-  // With replica slots (experts 2, 3), their weights are required too.
-  GroupedRows with_replicas = rows;
-  with_replicas.first_replica = 2;
-  const void* fake = kFakeAddress;
-  const float* fake_f = reinterpret_cast<const float*>(kFakeAddress);
-  sm90::FpropW13Fp8Args f13 = fake_w13_args();
-  f13.replica_w13 = {nullptr, fake_f};
-  EXPECT_EQ(rejected_name([&] { sm90::expert_mlp_fprop_w13_fp8(with_replicas, shape, f13, nullptr); }),
-            "replica_w13.values");
-  f13.replica_w13 = {fake, nullptr};
-  EXPECT_EQ(rejected_name([&] { sm90::expert_mlp_fprop_w13_fp8(with_replicas, shape, f13, nullptr); }),
-            "replica_w13.scales");
-  sm90::FpropW2Fp8Args f2 = fake_w2_args();
-  f2.replica_w2 = {nullptr, fake_f};
-  EXPECT_EQ(rejected_name([&] { sm90::expert_mlp_fprop_w2_fp8(with_replicas, shape, f2, nullptr); }),
-            "replica_w2.values");
-  f2.replica_w2 = {fake, nullptr};
-  EXPECT_EQ(rejected_name([&] { sm90::expert_mlp_fprop_w2_fp8(with_replicas, shape, f2, nullptr); }),
-            "replica_w2.scales");
-
-  // The shape is checked as the BF16 GEMMs check it.
-  ExpertMlpShape odd = shape;
-  odd.hidden_dim = 96;
-  EXPECT_EQ(rejected_name([&] { sm90::expert_mlp_fprop_w13_fp8(rows, odd, fake_w13_args(), nullptr); }), "hidden_dim");
-}
-
 sm90::DgradW2Fp8Args fake_dgrad_w2_args() {
   const void* fake = kFakeAddress;
   const float* fake_f = reinterpret_cast<const float*>(kFakeAddress);
@@ -875,51 +824,80 @@ sm90::DgradW13Fp8Args fake_dgrad_w13_args() {
   return args;
 }
 
-TEST(ExpertMlpFp8Validation, DgradNullOperandsAreNamedBeforeAnyLaunch) {
-  const GroupedRows rows = fake_grouped_rows();
-  const ExpertMlpShape shape = validation_shape();
-  auto w2_without = [&](auto clear) {
-    sm90::DgradW2Fp8Args args = fake_dgrad_w2_args();
-    clear(args);
-    return rejected_name([&] { sm90::expert_mlp_dgrad_w2_fp8(rows, shape, args, nullptr); });
-  };
-  EXPECT_EQ(w2_without([](auto& a) { a.grad_y.values_RK = nullptr; }), "grad_y.values_RK");
-  EXPECT_EQ(w2_without([](auto& a) { a.grad_y.scales_RKb = nullptr; }), "grad_y.scales_RKb");
-  EXPECT_EQ(w2_without([](auto& a) { a.w2_t.values = nullptr; }), "w2_t.values");
-  EXPECT_EQ(w2_without([](auto& a) { a.w2_t.scales = nullptr; }), "w2_t.scales");
-  EXPECT_EQ(w2_without([](auto& a) { a.h13_R2F = nullptr; }), "h13_R2F");
-  EXPECT_EQ(w2_without([](auto& a) { a.grad_h13_R2F = nullptr; }), "grad_h13_R2F");
+// The argument a GEMM call names when `clear` spoils one field of an otherwise valid set.
+template <class Args, class Call, class Clear>
+std::string rejected_without(Args args, Call call, Clear clear) {
+  clear(args);
+  return rejected_name([&] { call(fake_grouped_rows(), args); });
+}
 
-  auto w13_without = [&](auto clear) {
-    sm90::DgradW13Fp8Args args = fake_dgrad_w13_args();
-    clear(args);
-    return rejected_name([&] { sm90::expert_mlp_dgrad_w13_fp8(rows, shape, args, nullptr); });
-  };
-  EXPECT_EQ(w13_without([](auto& a) { a.grad_h13.values_RK = nullptr; }), "grad_h13.values_RK");
-  EXPECT_EQ(w13_without([](auto& a) { a.grad_h13.scales_RKb = nullptr; }), "grad_h13.scales_RKb");
-  EXPECT_EQ(w13_without([](auto& a) { a.w13_t.values = nullptr; }), "w13_t.values");
-  EXPECT_EQ(w13_without([](auto& a) { a.w13_t.scales = nullptr; }), "w13_t.scales");
-  EXPECT_EQ(w13_without([](auto& a) { a.grad_x_RD = nullptr; }), "grad_x_RD");
-
-  // With replica slots (experts 2, 3), their transposed weights are required too.
-  GroupedRows with_replicas = rows;
+// With replica slots (experts 2, 3), a call requires their weights too: values, then scales.
+template <class Args, class Call>
+void expect_replicas_named(Args args, sm90::Fp8Weights Args::*replica, const std::string& name, Call call) {
+  GroupedRows with_replicas = fake_grouped_rows();
   with_replicas.first_replica = 2;
   const void* fake = kFakeAddress;
   const float* fake_f = reinterpret_cast<const float*>(kFakeAddress);
-  sm90::DgradW2Fp8Args d2 = fake_dgrad_w2_args();
-  d2.replica_w2_t = {nullptr, fake_f};
-  EXPECT_EQ(rejected_name([&] { sm90::expert_mlp_dgrad_w2_fp8(with_replicas, shape, d2, nullptr); }),
-            "replica_w2_t.values");
-  d2.replica_w2_t = {fake, nullptr};
-  EXPECT_EQ(rejected_name([&] { sm90::expert_mlp_dgrad_w2_fp8(with_replicas, shape, d2, nullptr); }),
-            "replica_w2_t.scales");
-  sm90::DgradW13Fp8Args d13 = fake_dgrad_w13_args();
-  d13.replica_w13_t = {nullptr, fake_f};
-  EXPECT_EQ(rejected_name([&] { sm90::expert_mlp_dgrad_w13_fp8(with_replicas, shape, d13, nullptr); }),
-            "replica_w13_t.values");
-  d13.replica_w13_t = {fake, nullptr};
-  EXPECT_EQ(rejected_name([&] { sm90::expert_mlp_dgrad_w13_fp8(with_replicas, shape, d13, nullptr); }),
-            "replica_w13_t.scales");
+  args.*replica = {nullptr, fake_f};
+  EXPECT_EQ(rejected_name([&] { call(with_replicas, args); }), name + ".values");
+  args.*replica = {fake, nullptr};
+  EXPECT_EQ(rejected_name([&] { call(with_replicas, args); }), name + ".scales");
+}
+
+TEST(ExpertMlpFp8Validation, NullOperandsAreNamedBeforeAnyLaunch) {
+  const ExpertMlpShape shape = validation_shape();
+  const auto fprop_w13 = [&](const GroupedRows& rows, const sm90::FpropW13Fp8Args& a) {
+    sm90::expert_mlp_fprop_w13_fp8(rows, shape, a, nullptr);
+  };
+  const auto fprop_w2 = [&](const GroupedRows& rows, const sm90::FpropW2Fp8Args& a) {
+    sm90::expert_mlp_fprop_w2_fp8(rows, shape, a, nullptr);
+  };
+  const auto w13 = fake_w13_args();
+  const auto w2 = fake_w2_args();
+  EXPECT_EQ(rejected_without(w13, fprop_w13, [](auto& a) { a.x.values_RK = nullptr; }), "x.values_RK");
+  EXPECT_EQ(rejected_without(w13, fprop_w13, [](auto& a) { a.x.scales_RKb = nullptr; }), "x.scales_RKb");
+  EXPECT_EQ(rejected_without(w13, fprop_w13, [](auto& a) { a.w13.values = nullptr; }), "w13.values");
+  EXPECT_EQ(rejected_without(w13, fprop_w13, [](auto& a) { a.w13.scales = nullptr; }), "w13.scales");
+  EXPECT_EQ(rejected_without(w13, fprop_w13, [](auto& a) { a.a_RF = nullptr; }), "a_RF");
+  EXPECT_EQ(rejected_without(w2, fprop_w2, [](auto& a) { a.a.values_RK = nullptr; }), "a.values_RK");
+  EXPECT_EQ(rejected_without(w2, fprop_w2, [](auto& a) { a.a.scales_RKb = nullptr; }), "a.scales_RKb");
+  EXPECT_EQ(rejected_without(w2, fprop_w2, [](auto& a) { a.w2.values = nullptr; }), "w2.values");
+  EXPECT_EQ(rejected_without(w2, fprop_w2, [](auto& a) { a.w2.scales = nullptr; }), "w2.scales");
+  EXPECT_EQ(rejected_without(w2, fprop_w2, [](auto& a) { a.y_RD = nullptr; }), "y_RD");
+  expect_replicas_named(w13, &sm90::FpropW13Fp8Args::replica_w13, "replica_w13", fprop_w13);
+  expect_replicas_named(w2, &sm90::FpropW2Fp8Args::replica_w2, "replica_w2", fprop_w2);
+
+  // The shape is checked as the BF16 GEMMs check it.
+  ExpertMlpShape odd = shape;
+  odd.hidden_dim = 96;
+  EXPECT_EQ(rejected_name([&] { sm90::expert_mlp_fprop_w13_fp8(fake_grouped_rows(), odd, w13, nullptr); }),
+            "hidden_dim");
+}
+
+TEST(ExpertMlpFp8Validation, DgradNullOperandsAreNamedBeforeAnyLaunch) {
+  const ExpertMlpShape shape = validation_shape();
+  const auto dgrad_w2 = [&](const GroupedRows& rows, const sm90::DgradW2Fp8Args& a) {
+    sm90::expert_mlp_dgrad_w2_fp8(rows, shape, a, nullptr);
+  };
+  const auto dgrad_w13 = [&](const GroupedRows& rows, const sm90::DgradW13Fp8Args& a) {
+    sm90::expert_mlp_dgrad_w13_fp8(rows, shape, a, nullptr);
+  };
+  const auto w2 = fake_dgrad_w2_args();
+  const auto w13 = fake_dgrad_w13_args();
+  EXPECT_EQ(rejected_without(w2, dgrad_w2, [](auto& a) { a.grad_y.values_RK = nullptr; }), "grad_y.values_RK");
+  EXPECT_EQ(rejected_without(w2, dgrad_w2, [](auto& a) { a.grad_y.scales_RKb = nullptr; }), "grad_y.scales_RKb");
+  EXPECT_EQ(rejected_without(w2, dgrad_w2, [](auto& a) { a.w2_t.values = nullptr; }), "w2_t.values");
+  EXPECT_EQ(rejected_without(w2, dgrad_w2, [](auto& a) { a.w2_t.scales = nullptr; }), "w2_t.scales");
+  EXPECT_EQ(rejected_without(w2, dgrad_w2, [](auto& a) { a.h13_R2F = nullptr; }), "h13_R2F");
+  EXPECT_EQ(rejected_without(w2, dgrad_w2, [](auto& a) { a.grad_h13_R2F = nullptr; }), "grad_h13_R2F");
+  EXPECT_EQ(rejected_without(w13, dgrad_w13, [](auto& a) { a.grad_h13.values_RK = nullptr; }), "grad_h13.values_RK");
+  EXPECT_EQ(rejected_without(w13, dgrad_w13, [](auto& a) { a.grad_h13.scales_RKb = nullptr; }),
+            "grad_h13.scales_RKb");
+  EXPECT_EQ(rejected_without(w13, dgrad_w13, [](auto& a) { a.w13_t.values = nullptr; }), "w13_t.values");
+  EXPECT_EQ(rejected_without(w13, dgrad_w13, [](auto& a) { a.w13_t.scales = nullptr; }), "w13_t.scales");
+  EXPECT_EQ(rejected_without(w13, dgrad_w13, [](auto& a) { a.grad_x_RD = nullptr; }), "grad_x_RD");
+  expect_replicas_named(w2, &sm90::DgradW2Fp8Args::replica_w2_t, "replica_w2_t", dgrad_w2);
+  expect_replicas_named(w13, &sm90::DgradW13Fp8Args::replica_w13_t, "replica_w13_t", dgrad_w13);
 }
 
 TEST(ExpertMlpFp8Validation, UnbuiltVariantsAreNotAvailable) {
