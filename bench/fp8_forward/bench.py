@@ -25,7 +25,6 @@ Needs an SM90 GPU and the poise module built (pip install .). Estimated under tw
 """
 from __future__ import annotations
 
-import argparse
 import pathlib
 import statistics
 import sys
@@ -39,8 +38,8 @@ BENCH = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(BENCH))  # bench/: the routed-experts bench, the FP8 ceiling, clocks, commit
 from fp8_gemm.ceiling import measure as measure_ceiling  # noqa: E402
 from routed_experts.bench import (  # noqa: E402
-    SHAPES, TOLERANCE as BF16_TOLERANCE, baseline_forward, make_inputs, poise_config, rel_err, routing_name,
-    run_benchmark)
+    SHAPES, TOLERANCE as BF16_TOLERANCE, baseline_forward, case_arguments, make_inputs, parse_case_arguments,
+    poise_config, rel_err, routing_name, run_benchmark)
 from timing import time_block  # noqa: E402
 
 DEFAULT_OUT = "bench/results/fp8_forward_h200.json"
@@ -63,34 +62,14 @@ PEER_ROW_ALIGN = 16
 
 # ---------------------------------------------------------------- arguments
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default=DEFAULT_OUT, help=f"JSON results (default {DEFAULT_OUT})")
-    ap.add_argument("--commit", default=None, help="recorded commit (default: $POISE_COMMIT, else git)")
-    ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated, of: " + ", ".join(SHAPES))
-    ap.add_argument("--skews", default="1", help="target peak/mean rows per expert, comma-separated; <= 1: balanced")
-    ap.add_argument("--blocks", type=int, default=5, help="timed blocks per side (median recorded)")
-    ap.add_argument("--reps", type=int, default=10, help="timed calls per block (its median)")
-    ap.add_argument("--settle-s", type=float, default=0.5, help="idle before each block")
-    ap.add_argument("--warm-ms", type=float, default=200.0, help="warm-up before each block")
+    ap = case_arguments(DEFAULT_OUT, "1")
+    ap.description = __doc__.split("\n")[0]
     ap.add_argument("--peer-align", type=int, default=PEER_ROW_ALIGN,
                     help=f"peer_fp8: rows per expert padded to a multiple of this (default {PEER_ROW_ALIGN}; 1: none)")
     ap.add_argument("--no-inference", action="store_true", help="leave out the inference-context sides")
     ap.add_argument("--no-ceiling", action="store_true", help="skip the dense W13 GEMM ceilings")
     ap.add_argument("--ceiling-iters", type=int, default=20, help="timed calls per ceiling GEMM (median)")
-    args = ap.parse_args(argv)
-    args.shapes = args.shapes.split(",")
-    for name in args.shapes:
-        if name not in SHAPES:
-            ap.error(f"--shapes: unknown shape {name!r} (known: {', '.join(SHAPES)})")
-    try:
-        args.skews = [float(s) for s in args.skews.split(",")]
-    except ValueError:
-        ap.error(f"--skews must be comma-separated numbers, got {args.skews!r}")
-    for name in ("blocks", "reps", "peer_align", "ceiling_iters"):
-        if getattr(args, name) < 1:
-            ap.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    if args.settle_s < 0 or args.warm_ms < 0:
-        ap.error("--settle-s and --warm-ms must be >= 0")
+    args = parse_case_arguments(ap, argv, positive=("blocks", "reps", "peer_align", "ceiling_iters"))
     args.sides = [s for s in SIDES if not (args.no_inference and s.endswith("_inf"))]
     return args
 

@@ -42,16 +42,23 @@ MODES = ("fwd", "fwdbwd")
 
 
 # ---------------------------------------------------------------- arguments
-def parse_args(argv=None):
+def case_arguments(default_out, default_skews):
+    """The arguments every case bench takes (this one, bench/fp8_forward): output, commit, shapes,
+    skews and block timing; parse_case_arguments checks them."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default=DEFAULT_OUT, help=f"JSON results (default {DEFAULT_OUT})")
+    ap.add_argument("--out", default=default_out, help=f"JSON results (default {default_out})")
     ap.add_argument("--commit", default=None, help="recorded commit (default: $POISE_COMMIT, else git)")
     ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated, of: " + ", ".join(SHAPES))
-    ap.add_argument("--skews", default="1,3", help="target peak/mean rows per expert; <= 1: balanced")
+    ap.add_argument("--skews", default=default_skews, help="target peak/mean rows per expert; <= 1: balanced")
     ap.add_argument("--blocks", type=int, default=5, help="timed blocks per side and mode (median recorded)")
     ap.add_argument("--reps", type=int, default=10, help="timed calls per block (its median)")
     ap.add_argument("--settle-s", type=float, default=0.5, help="idle before each block")
     ap.add_argument("--warm-ms", type=float, default=200.0, help="warm-up before each block")
+    return ap
+
+
+def parse_case_arguments(ap, argv, positive=("blocks", "reps")):
+    """ap's arguments parsed and checked: shapes known, skews numbers, `positive` ones >= 1."""
     args = ap.parse_args(argv)
     args.shapes = args.shapes.split(",")
     for name in args.shapes:
@@ -61,12 +68,16 @@ def parse_args(argv=None):
         args.skews = [float(s) for s in args.skews.split(",")]
     except ValueError:
         ap.error(f"--skews must be comma-separated numbers, got {args.skews!r}")
-    for name in ("blocks", "reps"):
+    for name in positive:
         if getattr(args, name) < 1:
-            ap.error(f"--{name} must be at least 1, got {getattr(args, name)}")
+            ap.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.settle_s < 0 or args.warm_ms < 0:
         ap.error("--settle-s and --warm-ms must be >= 0")
     return args
+
+
+def parse_args(argv=None):
+    return parse_case_arguments(case_arguments(DEFAULT_OUT, "1,3"), argv)
 
 
 # ---------------------------------------------------------------- routing and inputs
