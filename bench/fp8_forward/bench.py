@@ -13,6 +13,8 @@ the same seeded inputs for every side; forward only, under torch.no_grad. Sides:
   poise_bf16       poise.routed_experts on a one-rank context of the default (bf16) Config
   poise_fp8        the same with gemm_precision='fp8_block_scaled' (the context quantizes the BF16
                    weights into 128 x 128 blocks every call, x and a into 1 x 128 row tiles)
+  poise_fp8_prep   poise_fp8 with prepared weights (poise.prepare_weights once, outside the timing, as an
+                   optimizer step would; routed_experts(..., prepared=)): no per-call weight quantization
   poise_bf16_inf,  the same two on contexts with inference=True (no activation slots); --no-inference
   poise_fp8_inf    leaves them out
 Every side's blocks alternate (bench/timing.py's time_block), so the card's drift hits all alike.
@@ -21,7 +23,7 @@ each side's TFLOP/s (forward flops 2*T*K*D*2F + 2*T*K*F*D), and each side's out 
 baseline's (relative L2; FP8 sides must be under 0.12, BF16 sides under 2e-2: a broken kernel shows).
 
 Usage: python3 bench/fp8_forward/bench.py [--out FILE] [--commit SHA] [--shapes ...] [--skews 1,3]
-Needs an SM90 GPU and the poise module built (pip install .). Estimated under two minutes on an H200 (6 sides x 5 blocks x 2 shapes).
+Needs an SM90 GPU and the poise module built (pip install .). About 70 s on an H200 with --blocks 3 (7 sides x 3 blocks x 2 shapes).
 """
 from __future__ import annotations
 
@@ -46,12 +48,14 @@ DEFAULT_OUT = "bench/results/fp8_forward_h200.json"
 # FP8 against the BF16 baseline: 3-7e-2 relative L2 expected (docs/fp8.md: 6-8% from float64 on one
 # expert group); a broken kernel or a wrong scale is far beyond.
 FP8_TOLERANCE = 0.12
-FP8_SIDES = ("peer_fp8", "poise_fp8", "poise_fp8_inf")
-SIDES = ("baseline", "peer_fp8", "poise_bf16", "poise_fp8", "poise_bf16_inf", "poise_fp8_inf")
+FP8_SIDES = ("peer_fp8", "poise_fp8", "poise_fp8_prep", "poise_fp8_inf")
+SIDES = ("baseline", "peer_fp8", "poise_bf16", "poise_fp8", "poise_fp8_prep", "poise_bf16_inf", "poise_fp8_inf")
 # (numerator side, denominator side): ratio = numerator's ms / poise's ms, > 1 when Poise is faster.
 RATIOS = (("poise_fp8", "poise_bf16"), ("poise_fp8", "peer_fp8"), ("poise_fp8", "baseline"),
+          ("poise_fp8_prep", "poise_bf16"), ("poise_fp8_prep", "peer_fp8"), ("poise_fp8_prep", "baseline"),
           ("poise_fp8_inf", "poise_bf16_inf"), ("poise_fp8_inf", "peer_fp8"), ("poise_fp8_inf", "baseline"))
-GOALS = {("deepseek_v3_ep8_rank", "poise_fp8_vs_poise_bf16"): 1.7}  # issue 41
+GOALS = {("deepseek_v3_ep8_rank", "poise_fp8_vs_poise_bf16"): 1.7,  # issue 41
+         ("deepseek_v3_ep8_rank", "poise_fp8_prep_vs_poise_bf16"): 1.7}
 E4M3_MAX = 448.0
 # torch._scaled_grouped_mm's 2D x 3D form with rowwise scales: torch's own tests
 # (test_scaled_matmul_cuda.py, generate_jagged_offs) and torchtitan / torchao's FP8 MoE training pad
@@ -183,7 +187,9 @@ def build_sides(name, inputs, args):
             else:
                 ctx = poise.create_context(config=poise_side_config(side, T, D, F, E, K), device="cuda")
                 contexts[side] = ctx
-                calls[side] = no_grad(lambda ctx=ctx: poise.routed_experts(x, inputs["ids32_TK"], s, w13, w2, ctx))
+                prepared = poise.prepare_weights(w13, w2) if side == "poise_fp8_prep" else None
+                calls[side] = no_grad(lambda ctx=ctx, prepared=prepared: poise.routed_experts(
+                    x, inputs["ids32_TK"], s, w13, w2, ctx, prepared=prepared))
         except Exception as e:  # noqa: BLE001  recorded, the rest goes on
             unavailable[side] = f"{type(e).__name__}: {e}"
             print(f"{side} unavailable: {unavailable[side]}", flush=True)
@@ -191,7 +197,8 @@ def build_sides(name, inputs, args):
 
 
 def check_sides(calls, contexts, unavailable):
-    """Relative L2 of each side's out against the baseline's (and poise_fp8's against peer_fp8's);
+    """Relative L2 of each side's out against the baseline's (and poise_fp8's against peer_fp8's and
+    poise_fp8_prep's, which must be the same bits);
     a side whose call raises moves to unavailable."""
     want = calls["baseline"]()
     outs, errors = {}, {}
@@ -207,10 +214,12 @@ def check_sides(calls, contexts, unavailable):
             del calls[side]
             continue
         errors[side] = rel_err(out, want)
-        if side in ("poise_fp8", "peer_fp8"):
+        if side in ("poise_fp8", "peer_fp8", "poise_fp8_prep"):
             outs[side] = out
-    if len(outs) == 2:
+    if "poise_fp8" in outs and "peer_fp8" in outs:
         errors["poise_fp8_vs_peer_fp8"] = rel_err(outs["poise_fp8"], outs["peer_fp8"])
+    if "poise_fp8" in outs and "poise_fp8_prep" in outs:  # the same bits: 0 expected
+        errors["poise_fp8_prep_vs_poise_fp8"] = rel_err(outs["poise_fp8_prep"], outs["poise_fp8"])
     return errors
 
 
@@ -258,8 +267,9 @@ def case_record(name, skew_target, skew, block_ms, errors, unavailable, ceiling_
                          correct=errors[side] < tolerance(side))
         rec["sides"][side] = entry
     rec["unavailable"] = unavailable
-    if "poise_fp8_vs_peer_fp8" in errors:
-        rec["rel_err_poise_fp8_vs_peer_fp8"] = errors["poise_fp8_vs_peer_fp8"]
+    for pair in ("poise_fp8_vs_peer_fp8", "poise_fp8_prep_vs_poise_fp8"):
+        if pair in errors:
+            rec[f"rel_err_{pair}"] = errors[pair]
     rec["ratios"] = {}  # the other side's ms / Poise FP8's ms: > 1 when Poise FP8 is faster
     for fp8, other in RATIOS:
         if fp8 in rec["sides"] and other in rec["sides"]:
@@ -270,8 +280,10 @@ def case_record(name, skew_target, skew, block_ms, errors, unavailable, ceiling_
         if ceiling_row and key in ceiling_row and "poise_fp8" in rec["sides"]:
             rec[f"poise_fp8_of_{key.removesuffix('_tflops')}"] = rec["sides"]["poise_fp8"]["tflops"] / ceiling_row[key]
     # the Poise sides must run and be right; an unavailable peer is recorded, not a failure
+    # prepared weights give the call's own quantization's bits
     rec["correct"] = (all(s in rec["sides"] for s in args.sides if s.startswith("poise"))
-                      and all(v.get("correct", True) for v in rec["sides"].values()))
+                      and all(v.get("correct", True) for v in rec["sides"].values())
+                      and errors.get("poise_fp8_prep_vs_poise_fp8", 0.0) == 0.0)
     return rec
 
 
@@ -290,6 +302,8 @@ def report(records, args, commit, device, started):
                 "poise_bf16": "poise.routed_experts, one-rank context, default Config (bf16), training context",
                 "poise_fp8": "the same with gemm_precision='fp8_block_scaled' (BF16 weights quantized into "
                              "128x128 blocks every call; x and a in 1x128 row tiles)",
+                "poise_fp8_prep": "poise_fp8 with weights prepared once (poise.prepare_weights, untimed) and "
+                                  "passed as routed_experts(..., prepared=)",
                 "poise_bf16_inf": "poise_bf16 on a context with inference=True",
                 "poise_fp8_inf": "poise_fp8 on a context with inference=True"},
             "config": {"ep_size": 1, "balance": "capacity", "receive_capacity_factor": 1.0, "scores": "fp32"},
@@ -309,7 +323,7 @@ def print_table(records):
             print(f"  {side:<15} {e['ms']:7.3f} {e['tflops']:6.0f} {err}{'' if e.get('correct', True) else '  WRONG'}")
         for side, why in r["unavailable"].items():
             print(f"  {side:<15} unavailable: {why.splitlines()[0][:100]}")
-        for fp8 in ("poise_fp8", "poise_fp8_inf"):
+        for fp8 in ("poise_fp8", "poise_fp8_prep", "poise_fp8_inf"):
             ratios = [f"{v:.2f}x {k.split('_vs_')[1]}" + (f" (goal {r['goals'][k]:g}x)" if k in r["goals"] else "")
                       for k, v in r["ratios"].items() if k.startswith(fp8 + "_vs_")]
             if ratios:
@@ -335,6 +349,7 @@ def run_case(name, skew_target, args):
 
 def main(argv=None):
     return run_benchmark(parse_args(argv), run_case, report, print_table)
+
 
 if __name__ == "__main__":
     sys.exit(main())
