@@ -5,6 +5,7 @@
                                                                        # context; run on 2 H200 so far)
     torchrun --nproc_per_node 2 examples/train_moe.py --device cpu     # CPU reference engine over gloo
     python examples/train_moe.py --device cpu                          # one process, no torchrun
+    python examples/train_moe.py --device cpu --gemm-precision fp8_block_scaled --losses fp8.json
 
 A student MoE layer learns to imitate a fixed random teacher layer. What it shows:
 - one Context per MoE layer, created collectively over the EP group (torch.distributed WORLD here);
@@ -23,6 +24,7 @@ A student MoE layer learns to imitate a fixed random teacher layer. What it show
 from __future__ import annotations
 
 import argparse
+import json
 import os
 
 import torch
@@ -43,6 +45,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--topk", type=int, default=2)
     parser.add_argument("--lr", type=float, default=1e-2)
     parser.add_argument("--routing-plot", default=None, help="write a PNG of the routing over the steps (rank 0)")
+    parser.add_argument("--gemm-precision", choices=["bf16", "fp8_block_scaled"], default="bf16",
+                        help="the student's expert GEMMs (docs/fp8.md); the teacher stays bf16")
+    parser.add_argument("--losses", default=None, help="write every step's loss as a JSON list (rank 0)")
     return parser.parse_args()
 
 
@@ -82,8 +87,8 @@ def main() -> None:
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
 
     config = poise.Config(num_local_input_tokens=args.tokens, hidden_dim=args.hidden, intermediate_dim=args.intermediate,
-                          top_k=args.topk, num_experts=args.experts)
-    teacher_config = poise.Config(**{**config.__dict__, "inference": True})
+                          top_k=args.topk, num_experts=args.experts, gemm_precision=args.gemm_precision)
+    teacher_config = poise.Config(**{**config.__dict__, "inference": True, "gemm_precision": "bf16"})
     if rank == 0:
         print(poise.plan_memory(config, world).explain(), flush=True)
 
@@ -99,6 +104,7 @@ def main() -> None:
         data = torch.Generator(device="cpu").manual_seed(100 + rank)
 
         history = []  # [step][layer] RoutingStats, for --routing-plot
+        losses = []
         for step in range(args.steps):
             total = torch.zeros((), device=device)
             for micro_batch in range(args.micro_batches):
@@ -126,8 +132,12 @@ def main() -> None:
                 for master, weight in zip(masters, (student.w13, student.w2)):
                     weight.copy_(master)  # fp32 master -> bf16 weight
                     weight.main_grad.zero_()
+            losses.append(total.item() / world)
             if rank == 0:
-                print(f"step {step}: loss {total.item() / world:.5f}", flush=True)
+                print(f"step {step}: loss {losses[-1]:.5f}", flush=True)
+        if rank == 0 and args.losses:
+            with open(args.losses, "w") as f:
+                json.dump(losses, f)
         if rank == 0 and args.routing_plot:
             last = history[-1][0]
             print(f"routing: peak/mean rows per rank {last.owner_peak_over_mean.item():.2f} before balancing, "
