@@ -48,18 +48,22 @@ void validate_forward_args(const ForwardArgs& a, int slot, const ForwardArgs& fi
   if (a.clip_counts_E2) require_pointer(a.clip_counts_E2, slot, "clip_counts_E2", 8);
 }
 
-// Prepared FP8 weights (ForwardArgs::w13_fp8 ...): all four or none, on every rank or none, only
-// where the GEMMs are FP8; values 16-byte aligned (TMA), scales 4.
+bool has_prepared_fp8(const ForwardArgs& a) { return a.w13_fp8 || a.w13_fp8_scales || a.w2_fp8 || a.w2_fp8_scales; }
+
+// Prepared FP8 weights (ForwardArgs::w13_fp8 ...): only where the GEMMs are FP8, all four (the
+// missing one named), values 16-byte aligned (TMA), scales 4; on every rank or none.
 void validate_prepared_fp8(const ForwardArgs& a, int slot, const ForwardArgs& first, bool fp8) {
-  const bool prepared = a.w13_fp8 || a.w13_fp8_scales || a.w2_fp8 || a.w2_fp8_scales;
-  require(prepared == (first.w13_fp8 != nullptr), arg_name(slot, "w13_fp8"),
+  const bool prepared = has_prepared_fp8(a);
+  if (prepared) {
+    require(fp8, arg_name(slot, "w13_fp8"),
+            "prepared FP8 weights are read only with gemm_precision fp8_block_scaled");
+    require_pointer(a.w13_fp8, slot, "w13_fp8", 16);
+    require_pointer(a.w13_fp8_scales, slot, "w13_fp8_scales", 4);
+    require_pointer(a.w2_fp8, slot, "w2_fp8", 16);
+    require_pointer(a.w2_fp8_scales, slot, "w2_fp8_scales", 4);
+  }
+  require(prepared == has_prepared_fp8(first), arg_name(slot, "w13_fp8"),
           "prepared FP8 weights must be set on every rank of one call or on none");
-  if (!prepared) return;
-  require(fp8, arg_name(slot, "w13_fp8"), "prepared FP8 weights are read only with gemm_precision fp8_block_scaled");
-  require_pointer(a.w13_fp8, slot, "w13_fp8", 16);
-  require_pointer(a.w13_fp8_scales, slot, "w13_fp8_scales", 4);
-  require_pointer(a.w2_fp8, slot, "w2_fp8", 16);
-  require_pointer(a.w2_fp8_scales, slot, "w2_fp8_scales", 4);
 }
 
 // gemm_precision fp8_block_scaled: what the FP8 GEMMs do not take yet (sm90/expert_mlp_fp8.hpp).
