@@ -16,6 +16,7 @@ import torch
 
 from ..context import Context, context_from_handle
 from ..errors import InvalidArgument, NotAvailable
+from .fp8_weights import scales_shape
 
 SCORES_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 WGRAD_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -85,7 +86,7 @@ def check_inputs(
 ) -> None:
     """The five inputs of one rank. ``config`` is a poise.Config or the C++ Config (same fields).
     ``weights_transposed``: w13 [E_local, D, 2F] and w2 [E_local, F, D] (x @ W, gpt-oss)."""
-    T, D, F = config.num_local_input_tokens, config.hidden_dim, config.intermediate_dim
+    T, D = config.num_local_input_tokens, config.hidden_dim
     K = config.top_k
     for name, value in (("x_TD", x_TD), ("ids_TK", ids_TK), ("scores_TK", scores_TK)):
         check_rows(name, value, config, prefix)
@@ -198,11 +199,6 @@ def check_biases(config: Any, ep_size: int, device: str, b13: Any, b2: Any, pref
 PREPARED_FIELDS = ("w13", "w13_scales", "w2", "w2_scales")  # PreparedWeights' tensors, in the ops' order
 
 
-def _blocks(n: int) -> int:
-    """128-wide scale blocks over n (FP8 block scaling, docs/fp8.md)."""
-    return -(-n // 128)
-
-
 def check_prepared(context: Context, weights_transposed: bool, prepared: Sequence[Any]) -> None:
     """Prepared FP8 weights of a one-rank call (poise.prepare_weights' tensors, PREPARED_FIELDS'
     order): check_prepared_arguments, then a CPU context refuses them (NotAvailable: the reference
@@ -227,7 +223,7 @@ def check_prepared_arguments(context: Context, weights_transposed: bool, prepare
                            "(nor with prepared weights) yet")
     L, D, F = config.num_experts // context.ep_size, config.hidden_dim, config.intermediate_dim
     dims = f"E_local={L}, D={D}, F={F}"
-    w13_blocks, w2_blocks = (L, _blocks(2 * F), _blocks(D)), (L, _blocks(D), _blocks(F))
+    w13_blocks, w2_blocks = scales_shape((L, 2 * F, D)), scales_shape((L, D, F))
     expected = {  # field: (dtype, shapes, the rule for the message)
         "w13": (torch.float8_e4m3fn, [(L, 2 * F, D), (L, 2, F, D)],
                 f"[E_local, 2F, D] or [E_local, 2, F, D] with {dims}"),

@@ -71,7 +71,8 @@ def _matrix_dims(name: str, w: torch.Tensor, ranks: tuple[int, ...]) -> tuple[in
     return matrices, rows, cols
 
 
-def _scales_shape(dims: tuple[int, int, int]) -> tuple[int, int, int]:
+def scales_shape(dims: tuple[int, int, int]) -> tuple[int, int, int]:
+    """The block scales' shape of `matrices` [rows, cols] matrices: [matrices, ceil(rows/128), ceil(cols/128)]."""
     matrices, rows, cols = dims
     return matrices, -(-rows // BLOCK), -(-cols // BLOCK)
 
@@ -81,7 +82,7 @@ def _allocate(format: str, w13, w2, dims) -> PreparedWeights:
         return torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=w.device)
 
     def scales(name, w):
-        return torch.empty(_scales_shape(dims[name]), dtype=torch.float32, device=w.device)
+        return torch.empty(scales_shape(dims[name]), dtype=torch.float32, device=w.device)
 
     return PreparedWeights(format, values(w13), scales("w13", w13), values(w2), scales("w2", w2))
 
@@ -93,7 +94,7 @@ def _check_out(out, format: str, w13, w2, dims) -> PreparedWeights:
         raise InvalidArgument("out", f"holds format {out.format!r}, not {format!r}")
     for name, w in (("w13", w13), ("w2", w2)):
         expected = {name: (tuple(w.shape), torch.float8_e4m3fn),
-                    f"{name}_scales": (_scales_shape(dims[name]), torch.float32)}
+                    f"{name}_scales": (scales_shape(dims[name]), torch.float32)}
         for field, (shape, dtype) in expected.items():
             t = getattr(out, field)
             if tuple(t.shape) != shape or t.dtype != dtype or t.device != w.device or not t.is_contiguous():
