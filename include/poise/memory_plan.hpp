@@ -37,9 +37,12 @@ struct MemoryPlan {
   int64_t activation_partial_record_bytes = 0;
   int64_t activation_slots_total_bytes = 0;    // num_activation_slots * activation_slot_bytes
   int64_t device_scratch_bytes = 0;            // per-call intermediates (h13, a, grads) on the device
-  // Of device scratch, gemm_precision fp8_block_scaled: the call's FP8 operands (e4m3 x and a rows,
+  // Of device scratch, gemm_precision fp8_block_scaled: the call's FP8 operands (e4m3 tokens and a rows,
   // every group's weights, and their fp32 scales). 0 in bf16.
   int64_t fp8_operand_bytes = 0;
+  // Bytes one x row carries to an expert's rank: 2D in bf16; D e4m3 values + 4 ceil(D/128) bytes of
+  // fp32 scales in fp8_block_scaled, where tokens are quantized once, before dispatch.
+  int64_t x_row_wire_bytes = 0;
   int64_t host_overflow_scratch_bytes = 0;     // host-backed virtual memory for overflow rows
   int64_t total_device_bytes = 0;
   int64_t total_virtual_bytes = 0;

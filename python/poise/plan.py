@@ -60,8 +60,12 @@ class MemoryPlan:
     device_scratch_bytes: int
     """Per-call intermediates (h13, a, grads) on the device."""
     fp8_operand_bytes: int
-    """Of device scratch, gemm_precision='fp8_block_scaled': the call's FP8 operands (e4m3 x and a
+    """Of device scratch, gemm_precision='fp8_block_scaled': the call's FP8 operands (e4m3 tokens and a
     rows, every expert group's weights, their scales); 0 in bf16."""
+    x_row_wire_bytes: int
+    """Bytes one x row carries to an expert's rank: 2 * hidden_dim in bf16; in fp8_block_scaled the
+    tokens are quantized once before dispatch and a row carries hidden_dim e4m3 values and
+    4 * ceil(hidden_dim / 128) bytes of fp32 scales (0.52x at hidden_dim 7168)."""
     host_overflow_scratch_bytes: int
     """Host-backed virtual memory for overflow rows."""
     total_device_bytes: int

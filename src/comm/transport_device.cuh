@@ -119,18 +119,20 @@ __device__ inline void arrive_then_barrier(const PeerTable& pt, int blocks_per_r
   }
 }
 
-// Warp-cooperative copy of `bytes` (a multiple of 16, both ends 16-byte aligned; the ranges do not
-// overlap). Each lane issues kCopyBatch loads before their stores: the compiler cannot hoist a load
-// above the previous store (it cannot rule out aliasing), and one 16-byte load in flight per lane
-// leaves a fanout of 14 KiB rows at ~1.8 TB/s.
+// Warp-cooperative copy of `bytes` (a multiple of sizeof(Unit), both ends Unit-aligned; the ranges
+// do not overlap): uint4 for rows of values, uint32_t for rows of fp32 scales. Each lane issues
+// kCopyBatch loads before their stores: the compiler cannot hoist a load above the previous store
+// (it cannot rule out aliasing), and one 16-byte load in flight per lane leaves a fanout of 14 KiB
+// rows at ~1.8 TB/s.
 inline constexpr int kCopyBatch = 4;
-__device__ __forceinline__ void warp_copy_16B(void* dst, const void* src, size_t bytes, int lane) {
-  const uint4* s = static_cast<const uint4*>(src);
-  uint4* d = static_cast<uint4*>(dst);
-  const size_t n = bytes / 16;
+template <class Unit = uint4>
+__device__ __forceinline__ void warp_copy(void* dst, const void* src, size_t bytes, int lane) {
+  const Unit* s = static_cast<const Unit*>(src);
+  Unit* d = static_cast<Unit*>(dst);
+  const size_t n = bytes / sizeof(Unit);
   size_t i = lane;
   for (; i + 32 * (kCopyBatch - 1) < n; i += 32 * kCopyBatch) {
-    uint4 v[kCopyBatch];
+    Unit v[kCopyBatch];
 #pragma unroll
     for (int j = 0; j < kCopyBatch; ++j) v[j] = s[i + 32 * j];
 #pragma unroll
@@ -139,25 +141,26 @@ __device__ __forceinline__ void warp_copy_16B(void* dst, const void* src, size_t
   for (; i < n; i += 32) d[i] = s[i];
 }
 
-// warp_copy_16B of one source to several destinations: the row of every lane in `lanes` (each
+// warp_copy of one source to several destinations: the row of every lane in `lanes` (each
 // lane's `dst`), the source read once. A warp serially copying one row to each would wait a load
 // latency per destination (the EP1 dispatch writing a token's 8 rows ran at ~1.9 TB/s that way).
 // Every lane runs every iteration: the shuffles need the whole warp (lanes that leave the chunk loop
 // at different counts hang it).
-__device__ __forceinline__ void warp_copy_16B_to_lanes(void* dst, unsigned lanes, const void* src, size_t bytes,
-                                                       int lane) {
-  const uint4* s = static_cast<const uint4*>(src);
-  const size_t n = bytes / 16;
+template <class Unit = uint4>
+__device__ __forceinline__ void warp_copy_to_lanes(void* dst, unsigned lanes, const void* src, size_t bytes,
+                                                   int lane) {
+  const Unit* s = static_cast<const Unit*>(src);
+  const size_t n = bytes / sizeof(Unit);
   for (size_t base = 0; base < n; base += 32 * kCopyBatch) {
-    uint4 v[kCopyBatch];
+    Unit v[kCopyBatch];
 #pragma unroll
     for (int j = 0; j < kCopyBatch; ++j) {
       const size_t i = base + lane + 32 * j;
       if (i < n) v[j] = s[i];
     }
     for (unsigned m = lanes; m; m &= m - 1) {
-      uint4* d = reinterpret_cast<uint4*>(__shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(dst),
-                                                       __ffs(m) - 1));
+      Unit* d = reinterpret_cast<Unit*>(__shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(dst),
+                                                    __ffs(m) - 1));
 #pragma unroll
       for (int j = 0; j < kCopyBatch; ++j) {
         const size_t i = base + lane + 32 * j;

@@ -135,6 +135,7 @@ MemoryPlan plan_memory(const Config& c, int64_t ep_size) {
   const layout::WorkspaceLayout working = layout::workspace_layout(c, ep_size, {.replica_slots = p.num_replica_slots});
   p.device_rows = working.capacity_rows;  // every row the dispatch accepts; more is an overflow
   p.total_rows = p.device_rows;
+  p.x_row_wire_bytes = layout::x_row_wire_bytes(c);
   if (!c.inference) plan_activation_slots(p, working);
   sum_regions(p, layout::workspace_layout(c, ep_size, layout::keep_of(p)));
   return p;
@@ -156,9 +157,15 @@ std::string MemoryPlan::explain() const {
      << " + expert padding to " << kExpertRowAlignment << "), device " << device_rows
      << " (every row the dispatch accepts), total " << total_rows
      << "\n";
-  row("communication window", communication_bytes,
-      c.inference ? "received rows x (2D+12) + T*K x 2D combine + counts + signals, 2 MiB granules"
-                  : "received rows x (4D+12) + T*K x (2D+4) combine + counts + signals, 2 MiB granules");
+  const bool fp8 = c.gemm_precision == GemmPrecision::fp8_block_scaled;
+  os << "  x rows on the wire: " << x_row_wire_bytes << " bytes each ("
+     << (fp8 ? "e4m3 values + fp32 scales per 128, each token quantized once before dispatch" : "bf16") << ")\n";
+  const char* window_rule =
+      fp8 ? (c.inference ? "received rows x (D+D/32+12, x in FP8) + T*K x 2D combine + counts + signals, 2 MiB granules"
+                         : "received rows x (3D+D/32+12, x in FP8) + T*K x (2D+4) combine + counts + signals, 2 MiB granules")
+          : (c.inference ? "received rows x (2D+12) + T*K x 2D combine + counts + signals, 2 MiB granules"
+                         : "received rows x (4D+12) + T*K x (2D+4) combine + counts + signals, 2 MiB granules");
+  row("communication window", communication_bytes, window_rule);
   row("replica experts", replica_weight_bytes,
       c.inference ? "B x 3FD bf16 weights" : "B x 3FD x (bf16 weights + fp32 grads)");
   if (!c.inference) {
@@ -183,9 +190,9 @@ std::string MemoryPlan::explain() const {
       c.inference ? "device rows x 3F x 2 (h13, a) + routing layout"
                   : "device rows x (5F x 2 + F/16) (h13, a, grad_h13, score pieces) + routing layout");
   row("host overflow scratch", host_overflow_scratch_bytes, "host-backed (VMM) rows: not built yet");
-  if (c.gemm_precision == GemmPrecision::fp8_block_scaled) {
+  if (fp8) {
     row("  of which FP8 operands", fp8_operand_bytes,
-        "e4m3 x and a rows (device rows x (D + F)) and every group's weights (3 F D), fp32 scales per 128; "
+        "e4m3 tokens (T x D), a rows (device rows x F) and every group's weights (3 F D), fp32 scales per 128; "
         "quantized per call (docs/fp8.md)");
   }
   row("total device", total_device_bytes, "");

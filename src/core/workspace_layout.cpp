@@ -11,6 +11,7 @@ namespace {
 constexpr int64_t kBf16 = 2, kFp32 = 4, kInt32 = 4, kU64 = 8, kE4m3 = 1;
 
 int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
+bool fp8_gemms(const Config& c) { return c.gemm_precision == GemmPrecision::fp8_block_scaled; }
 
 // Regions one after another, each aligned and padded to kRegionAlignment.
 class Block {
@@ -43,16 +44,17 @@ Dims dims_of(const Config& c, int64_t ep_size, int64_t replica_slots) {
   d.score_partials = (d.F + kScorePieceColumns - 1) / kScorePieceColumns + 1;  // + the expert biases' piece
   d.exact = c.balance == Balance::exact;
   d.training = !c.inference;
-  d.fp8 = c.gemm_precision == GemmPrecision::fp8_block_scaled;
+  d.fp8 = fp8_gemms(c);
   return d;
 }
 
-RecordRows record_rows(Block& b, int64_t D, int64_t rows) {
+RecordRows record_rows(Block& b, int64_t D, bool fp8, int64_t rows) {
   RecordRows r;
   r.row_origin = b.add(kInt32 * rows);
   r.row_primary = b.add(kInt32 * rows);
   r.row_score = b.add(kFp32 * rows);
-  r.recv_x = b.add(kBf16 * rows * D);
+  r.recv_x = b.add((fp8 ? kE4m3 : kBf16) * rows * D);
+  if (fp8) r.recv_x_scales = b.add(kFp32 * rows * numerics::scale_blocks(D));
   return r;
 }
 
@@ -63,7 +65,7 @@ Window window(const Dims& d, const Keep& k) {
   Block b;
   w.signals = b.add(kSignalBytes);
   w.counts_RE = b.add(kInt32 * d.R * d.E);
-  for (int64_t r = 0; r <= k.whole_records; ++r) w.records.push_back(record_rows(b, d.D, d.capacity));
+  for (int64_t r = 0; r <= k.whole_records; ++r) w.records.push_back(record_rows(b, d.D, d.fp8, d.capacity));
   if (d.training) w.recv_grad = b.add(kBf16 * d.capacity * d.D);
   w.combine = b.add(kBf16 * d.TK * d.D);
   if (d.training) w.grad_scores_TK = b.add(kFp32 * d.TK);
@@ -118,8 +120,8 @@ RankBuffers rank_buffers(const Dims& d, const Keep& k) {
   r.gemm_fault_word = b.add(8);
   if (d.fp8) {
     using numerics::scale_blocks;  // of 128 (a last block of 64 when a dimension is 64 mod 128)
-    r.fp8_x_RD = b.add(kE4m3 * d.capacity * d.D);
-    r.fp8_x_scales = b.add(kFp32 * d.capacity * scale_blocks(d.D));
+    r.fp8_x_TD = b.add(kE4m3 * d.T * d.D);
+    r.fp8_x_scales = b.add(kFp32 * d.T * scale_blocks(d.D));
     r.fp8_a_RF = b.add(kE4m3 * d.capacity * d.F);
     r.fp8_a_scales = b.add(kFp32 * d.capacity * scale_blocks(d.F));
     r.fp8_w13 = b.add(kE4m3 * d.groups * 2 * d.F * d.D);
@@ -153,9 +155,14 @@ int64_t capacity_rows(const Config& c, int64_t ep_size, int64_t replica_slots) {
   return padded_rows(static_cast<int64_t>(std::ceil(routed)), c.num_local_experts(ep_size));
 }
 
+int64_t x_row_wire_bytes(const Config& c) {
+  const int64_t D = c.hidden_dim;
+  return fp8_gemms(c) ? kE4m3 * D + kFp32 * numerics::scale_blocks(D) : kBf16 * D;
+}
+
 int64_t record_rows_bytes(const Config& c, int64_t rows) {
   Block b;
-  record_rows(b, c.hidden_dim, rows);
+  record_rows(b, c.hidden_dim, fp8_gemms(c), rows);
   return b.end();
 }
 

@@ -42,8 +42,12 @@ struct RecordRows {
   Region row_origin;   // int32 [capacity]: src_rank * T*K + t*K + k of each received row
   Region row_primary;  // int32 [capacity]: the row holding the token's bytes
   Region row_score;    // fp32  [capacity]: the routing score of the row's (t, k)
-  Region recv_x;       // bf16  [capacity][D]: dispatched x rows, expert-grouped
-  int64_t bytes() const { return row_origin.bytes + row_primary.bytes + row_score.bytes + recv_x.bytes; }
+  Region recv_x;       // bf16  [capacity][D]: dispatched x rows, expert-grouped (gemm_precision
+                       // fp8_block_scaled: e4m3 [capacity][D], as they crossed the wire)
+  Region recv_x_scales;  // fp32 [capacity][D/128]: the FP8 rows' scales (fp8_block_scaled only)
+  int64_t bytes() const {
+    return row_origin.bytes + row_primary.bytes + row_score.bytes + recv_x.bytes + recv_x_scales.bytes;
+  }
 };
 
 // The symmetric workspace.
@@ -96,15 +100,15 @@ struct RankBuffers {
   Region gemm_tile_counters;           // int32 [2]
   Region gemm_fault_word;              // u64 [1]: the expert GEMMs' device fault (sm90::FaultWord)
   // gemm_precision fp8_block_scaled: each call's FP8 operands (docs/fp8.md), e4m3 values and fp32
-  // scales per 128 of K: the received x rows and the SwiGLU output, 1 x 128 tiles; every group's
-  // weights (own experts, then replica slots), 128 x 128 blocks.
-  Region fp8_x_RD, fp8_x_scales;      // u8 [capacity][D], fp32 [capacity][D/128]
+  // scales per 128 of K: the rank's tokens (quantized once, before dispatch) and the SwiGLU output,
+  // 1 x 128 tiles; every group's weights (own experts, then replica slots), 128 x 128 blocks.
+  Region fp8_x_TD, fp8_x_scales;      // u8 [T][D], fp32 [T][D/128]
   Region fp8_a_RF, fp8_a_scales;      // u8 [capacity][F], fp32 [capacity][F/128]
   Region fp8_w13, fp8_w13_scales;     // u8 [groups][2F][D], fp32 [groups][2F/128][D/128]
   Region fp8_w2, fp8_w2_scales;       // u8 [groups][D][F], fp32 [groups][D/128][F/128]
   int64_t bytes = 0;
   int64_t fp8_bytes() const {
-    return fp8_x_RD.bytes + fp8_x_scales.bytes + fp8_a_RF.bytes + fp8_a_scales.bytes + fp8_w13.bytes +
+    return fp8_x_TD.bytes + fp8_x_scales.bytes + fp8_a_RF.bytes + fp8_a_scales.bytes + fp8_w13.bytes +
            fp8_w13_scales.bytes + fp8_w2.bytes + fp8_w2_scales.bytes;
   }
 };
@@ -125,6 +129,9 @@ int64_t padded_rows(int64_t routed, int64_t groups);
 // Receive rows per rank: exact balance, the row limit padded over E_local + B groups; capacity, the
 // ceil(receive_capacity_factor * T*K) rows padded over E_local groups.
 int64_t capacity_rows(const Config& config, int64_t ep_size, int64_t replica_slots);
+// Bytes of one x row on the wire: BF16 values, or (fp8_block_scaled) e4m3 values and their fp32
+// scales per 128 columns.
+int64_t x_row_wire_bytes(const Config& config);
 // Bytes of `rows` received rows kept whole in the window (metadata and x rows), and of their h13.
 int64_t record_rows_bytes(const Config& config, int64_t rows);
 int64_t h13_bytes(const Config& config, int64_t rows);

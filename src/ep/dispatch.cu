@@ -69,9 +69,36 @@ __device__ void push_replica_weights(const PeerTable& pt, const EpDims& dims, co
     const size_t len = t[i].bytes - at < kWeightChunkBytes ? t[i].bytes - at : kWeightChunkBytes;
     const char* src = t[i].src + local * t[i].bytes + at;
     char* dst = comm::peer_ptr<char>(pt, p.rank, t[i].dst) + replica * t[i].bytes + at;
-    comm::warp_copy_16B(dst, src, len, lane);
+    comm::warp_copy(dst, src, len, lane);
   }
 }
+
+// What a token row carries: its values (grad_out or x in BF16, or, EpDims::fp8 forward, x's e4m3
+// values quantized before dispatch) and the FP8 values' scales (fp32, their own region).
+struct RowPayload {
+  const char* values_TD;
+  size_t value_bytes, values_region;
+  const char* scales_TD;  // null: no scales
+  size_t scale_bytes, scales_region;
+
+  template <bool kBackward>
+  __device__ static RowPayload of(const EpDims& dims, const WorkspaceOffsets& ws, const RankIo& rio,
+                                  const RankScratch& rs) {
+    if (kBackward) return {reinterpret_cast<const char*>(rio.grad_out_TD), size_t(dims.D) * sizeof(bf16), ws.recv_grad,
+                           nullptr, 0, 0};
+    if (!dims.fp8) return {reinterpret_cast<const char*>(rio.x_TD), x_row_value_bytes(dims), ws.recv_x, nullptr, 0, 0};
+    return {reinterpret_cast<const char*>(rs.fp8.x_TD), x_row_value_bytes(dims), ws.recv_x,
+            reinterpret_cast<const char*>(rs.fp8.x_scales), x_row_scale_bytes(dims), ws.recv_x_scales};
+  }
+  // Token t's row to receive row `row` of every lane in `lanes` (each lane's dest rank).
+  __device__ void copy(const PeerTable& pt, int dest, int row, bool writes, unsigned lanes, int t, int lane) const {
+    char* dst = writes ? comm::peer_ptr<char>(pt, dest, values_region) + size_t(row) * value_bytes : nullptr;
+    comm::warp_copy_to_lanes(dst, lanes, values_TD + size_t(t) * value_bytes, value_bytes, lane);
+    if (scales_TD == nullptr) return;
+    dst = writes ? comm::peer_ptr<char>(pt, dest, scales_region) + size_t(row) * scale_bytes : nullptr;
+    comm::warp_copy_to_lanes<uint32_t>(dst, lanes, scales_TD + size_t(t) * scale_bytes, scale_bytes, lane);
+  }
+};
 
 template <bool kBackward>
 __global__ void __launch_bounds__(kThreads) dispatch_kernel(const PeerTable* tables, EpDims dims,
@@ -83,11 +110,9 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const PeerTable* tab
   if (!comm::rank_failed(pt)) {
     const RankIo& rio = io.rank[slot];
     const int32_t* dest_row = scratch.rank[slot].dest_row_TK;
-    const bf16* src_TD = kBackward ? rio.grad_out_TD : rio.x_TD;
-    const size_t rows_region = kBackward ? ws.recv_grad : ws.recv_x;
+    const RowPayload payload = RowPayload::of<kBackward>(dims, ws, rio, scratch.rank[slot]);
     const int lane = threadIdx.x % 32;
     const int TK = dims.T * dims.K;
-    const size_t row_bytes = static_cast<size_t>(dims.D) * sizeof(bf16);
     for (int t = first_warp_item(blocks_per_rank); t < dims.T; t += warp_item_stride(blocks_per_rank)) {
       const int entry = t * dims.K + lane;
       const int dest = lane < dims.K ? scratch.rank[slot].dest_rank_TK[entry] : -1;
@@ -102,10 +127,8 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const PeerTable* tab
         comm::peer_ptr<float>(pt, dest, ws.row_score)[row] = load_score(rio.scores_TK, entry, dims.scores_bf16);
       }
       const bool writes = active && (primary_lane == lane || dest == pt.rank);
-      char* dst = writes ? comm::peer_ptr<char>(pt, dest, rows_region) + static_cast<size_t>(row) * row_bytes : nullptr;
       // The token row read once, stored to every row this warp writes (primaries on other ranks too).
-      comm::warp_copy_16B_to_lanes(dst, __ballot_sync(kFullMask, writes), src_TD + static_cast<size_t>(t) * dims.D,
-                                   row_bytes, lane);
+      payload.copy(pt, dest, row, writes, __ballot_sync(kFullMask, writes), t, lane);
     }
   }
   if (push_replicas) {
@@ -121,7 +144,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const PeerTable* tab
 // Rows of non-primary entries from other ranks: copy the primary row (already here, after the
 // barrier). This rank's own entries were written by its dispatch.
 __global__ void __launch_bounds__(kThreads)
-    fanout_rows_kernel(const PeerTable* tables, EpDims dims, WorkspaceOffsets ws, size_t rows_region,
+    fanout_rows_kernel(const PeerTable* tables, EpDims dims, WorkspaceOffsets ws, bool backward,
                        LaunchScratch scratch, int blocks_per_rank) {
   const int slot = rank_slot(blocks_per_rank);
   const PeerTable& pt = tables[slot];
@@ -129,14 +152,19 @@ __global__ void __launch_bounds__(kThreads)
   const RankScratch& rs = scratch.rank[slot];
   const int32_t* row_primary = comm::peer_ptr<int32_t>(pt, pt.rank, ws.row_primary);
   const int32_t* row_origin = comm::peer_ptr<int32_t>(pt, pt.rank, ws.row_origin);
-  char* rows = comm::peer_ptr<char>(pt, pt.rank, rows_region);
-  const size_t row_bytes = static_cast<size_t>(dims.D) * sizeof(bf16);
+  // The rows as dispatch wrote them: grad_out in BF16, or x (EpDims::fp8: e4m3 values, fp32 scales).
+  char* rows = comm::peer_ptr<char>(pt, pt.rank, backward ? ws.recv_grad : ws.recv_x);
+  const size_t row_bytes = backward ? size_t(dims.D) * sizeof(bf16) : x_row_value_bytes(dims);
+  char* scales = backward ? nullptr : comm::peer_ptr<char>(pt, pt.rank, ws.recv_x_scales);
+  const size_t scale_bytes = backward ? 0 : x_row_scale_bytes(dims);
   const int TK = dims.T * dims.K;
   const int lane = threadIdx.x % 32;
   for_each_row_in_use(rs, dims.groups, blocks_per_rank, [&](int r) {
     const int primary = row_primary[r];
     if (primary != r && row_origin[r] / TK != pt.rank) {
-      comm::warp_copy_16B(rows + r * row_bytes, rows + primary * row_bytes, row_bytes, lane);
+      comm::warp_copy(rows + r * row_bytes, rows + primary * row_bytes, row_bytes, lane);
+      if (scale_bytes > 0)
+        comm::warp_copy<uint32_t>(scales + r * scale_bytes, scales + primary * scale_bytes, scale_bytes, lane);
     }
   });
 }
@@ -185,8 +213,8 @@ void launch_tail_groups(const EpLaunch& l, cudaStream_t stream) {
 
 void launch_fanout_rows(const EpLaunch& l, bool backward, cudaStream_t stream) {
   const int blocks = local_blocks_per_rank(l);
-  fanout_rows_kernel<<<l.launch_ranks * blocks, kThreads, 0, stream>>>(
-      l.tables, l.dims, l.ws, backward ? l.ws.recv_grad : l.ws.recv_x, l.scratch, blocks);
+  fanout_rows_kernel<<<l.launch_ranks * blocks, kThreads, 0, stream>>>(l.tables, l.dims, l.ws, backward, l.scratch,
+                                                                     blocks);
   runtime::cuda_check_launch("fanout_rows_kernel");
 }
 

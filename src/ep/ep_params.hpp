@@ -11,6 +11,7 @@
 #include "comm/transport.hpp"
 #include "poise/types.hpp"  // kNoExpert, RoutingStatsOut
 #include "balance/balance_plan_device.cuh"  // ReplicaPiece
+#include "numerics/block_scaling.hpp"
 
 namespace poise::ep {
 
@@ -61,7 +62,9 @@ struct WorkspaceOffsets {
   size_t row_origin = 0;   // int32 [capacity]: src_rank*T*K + t*K + k of each received row
   size_t row_primary = 0;  // int32 [capacity]: the row holding the token's bytes (== own row if it crossed)
   size_t row_score = 0;    // fp32  [capacity]: the routing score of the row's (t, k)
-  size_t recv_x = 0;       // bf16  [capacity][D]: dispatched x rows, expert-grouped (saved for backward)
+  size_t recv_x = 0;       // bf16  [capacity][D]: dispatched x rows, expert-grouped (saved for backward);
+                           // EpDims::fp8: e4m3 [capacity][D], the rows as they crossed
+  size_t recv_x_scales = 0;  // EpDims::fp8: fp32 [capacity][D/128], the FP8 rows' scales
   size_t recv_grad = 0;    // bf16  [capacity][D]: dispatched grad_out rows (backward)
   size_t combine = 0;      // bf16  [T*K][D]: expert outputs back at their owner (y, then grad_x rows)
   size_t grad_scores_TK = 0;  // fp32 [T*K]: each (t, k)'s score gradient, from its row's rank (backward)
@@ -81,8 +84,8 @@ struct WorkspaceOffsets {
 
 // A rank's FP8 operands of one call (EpDims::fp8; layout::RankBuffers): e4m3 values, fp32 scales.
 struct Fp8Scratch {
-  uint8_t* x_RD = nullptr;   // [capacity][D]: the received x rows, 1 x 128 tiles
-  float* x_scales = nullptr;
+  uint8_t* x_TD = nullptr;   // [T][D]: the rank's tokens, 1 x 128 tiles, quantized before dispatch
+  float* x_scales = nullptr;  // [T][D/128]
   uint8_t* a_RF = nullptr;   // [capacity][F]: the SwiGLU output
   float* a_scales = nullptr;
   uint8_t* w13 = nullptr;    // [groups][2F][D]: own experts', then replica slots' weights, 128 x 128 blocks
@@ -90,6 +93,13 @@ struct Fp8Scratch {
   uint8_t* w2 = nullptr;     // [groups][D][F]
   float* w2_scales = nullptr;
 };
+
+// One x row on the wire: BF16 values, or (EpDims::fp8, forward) e4m3 values and then, in their own
+// region, fp32 scales per 128 columns (layout::x_row_wire_bytes counts the same bytes).
+__host__ __device__ inline size_t x_row_value_bytes(const EpDims& d) { return size_t(d.D) * (d.fp8 ? 1 : 2); }
+__host__ __device__ inline size_t x_row_scale_bytes(const EpDims& d) {
+  return d.fp8 ? sizeof(float) * size_t(numerics::scale_blocks(d.D)) : 0;
+}
 
 // One rank's private device buffers (and where its own workspace and error word are).
 struct RankScratch {

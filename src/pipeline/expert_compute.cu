@@ -83,6 +83,18 @@ void quantize_group_weights(const bf16* w13, const bf16* w2, int64_t groups, con
   quant::launch_weight_blocks(w2, groups, D, F, values(into.w2), scales(into.w2), stream, rows_G);
 }
 
+}  // namespace
+
+void quantize_tokens_fp8(const EpLaunch& l, const LaunchIo& io, cudaStream_t stream) {
+  if (!l.dims.fp8) return;
+  for (int s = 0; s < l.launch_ranks; ++s) {
+    const Fp8Scratch& q = l.scratch.rank[s].fp8;
+    quant::launch_row_tiles(io.rank[s].x_TD, l.dims.T, l.dims.D, q.x_TD, q.x_scales, stream);
+  }
+}
+
+namespace {
+
 void fp8_forward(const EpLaunch& l, const LaunchIo& io, int s, const sm90::GroupedRows& rows, bool with_w2,
                  cudaStream_t stream) {
   const sm90::ExpertMlpShape shape = expert_mlp_shape(l.dims);
@@ -100,11 +112,11 @@ void fp8_forward(const EpLaunch& l, const LaunchIo& io, int s, const sm90::Group
     quantize_group_weights(replica_w13(l, s), replica_w2(l, s), l.dims.groups - own, rows.row_counts_E + own, D, F,
                            replica_w, stream);
   }
-  // The received rows up to the last group's end (row-local tiles: the bits the sender's quantization
-  // would give); rows past it are read by no GEMM.
+  // x rows arrived in FP8 (quantize_tokens_fp8 before dispatch); a is quantized up to the last
+  // group's end, rows past it are read by no GEMM.
   const int32_t* rows_end = rs.group_offsets + l.dims.groups;
-  quant::launch_row_tiles(workspace_rows(l, s, l.ws.recv_x), capacity, D, q.x_RD, q.x_scales, stream, rows_end);
-  sm90::FpropW13Fp8Args a13{.x = {q.x_RD, q.x_scales}, .w13 = own_w.w13, .a_RF = rs.a_RF, .h13_R2F = rs.h13_R2F,
+  const sm90::Fp8Rows x{rs.workspace + l.ws.recv_x, reinterpret_cast<const float*>(rs.workspace + l.ws.recv_x_scales)};
+  sm90::FpropW13Fp8Args a13{.x = x, .w13 = own_w.w13, .a_RF = rs.a_RF, .h13_R2F = rs.h13_R2F,
                             .h13_split = h13_split(l, rs)};
   sm90::FpropW2Fp8Args a2{.a = {q.a_RF, q.a_scales}, .w2 = own_w.w2, .scatter = combine_scatter(l, s)};
   if (replicas) a13.replica_w13 = replica_w.w13, a2.replica_w2 = replica_w.w2;

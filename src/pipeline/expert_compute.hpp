@@ -13,6 +13,10 @@ namespace poise::ep {
 // The expert MLP's shape for the SM90 kernels: the layer's, with the call's per-call fields.
 sm90::ExpertMlpShape expert_mlp_shape(const EpDims& dims);
 
+// gemm_precision fp8_block_scaled, before dispatch: each rank's tokens x_TD into 1 x 128 FP8 tiles
+// (RankScratch::fp8.x_TD, x_scales), the rows the dispatch sends (half the bytes of BF16 rows).
+void quantize_tokens_fp8(const EpLaunch& l, const LaunchIo& io, cudaStream_t stream);
+
 // recv_x rows -> h13_R2F (saved), a_RF, y rows in the owners' combine slots.
 void expert_forward(const EpLaunch& l, const LaunchIo& io, cudaStream_t stream);
 // The part of the forward its backward needs again (recompute): recv_x rows -> h13_R2F;

@@ -103,6 +103,7 @@ WorkspaceOffsets workspace_offsets(const layout::Window& w) {
   o.row_primary = at(w.records[0].row_primary);
   o.row_score = at(w.records[0].row_score);
   o.recv_x = at(w.records[0].recv_x);
+  o.recv_x_scales = at(w.records[0].recv_x_scales);
   o.recv_grad = at(w.recv_grad);
   o.combine = at(w.combine);
   o.grad_scores_TK = at(w.grad_scores_TK);
@@ -235,7 +236,7 @@ void StagedPipeline::allocate_rank_buffers(int s) {
   rs.grad_h13_R2F = at<bf16>(base, lb.grad_h13_R2F);
   rs.gemm_tile_counters = at<int32_t>(base, lb.gemm_tile_counters);
   rs.gemm_fault_word = at<unsigned long long>(base, lb.gemm_fault_word);
-  rs.fp8 = {at<uint8_t>(base, lb.fp8_x_RD), at<float>(base, lb.fp8_x_scales), at<uint8_t>(base, lb.fp8_a_RF),
+  rs.fp8 = {at<uint8_t>(base, lb.fp8_x_TD), at<float>(base, lb.fp8_x_scales), at<uint8_t>(base, lb.fp8_a_RF),
             at<float>(base, lb.fp8_a_scales), at<uint8_t>(base, lb.fp8_w13),   at<float>(base, lb.fp8_w13_scales),
             at<uint8_t>(base, lb.fp8_w2),   at<float>(base, lb.fp8_w2_scales)};
 }
@@ -269,6 +270,7 @@ EpLaunch StagedPipeline::launch_for(int record) const {
   l.ws.row_primary = static_cast<size_t>(w.row_primary.offset);
   l.ws.row_score = static_cast<size_t>(w.row_score.offset);
   l.ws.recv_x = static_cast<size_t>(w.recv_x.offset);
+  l.ws.recv_x_scales = static_cast<size_t>(w.recv_x_scales.offset);
   return l;
 }
 

@@ -142,6 +142,7 @@ void StagedPipeline::check_record(int record) const {
 }
 
 void StagedPipeline::dispatch_x_rows(const EpLaunch& l, const LaunchIo& io, cudaStream_t stream) {
+  quantize_tokens_fp8(l, io, stream);
   launch_dispatch_forward(l, io, stream);
   launch_fanout_rows(l, /*backward=*/false, stream);
 }
@@ -154,6 +155,7 @@ void StagedPipeline::forward(std::span<const ForwardArgs> args, cudaStream_t str
   stage(Stage::route, stream);
   launch_route(l, io, stream);
   stage(Stage::dispatch, stream);
+  quantize_tokens_fp8(l, io, stream);
   launch_dispatch_forward(l, io, stream);
   replicas_in_window_ = record;
   latest_forward_record_ = record;

@@ -110,25 +110,45 @@ TEST(Context, CallsWithoutTheRightPathFailLoudly) {
 }
 
 TEST(Context, Fp8ContextsPlanTheirFp8Operands) {
-  // gemm_precision = fp8_block_scaled: the rank's buffers gain the call's FP8 operands (e4m3 x and a
-  // rows, every expert group's weights, fp32 scales per 128 of K), each region padded to 256 bytes.
+  // gemm_precision = fp8_block_scaled: the rank's buffers gain the call's FP8 operands (e4m3 tokens
+  // and a rows, every expert group's weights, fp32 scales per 128 of K), each region padded to 256
+  // bytes; the x rows cross the wire in FP8, so each received row holds D + 4 bytes (D = 64) where
+  // BF16 holds 2D.
   Config c = small_config();
   c.gemm_precision = GemmPrecision::fp8_block_scaled;
   auto ctx = Context::create(c, 1, 0);  // plans only
   const MemoryPlan& p = ctx->plan();
-  const int64_t rows = p.device_rows, groups = p.num_local_experts + p.num_replica_slots;
+  const int64_t T = c.num_local_input_tokens, rows = p.device_rows, groups = p.num_local_experts + p.num_replica_slots;
   const int64_t D = c.hidden_dim, F = c.intermediate_dim;  // 64: one scale per row or block
   auto padded = [](int64_t bytes) { return (bytes + 255) / 256 * 256; };
-  const int64_t expected = padded(rows * D) + padded(4 * rows) + padded(rows * F) + padded(4 * rows) +
+  const int64_t expected = padded(T * D) + padded(4 * T) + padded(rows * F) + padded(4 * rows) +
                            padded(groups * 2 * F * D) + padded(4 * groups) + padded(groups * D * F) + padded(4 * groups);
   EXPECT_EQ(p.fp8_operand_bytes, expected);
   const MemoryPlan bf16 = plan_memory(small_config(), 1);
   EXPECT_EQ(bf16.fp8_operand_bytes, 0);
   EXPECT_EQ(p.device_scratch_bytes - bf16.device_scratch_bytes, expected);
+  EXPECT_EQ(p.x_row_wire_bytes, D + 4);
+  EXPECT_EQ(bf16.x_row_wire_bytes, 2 * D);
   EXPECT_NE(p.explain().find("of which FP8 operands"), std::string::npos) << p.explain();
+  EXPECT_NE(p.explain().find("x rows on the wire: 68 bytes"), std::string::npos) << p.explain();
   EXPECT_EQ(bf16.explain().find("FP8"), std::string::npos);
   EXPECT_EQ(gemm_precision_from_string("fp8_block_scaled"), GemmPrecision::fp8_block_scaled);
   EXPECT_EQ(rejected_name([] { gemm_precision_from_string("fp8"); }), "gemm_precision");
+}
+
+TEST(Context, Fp8RowsCrossTheWireAtAboutHalfTheBf16Bytes) {
+  // Issue 41's goal, counted: an x row at the DeepSeek-V3 hidden size (7168) carries 7168 e4m3
+  // values and 56 fp32 scales, 0.516x of its 14336 BF16 bytes; the window's received rows shrink
+  // by the same bytes per row.
+  Config c = small_config();
+  c.hidden_dim = 7168;
+  Config fp8 = c;
+  fp8.gemm_precision = GemmPrecision::fp8_block_scaled;
+  const MemoryPlan p8 = plan_memory(fp8, 1), p16 = plan_memory(c, 1);
+  EXPECT_EQ(p8.x_row_wire_bytes, 7168 + 4 * 56);
+  EXPECT_EQ(p16.x_row_wire_bytes, 2 * 7168);
+  EXPECT_LE(double(p8.x_row_wire_bytes) / double(p16.x_row_wire_bytes), 0.55);
+  EXPECT_LT(p8.communication_bytes, p16.communication_bytes);
 }
 
 }  // namespace

@@ -217,24 +217,28 @@ def test_capacity_mode_plans_every_received_row_on_the_device():
                          ids=["training", "inference", "capacity", "odd_dims"])
 @pytest.mark.parametrize("ep_size", [1, 8])
 def test_fp8_plans_its_operands_in_device_scratch(changes, ep_size):
-    """gemm_precision='fp8_block_scaled': the call's FP8 operands (e4m3 x and a of every device row,
-    every expert group's W13 and W2, fp32 scales per 128 of K, each region padded to 256 bytes) are
-    device scratch on top of the BF16 plan's, and fp8_operand_bytes says how much; 0 in bf16."""
+    """gemm_precision='fp8_block_scaled': the call's FP8 operands (e4m3 tokens and a of every device
+    row, every expert group's W13 and W2, fp32 scales per 128 of K, each region padded to 256 bytes)
+    are device scratch on top of the BF16 plan's, and fp8_operand_bytes says how much; 0 in bf16.
+    The x rows cross the wire (and are kept in activation records) in FP8 with their scales, so the
+    window and the activation slots shrink."""
     bf16 = plan(ep_size, **changes)
     fp8 = plan(ep_size, **changes, gemm_precision="fp8_block_scaled")
     assert bf16.fp8_operand_bytes == 0
     assert fp8.fp8_operand_bytes > 0
     assert fp8.device_rows == bf16.device_rows and fp8.num_replica_slots == bf16.num_replica_slots
     assert fp8.device_scratch_bytes - bf16.device_scratch_bytes == fp8.fp8_operand_bytes
-    assert fp8.total_device_bytes - bf16.total_device_bytes == fp8.fp8_operand_bytes
-    D, F = fp8.config.hidden_dim, fp8.config.intermediate_dim
+    D, F, T = fp8.config.hidden_dim, fp8.config.intermediate_dim, fp8.config.num_local_input_tokens
     groups = fp8.num_local_experts + fp8.num_replica_slots
 
     def blocks(n):
         return -(-n // 128)
 
-    values = fp8.device_rows * (D + F) + groups * 3 * F * D
-    scales = 4 * (fp8.device_rows * (blocks(D) + blocks(F))
+    assert (fp8.x_row_wire_bytes, bf16.x_row_wire_bytes) == (D + 4 * blocks(D), 2 * D)
+    assert fp8.communication_bytes <= bf16.communication_bytes
+    assert fp8.activation_slots_total_bytes <= bf16.activation_slots_total_bytes
+    values = T * D + fp8.device_rows * F + groups * 3 * F * D
+    scales = 4 * (T * blocks(D) + fp8.device_rows * blocks(F)
                   + groups * (blocks(2 * F) * blocks(D) + blocks(D) * blocks(F)))
     assert values + scales <= fp8.fp8_operand_bytes < values + scales + 8 * 256
     assert "of which FP8 operands" in fp8.explain()

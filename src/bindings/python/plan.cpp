@@ -33,6 +33,7 @@ void bind_plan(nb::module_& m) {
       .def_ro("activation_slots_total_bytes", &MemoryPlan::activation_slots_total_bytes)
       .def_ro("device_scratch_bytes", &MemoryPlan::device_scratch_bytes)
       .def_ro("fp8_operand_bytes", &MemoryPlan::fp8_operand_bytes)
+      .def_ro("x_row_wire_bytes", &MemoryPlan::x_row_wire_bytes)
       .def_ro("host_overflow_scratch_bytes", &MemoryPlan::host_overflow_scratch_bytes)
       .def_ro("total_device_bytes", &MemoryPlan::total_device_bytes)
       .def_ro("total_virtual_bytes", &MemoryPlan::total_virtual_bytes)
