@@ -19,6 +19,7 @@
 #include "numerics/block_scaling.hpp"
 #include "poise/fp8.hpp"
 #include "poise/reference.hpp"
+#include "quant/column_tiles.hpp"
 #include "quant/row_tiles.hpp"
 #include "quant/weight_blocks.hpp"
 
@@ -251,6 +252,148 @@ INSTANTIATE_TEST_SUITE_P(Shapes, Fp8RowTilesGpu,
                          ::testing::Values(Shape{1, 77, 192}, Shape{1, 64, 128}, Shape{1, 1, 64}, Shape{1, 4096, 7168},
                                            Shape{1, 5, 64}, Shape{1, 77, 192, 3}),
                          shape_name);
+
+// WGRAD's operands: grouped rows in 128 x 1 column tiles counted from each group's first row,
+// written transposed. Groups start at multiples of 128; counts leave partial last blocks, an empty
+// group leaves a block in no group, dims 64 mod 128.
+struct ColumnTilesCase {
+  const char* name;
+  int64_t rows, cols;
+  std::vector<int64_t> offsets, counts;
+};
+
+class Fp8ColumnTilesGpu : public ::testing::TestWithParam<ColumnTilesCase> {};
+
+// GPU values [cols][rows] and scales [rows / 128][cols] from `launch` into poisoned buffers.
+using ColumnTilesLaunch = std::function<void(const quant::RowGroups&, uint8_t* values_CR, float* scales_BC)>;
+std::pair<std::vector<uint8_t>, std::vector<float>> column_tiles_on_device(const ColumnTilesCase& k,
+                                                                           const ColumnTilesLaunch& launch) {
+  std::vector<int32_t> offsets(k.offsets.begin(), k.offsets.end()), counts(k.counts.begin(), k.counts.end());
+  int32_t *offsets_dev = nullptr, *counts_dev = nullptr;
+  uint8_t* values_dev = nullptr;
+  float* scales_dev = nullptr;
+  const int64_t blocks = k.rows / 128;
+  EXPECT_EQ(cudaMalloc(&offsets_dev, offsets.size() * 4), cudaSuccess);
+  EXPECT_EQ(cudaMalloc(&counts_dev, counts.size() * 4), cudaSuccess);
+  EXPECT_EQ(cudaMemcpy(offsets_dev, offsets.data(), offsets.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
+  EXPECT_EQ(cudaMemcpy(counts_dev, counts.data(), counts.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
+  EXPECT_EQ(cudaMalloc(&values_dev, k.rows * k.cols), cudaSuccess);
+  EXPECT_EQ(cudaMalloc(&scales_dev, blocks * k.cols * 4), cudaSuccess);
+  EXPECT_EQ(cudaMemset(values_dev, 0xA5, k.rows * k.cols), cudaSuccess);
+  EXPECT_EQ(cudaMemset(scales_dev, 0xFF, blocks * k.cols * 4), cudaSuccess);
+  launch({offsets_dev, counts_dev, static_cast<int32_t>(offsets.size())}, values_dev, scales_dev);
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  std::pair<std::vector<uint8_t>, std::vector<float>> out{std::vector<uint8_t>(k.rows * k.cols),
+                                                          std::vector<float>(blocks * k.cols)};
+  EXPECT_EQ(cudaMemcpy(out.first.data(), values_dev, out.first.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+  EXPECT_EQ(cudaMemcpy(out.second.data(), scales_dev, out.second.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+  cudaFree(offsets_dev), cudaFree(counts_dev), cudaFree(values_dev), cudaFree(scales_dev);
+  return out;
+}
+
+// The reference's column tiles (compact tile numbers, [rows][cols] values) against the device's
+// (row-block numbers, transposed values); blocks in no group: values 0, scale 1.
+void expect_column_tiles(const ColumnTilesCase& k, const std::vector<float>& x,
+                         const std::pair<std::vector<uint8_t>, std::vector<float>>& got) {
+  const numerics::BlockScaled want = numerics::quantize_column_tiles(x.data(), k.rows, k.cols, k.offsets, k.counts);
+  auto same_byte = [](uint8_t a, uint8_t b) { return a == b || ((a & 0x7F) == 0x7F && (b & 0x7F) == 0x7F); };
+  auto same_scale = [](float a, float b) { return a == b || (std::isnan(a) && std::isnan(b)); };
+  int64_t wrong_values = 0, wrong_scales = 0;
+  for (int64_t r = 0; r < k.rows; ++r)
+    for (int64_t c = 0; c < k.cols; ++c) wrong_values += !same_byte(got.first[c * k.rows + r], want.values[r * k.cols + c]);
+  std::vector<float> want_scales(got.second.size(), 1.0f);
+  int64_t tile = 0;
+  for (size_t g = 0; g < k.counts.size(); ++g)
+    for (int64_t t0 = 0; t0 < k.counts[g]; t0 += 128, ++tile)
+      for (int64_t c = 0; c < k.cols; ++c)
+        want_scales[(k.offsets[g] + t0) / 128 * k.cols + c] = want.scales[tile * k.cols + c];
+  for (size_t i = 0; i < want_scales.size(); ++i) wrong_scales += !same_scale(got.second[i], want_scales[i]);
+  EXPECT_EQ(wrong_values, 0) << "e4m3 values differ from the reference's (transposed)";
+  EXPECT_EQ(wrong_scales, 0) << "scales differ from the reference's";
+}
+
+// Random bf16 values with a NaN inside the first group and one value far beyond 448.
+std::vector<float> column_tile_values(const ColumnTilesCase& k, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> x(k.rows * k.cols);
+  for (float& v : x) v = reference::round_to_bf16(normal(rng));
+  x[k.cols + 1] = reference::round_to_bf16(3.0e4f);
+  if (k.counts[0] > 3) x[3 * k.cols + k.cols - 1] = NAN;
+  return x;
+}
+
+std::vector<uint16_t> bf16_bits(const std::vector<float>& x) {
+  std::vector<uint16_t> bits(x.size());
+  for (size_t i = 0; i < x.size(); ++i) {
+    uint32_t u;
+    std::memcpy(&u, &x[i], sizeof u);
+    bits[i] = static_cast<uint16_t>(u >> 16);
+  }
+  return bits;
+}
+
+TEST_P(Fp8ColumnTilesGpu, EqualTheReferenceTransposed) {
+  if (!testing::have_sm90_gpu()) GTEST_SKIP() << "needs an SM90 GPU";
+  const ColumnTilesCase k = GetParam();
+  const uint64_t seed = testing::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const std::vector<float> x = column_tile_values(k, seed);
+  const std::vector<uint16_t> bits = bf16_bits(x);
+  void* x_dev = nullptr;
+  ASSERT_EQ(cudaMalloc(&x_dev, bits.size() * 2), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(x_dev, bits.data(), bits.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+  const auto got = column_tiles_on_device(k, [&](const quant::RowGroups& g, uint8_t* values, float* scales) {
+    quant::launch_column_tiles_transposed(static_cast<const __nv_bfloat16*>(x_dev), k.rows, k.cols, g, values, scales,
+                                          nullptr);
+  });
+  cudaFree(x_dev);
+  expect_column_tiles(k, x, got);
+}
+
+// x as it crossed the wire: FP8 row tiles, dequantized in fp32 before its column tiles.
+TEST_P(Fp8ColumnTilesGpu, OfFp8RowsEqualTheReferenceOfTheirDequantizedValues) {
+  if (!testing::have_sm90_gpu()) GTEST_SKIP() << "needs an SM90 GPU";
+  const ColumnTilesCase k = GetParam();
+  const uint64_t seed = testing::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const numerics::BlockScaled rows = numerics::quantize_row_tiles(column_tile_values(k, seed).data(), k.rows, k.cols);
+  const int64_t tiles_per_row = numerics::scale_blocks(k.cols);
+  std::vector<float> x_deq(k.rows * k.cols);
+  for (int64_t i = 0; i < k.rows * k.cols; ++i)
+    x_deq[i] = numerics::dequantize(rows.values[i], rows.scales[i / k.cols * tiles_per_row + i % k.cols / 128]);
+  uint8_t* values_dev = nullptr;
+  float* scales_dev = nullptr;
+  ASSERT_EQ(cudaMalloc(&values_dev, rows.values.size()), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&scales_dev, rows.scales.size() * 4), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(values_dev, rows.values.data(), rows.values.size(), cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(scales_dev, rows.scales.data(), rows.scales.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
+  const auto got = column_tiles_on_device(k, [&](const quant::RowGroups& g, uint8_t* values, float* scales) {
+    quant::launch_column_tiles_transposed(values_dev, scales_dev, k.rows, k.cols, g, values, scales, nullptr);
+  });
+  cudaFree(values_dev), cudaFree(scales_dev);
+  expect_column_tiles(k, x_deq, got);
+}
+
+TEST(Fp8ColumnTiles, RefuseRowsNotInWholeBlocks) {
+  const quant::RowGroups none{};
+  uint8_t* values = reinterpret_cast<uint8_t*>(uintptr_t{256});
+  float* scales = reinterpret_cast<float*>(uintptr_t{256});
+  EXPECT_THROW(quant::launch_column_tiles_transposed(static_cast<const __nv_bfloat16*>(nullptr), 100, 64, none, values,
+                                                     scales, nullptr),
+               InvalidArgument);
+  EXPECT_THROW(quant::launch_column_tiles_transposed(static_cast<const __nv_bfloat16*>(nullptr), 128, 96, none, values,
+                                                     scales, nullptr),
+               InvalidArgument);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cases, Fp8ColumnTilesGpu,
+    ::testing::Values(ColumnTilesCase{"partial_empty_and_gap", 768, 192, {0, 128, 256, 384, 640}, {100, 0, 128, 200, 5}},
+                      ColumnTilesCase{"one_group_all_rows", 384, 64, {0}, {384}},
+                      ColumnTilesCase{"one_row", 128, 128, {0}, {1}},
+                      ColumnTilesCase{"deepseek_w13_slice", 4096, 2048, {0, 1024, 2048, 3072}, {1000, 1024, 0, 777}}),
+    [](const ::testing::TestParamInfo<ColumnTilesCase>& info) { return std::string(info.param.name); });
 
 }  // namespace
 }  // namespace poise
