@@ -39,6 +39,11 @@ struct Config {
   // fp8_block_scaled (docs/fp8.md): the CPU reference engine runs forward and backward; a GPU
   // context runs the forward, and its backward raises NotAvailable (not built yet).
   GemmPrecision gemm_precision = GemmPrecision::bf16;
+  // fp8_block_scaled only: every forward passes the own experts' prepared FP8 weights
+  // (ForwardArgs::w13_fp8 ..., Python prepared=), so the plan holds no scratch to quantize them into
+  // (3 F D bytes and their scales per local expert; replica slots keep theirs), and a forward
+  // without them is refused naming w13_fp8.
+  bool prepared_fp8_weights = false;
 
   DType wgrad_dtype = DType::fp32;
   bool inference = false;  // no backward: no activation slots, no weight-grad buffers

@@ -69,6 +69,13 @@ class Config:
     reference engine runs forward and backward; a GPU context runs the forward (its backward raises
     NotAvailable: the FP8 backward GEMMs are not built yet)."""
 
+    prepared_fp8_weights: bool = False
+    """With gemm_precision='fp8_block_scaled': every forward passes the local experts' weights as
+    poise.prepare_weights quantized them (``prepared=``), so the plan holds no scratch to quantize
+    them into per call (3 * intermediate_dim * hidden_dim bytes and their scales per local expert:
+    1.4 GB at a DeepSeek-V3 EP8 rank), and a forward without them raises InvalidArgument naming
+    ``prepared``."""
+
     wgrad_dtype: WgradDType = "fp32"
     """Weight-gradient dtype: 'fp32' or 'bf16' ('float32', 'bfloat16' and torch dtypes are accepted)."""
     inference: bool = False

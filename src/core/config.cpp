@@ -104,6 +104,8 @@ void Config::validate(int64_t ep_size) const {
   require(std::isfinite(host_overflow_scratch_factor) && host_overflow_scratch_factor >= 0,
           "host_overflow_scratch_factor",
           "must be >= 0, got " + show(host_overflow_scratch_factor));
+  require(!prepared_fp8_weights || gemm_precision == GemmPrecision::fp8_block_scaled, "prepared_fp8_weights",
+          "needs gemm_precision fp8_block_scaled (only FP8 GEMMs read prepared weights)");
   if (inference) {
     require(!activation_slot_capacity_factor && !activation_slot_bytes, "activation_slot_bytes",
             "must be unset when inference=true (inference saves nothing for backward)");

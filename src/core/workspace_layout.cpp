@@ -31,6 +31,7 @@ class Block {
 // The numbers every region is sized by.
 struct Dims {
   int64_t T, K, D, F, E, R, TK, groups, B, capacity, score_partials;
+  int64_t fp8_weight_groups;  // groups whose weights are quantized into the rank's scratch
   bool exact, training, fp8;
 };
 
@@ -45,6 +46,7 @@ Dims dims_of(const Config& c, int64_t ep_size, int64_t replica_slots) {
   d.exact = c.balance == Balance::exact;
   d.training = !c.inference;
   d.fp8 = fp8_gemms(c);
+  d.fp8_weight_groups = c.prepared_fp8_weights ? d.B : d.groups;  // prepared: the replica slots only
   return d;
 }
 
@@ -124,10 +126,10 @@ RankBuffers rank_buffers(const Dims& d, const Keep& k) {
     r.fp8_x_scales = b.add(kFp32 * d.T * scale_blocks(d.D));
     r.fp8_a_RF = b.add(kE4m3 * d.capacity * d.F);
     r.fp8_a_scales = b.add(kFp32 * d.capacity * scale_blocks(d.F));
-    r.fp8_w13 = b.add(kE4m3 * d.groups * 2 * d.F * d.D);
-    r.fp8_w13_scales = b.add(kFp32 * d.groups * scale_blocks(2 * d.F) * scale_blocks(d.D));
-    r.fp8_w2 = b.add(kE4m3 * d.groups * d.D * d.F);
-    r.fp8_w2_scales = b.add(kFp32 * d.groups * scale_blocks(d.D) * scale_blocks(d.F));
+    r.fp8_w13 = b.add(kE4m3 * d.fp8_weight_groups * 2 * d.F * d.D);
+    r.fp8_w13_scales = b.add(kFp32 * d.fp8_weight_groups * scale_blocks(2 * d.F) * scale_blocks(d.D));
+    r.fp8_w2 = b.add(kE4m3 * d.fp8_weight_groups * d.D * d.F);
+    r.fp8_w2_scales = b.add(kFp32 * d.fp8_weight_groups * scale_blocks(d.D) * scale_blocks(d.F));
   }
   r.bytes = b.end();
   return r;

@@ -101,7 +101,8 @@ struct RankBuffers {
   Region gemm_fault_word;              // u64 [1]: the expert GEMMs' device fault (sm90::FaultWord)
   // gemm_precision fp8_block_scaled: each call's FP8 operands (docs/fp8.md), e4m3 values and fp32
   // scales per 128 of K: the rank's tokens (quantized once, before dispatch) and the SwiGLU output,
-  // 1 x 128 tiles; every group's weights (own experts, then replica slots), 128 x 128 blocks.
+  // 1 x 128 tiles; every group's weights (own experts, then replica slots; the replica slots only
+  // with Config::prepared_fp8_weights), 128 x 128 blocks.
   Region fp8_x_TD, fp8_x_scales;      // u8 [T][D], fp32 [T][D/128]
   Region fp8_a_RF, fp8_a_scales;      // u8 [capacity][F], fp32 [capacity][F/128]
   Region fp8_w13, fp8_w13_scales;     // u8 [groups][2F][D], fp32 [groups][2F/128][D/128]

@@ -50,6 +50,7 @@ struct EpDims {
   // the owners (grad_scores_TK window region).
   int32_t score_partials = 0;  // P: pieces per row of the scores' gradients (per call)
   int32_t fp8 = 0;  // gemm_precision fp8_block_scaled: the forward's GEMMs take FP8 operands
+  int32_t fp8_weights_prepared = 0;  // Config::prepared_fp8_weights: Fp8Scratch holds the replica slots' weights only
   int32_t swiglu_clamped = 0;
   float swiglu_alpha = 1.702f;
   float swiglu_limit = 7.0f;
@@ -89,6 +90,7 @@ struct Fp8Scratch {
   uint8_t* a_RF = nullptr;   // [capacity][F]: the SwiGLU output
   float* a_scales = nullptr;
   uint8_t* w13 = nullptr;    // [groups][2F][D]: own experts', then replica slots' weights, 128 x 128 blocks
+                             // (EpDims::fp8_weights_prepared: [B][2F][D], the replica slots' only)
   float* w13_scales = nullptr;
   uint8_t* w2 = nullptr;     // [groups][D][F]
   float* w2_scales = nullptr;

@@ -106,7 +106,7 @@ void fp8_forward(const EpLaunch& l, const LaunchIo& io, int s, const sm90::Group
   const bool prepared = in.w13_fp8 != nullptr;  // else quantized here, into the scratch
   const Fp8GroupWeights own_w = prepared ? Fp8GroupWeights{{in.w13_fp8, in.w13_fp8_scales}, {in.w2_fp8, in.w2_fp8_scales}}
                                          : fp8_weights_from(q, 0, D, F);
-  const Fp8GroupWeights replica_w = fp8_weights_from(q, own, D, F);
+  const Fp8GroupWeights replica_w = fp8_weights_from(q, l.dims.fp8_weights_prepared ? 0 : own, D, F);
   if (!prepared) quantize_group_weights(in.w13_E2FD, in.w2_EDF, own, rows.row_counts_E, D, F, own_w, stream);
   if (replicas) {
     quantize_group_weights(replica_w13(l, s), replica_w2(l, s), l.dims.groups - own, rows.row_counts_E + own, D, F,

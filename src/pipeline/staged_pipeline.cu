@@ -80,6 +80,7 @@ EpDims make_dims(const Config& c, int64_t ep_size, const layout::WorkspaceLayout
   d.capacity_rows = static_cast<int32_t>(l.capacity_rows);
   d.num_chunks = (d.T + kTokensPerChunk - 1) / kTokensPerChunk;
   d.fp8 = c.gemm_precision == GemmPrecision::fp8_block_scaled;
+  d.fp8_weights_prepared = c.prepared_fp8_weights ? 1 : 0;
   d.swiglu_clamped = c.activation == Activation::swiglu_clamped;
   d.swiglu_alpha = static_cast<float>(c.swiglu_alpha);
   d.swiglu_limit = static_cast<float>(c.swiglu_limit);

@@ -52,8 +52,12 @@ bool has_prepared_fp8(const ForwardArgs& a) { return a.w13_fp8 || a.w13_fp8_scal
 
 // Prepared FP8 weights (ForwardArgs::w13_fp8 ...): only where the GEMMs are FP8, all four (the
 // missing one named), values 16-byte aligned (TMA), scales 4; on every rank or none.
-void validate_prepared_fp8(const ForwardArgs& a, int slot, const ForwardArgs& first, bool fp8) {
+// Config::prepared_fp8_weights (`required`): every forward passes them (no scratch to quantize into).
+void validate_prepared_fp8(const ForwardArgs& a, int slot, const ForwardArgs& first, bool fp8, bool required) {
   const bool prepared = has_prepared_fp8(a);
+  require(prepared || !required, arg_name(slot, "w13_fp8"),
+          "Config::prepared_fp8_weights: every forward passes the prepared FP8 weights (w13_fp8, w13_fp8_scales, "
+          "w2_fp8, w2_fp8_scales); the plan holds no scratch to quantize w13 and w2 into");
   if (prepared) {
     require(fp8, arg_name(slot, "w13_fp8"),
             "prepared FP8 weights are read only with gemm_precision fp8_block_scaled");
@@ -116,7 +120,7 @@ LaunchIo StagedPipeline::forward_io(std::span<const ForwardArgs> args, bool back
   for (int s = 0; s < launch_.launch_ranks; ++s) {
     const ForwardArgs& a = args[s];
     validate_forward_args(a, s, args[0], backward);
-    validate_prepared_fp8(a, s, args[0], launch_.dims.fp8 != 0);
+    validate_prepared_fp8(a, s, args[0], launch_.dims.fp8 != 0, launch_.dims.fp8_weights_prepared && !backward);
     if (launch_.dims.fp8) require_fp8_built(a, s);
     RankIo& r = io.rank[s];
     r.x_TD = static_cast<const bf16*>(a.x_TD);

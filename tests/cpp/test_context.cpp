@@ -136,6 +136,30 @@ TEST(Context, Fp8ContextsPlanTheirFp8Operands) {
   EXPECT_EQ(rejected_name([] { gemm_precision_from_string("fp8"); }), "gemm_precision");
 }
 
+TEST(Context, PreparedFp8WeightsDropTheOwnExpertsWeightScratch) {
+  // Config::prepared_fp8_weights: the own experts' 3 F D e4m3 bytes and scales leave the plan; the
+  // replica slots' stay (exact balance at EP 2); it needs FP8 GEMMs.
+  Config c = small_config();
+  c.gemm_precision = GemmPrecision::fp8_block_scaled;
+  Config prepared = c;
+  prepared.prepared_fp8_weights = true;
+  for (int64_t ep : {1, 2}) {
+    const MemoryPlan per_call = plan_memory(c, ep), lean = plan_memory(prepared, ep);
+    const int64_t own = c.num_local_experts(ep), F = c.intermediate_dim, D = c.hidden_dim;
+    auto padded = [](int64_t bytes) { return (bytes + 255) / 256 * 256; };
+    const int64_t groups = own + per_call.num_replica_slots, slots = per_call.num_replica_slots;
+    auto weights = [&](int64_t g) {  // D = F = 64: one scale per matrix
+      return padded(g * 2 * F * D) + padded(4 * g) + padded(g * D * F) + padded(4 * g);
+    };
+    EXPECT_EQ(per_call.fp8_operand_bytes - lean.fp8_operand_bytes, weights(groups) - weights(slots)) << "ep " << ep;
+    EXPECT_EQ(per_call.total_device_bytes - lean.total_device_bytes, weights(groups) - weights(slots));
+    EXPECT_NE(lean.explain().find("the own experts' come prepared"), std::string::npos) << lean.explain();
+  }
+  Config bf16 = small_config();
+  bf16.prepared_fp8_weights = true;
+  EXPECT_EQ(rejected_name([&] { bf16.validate(1); }), "prepared_fp8_weights");
+}
+
 TEST(Context, Fp8RowsCrossTheWireAtAboutHalfTheBf16Bytes) {
   // Issue 41's goal, counted: an x row at the DeepSeek-V3 hidden size (7168) carries 7168 e4m3
   // values and 56 fp32 scales, 0.516x of its 14336 BF16 bytes; the window's received rows shrink

@@ -451,6 +451,29 @@ TEST_P(ContextFp8Refusals, PreparedWeightsGiveTheBitsOfTheCallsQuantization) {
     }, *context);
     EXPECT_TRUE(contains(one_rank, "InvalidArgument: ") && contains(one_rank, "args[1].w13_fp8")) << one_rank;
   }
+  // Config::prepared_fp8_weights: the plan drops the own experts' weight scratch (the replica
+  // slots keep theirs, at its start), the same bits come out, and a call without them is refused.
+  Config prepared_only = c;
+  prepared_only.prepared_fp8_weights = true;
+  auto lean = testing::make_context(prepared_only, R);
+  EXPECT_LT(lean->plan().fp8_operand_bytes, context->plan().fp8_operand_bytes - E * 3 * F * D + 1);
+  routed_experts_forward(*lean, args, stream);
+  lean->check(stream);
+  const std::vector<std::vector<float>> from_lean = layer.device->out_TD();
+  for (int64_t r = 0; r < R; ++r) {
+    int64_t differing = 0;
+    for (size_t i = 0; i < from_lean[r].size(); ++i) {
+      const float a = from_lean[r][i], b = quantized_in_call[r][i];
+      differing += !(a == b || (std::isnan(a) && std::isnan(b)));
+    }
+    EXPECT_EQ(differing, 0) << "rank " << r << ": out of a prepared_fp8_weights context differs";
+  }
+  layer.device->poison_outputs();
+  const std::string unprepared = refusal([&] { routed_experts_forward(*lean, layer.device->forward_args(), stream); });
+  EXPECT_TRUE(contains(unprepared, "InvalidArgument: ") && contains(unprepared, "args[0].w13_fp8") &&
+              contains(unprepared, "prepared_fp8_weights"))
+      << unprepared;
+
   Config bf16 = c;
   bf16.gemm_precision = GemmPrecision::bf16;
   auto bf16_context = testing::make_context(bf16, R);

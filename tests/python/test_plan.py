@@ -243,3 +243,21 @@ def test_fp8_plans_its_operands_in_device_scratch(changes, ep_size):
     assert values + scales <= fp8.fp8_operand_bytes < values + scales + 8 * 256
     assert "of which FP8 operands" in fp8.explain()
     assert "FP8" not in bf16.explain()
+
+
+@pytest.mark.parametrize("ep_size", [1, 8])
+def test_prepared_fp8_weights_drop_the_own_experts_weight_scratch(ep_size):
+    """prepared_fp8_weights=True: every forward brings the local experts' prepared FP8 weights, so the
+    plan holds scratch for the replica slots' weights only; it needs fp8_block_scaled."""
+    per_call = plan(ep_size, gemm_precision="fp8_block_scaled")
+    lean = plan(ep_size, gemm_precision="fp8_block_scaled", prepared_fp8_weights=True)
+    D, F = lean.config.hidden_dim, lean.config.intermediate_dim
+    own = lean.num_local_experts
+    blocks = lambda n: -(-n // 128)  # noqa: E731
+    own_weights = own * (3 * F * D + 4 * (blocks(2 * F) * blocks(D) + blocks(D) * blocks(F)))
+    saved = per_call.fp8_operand_bytes - lean.fp8_operand_bytes
+    assert own_weights <= saved < own_weights + 4 * 256
+    assert per_call.total_device_bytes - lean.total_device_bytes == saved
+    assert "the own experts' come prepared" in lean.explain()
+    with pytest.raises(poise.InvalidArgument, match="prepared_fp8_weights"):
+        poise.Config(**{**dataclasses.asdict(lean.config), "gemm_precision": "bf16"})

@@ -65,6 +65,10 @@ def routed_experts(
     if (b13 is None) != (b2 is None):  # the op checks the rest (check_biases)
         raise InvalidArgument("b13" if b13 is None else "b2", "expert biases go together: pass b13 and b2")
     tensors = (x_TD, ids_TK, scores_TK, w13, w2) + (() if b13 is None else (b13, b2))
+    if prepared is None and context.config.prepared_fp8_weights:
+        raise InvalidArgument("prepared", "this context's Config has prepared_fp8_weights=True: every call passes "
+                                          "poise.prepare_weights' tensors (the plan holds no scratch to quantize "
+                                          "w13 and w2 into)")
     fp8 = None if prepared is None else _prepared_tensors(prepared)  # the op checks the rest (check_prepared)
     if torch.compiler.is_compiling():
         # Dynamo cannot trace into the C++ objects: the op's fake implementation checks instead.
