@@ -427,15 +427,17 @@ TEST_P(ContextFp8Refusals, PreparedWeightsGiveTheBitsOfTheCallsQuantization) {
   }
   routed_experts_forward(*context, args, stream);
   context->check(stream);
-  const std::vector<std::vector<float>> from_prepared = layer.device->out_TD();
-  for (int64_t r = 0; r < R; ++r) {
-    int64_t differing = 0;
-    for (size_t i = 0; i < from_prepared[r].size(); ++i) {
-      const float a = from_prepared[r][i], b = quantized_in_call[r][i];
-      differing += !(a == b || (std::isnan(a) && std::isnan(b)));
+  const auto expect_bits_of_the_call = [&](const std::vector<std::vector<float>>& out, const std::string& what) {
+    for (int64_t r = 0; r < R; ++r) {
+      int64_t differing = 0;
+      for (size_t i = 0; i < out[r].size(); ++i) {
+        const float a = out[r][i], b = quantized_in_call[r][i];
+        differing += !(a == b || (std::isnan(a) && std::isnan(b)));
+      }
+      EXPECT_EQ(differing, 0) << "rank " << r << ": out " << what << " differs from the call's quantization";
     }
-    EXPECT_EQ(differing, 0) << "rank " << r << ": out from prepared weights differs from the call's quantization";
-  }
+  };
+  expect_bits_of_the_call(layer.device->out_TD(), "from prepared weights");
 
   layer.device->poison_outputs();
   auto refused = [&](auto&& mutate, const Context& on) {
@@ -459,15 +461,7 @@ TEST_P(ContextFp8Refusals, PreparedWeightsGiveTheBitsOfTheCallsQuantization) {
   EXPECT_LT(lean->plan().fp8_operand_bytes, context->plan().fp8_operand_bytes - E * 3 * F * D + 1);
   routed_experts_forward(*lean, args, stream);
   lean->check(stream);
-  const std::vector<std::vector<float>> from_lean = layer.device->out_TD();
-  for (int64_t r = 0; r < R; ++r) {
-    int64_t differing = 0;
-    for (size_t i = 0; i < from_lean[r].size(); ++i) {
-      const float a = from_lean[r][i], b = quantized_in_call[r][i];
-      differing += !(a == b || (std::isnan(a) && std::isnan(b)));
-    }
-    EXPECT_EQ(differing, 0) << "rank " << r << ": out of a prepared_fp8_weights context differs";
-  }
+  expect_bits_of_the_call(layer.device->out_TD(), "of a prepared_fp8_weights context");
   layer.device->poison_outputs();
   const std::string unprepared = refusal([&] { routed_experts_forward(*lean, layer.device->forward_args(), stream); });
   EXPECT_TRUE(contains(unprepared, "InvalidArgument: ") && contains(unprepared, "args[0].w13_fp8") &&

@@ -49,17 +49,23 @@ std::vector<float> test_values(const Shape& s, uint64_t seed) {
   return w;
 }
 
+// The bf16 bits of values that hold bf16 values.
+std::vector<uint16_t> bf16_bits(const std::vector<float>& x) {
+  std::vector<uint16_t> bits(x.size());
+  for (size_t i = 0; i < x.size(); ++i) {
+    uint32_t u;
+    std::memcpy(&u, &x[i], sizeof u);
+    bits[i] = static_cast<uint16_t>(u >> 16);
+  }
+  return bits;
+}
+
 // `quantize` run on the device over `w` (as bf16) into poisoned buffers, both `misalign` values past
 // cudaMalloc's alignment: (values, scales).
 using DeviceQuantize = std::function<void(const void* w, uint8_t* values, float* scales)>;
 std::pair<std::vector<uint8_t>, std::vector<float>> on_device(const std::vector<float>& w, size_t num_scales,
                                                               int misalign, const DeviceQuantize& quantize) {
-  std::vector<uint16_t> bits(w.size());
-  for (size_t i = 0; i < w.size(); ++i) {
-    uint32_t u;
-    std::memcpy(&u, &w[i], sizeof u);
-    bits[i] = static_cast<uint16_t>(u >> 16);
-  }
+  const std::vector<uint16_t> bits = bf16_bits(w);
   void *w_dev = nullptr, *values_dev = nullptr, *scales_dev = nullptr;
   EXPECT_EQ(cudaMalloc(&w_dev, (w.size() + misalign) * 2), cudaSuccess);
   EXPECT_EQ(cudaMalloc(&values_dev, w.size() + misalign), cudaSuccess);
@@ -321,16 +327,6 @@ std::vector<float> column_tile_values(const ColumnTilesCase& k, uint64_t seed) {
   x[k.cols + 1] = reference::round_to_bf16(3.0e4f);
   if (k.counts[0] > 3) x[3 * k.cols + k.cols - 1] = NAN;
   return x;
-}
-
-std::vector<uint16_t> bf16_bits(const std::vector<float>& x) {
-  std::vector<uint16_t> bits(x.size());
-  for (size_t i = 0; i < x.size(); ++i) {
-    uint32_t u;
-    std::memcpy(&u, &x[i], sizeof u);
-    bits[i] = static_cast<uint16_t>(u >> 16);
-  }
-  return bits;
 }
 
 TEST_P(Fp8ColumnTilesGpu, EqualTheReferenceTransposed) {
