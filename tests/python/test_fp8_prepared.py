@@ -80,6 +80,16 @@ def test_a_cpu_context_refuses_well_formed_prepared_weights_as_not_available(inp
         assert torch.isfinite(call(inputs, context).float()).all()  # without them: the reference's FP8 forward
 
 
+def test_a_prepared_fp8_weights_context_refuses_a_call_without_them(inputs, path):
+    """Config(prepared_fp8_weights=True) plans no scratch to quantize w13 and w2 into: a call without
+    prepared= is refused naming it, before anything runs."""
+    config = dataclasses.replace(CONFIG, prepared_fp8_weights=True)
+    with poise.create_context(config=config, device="cpu") as context:
+        with pytest.raises(poise.InvalidArgument, match="prepared_fp8_weights=True") as raised:
+            call(inputs, context)
+        assert raised.value.name == "prepared"
+
+
 def test_transposed_weights_with_prepared_weights_are_not_available(inputs, prepared, context, path):
     transposed = dict(inputs, **{n: inputs[n].transpose(1, 2).contiguous() for n in ("w13", "w2")})
     with pytest.raises(poise.NotAvailable, match="^weights_transposed"):

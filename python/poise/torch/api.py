@@ -65,16 +65,16 @@ def routed_experts(
     if (b13 is None) != (b2 is None):  # the op checks the rest (check_biases)
         raise InvalidArgument("b13" if b13 is None else "b2", "expert biases go together: pass b13 and b2")
     tensors = (x_TD, ids_TK, scores_TK, w13, w2) + (() if b13 is None else (b13, b2))
-    if prepared is None and context.config.prepared_fp8_weights:
-        raise InvalidArgument("prepared", "this context's Config has prepared_fp8_weights=True: every call passes "
-                                          "poise.prepare_weights' tensors (the plan holds no scratch to quantize "
-                                          "w13 and w2 into)")
     fp8 = None if prepared is None else _prepared_tensors(prepared)  # the op checks the rest (check_prepared)
     if torch.compiler.is_compiling():
         # Dynamo cannot trace into the C++ objects: the op's fake implementation checks instead.
         _refuse_compiled_accumulation(options)
     else:
         _check_before_the_op(tensors, context, options, weights_transposed, fp8)
+        if fp8 is None and context.config.prepared_fp8_weights:
+            raise InvalidArgument("prepared", "this context's Config has prepared_fp8_weights=True: every call "
+                                              "passes poise.prepare_weights' tensors (the plan holds no scratch to "
+                                              "quantize w13 and w2 into)")
         if autograd.plain_eager(tensors + (fp8 or ())):
             call = autograd.EagerCall(context.handle, w13_layout, options.accumulate_wgrad, weights_transposed,
                                       options.clip_statistics, options.sync_check or context.sync_check, fp8)
