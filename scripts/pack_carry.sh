@@ -23,6 +23,17 @@ while [ $# -gt 0 ]; do
   esac
 done
 build=${1:-$root/build}
+# An object ninja holds no header dependencies for is never rebuilt when a header changes: a struct
+# layout changed under it crashes the carried binaries (seen: three .cu objects with "#deps 0" after
+# an interrupted build). Rebuild those before packing.
+if [ -f "$build/build.ninja" ]; then
+  stale=$(cd "$build" && ninja -t deps 2>/dev/null | awk -F: '/#deps 0,/ {print $1}')
+  if [ -n "$stale" ]; then
+    echo "rebuilding objects without recorded header dependencies:" $stale >&2
+    (cd "$build" && rm -f $stale)
+  fi
+  cmake --build "$build" -j"$(nproc)" >/dev/null
+fi
 stage=$(mktemp -d)
 trap 'rm -rf "$stage"' EXIT
 cp "$build"/tests/gpu/test_* "$build"/apps/demo/poise_demo "$stage"/
