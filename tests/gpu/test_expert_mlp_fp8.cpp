@@ -633,6 +633,88 @@ TEST_P(ExpertMlpFp8, DgradW13RowScatterEqualsGroupedRowsBitwise) {
   }, "dgrad_w13_fp8 scattered");
 }
 
+// WGRAD's operand: rows [R][C] in 128 x 1 column tiles from each group's first row
+// (numerics::quantize_column_tiles), on the device transposed, [C][R], with scales [R / 128][C] by
+// padded row block (blocks in no group: 1), as quant::launch_column_tiles_transposed writes them.
+struct Fp8ColumnOperand {
+  std::vector<double> deq;  // [R][C], 0 outside the groups
+  DeviceBuffer<uint8_t> values;
+  DeviceBuffer<float> scales;
+  sm90::Fp8ColumnTiles tiles() const { return {values.ptr, scales.ptr}; }
+};
+
+Fp8ColumnOperand column_tiles(const std::vector<uint16_t>& x, const RowLayout& l, int64_t C) {
+  const auto f = to_float(x);
+  const std::vector<int64_t> offsets(l.offsets.begin(), l.offsets.end()), counts(l.counts.begin(), l.counts.end());
+  const BlockScaled q = numerics::quantize_column_tiles(f.data(), l.rows, C, offsets, counts);
+  std::vector<uint8_t> values_CR(l.rows * C);
+  std::vector<float> scales_BC(l.rows / kScaleBlock * C, 1.0f);
+  std::vector<double> deq(l.rows * C, 0.0);
+  int64_t tile = 0;
+  for (size_t e = 0; e < counts.size(); ++e)
+    for (int64_t t0 = 0; t0 < counts[e]; t0 += kScaleBlock, ++tile) {
+      const int64_t block = (offsets[e] + t0) / kScaleBlock;
+      for (int64_t c = 0; c < C; ++c) scales_BC[block * C + c] = q.scales[tile * C + c];
+      for (int64_t r = offsets[e] + t0; r < offsets[e] + std::min(counts[e], t0 + kScaleBlock); ++r)
+        for (int64_t c = 0; c < C; ++c) deq[r * C + c] = dequantized(q.values[r * C + c], q.scales[tile * C + c]);
+    }
+  for (int64_t r = 0; r < l.rows; ++r)
+    for (int64_t c = 0; c < C; ++c) values_CR[c * l.rows + r] = q.values[r * C + c];
+  return {std::move(deq), DeviceBuffer<uint8_t>(values_CR), DeviceBuffer<float>(scales_BC)};
+}
+
+// grad_w [E][M][N] fp32 against float64 on the dequantized operands: relative L2 and per element
+// within kElementTolerance of (|want| + the expert's rms); experts without rows exactly 0.
+void expect_wgrad_close(const std::vector<float>& got, const std::vector<double>& want, const RowLayout& l,
+                        int64_t M, int64_t N, const std::string& what) {
+  expect_close(compare_all(got, want), kRelL2, what.c_str());
+  int64_t outliers = 0, nonzero_empty = 0;
+  for (size_t e = 0; e < l.counts.size(); ++e) {
+    double ss = 0;
+    for (int64_t i = 0; i < M * N; ++i) ss += want[e * M * N + i] * want[e * M * N + i];
+    const double rms = std::sqrt(ss / double(M * N));
+    for (int64_t i = 0; i < M * N; ++i) {
+      const double g = got[e * M * N + i], w = want[e * M * N + i];
+      if (l.counts[e] == 0) nonzero_empty += g != 0.0;
+      else outliers += !(std::abs(g - w) <= kElementTolerance * (std::abs(w) + rms));
+    }
+  }
+  EXPECT_EQ(outliers, 0) << what << ": elements beyond " << kElementTolerance << " * (|want| + expert rms)";
+  EXPECT_EQ(nonzero_empty, 0) << what << ": an expert without rows has a nonzero gradient";
+}
+
+TEST_P(ExpertMlpFp8, WgradW2MatchesFloat64OnDequantizedOperands) {
+  Fp8Fixture fx(GetParam());
+  SCOPED_TRACE(fx.trace());
+  const int64_t D = fx.cs.D, F = fx.cs.F, E = fx.E();
+  Rng rng(fx.seed + 9);
+  const Fp8ColumnOperand gy = column_tiles(random_rows_fp8(rng, fx.l, D), fx.l, D);
+  const Fp8ColumnOperand a = column_tiles(random_rows_fp8(rng, fx.l, F), fx.l, F);
+  DeviceBuffer<float> grad_w(std::vector<float>(E * D * F, std::nanf("")));
+  sm90::WgradOutput out;
+  out.grad_w = grad_w.ptr;
+  sm90::expert_mlp_wgrad_w2_fp8(fx.rows, fx.shape, gy.tiles(), a.tiles(), out, nullptr);
+  cuda_ok(cudaDeviceSynchronize(), "wgrad_w2_fp8");
+  EXPECT_FALSE(fx.take_fault().occurred) << "device fault";
+  expect_wgrad_close(grad_w.download(), ref_wgrad(fx.l, gy.deq, D, a.deq, F), fx.l, D, F, "grad_w2");
+}
+
+TEST_P(ExpertMlpFp8, WgradW13MatchesFloat64OnDequantizedOperands) {
+  Fp8Fixture fx(GetParam());
+  SCOPED_TRACE(fx.trace());
+  const int64_t D = fx.cs.D, F = fx.cs.F, E = fx.E();
+  Rng rng(fx.seed + 10);
+  const Fp8ColumnOperand gh = column_tiles(random_rows_fp8(rng, fx.l, 2 * F), fx.l, 2 * F);
+  const Fp8ColumnOperand x = column_tiles(random_rows_fp8(rng, fx.l, D), fx.l, D);
+  DeviceBuffer<float> grad_w(std::vector<float>(E * 2 * F * D, std::nanf("")));
+  sm90::WgradOutput out;
+  out.grad_w = grad_w.ptr;
+  sm90::expert_mlp_wgrad_w13_fp8(fx.rows, fx.shape, gh.tiles(), x.tiles(), out, nullptr);
+  cuda_ok(cudaDeviceSynchronize(), "wgrad_w13_fp8");
+  EXPECT_FALSE(fx.take_fault().occurred) << "device fault";
+  expect_wgrad_close(grad_w.download(), ref_wgrad(fx.l, gh.deq, 2 * F, x.deq, D), fx.l, 2 * F, D, "grad_w13");
+}
+
 std::vector<Fp8Case> fp8_cases() {
   return {
       {"small_D128_F128_E2", {100, 200}, 128, 128, 1},
@@ -898,6 +980,30 @@ TEST(ExpertMlpFp8Validation, DgradNullOperandsAreNamedBeforeAnyLaunch) {
   EXPECT_EQ(rejected_without(w13, dgrad_w13, [](auto& a) { a.grad_x_RD = nullptr; }), "grad_x_RD");
   expect_replicas_named(w2, &sm90::DgradW2Fp8Args::replica_w2_t, "replica_w2_t", dgrad_w2);
   expect_replicas_named(w13, &sm90::DgradW13Fp8Args::replica_w13_t, "replica_w13_t", dgrad_w13);
+}
+
+// FP8 WGRAD names a missing operand, an unaligned scale pointer, a row count in partial blocks and a
+// missing output before any launch.
+TEST(ExpertMlpFp8Validation, WgradArgumentsAreNamedBeforeAnyLaunch) {
+  const ExpertMlpShape shape = validation_shape();
+  const void* fake = kFakeAddress;
+  const sm90::Fp8ColumnTiles tiles{fake, static_cast<const float*>(fake)};
+  sm90::WgradOutput out;
+  out.grad_w = const_cast<void*>(fake);
+  auto w2 = [&](const GroupedRows& rows, sm90::Fp8ColumnTiles gy, sm90::Fp8ColumnTiles a, sm90::WgradOutput o) {
+    return rejected_name([&] { sm90::expert_mlp_wgrad_w2_fp8(rows, shape, gy, a, o, nullptr); });
+  };
+  const GroupedRows rows = fake_grouped_rows();
+  EXPECT_EQ(w2(rows, {nullptr, tiles.scales_BC}, tiles, out), "grad_y.values_CR");
+  EXPECT_EQ(w2(rows, tiles, {fake, nullptr}, out), "a.scales_BC");
+  EXPECT_EQ(w2(rows, tiles, {fake, reinterpret_cast<const float*>(static_cast<const char*>(fake) + 2)}, out),
+            "a.scales_BC");
+  GroupedRows partial = rows;
+  partial.max_rows = 1000;
+  EXPECT_EQ(w2(partial, tiles, tiles, out), "rows.max_rows");
+  EXPECT_EQ(w2(rows, tiles, tiles, sm90::WgradOutput{}), "grad_w");
+  EXPECT_EQ(rejected_name([&] { sm90::expert_mlp_wgrad_w13_fp8(rows, shape, tiles, {nullptr, nullptr}, out, nullptr); }),
+            "x.values_CR");
 }
 
 TEST(ExpertMlpFp8Validation, UnbuiltVariantsAreNotAvailable) {

@@ -8,6 +8,7 @@
 #include "gemm/sm90/epilogue_direct.cuh"
 #include "gemm/sm90/kernel_params.hpp"
 #include "gemm/sm90/mainloop_fp8.cuh"
+#include "gemm/sm90/mainloop_fp8_wgrad.cuh"
 #include "gemm/sm90/ptx/smem_desc.cuh"
 #include "gemm/sm90/ptx/tma.cuh"
 #include "gemm/sm90/ptx/wgmma.cuh"
@@ -85,13 +86,15 @@ __device__ __forceinline__ uint32_t mainloop(const Ring& ring, uint32_t it, cons
   return it;
 }
 
-// Warpgroups 1 and 2: every tile of the walk, its K loop (BF16, or kFp8: mainloop_fp8.cuh), then
-// its epilogue.
+// Warpgroups 1 and 2: every tile of the walk, its K loop (BF16, or kFp8: mainloop_fp8.cuh, and
+// mainloop_fp8_wgrad.cuh for rows as K, which stages column scales in `column_scales`), then its
+// epilogue.
 template <int kBlockN, RowsAre kRows, bool kBMnMajor, class Ring, uint32_t kABytes, class Scheduler, class Epilogue,
           int kCluster, bool kFp8>
 __device__ __forceinline__ void run_consumers(const Ring& ring, uint8_t* staging_base, uint32_t staging_per_consumer,
-                                              const Scheduler& scheduler, const TileQueue& queue, bool dynamic_tiles,
-                                              int32_t first_tile, int32_t tile_stride, int32_t cluster_rank, int lane,
+                                              float* column_scales, const Scheduler& scheduler,
+                                              const TileQueue& queue, bool dynamic_tiles, int32_t first_tile,
+                                              int32_t tile_stride, int32_t cluster_rank, int lane,
                                               const Epilogue& epilogue) {
   constexpr int kRingStages = Epilogue::kRingStages;
   constexpr int kDeferredParts = Epilogue::kDeferredParts;
@@ -118,10 +121,14 @@ __device__ __forceinline__ void run_consumers(const Ring& ring, uint8_t* staging
       }
       continue;
     }
-    if constexpr (kFp8) {
-      static_assert(kRows == RowsAre::M && !kBMnMajor && kDeferredParts == 0, "FP8: rows as M, K-major operands");
+    if constexpr (kFp8 && kRows == RowsAre::M) {
+      static_assert(!kBMnMajor && kDeferredParts == 0, "FP8: K-major operands");
       it = mainloop_fp8<Ring, kABytes>(ring, it, tile, k_blocks, consumer, consumer_thread % 128, scheduler.shape(),
                                        acc);
+    } else if constexpr (kFp8) {
+      static_assert(!kBMnMajor && kDeferredParts == 0, "FP8 WGRAD: K-major operands");
+      it = mainloop_fp8_wgrad<Ring, kABytes>(ring, it, tile, k_blocks, consumer, consumer_thread % 128,
+                                             scheduler.shape(), column_scales + consumer * 2 * kBlockN, acc);
     } else {
       it = mainloop<kBlockN, kRows, kBMnMajor, kDeferredParts, Ring, kABytes>(ring, it, tile, k_blocks, consumer,
                                                                                consumer_thread, lane, acc, pending);

@@ -6,8 +6,9 @@
 // the operands. FP8 wgmma reads both operands K-major: the forward reads the weights as stored
 // ([E, 2F, D], [E, D, F]); DGRAD reads them transposed, from an FP8 copy quantized in that
 // orientation (quant::launch_weight_blocks_transposed: the same values and scales, transposed).
-// Built: FPROP and DGRAD of the blocked W13 layout; the interleaved layout, transposed weights,
-// biases and WGRAD raise poise::NotAvailable.
+// WGRAD reads both operands along the rows, from column tiles written transposed
+// (quant::launch_column_tiles_transposed). Built: FPROP, DGRAD and WGRAD of the blocked W13 layout;
+// the interleaved layout, transposed weights and biases raise poise::NotAvailable.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -84,5 +85,22 @@ struct DgradW13Fp8Args {
 };
 void expert_mlp_dgrad_w13_fp8(const GroupedRows& rows, const ExpertMlpShape& shape, const DgradW13Fp8Args& args,
                               cudaStream_t stream);
+
+// WGRAD's FP8 operand: grouped rows (R = GroupedRows::max_rows, a multiple of 128) quantized in
+// 128 x 1 column tiles from each group's first row and written transposed, as
+// quant::launch_column_tiles_transposed writes them: e4m3 values [C][R], fp32 scales [R / 128][C].
+struct Fp8ColumnTiles {
+  const void* values_CR = nullptr;
+  const float* scales_BC = nullptr;
+};
+
+// grad_W2[e] = grad_y[e]^T . a[e] (a as expert_mlp_dgrad_w2 writes it, score-scaled), both in FP8
+// column tiles; each 128-row block's products summed by wgmma and promoted with the block's A-column
+// and B-column scales. Outputs as expert_mlp_wgrad_w2 (WgradOutput).
+void expert_mlp_wgrad_w2_fp8(const GroupedRows& rows, const ExpertMlpShape& shape, const Fp8ColumnTiles& grad_y,
+                             const Fp8ColumnTiles& a, const WgradOutput& out, cudaStream_t stream);
+// grad_W13[e] = grad_h13[e]^T . x[e], grad_h13 (W13's row order) and x in FP8 column tiles.
+void expert_mlp_wgrad_w13_fp8(const GroupedRows& rows, const ExpertMlpShape& shape, const Fp8ColumnTiles& grad_h13,
+                              const Fp8ColumnTiles& x, const WgradOutput& out, cudaStream_t stream);
 
 }  // namespace poise::sm90

@@ -58,11 +58,11 @@ __global__ void __launch_bounds__(kThreadsPerCta, 1)
                         const __grid_constant__ GroupedGemmShape shape,
                         const __grid_constant__ Epilogue epilogue) {  // holds the output TMA maps
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  using Smem = GroupedGemmSmem<kBlockN, kStages, Epilogue::kStagingBuffers>;
+  using Smem = GroupedGemmSmem<kBlockN, kStages, Epilogue::kStagingBuffers, kFp8 && kRows == RowsAre::K>;
   static_assert(kStages >= 4, "one wgmma group in flight per consumer needs a fourth stage for the producer");
   static_assert(Epilogue::kRingStages == 0 || Epilogue::kStagingBuffers == 0,
                 "an epilogue stages in ring stages or its own buffers");
-  static_assert(kRows == RowsAre::M || kBMnMajor, "wgrad reads both operands MN-major");
+  static_assert(kRows == RowsAre::M || kBMnMajor || kFp8, "BF16 wgrad reads both operands MN-major, FP8 K-major");
   static_assert(kCluster == 1 || Epilogue::kPairedTiles, "pairs only where the epilogue runs on them");
 
   extern __shared__ uint8_t smem_raw[];
@@ -101,8 +101,9 @@ __global__ void __launch_bounds__(kThreadsPerCta, 1)
     ptx::warpgroup_claim_registers<kConsumerRegisters>();
     const ConsumerRing<kStages, kCluster, Smem::kStageBytes> consumer_ring{smem, full_bar, full_bar + kStages, lane};
     run_consumers<kBlockN, kRows, kBMnMajor, decltype(consumer_ring), Smem::kABytes, decltype(scheduler), Epilogue,
-                  kCluster, kFp8>(consumer_ring, smem + Smem::kStagingOffset, Smem::kStagingPerConsumer, scheduler, queue,
-                            dynamic_tiles, first_tile, tile_stride, cluster_rank, lane, epilogue);
+                  kCluster, kFp8>(consumer_ring, smem + Smem::kStagingOffset, Smem::kStagingPerConsumer,
+                                  reinterpret_cast<float*>(smem + Smem::kColumnScalesOffset), scheduler, queue,
+                                  dynamic_tiles, first_tile, tile_stride, cluster_rank, lane, epilogue);
   }
   // Clusters: no CTA leaves while its peer may still multicast into it or arrive on its barriers.
   if constexpr (kCluster > 1) ptx::cluster_sync();

@@ -34,6 +34,15 @@ struct BlockScales {
   }
 };
 
+// FP8 WGRAD (rows as K, both operands transposed column tiles, quant/column_tiles.hpp): one fp32
+// scale per 128-row block of the grouped rows and per column of each operand, [row blocks][M] and
+// [row blocks][N]; the promotion scales a tile element by its A row's and its B column's.
+struct ColumnScales {
+  const float* a_BM = nullptr;
+  const float* b_BN = nullptr;
+  int32_t M = 0, N = 0;
+};
+
 // What the scheduler and the producer need to know about one grouped GEMM.
 struct GroupedGemmShape {
   const int32_t* row_offsets_E = nullptr;  // device [E]: first row of each expert (multiple of 128)
@@ -42,6 +51,7 @@ struct GroupedGemmShape {
   int32_t m_blocks = 0;          // rows-as-K: ceil(M / 128)
   int32_t n_blocks = 0;          // tiles along N
   int32_t k_blocks = 0;          // rows-as-M: K / 64 (FP8: ceil(K / 128), a stage holding 128 e4m3 of K)
+  int32_t k_block_rows = kTileK;  // rows-as-K: rows per stage (FP8: 128, a stage holding 128 e4m3 rows)
   int32_t b_rows_per_expert = 0; // rows-as-M: rows of B's 2D view that belong to one expert
   int32_t b_gate_up_split = 0;   // fprop blocked SwiGLU: gate-to-up distance (F) along B's N; 0 = none
   // Experts [first_replica, num_experts) are replicas: rows-as-M GEMMs read their B block from the
@@ -55,7 +65,8 @@ struct GroupedGemmShape {
   unsigned long long* fault_word = nullptr;
   uint32_t wait_timeout_ns = 0;
   int32_t drop_first_stage = 0;  // fault injection (tests): CTA 0 never loads its first stage
-  BlockScales scales;            // FP8 kernels only
+  BlockScales scales;            // FP8 rows-as-M kernels only
+  ColumnScales column_scales;    // FP8 rows-as-K (WGRAD) kernels only
 };
 
 // Expert biases (gpt-oss), added to the accumulators before an epilogue's math: bf16 rows of N,

@@ -31,7 +31,8 @@ void launch(const CUtensorMap& map_a, const WeightMaps& map_b, const GroupedGemm
   static_assert(Epilogue::kStagingBuffers <= 1, "4 stages leave room for one staging buffer per consumer");
   constexpr int kCluster = Epilogue::kPairedTiles ? 2 : 1;
   auto kernel = grouped_gemm_kernel<kBlockN, kStages, kRows, kBMnMajor, Epilogue, kCluster, kFp8>;
-  constexpr uint32_t smem = GroupedGemmSmem<kBlockN, kStages, Epilogue::kStagingBuffers>::kTotalBytes;
+  constexpr uint32_t smem =
+      GroupedGemmSmem<kBlockN, kStages, Epilogue::kStagingBuffers, kFp8 && kRows == RowsAre::K>::kTotalBytes;
   check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
              "cudaFuncSetAttribute(grouped_gemm_kernel)");
   cudaLaunchConfig_t config{};

@@ -83,6 +83,17 @@ __device__ __forceinline__ void load_stage(uint8_t* stage, uint64_t* full, const
         load_box<kCluster>(share_b, stage_b + j * (kBlockN / 2) * 128, weights, k0, n0 + j * second, full);
       });
     }
+  } else if constexpr (!kBMnMajor) {
+    // Rows as K with both operands K-major: FP8 WGRAD's transposed column tiles, A [M][rows] and
+    // B [N][rows] as e4m3 pairs, a stage 128 rows of K (groups start on 128-row blocks).
+    const int32_t k0 = (tile.row_begin + kb * 128) / 2;
+    load_boxes<kCluster>(share_a, cluster_rank, kABoxes, [&](int j) {
+      load_box<kCluster>(share_a, stage + j * 64 * 128, &map_a, k0, tile.m_block * kTileM + 64 * j, full);
+    });
+    load_boxes<kCluster>(share_b, cluster_rank, 2, [&](int j) {
+      load_box<kCluster>(share_b, stage_b + j * (kBlockN / 2) * 128, &map_b, k0,
+                         tile.n_block * kBlockN + j * (kBlockN / 2), full);
+    });
   } else {
     const int32_t r0 = tile.row_begin + kb * kTileK;
     load_boxes<kCluster>(share_a, cluster_rank, kABoxes, [&](int j) {

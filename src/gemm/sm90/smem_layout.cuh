@@ -10,7 +10,9 @@
 
 namespace poise::sm90 {
 
-template <int kBlockN, int kStages, int kStagingBuffers>
+// kColumnScales: FP8 WGRAD, two buffers of a K block's kBlockN B-column scales per consumer
+// warpgroup (mainloop_fp8_wgrad.cuh).
+template <int kBlockN, int kStages, int kStagingBuffers, bool kColumnScales = false>
 struct GroupedGemmSmem {
   static constexpr uint32_t kABytes = kTileM * kTileK * 2;   // 16 KiB
   static constexpr uint32_t kBBytes = kBlockN * kTileK * 2;  // 32 KiB at kBlockN = 256
@@ -21,8 +23,10 @@ struct GroupedGemmSmem {
   static constexpr uint32_t kBarrierOffset = kStagingOffset + 2 * kStagingPerConsumer;
   static constexpr uint32_t kSchedulerOffset = kBarrierOffset + 2 * kStages * sizeof(uint64_t);
   static constexpr uint32_t kTileQueueOffset = (kSchedulerOffset + sizeof(SchedulerStorage) + 7) / 8 * 8;
+  static constexpr uint32_t kColumnScalesOffset = (kTileQueueOffset + TileQueue::kBytes + 15) / 16 * 16;
+  static constexpr uint32_t kColumnScalesPerConsumer = kColumnScales ? 2 * kBlockN * sizeof(float) : 0;
   // + 1024 so the kernel can round the dynamic smem base up to the swizzle atom.
-  static constexpr uint32_t kTotalBytes = kTileQueueOffset + TileQueue::kBytes + 1024;
+  static constexpr uint32_t kTotalBytes = kColumnScalesOffset + 2 * kColumnScalesPerConsumer + 1024;
   static_assert(kTotalBytes <= 227 * 1024, "the SM90 shared-memory limit per CTA");
 };
 

@@ -131,7 +131,7 @@ struct TileScheduler {
 
   __device__ int32_t k_blocks(const TileInfo& info) const {
     if constexpr (kRows == RowsAre::M) return shape().k_blocks;
-    else return (info.row_count + kTileK - 1) / kTileK;
+    else return (info.row_count + shape().k_block_rows - 1) / shape().k_block_rows;
   }
 };
 
