@@ -1,7 +1,8 @@
-// FP8 block-scaled vs BF16 expert GEMMs on one GPU (the forward of one rank's experts, docs/fp8.md):
+// FP8 block-scaled vs BF16 expert GEMMs on one GPU (one rank's experts, docs/fp8.md). The forward:
 //   BF16: expert_mlp_fprop_w13 (h13 saved) + expert_mlp_fprop_w2 (scores)
 //   FP8:  quant::launch_row_tiles(x) + expert_mlp_fprop_w13_fp8 (h13 saved)
 //         + quant::launch_row_tiles(a) + expert_mlp_fprop_w2_fp8 (scores)
+// and the weight gradients (run_wgrad): expert_mlp_wgrad_w2 / _w13 against column tiles + _fp8;
 // each step also timed alone. Weights quantized once (quant::launch_weight_blocks), outside the timing.
 // Rows spread evenly over the local experts (no padding rows), dynamic tile order (tile_counters, as
 // a Context runs the GEMMs), random inputs from a hash fill (no zeros to speak of).
@@ -33,6 +34,7 @@
 
 #include "gemm/sm90/expert_mlp.hpp"
 #include "gemm/sm90/expert_mlp_fp8.hpp"
+#include "quant/column_tiles.hpp"
 #include "quant/row_tiles.hpp"
 #include "quant/weight_blocks.hpp"
 #include "bench_support.hpp"  // CHECK
@@ -65,10 +67,13 @@ __global__ void fill_random_f32(float* p, size_t n, uint64_t seed, float lo, flo
 }
 
 // acc[0] += sum (got - want)^2, acc[1] += sum want^2, acc[2] += non-finite elements of got.
-__global__ void diff_norms(const __nv_bfloat16* got, const __nv_bfloat16* want, size_t n, double* acc) {
+__device__ float as_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ float as_float(float v) { return v; }
+template <class T>
+__global__ void diff_norms(const T* got, const T* want, size_t n, double* acc) {
   double d2 = 0, w2 = 0, bad = 0;
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
-    const float g = __bfloat162float(got[i]), w = __bfloat162float(want[i]);
+    const float g = as_float(got[i]), w = as_float(want[i]);
     if (!isfinite(g)) {
       bad += 1;
       continue;
@@ -103,11 +108,12 @@ struct RelL2 {
   double rel = NAN;
   double non_finite = 0;
 };
+// got and want: n values of T (bf16 by default, or float).
+template <class T = __nv_bfloat16>
 RelL2 rel_l2(const void* got, const void* want, size_t n, cudaStream_t s) {
   double* acc = static_cast<double*>(device_alloc(3 * sizeof(double)));
   CHECK(cudaMemsetAsync(acc, 0, 3 * sizeof(double), s));
-  diff_norms<<<1024, 256, 0, s>>>(static_cast<const __nv_bfloat16*>(got), static_cast<const __nv_bfloat16*>(want), n,
-                                  acc);
+  diff_norms<T><<<1024, 256, 0, s>>>(static_cast<const T*>(got), static_cast<const T*>(want), n, acc);
   CHECK(cudaGetLastError());
   double h[3];
   CHECK(cudaMemcpyAsync(h, acc, sizeof h, cudaMemcpyDeviceToHost, s));
@@ -185,6 +191,71 @@ std::string json_number(double v) {
   std::ostringstream o;
   o << v;
   return o.str();
+}
+
+// The weight gradients at one shape: BF16 expert_mlp_wgrad_w2 / _w13 against FP8 (column tiles of
+// grad_y, a, grad_h13 and x, then expert_mlp_wgrad_w2_fp8 / _w13_fp8), fp32 gradients overwritten.
+// The rows are the forward's (x, a, h13 standing in for grad_h13) and a random grad_y. Each step
+// timed alone and the chains whole; returns the shape's "wgrad" JSON member.
+std::string run_wgrad(const Shape& sh, const sm90::GroupedRows& rows, const sm90::ExpertMlpShape& shape, const void* x,
+                      const void* a, const void* h13, int warmup, int iters, cudaStream_t s, bool& suspicious) {
+  const int64_t E = sh.experts, D = sh.D, F = sh.F, R = sh.R();
+  using bf16 = __nv_bfloat16;
+  void* gy = device_alloc(size_t(R) * D * 2);
+  fill_bf16(gy, size_t(R) * D, 5, 1.0f, s);
+  float *gw2 = static_cast<float*>(device_alloc(size_t(E) * D * F * 4)),
+        *gw13 = static_cast<float*>(device_alloc(size_t(E) * 2 * F * D * 4));
+  float *gw2_8 = static_cast<float*>(device_alloc(size_t(E) * D * F * 4)),
+        *gw13_8 = static_cast<float*>(device_alloc(size_t(E) * 2 * F * D * 4));
+  struct Tiles {
+    uint8_t* values;
+    float* scales;
+  };
+  auto tiles = [&](int64_t C) {
+    return Tiles{static_cast<uint8_t*>(device_alloc(size_t(C) * R)), static_cast<float*>(device_alloc(size_t(R) / 128 * C * 4))};
+  };
+  const Tiles tgy = tiles(D), ta = tiles(F), tgh = tiles(2 * F), tx = tiles(D);
+  const quant::RowGroups groups{rows.row_offsets_E, rows.row_counts_E, static_cast<int32_t>(rows.num_experts)};
+  auto quant = [&](const void* rows_RC, int64_t C, const Tiles& t) {
+    quant::launch_column_tiles_transposed(static_cast<const bf16*>(rows_RC), R, C, groups, t.values, t.scales, s);
+  };
+  sm90::WgradOutput o2, o13, o2_8, o13_8;
+  o2.grad_w = gw2, o13.grad_w = gw13, o2_8.grad_w = gw2_8, o13_8.grad_w = gw13_8;
+  auto bf16_w2 = [&] { sm90::expert_mlp_wgrad_w2(rows, shape, gy, a, o2, s); };
+  auto bf16_w13 = [&] { sm90::expert_mlp_wgrad_w13(rows, shape, h13, x, o13, s); };
+  auto quant_all = [&] { quant(gy, D, tgy), quant(a, F, ta), quant(h13, 2 * F, tgh), quant(x, D, tx); };
+  auto fp8_w2 = [&] { sm90::expert_mlp_wgrad_w2_fp8(rows, shape, {tgy.values, tgy.scales}, {ta.values, ta.scales}, o2_8, s); };
+  auto fp8_w13 = [&] {
+    sm90::expert_mlp_wgrad_w13_fp8(rows, shape, {tgh.values, tgh.scales}, {tx.values, tx.scales}, o13_8, s);
+  };
+  const std::vector<std::function<void()>> ops = {bf16_w2, bf16_w13, [&] { bf16_w2(), bf16_w13(); },
+                                                  quant_all, fp8_w2, fp8_w13, [&] { quant_all(), fp8_w2(), fp8_w13(); }};
+  const std::vector<Timed> t = time_round_robin(ops, s, warmup, iters);
+  const RelL2 d2 = rel_l2<float>(gw2_8, gw2, size_t(E) * D * F, s), d13 = rel_l2<float>(gw13_8, gw13, size_t(E) * 2 * F * D, s);
+  const double flops = 2.0 * R * D * F, flops13 = 2.0 * R * 2 * F * D;
+  const std::vector<Entry> e = {{"bf16_w2", flops, t[0].median_ms, t[0].min_ms},
+                                {"bf16_w13", flops13, t[1].median_ms, t[1].min_ms},
+                                {"bf16_total", flops + flops13, t[2].median_ms, t[2].min_ms},
+                                {"fp8_quant", 0, t[3].median_ms, t[3].min_ms},
+                                {"fp8_w2", flops, t[4].median_ms, t[4].min_ms},
+                                {"fp8_w13", flops13, t[5].median_ms, t[5].min_ms},
+                                {"fp8_total", flops + flops13, t[6].median_ms, t[6].min_ms}};
+  for (const Entry& x : e)
+    std::fprintf(stderr, "  wgrad %-10s %9.3f ms (min %.3f) %7.1f TFLOP/s\n", x.name.c_str(), x.ms, x.min_ms, x.tflops());
+  const bool bad = !(d2.rel < 0.15) || !(d13.rel < 0.15) || d2.non_finite + d13.non_finite > 0;
+  std::fprintf(stderr, "  wgrad bf16 / fp8 time: gemms %.2fx  total (with quantization) %.2fx; check rel L2 w2 %.4f w13 %.4f%s\n",
+               (e[0].ms + e[1].ms) / (e[4].ms + e[5].ms), e[2].ms / e[6].ms, d2.rel, d13.rel, bad ? "  <-- SUSPICIOUS" : "");
+  suspicious = suspicious || bad;
+  std::ostringstream js;
+  js << "\"wgrad\": {";
+  for (size_t i = 0; i < e.size(); ++i) js << (i ? ", " : "") << "\"" << e[i].name << "\": " << json_entry(e[i]);
+  js << ", \"check_rel_l2_fp8_vs_bf16\": {\"w2\": " << json_number(d2.rel) << ", \"w13\": " << json_number(d13.rel)
+     << ", \"suspicious\": " << (bad ? "true" : "false") << "}}";
+  for (void* p : {gy, (void*)gw2, (void*)gw13, (void*)gw2_8, (void*)gw13_8, (void*)tgy.values, (void*)tgy.scales,
+                  (void*)ta.values, (void*)ta.scales, (void*)tgh.values, (void*)tgh.scales, (void*)tx.values,
+                  (void*)tx.scales})
+    CHECK(cudaFree(p));
+  return js.str();
 }
 
 // One shape: every buffer, the timings, the check; returns its JSON object.
@@ -321,7 +392,8 @@ std::string run_shape(const Shape& sh, int warmup, int iters, cudaStream_t s, bo
      << "},\n     \"check_rel_l2_fp8_vs_bf16\": {\"h13\": " << json_number(dh.rel) << ", \"a\": " << json_number(da.rel)
      << ", \"y\": " << json_number(dy.rel) << ", \"non_finite\": " << dh.non_finite + da.non_finite + dy.non_finite
      << ", \"suspicious\": " << (bad ? "true" : "false") << "},\n     \"device_fault\": "
-     << (fault.occurred ? "\"" + sm90::describe(fault) + "\"" : std::string("null")) << "}";
+     << (fault.occurred ? "\"" + sm90::describe(fault) + "\"" : std::string("null")) << ",\n     "
+     << run_wgrad(sh, rows, shape, x, a, h13, warmup, iters, s, suspicious) << "}";
 
   for (void* p : {(void*)d_offsets, (void*)d_counts, (void*)d_tiles, (void*)d_fault, x, w13, w2, h13, a, y,
                   (void*)scores, (void*)xq, (void*)xs, (void*)w13q, (void*)w13s, (void*)w2q, (void*)w2s, (void*)aq,
