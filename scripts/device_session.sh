@@ -30,6 +30,9 @@
 #     fp8fwd     bench/fp8_forward/bench.py: the FP8 forward, poise.routed_experts on an FP8 context vs a
 #                BF16 one, eager torch._scaled_grouped_mm and the eager BF16 baseline
 #                -> $OUT/fp8_forward_h200.json ($FP8FWD_ARGS: more arguments; needs python first)
+#     fp8step    bench/fp8_step/bench.py: forward+backward, poise.routed_experts on an FP8 context vs a BF16
+#                one, an eager torch._scaled_grouped_mm FP8 step and the eager BF16 baseline
+#                -> $OUT/fp8_step_h200.json ($FP8STEP_ARGS: more arguments; needs python first)
 #     multigpu   torchrun, one process per GPU: bench/multigpu/multigpu_bench.py -> $OUT/multigpu_h200.json
 #                ($MULTIGPU_ARGS, e.g. --quick; needs python first)
 set -uo pipefail
@@ -121,6 +124,11 @@ part_fp8fwd() {
   PYTHONUNBUFFERED=1 timeout 300 python3 bench/fp8_forward/bench.py --out "$OUT/fp8_forward_h200.json" \
     --commit "$commit" ${FP8FWD_ARGS:-} > "$OUT/fp8_forward.log" 2>&1
   echo "fp8fwd rc=$?"; tail -24 "$OUT/fp8_forward.log"
+}
+part_fp8step() {
+  PYTHONUNBUFFERED=1 timeout 300 python3 bench/fp8_step/bench.py --out "$OUT/fp8_step_h200.json" \
+    --commit "$commit" ${FP8STEP_ARGS:-} > "$OUT/fp8_step.log" 2>&1
+  echo "fp8step rc=$?"; tail -24 "$OUT/fp8_step.log"
 }
 part_multigpu() {
   local n; n=$(nvidia-smi -L | wc -l)

@@ -36,13 +36,14 @@ struct Config {
 
   double host_overflow_scratch_factor = 0.0;  // host-backed (VMM) rows = factor * balanced rows
 
-  // fp8_block_scaled (docs/fp8.md): the CPU reference engine runs forward and backward; a GPU
-  // context runs the forward, and its backward raises NotAvailable (not built yet).
+  // fp8_block_scaled (docs/fp8.md): E4M3 operands with DeepSeek-V3 block scales in every GEMM of
+  // forward and backward (DGRAD and WGRAD), on the GPU and in the CPU reference engine.
   GemmPrecision gemm_precision = GemmPrecision::bf16;
   // fp8_block_scaled only: every forward passes the own experts' prepared FP8 weights
-  // (ForwardArgs::w13_fp8 ..., Python prepared=), so the plan holds no scratch to quantize them into
-  // (3 F D bytes and their scales per local expert; replica slots keep theirs), and a forward
-  // without them is refused naming w13_fp8.
+  // (ForwardArgs::w13_fp8 ..., Python prepared=) and a forward without them is refused naming
+  // w13_fp8. An inference context then holds no scratch to quantize them into (3 F D bytes and their
+  // scales per local expert; replica slots keep theirs); a training context keeps it for the
+  // backward's transposed copies.
   bool prepared_fp8_weights = false;
 
   DType wgrad_dtype = DType::fp32;

@@ -65,16 +65,15 @@ class Config:
     """Host-backed (VMM) overflow rows = factor * balanced rows."""
 
     gemm_precision: GemmPrecision = "bf16"
-    """'bf16', or 'fp8_block_scaled': E4M3 operands with DeepSeek-V3 block scales (docs/fp8.md). The CPU
-    reference engine runs forward and backward; a GPU context runs the forward (its backward raises
-    NotAvailable: the FP8 backward GEMMs are not built yet)."""
+    """'bf16', or 'fp8_block_scaled': E4M3 operands with DeepSeek-V3 block scales (docs/fp8.md). Every GEMM
+    of forward and backward (DGRAD and WGRAD) runs in FP8, on the GPU and in the CPU reference engine."""
 
     prepared_fp8_weights: bool = False
     """With gemm_precision='fp8_block_scaled': every forward passes the local experts' weights as
-    poise.prepare_weights quantized them (``prepared=``), so the plan holds no scratch to quantize
-    them into per call (3 * intermediate_dim * hidden_dim bytes and their scales per local expert:
-    1.4 GB at a DeepSeek-V3 EP8 rank), and a forward without them raises InvalidArgument naming
-    ``prepared``."""
+    poise.prepare_weights quantized them (``prepared=``), and a forward without them raises
+    InvalidArgument naming ``prepared``. An inference context then holds no scratch to quantize them
+    into per call (3 * intermediate_dim * hidden_dim bytes and their scales per local expert: 1.4 GB
+    at a DeepSeek-V3 EP8 rank); a training context keeps it for the backward's transposed copies."""
 
     wgrad_dtype: WgradDType = "fp32"
     """Weight-gradient dtype: 'fp32' or 'bf16' ('float32', 'bfloat16' and torch dtypes are accepted)."""

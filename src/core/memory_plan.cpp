@@ -192,9 +192,10 @@ std::string MemoryPlan::explain() const {
   row("host overflow scratch", host_overflow_scratch_bytes, "host-backed (VMM) rows: not built yet");
   if (fp8) {
     row("  of which FP8 operands", fp8_operand_bytes,
-        std::string("e4m3 tokens (T x D), a rows (device rows x F) and ") +
-            (c.prepared_fp8_weights ? "the replica slots' weights (3 F D; the own experts' come prepared)"
-                                    : "every group's weights (3 F D)") +
+        std::string("e4m3 tokens (T x D), a rows (device rows x F), ") +
+            (c.prepared_fp8_weights && c.inference ? "the replica slots' weights (3 F D; the own experts' come prepared)"
+                                                   : "every group's weights (3 F D; the backward's transposed copies too)") +
+            (c.inference ? "" : ", the backward's tiles (device rows x (max(D, 2F) + max(F, D)))") +
             ", fp32 scales per 128; quantized per call (docs/fp8.md)");
   }
   row("total device", total_device_bytes, "");

@@ -46,7 +46,9 @@ Dims dims_of(const Config& c, int64_t ep_size, int64_t replica_slots) {
   d.exact = c.balance == Balance::exact;
   d.training = !c.inference;
   d.fp8 = fp8_gemms(c);
-  d.fp8_weight_groups = c.prepared_fp8_weights ? d.B : d.groups;  // prepared: the replica slots only
+  // Prepared weights (inference): the replica slots only. Training keeps every group: the backward
+  // writes the transposed copies of the weights it reads there (docs/fp8.md).
+  d.fp8_weight_groups = c.prepared_fp8_weights && c.inference ? d.B : d.groups;
   return d;
 }
 
@@ -105,6 +107,16 @@ RecordBuffers record_buffers(Block& b, const Dims& d, int64_t h13_rows) {
   return r;
 }
 
+// FP8 tiles of `rows` x up to `cols` values: 1 x 128 row tiles ([rows][cols], scales
+// [rows][cols/128]) or 128 x 1 column tiles ([cols][rows], scales [rows/128][cols]), one at a time.
+Fp8Tiles fp8_tiles(Block& b, int64_t rows, int64_t cols) {
+  using numerics::scale_blocks;
+  Fp8Tiles t;
+  t.values = b.add(kE4m3 * rows * cols);
+  t.scales = b.add(kFp32 * std::max(rows * scale_blocks(cols), rows / kExpertRowAlignment * cols));
+  return t;
+}
+
 RankBuffers rank_buffers(const Dims& d, const Keep& k) {
   RankBuffers r;
   Block b;
@@ -130,6 +142,10 @@ RankBuffers rank_buffers(const Dims& d, const Keep& k) {
     r.fp8_w13_scales = b.add(kFp32 * d.fp8_weight_groups * scale_blocks(2 * d.F) * scale_blocks(d.D));
     r.fp8_w2 = b.add(kE4m3 * d.fp8_weight_groups * d.D * d.F);
     r.fp8_w2_scales = b.add(kFp32 * d.fp8_weight_groups * scale_blocks(d.D) * scale_blocks(d.F));
+    if (d.training) {
+      r.fp8_grad_tiles = fp8_tiles(b, d.capacity, std::max(d.D, 2 * d.F));
+      r.fp8_activation_tiles = fp8_tiles(b, d.capacity, std::max(d.F, d.D));
+    }
   }
   r.bytes = b.end();
   return r;

@@ -88,6 +88,12 @@ struct RecordBuffers {
   int64_t bytes() const { return layout_bytes() + h13_R2F.bytes; }
 };
 
+// FP8 operand tiles: e4m3 values and their fp32 scales.
+struct Fp8Tiles {
+  Region values, scales;
+  int64_t bytes() const { return values.bytes + scales.bytes; }
+};
+
 // A rank's private buffers: one allocation.
 struct RankBuffers {
   std::vector<RecordBuffers> records;  // [1 + whole + light + partial], in that order
@@ -102,15 +108,22 @@ struct RankBuffers {
   // gemm_precision fp8_block_scaled: each call's FP8 operands (docs/fp8.md), e4m3 values and fp32
   // scales per 128 of K: the rank's tokens (quantized once, before dispatch) and the SwiGLU output,
   // 1 x 128 tiles; every group's weights (own experts, then replica slots; the replica slots only
-  // with Config::prepared_fp8_weights), 128 x 128 blocks.
+  // with Config::prepared_fp8_weights in an inference context), 128 x 128 blocks; the backward
+  // writes the weights' transposed copies there. Training: the backward's operand tiles.
   Region fp8_x_TD, fp8_x_scales;      // u8 [T][D], fp32 [T][D/128]
   Region fp8_a_RF, fp8_a_scales;      // u8 [capacity][F], fp32 [capacity][F/128]
   Region fp8_w13, fp8_w13_scales;     // u8 [groups][2F][D], fp32 [groups][2F/128][D/128]
   Region fp8_w2, fp8_w2_scales;       // u8 [groups][D][F], fp32 [groups][D/128][F/128]
+  // [capacity] rows of up to max(D, 2F) values: row tiles of grad_y, then of grad_h13 (DGRAD),
+  // then column tiles of grad_y, then of grad_h13 (WGRAD).
+  Fp8Tiles fp8_grad_tiles;
+  // [capacity] rows of up to max(F, D) values: column tiles of a, then of x (WGRAD).
+  Fp8Tiles fp8_activation_tiles;
   int64_t bytes = 0;
   int64_t fp8_bytes() const {
     return fp8_x_TD.bytes + fp8_x_scales.bytes + fp8_a_RF.bytes + fp8_a_scales.bytes + fp8_w13.bytes +
-           fp8_w13_scales.bytes + fp8_w2.bytes + fp8_w2_scales.bytes;
+           fp8_w13_scales.bytes + fp8_w2.bytes + fp8_w2_scales.bytes + fp8_grad_tiles.bytes() +
+           fp8_activation_tiles.bytes();
   }
 };
 

@@ -49,8 +49,10 @@ struct EpDims {
   // the scores' gradients per row in score_partials pieces, which combine-push sums and sends to
   // the owners (grad_scores_TK window region).
   int32_t score_partials = 0;  // P: pieces per row of the scores' gradients (per call)
-  int32_t fp8 = 0;  // gemm_precision fp8_block_scaled: the forward's GEMMs take FP8 operands
-  int32_t fp8_weights_prepared = 0;  // Config::prepared_fp8_weights: Fp8Scratch holds the replica slots' weights only
+  int32_t fp8 = 0;  // gemm_precision fp8_block_scaled: the GEMMs take FP8 operands
+  // Config::prepared_fp8_weights of an inference context: Fp8Scratch holds the replica slots'
+  // weights only (training keeps every group's, for the backward's transposed copies).
+  int32_t fp8_weights_prepared = 0;
   int32_t swiglu_clamped = 0;
   float swiglu_alpha = 1.702f;
   float swiglu_limit = 7.0f;
@@ -90,10 +92,16 @@ struct Fp8Scratch {
   uint8_t* a_RF = nullptr;   // [capacity][F]: the SwiGLU output
   float* a_scales = nullptr;
   uint8_t* w13 = nullptr;    // [groups][2F][D]: own experts', then replica slots' weights, 128 x 128 blocks
-                             // (EpDims::fp8_weights_prepared: [B][2F][D], the replica slots' only)
+                             // (EpDims::fp8_weights_prepared: [B][2F][D], the replica slots' only);
+                             // the backward's transposed copy, [groups][D][2F]
   float* w13_scales = nullptr;
-  uint8_t* w2 = nullptr;     // [groups][D][F]
+  uint8_t* w2 = nullptr;     // [groups][D][F]; the backward's [groups][F][D]
   float* w2_scales = nullptr;
+  // Training: the backward's operands (core/workspace_layout.hpp RankBuffers::fp8_grad_tiles ...).
+  uint8_t* grad_tiles = nullptr;  // [capacity][max(D, 2F)]: grad_y, then grad_h13, row then column tiles
+  float* grad_tile_scales = nullptr;
+  uint8_t* activation_tiles = nullptr;  // [max(F, D)][capacity]: column tiles of a, then of x
+  float* activation_tile_scales = nullptr;
 };
 
 // One x row on the wire: BF16 values, or (EpDims::fp8, forward) e4m3 values and then, in their own

@@ -5,6 +5,7 @@
 #include "gemm/sm90/expert_mlp.hpp"
 #include "gemm/sm90/expert_mlp_fp8.hpp"
 #include "numerics/block_scaling.hpp"
+#include "quant/column_tiles.hpp"
 #include "quant/row_tiles.hpp"
 #include "quant/weight_blocks.hpp"
 
@@ -73,14 +74,16 @@ Fp8GroupWeights fp8_weights_from(const Fp8Scratch& q, int64_t first, int64_t D, 
           {q.w2 + first * D * F, q.w2_scales + first * scale_blocks(D) * scale_blocks(F)}};
 }
 
-// bf16 w13 [groups][2F][D] and w2 [groups][D][F] into `into`, but for the groups no row reads
-// (rows_G[g] == 0: a rank's empty experts, its unused replica slots).
+// bf16 w13 [groups][2F][D] and w2 [groups][D][F] (nullable: W13 only) into `into`, as stored (the
+// forward's) or transposed (DGRAD's: [groups][D][2F], [groups][F][D]), but for the groups no row
+// reads (rows_G[g] == 0: a rank's empty experts, its unused replica slots).
 void quantize_group_weights(const bf16* w13, const bf16* w2, int64_t groups, const int32_t* rows_G, int64_t D,
-                            int64_t F, const Fp8GroupWeights& into, cudaStream_t stream) {
+                            int64_t F, bool transposed, const Fp8GroupWeights& into, cudaStream_t stream) {
   auto values = [](const sm90::Fp8Weights& w) { return static_cast<uint8_t*>(const_cast<void*>(w.values)); };
   auto scales = [](const sm90::Fp8Weights& w) { return const_cast<float*>(w.scales); };
-  quant::launch_weight_blocks(w13, groups, 2 * F, D, values(into.w13), scales(into.w13), stream, rows_G);
-  quant::launch_weight_blocks(w2, groups, D, F, values(into.w2), scales(into.w2), stream, rows_G);
+  const auto quantize = transposed ? quant::launch_weight_blocks_transposed : quant::launch_weight_blocks;
+  quantize(w13, groups, 2 * F, D, values(into.w13), scales(into.w13), stream, rows_G);
+  if (w2) quantize(w2, groups, D, F, values(into.w2), scales(into.w2), stream, rows_G);
 }
 
 }  // namespace
@@ -107,10 +110,11 @@ void fp8_forward(const EpLaunch& l, const LaunchIo& io, int s, const sm90::Group
   const Fp8GroupWeights own_w = prepared ? Fp8GroupWeights{{in.w13_fp8, in.w13_fp8_scales}, {in.w2_fp8, in.w2_fp8_scales}}
                                          : fp8_weights_from(q, 0, D, F);
   const Fp8GroupWeights replica_w = fp8_weights_from(q, l.dims.fp8_weights_prepared ? 0 : own, D, F);
-  if (!prepared) quantize_group_weights(in.w13_E2FD, in.w2_EDF, own, rows.row_counts_E, D, F, own_w, stream);
+  const bf16* w2 = with_w2 ? in.w2_EDF : nullptr;
+  if (!prepared) quantize_group_weights(in.w13_E2FD, w2, own, rows.row_counts_E, D, F, false, own_w, stream);
   if (replicas) {
-    quantize_group_weights(replica_w13(l, s), replica_w2(l, s), l.dims.groups - own, rows.row_counts_E + own, D, F,
-                           replica_w, stream);
+    quantize_group_weights(replica_w13(l, s), with_w2 ? replica_w2(l, s) : nullptr, l.dims.groups - own,
+                           rows.row_counts_E + own, D, F, /*transposed=*/false, replica_w, stream);
   }
   // x rows arrived in FP8 (quantize_tokens_fp8 before dispatch); a is quantized up to the last
   // group's end, rows past it are read by no GEMM.
@@ -177,6 +181,56 @@ void bias_backward(const EpLaunch& l, const LaunchIo& io, int s, const sm90::Gro
   sm90::expert_mlp_bias_grads(rows, shape, a, stream);
 }
 
+// The FP8 backward (docs/fp8.md steps 5-8) through the rank's Fp8Scratch: the weights' transposed
+// copies (the own experts' from the call's BF16 weights, the replica slots' from the workspace) for
+// DGRAD, which reads grad_y and then grad_h13 in row tiles; then WGRAD's operands in column tiles,
+// x dequantized from the FP8 rows that crossed the wire.
+void fp8_backward(const EpLaunch& l, const LaunchIo& io, int s, const sm90::GroupedRows& rows,
+                  const sm90::DgradW2Args& bf16_dgrad_w2, const sm90::WgradOutput& wgrad_w2,
+                  const sm90::WgradOutput& wgrad_w13, cudaStream_t stream) {
+  const sm90::ExpertMlpShape shape = expert_mlp_shape(l.dims);
+  const RankScratch& rs = l.scratch.rank[s];
+  const Fp8Scratch& q = rs.fp8;
+  const int64_t D = l.dims.D, F = l.dims.F, own = l.dims.E_local, capacity = l.dims.capacity_rows;
+  const bool replicas = rows.first_replica >= 0;
+  const Fp8GroupWeights own_t = fp8_weights_from(q, 0, D, F), replica_t = fp8_weights_from(q, own, D, F);
+  quantize_group_weights(io.rank[s].w13_E2FD, io.rank[s].w2_EDF, own, rows.row_counts_E, D, F, true, own_t, stream);
+  if (replicas) {
+    quantize_group_weights(replica_w13(l, s), replica_w2(l, s), l.dims.groups - own, rows.row_counts_E + own, D, F,
+                           /*transposed=*/true, replica_t, stream);
+  }
+  const int32_t* rows_end = rs.group_offsets + l.dims.groups;
+  const sm90::Fp8Rows grad_rows{q.grad_tiles, q.grad_tile_scales};
+  const sm90::DgradW2Args& b = bf16_dgrad_w2;
+  sm90::DgradW2Fp8Args dgrad_w2{.grad_y = grad_rows, .w2_t = own_t.w2, .h13_R2F = b.h13_R2F, .scores_R = b.scores_R,
+                                .grad_h13_R2F = b.grad_h13_R2F, .a_RF = b.a_RF,
+                                .grad_score_partials_RP = b.grad_score_partials_RP, .h13_split = b.h13_split};
+  sm90::DgradW13Fp8Args dgrad_w13{.grad_h13 = grad_rows, .w13_t = own_t.w13, .scatter = combine_scatter(l, s)};
+  if (replicas) dgrad_w2.replica_w2_t = replica_t.w2, dgrad_w13.replica_w13_t = replica_t.w13;
+  quant::launch_row_tiles(static_cast<const bf16*>(b.grad_y_RD), capacity, D, q.grad_tiles, q.grad_tile_scales, stream, rows_end);
+  sm90::expert_mlp_dgrad_w2_fp8(rows, shape, dgrad_w2, stream);
+  quant::launch_row_tiles(static_cast<const bf16*>(rs.grad_h13_R2F), capacity, 2 * F, q.grad_tiles, q.grad_tile_scales, stream, rows_end);
+  sm90::expert_mlp_dgrad_w13_fp8(rows, shape, dgrad_w13, stream);
+
+  // WGRAD: grad_W2 = grad_y^T . (score * a), grad_W13 = grad_h13^T . x, both operands [cols][rows].
+  const quant::RowGroups groups{rs.group_offsets, rs.group_counts, l.dims.groups};
+  const sm90::Fp8ColumnTiles grad_cols{q.grad_tiles, q.grad_tile_scales};
+  const sm90::Fp8ColumnTiles activation_cols{q.activation_tiles, q.activation_tile_scales};
+  auto column_tiles = [&](const void* rows_RC, int64_t cols, const sm90::Fp8ColumnTiles& into) {
+    quant::launch_column_tiles_transposed(static_cast<const bf16*>(rows_RC), capacity, cols, groups,
+                                          static_cast<uint8_t*>(const_cast<void*>(into.values_CR)),
+                                          const_cast<float*>(into.scales_BC), stream);
+  };
+  column_tiles(b.grad_y_RD, D, grad_cols);
+  column_tiles(rs.a_RF, F, activation_cols);
+  sm90::expert_mlp_wgrad_w2_fp8(rows, shape, grad_cols, activation_cols, wgrad_w2, stream);
+  column_tiles(rs.grad_h13_R2F, 2 * F, grad_cols);
+  quant::launch_column_tiles_transposed(reinterpret_cast<const uint8_t*>(rs.workspace + l.ws.recv_x),
+                                        reinterpret_cast<const float*>(rs.workspace + l.ws.recv_x_scales), capacity,
+                                        D, groups, q.activation_tiles, q.activation_tile_scales, stream);
+  sm90::expert_mlp_wgrad_w13_fp8(rows, shape, grad_cols, activation_cols, wgrad_w13, stream);
+}
+
 // grad_y rows are the dispatched grad_out rows, unscaled, in the receive buffer: DGRAD W2 applies
 // each row's score (grad_a = score * grad_y . W2), writes score * a for the W2 weight gradient, and
 // the score's gradient pieces that combine-push sends home. Replica slots' weight gradients are
@@ -207,6 +261,10 @@ void sm90_backward(const EpLaunch& l, const LaunchIo& io, bool accumulate, cudaS
       dgrad_w13.replica_w13_E2FD = replica_w13(l, s);
       wgrad_w2.replica_grad_w = replica_grad_w2(l, s);
       wgrad_w13.replica_grad_w = replica_grad_w13(l, s);
+    }
+    if (l.dims.fp8) {
+      fp8_backward(l, io, s, rows, dgrad_w2, wgrad_w2, wgrad_w13, stream);
+      continue;
     }
     sm90::expert_mlp_dgrad_w2(rows, shape, dgrad_w2, stream);
     if (shape.biased) bias_backward(l, io, s, rows, shape, accumulate, stream);

@@ -120,7 +120,7 @@ LaunchIo StagedPipeline::forward_io(std::span<const ForwardArgs> args, bool back
   for (int s = 0; s < launch_.launch_ranks; ++s) {
     const ForwardArgs& a = args[s];
     validate_forward_args(a, s, args[0], backward);
-    validate_prepared_fp8(a, s, args[0], launch_.dims.fp8 != 0, launch_.dims.fp8_weights_prepared && !backward);
+    validate_prepared_fp8(a, s, args[0], launch_.dims.fp8 != 0, config_.prepared_fp8_weights && !backward);
     if (launch_.dims.fp8) require_fp8_built(a, s);
     RankIo& r = io.rank[s];
     r.x_TD = static_cast<const bf16*>(a.x_TD);
@@ -239,10 +239,6 @@ void StagedPipeline::restore_record(const EpLaunch& l, const LaunchIo& io, int r
 
 void StagedPipeline::backward(std::span<const BackwardArgs> args, cudaStream_t stream, int record, bool recompute) {
   if (config_.inference) throw InvalidArgument("inference", "the pipeline was created for inference: no backward");
-  if (launch_.dims.fp8) {
-    throw NotAvailable("gemm_precision fp8_block_scaled: the FP8 backward GEMMs are not built on the GPU yet (the "
-                       "forward is; the CPU reference engine runs both, docs/fp8.md)");
-  }
   check_record(record);
   const LaunchIo io = backward_io(args);
   const DType wgrad_dtype = args[0].wgrad_dtype.value_or(config_.wgrad_dtype);

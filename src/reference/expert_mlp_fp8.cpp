@@ -82,21 +82,29 @@ void expert_forward_fp8(const ExpertShape& shape, const SwigluParams& act, int64
 }
 
 void expert_backward_fp8(const ExpertShape& shape, const SwigluParams& act, int64_t rows, const BlockScaled& x_rows,
-                         const float* h13_R2F, const float* grad_y_RD, const Fp8ExpertWeights& w, float* grad_x_RD,
-                         float* grad_w13_2FD, float* grad_w2_DF) {
+                         const float* h13_R2F, const float* grad_out_RD, const float* scores_R,
+                         const Fp8ExpertWeights& w, float* grad_x_RD, float* grad_score_R, float* grad_w13_2FD,
+                         float* grad_w2_DF) {
   const int64_t D = shape.hidden, F = shape.intermediate, d_blocks = scale_blocks(D), f_blocks = scale_blocks(F);
-  std::vector<float> grad_a(F), grad_h13_R2F(rows * 2 * F), a_bf16_RF(rows * F), x_RD(rows * D);
+  std::vector<float> g(F), a(F), grad_a(F), grad_h13_R2F(rows * 2 * F), score_a_RF(rows * F), x_RD(rows * D);
   for (int64_t r = 0; r < rows; ++r) {
     const float* h13 = h13_R2F + r * 2 * F;
     float* grad_h13 = grad_h13_R2F.data() + r * 2 * F;
-    const BlockScaled gy_q = numerics::quantize_row_tiles(grad_y_RD + r * D, 1, D);
-    for (int64_t f = 0; f < F; ++f)
-      grad_a[f] = promoted_dot(
+    const float score = scores_R[r];
+    const BlockScaled gy_q = numerics::quantize_row_tiles(grad_out_RD + r * D, 1, D);
+    float grad_score = 0.0f;
+    for (int64_t f = 0; f < F; ++f) {
+      g[f] = promoted_dot(
           D, [&](int64_t k) { return gy_q.values[k]; }, [&](int64_t k) { return w.w2.values[k * F + f]; },
           [&](int64_t kb) { return gy_q.scales[kb]; },
           [&](int64_t kb) { return w.w2.scales[kb * f_blocks + f / kScaleBlock]; });
+      a[f] = swiglu_forward(h13[shape.gate_row(f)], h13[shape.up_row(f)], act);
+      grad_a[f] = score * g[f];
+      grad_score += g[f] * a[f];
+      score_a_RF[r * F + f] = round_to_bf16(score * a[f]);
+    }
+    grad_score_R[r] = grad_score;
     swiglu_backward_row_bf16(shape, act, h13, grad_a.data(), grad_h13);
-    swiglu_row_bf16(shape, act, h13, a_bf16_RF.data() + r * F);
     const BlockScaled gh_q = numerics::quantize_row_tiles(grad_h13, 1, 2 * F);
     for (int64_t d = 0; d < D; ++d)
       grad_x_RD[r * D + d] = round_to_bf16(promoted_dot(
@@ -105,8 +113,8 @@ void expert_backward_fp8(const ExpertShape& shape, const SwigluParams& act, int6
           [&](int64_t kb) { return w.w13.scales[kb * d_blocks + d / kScaleBlock]; }));
     for (int64_t d = 0; d < D; ++d) x_RD[r * D + d] = numerics::dequantize(x_rows.values[r * D + d], x_rows.scales[r * d_blocks + d / kScaleBlock]);
   }
-  const std::vector<float> grad_y(grad_y_RD, grad_y_RD + rows * D);
-  add_wgrad(column_tiles(grad_y, rows, D), D, column_tiles(a_bf16_RF, rows, F), F, rows, grad_w2_DF);
+  const std::vector<float> grad_out(grad_out_RD, grad_out_RD + rows * D);
+  add_wgrad(column_tiles(grad_out, rows, D), D, column_tiles(score_a_RF, rows, F), F, rows, grad_w2_DF);
   add_wgrad(column_tiles(grad_h13_R2F, rows, 2 * F), 2 * F, column_tiles(x_RD, rows, D), D, rows, grad_w13_2FD);
 }
 

@@ -24,11 +24,16 @@ void expert_forward_fp8(const ExpertShape& shape, const SwigluParams& act, int64
                         const numerics::BlockScaled& x_rows, const Fp8ExpertWeights& w, float* h13_R2F,
                         float* y_RD);
 
-// grad_y_RD: bf16 values; h13_R2F as saved. Writes grad_x_RD (bf16 values) and adds the group's
-// weight gradients into grad_w13_2FD and grad_w2_DF (fp32), WGRAD over 128 x 1 column tiles of
-// the group's rows (x dequantized from x_rows, a recomputed from h13 and rounded to bf16).
+// The backward as the GPU runs it (docs/fp8.md steps 5-8): grad_out_RD, the rows' grad_out (bf16
+// values) as they crossed, not yet scaled by their scores_R; h13_R2F as saved. Per row, g =
+// FP8 GEMM(row_tiles(grad_out), W2^T), grad_a = score * g, grad_h13 = SwiGLU backward in bf16,
+// grad_x_RD = FP8 GEMM(row_tiles(grad_h13), W13^T) (bf16 values) and grad_score_R = sum_f g a (a in
+// fp32 from h13). Adds the group's weight gradients into grad_w13_2FD and grad_w2_DF (fp32): WGRAD
+// over 128 x 1 column tiles of the group's rows, of grad_out and bf16(score * a) for W2, of
+// grad_h13 and x (dequantized from x_rows) for W13.
 void expert_backward_fp8(const ExpertShape& shape, const SwigluParams& act, int64_t rows,
-                         const numerics::BlockScaled& x_rows, const float* h13_R2F, const float* grad_y_RD,
-                         const Fp8ExpertWeights& w, float* grad_x_RD, float* grad_w13_2FD, float* grad_w2_DF);
+                         const numerics::BlockScaled& x_rows, const float* h13_R2F, const float* grad_out_RD,
+                         const float* scores_R, const Fp8ExpertWeights& w, float* grad_x_RD, float* grad_score_R,
+                         float* grad_w13_2FD, float* grad_w2_DF);
 
 }  // namespace poise::reference

@@ -111,9 +111,9 @@ TEST(Context, CallsWithoutTheRightPathFailLoudly) {
 
 TEST(Context, Fp8ContextsPlanTheirFp8Operands) {
   // gemm_precision = fp8_block_scaled: the rank's buffers gain the call's FP8 operands (e4m3 tokens
-  // and a rows, every expert group's weights, fp32 scales per 128 of K), each region padded to 256
-  // bytes; the x rows cross the wire in FP8, so each received row holds D + 4 bytes (D = 64) where
-  // BF16 holds 2D.
+  // and a rows, every expert group's weights, fp32 scales per 128 of K; training adds the backward's
+  // tiles: device rows of max(D, 2F) and of max(F, D) values), each region padded to 256 bytes; the
+  // x rows cross the wire in FP8, so each received row holds D + 4 bytes (D = 64) where BF16 holds 2D.
   Config c = small_config();
   c.gemm_precision = GemmPrecision::fp8_block_scaled;
   auto ctx = Context::create(c, 1, 0);  // plans only
@@ -121,9 +121,16 @@ TEST(Context, Fp8ContextsPlanTheirFp8Operands) {
   const int64_t T = c.num_local_input_tokens, rows = p.device_rows, groups = p.num_local_experts + p.num_replica_slots;
   const int64_t D = c.hidden_dim, F = c.intermediate_dim;  // 64: one scale per row or block
   auto padded = [](int64_t bytes) { return (bytes + 255) / 256 * 256; };
-  const int64_t expected = padded(T * D) + padded(4 * T) + padded(rows * F) + padded(4 * rows) +
-                           padded(groups * 2 * F * D) + padded(4 * groups) + padded(groups * D * F) + padded(4 * groups);
+  const int64_t forward = padded(T * D) + padded(4 * T) + padded(rows * F) + padded(4 * rows) +
+                          padded(groups * 2 * F * D) + padded(4 * groups) + padded(groups * D * F) + padded(4 * groups);
+  // grad tiles: rows x 2F values, a scale per row (row tiles) or per 128 rows and column (as many);
+  // activation tiles: rows x D values, a scale per row (more than column tiles' rows / 128 x D).
+  const int64_t backward = padded(rows * 2 * F) + padded(4 * rows) + padded(rows * D) + padded(4 * rows);
+  const int64_t expected = forward + backward;
   EXPECT_EQ(p.fp8_operand_bytes, expected);
+  Config inference = c;
+  inference.inference = true;
+  EXPECT_EQ(plan_memory(inference, 1).fp8_operand_bytes, forward);
   const MemoryPlan bf16 = plan_memory(small_config(), 1);
   EXPECT_EQ(bf16.fp8_operand_bytes, 0);
   EXPECT_EQ(p.device_scratch_bytes - bf16.device_scratch_bytes, expected);
@@ -137,10 +144,12 @@ TEST(Context, Fp8ContextsPlanTheirFp8Operands) {
 }
 
 TEST(Context, PreparedFp8WeightsDropTheOwnExpertsWeightScratch) {
-  // Config::prepared_fp8_weights: the own experts' 3 F D e4m3 bytes and scales leave the plan; the
-  // replica slots' stay (exact balance at EP 2); it needs FP8 GEMMs.
+  // Config::prepared_fp8_weights in an inference context: the own experts' 3 F D e4m3 bytes and
+  // scales leave the plan; the replica slots' stay (exact balance at EP 2). A training context keeps
+  // them: its backward writes the weights' transposed copies there. It needs FP8 GEMMs.
   Config c = small_config();
   c.gemm_precision = GemmPrecision::fp8_block_scaled;
+  c.inference = true;
   Config prepared = c;
   prepared.prepared_fp8_weights = true;
   for (int64_t ep : {1, 2}) {
@@ -154,6 +163,11 @@ TEST(Context, PreparedFp8WeightsDropTheOwnExpertsWeightScratch) {
     EXPECT_EQ(per_call.fp8_operand_bytes - lean.fp8_operand_bytes, weights(groups) - weights(slots)) << "ep " << ep;
     EXPECT_EQ(per_call.total_device_bytes - lean.total_device_bytes, weights(groups) - weights(slots));
     EXPECT_NE(lean.explain().find("the own experts' come prepared"), std::string::npos) << lean.explain();
+    Config training = prepared, training_per_call = c;
+    training.inference = training_per_call.inference = false;
+    const MemoryPlan kept = plan_memory(training, ep);
+    EXPECT_EQ(kept.fp8_operand_bytes, plan_memory(training_per_call, ep).fp8_operand_bytes) << "ep " << ep;
+    EXPECT_NE(kept.explain().find("the backward's transposed copies"), std::string::npos) << kept.explain();
   }
   Config bf16 = small_config();
   bf16.prepared_fp8_weights = true;

@@ -44,7 +44,7 @@ Layer random_layer(int64_t rows, int64_t D, int64_t F, W13Layout layout, unsigne
 double silu(double g) { return g / (1.0 + std::exp(-g)); }
 
 struct Float64Results {
-  std::vector<double> h13, y, grad_x, grad_w13, grad_w2;
+  std::vector<double> h13, y, grad_x, grad_w13, grad_w2, grad_score;  // grad_score: dot(grad_y, y) per row
 };
 
 // Plain SwiGLU in float64 on the given operands (no rounding anywhere).
@@ -52,7 +52,7 @@ Float64Results float64_layer(const Layer& l, const std::vector<double>& x, const
                              const std::vector<double>& w2) {
   const int64_t R = l.rows, D = l.shape.hidden, F = l.shape.intermediate;
   Float64Results o{std::vector<double>(R * 2 * F), std::vector<double>(R * D), std::vector<double>(R * D),
-                   std::vector<double>(2 * F * D), std::vector<double>(D * F)};
+                   std::vector<double>(2 * F * D), std::vector<double>(D * F), std::vector<double>(R)};
   std::vector<double> a(F), grad_h13(2 * F);
   for (int64_t r = 0; r < R; ++r) {
     for (int64_t j = 0; j < 2 * F; ++j)
@@ -70,6 +70,7 @@ Float64Results float64_layer(const Layer& l, const std::vector<double>& x, const
       for (int64_t f = 0; f < F; ++f) o.y[r * D + d] += a[f] * w2[d * F + f];
       for (int64_t j = 0; j < 2 * F; ++j) o.grad_x[r * D + d] += grad_h13[j] * w13[j * D + d];
       for (int64_t f = 0; f < F; ++f) o.grad_w2[d * F + f] += l.grad_y[r * D + d] * a[f];
+      o.grad_score[r] += l.grad_y[r * D + d] * o.y[r * D + d];
     }
     for (int64_t j = 0; j < 2 * F; ++j)
       for (int64_t d = 0; d < D; ++d) o.grad_w13[j * D + d] += grad_h13[j] * x[r * D + d];
@@ -97,17 +98,19 @@ std::vector<double> dequantized(const numerics::BlockScaled& q, int64_t rows, in
 }
 
 struct Fp8Results {
-  std::vector<float> h13, y, grad_x, grad_w13, grad_w2;
+  std::vector<float> h13, y, grad_x, grad_w13, grad_w2, grad_score;
 };
 
-Fp8Results run_fp8(const Layer& l, const numerics::BlockScaled& x_rows, const Fp8ExpertWeights& w) {
+// The forward, then the backward of grad_y (unscaled) with every row's score `score`.
+Fp8Results run_fp8(const Layer& l, const numerics::BlockScaled& x_rows, const Fp8ExpertWeights& w, float score = 1.0f) {
   const int64_t R = l.rows, D = l.shape.hidden, F = l.shape.intermediate;
   const float nan = std::nanf("");
   Fp8Results o{std::vector<float>(R * 2 * F, nan), std::vector<float>(R * D, nan), std::vector<float>(R * D, nan),
-               std::vector<float>(2 * F * D, 0.0f), std::vector<float>(D * F, 0.0f)};
+               std::vector<float>(2 * F * D, 0.0f), std::vector<float>(D * F, 0.0f), std::vector<float>(R, nan)};
   expert_forward_fp8(l.shape, {}, R, x_rows, w, o.h13.data(), o.y.data());
-  expert_backward_fp8(l.shape, {}, R, x_rows, o.h13.data(), l.grad_y.data(), w, o.grad_x.data(), o.grad_w13.data(),
-                      o.grad_w2.data());
+  const std::vector<float> scores(R, score);
+  expert_backward_fp8(l.shape, {}, R, x_rows, o.h13.data(), l.grad_y.data(), scores.data(), w, o.grad_x.data(),
+                      o.grad_score.data(), o.grad_w13.data(), o.grad_w2.data());
   return o;
 }
 
@@ -126,7 +129,10 @@ TEST_P(ReferenceFp8, ErrorAgainstFloat64IsWhatFp8Costs) {
   for (auto [name, error, bound] : {std::tuple{"y", relative_error(got.y, exact.y), 0.085},
                                     {"grad_x", relative_error(got.grad_x, exact.grad_x), 0.11},
                                     {"grad_w13", relative_error(got.grad_w13, exact.grad_w13), 0.11},
-                                    {"grad_w2", relative_error(got.grad_w2, exact.grad_w2), 0.11}}) {
+                                    {"grad_w2", relative_error(got.grad_w2, exact.grad_w2), 0.11},
+                                    // one row: a single dot product, its terms cancelling (measured 0.12)
+                                    {"grad_score", relative_error(got.grad_score, exact.grad_score),
+                                     rows > 1 ? 0.11 : 0.2}}) {
     EXPECT_LT(error, bound) << name;
     std::printf("rows %lld: %s relative error %.4f\n", (long long)rows, name, error);
   }
@@ -136,6 +142,19 @@ TEST_P(ReferenceFp8, ErrorAgainstFloat64IsWhatFp8Costs) {
   const Float64Results structure = float64_layer(l, dequantized(x_rows, rows, D, false),
                                                  dequantized(w.w13, 2 * F, D, true), dequantized(w.w2, D, F, true));
   EXPECT_LT(relative_error(got.h13, structure.h13), 4e-3);
+
+  // The score applies after DGRAD W2 (rows cross unscaled, as on the GPU): a score of 1/2 (a power
+  // of two, which commutes with every rounding and every block scale) halves grad_x and both weight
+  // gradients bit for bit and leaves the score's gradient as it was.
+  const Fp8Results half = run_fp8(l, x_rows, w, 0.5f);
+  auto halved = [](std::vector<float> v) {
+    for (float& e : v) e *= 0.5f;
+    return v;
+  };
+  EXPECT_EQ(half.grad_x, halved(got.grad_x));
+  EXPECT_EQ(half.grad_w13, halved(got.grad_w13));
+  EXPECT_EQ(half.grad_w2, halved(got.grad_w2));
+  EXPECT_EQ(half.grad_score, got.grad_score);
 }
 
 INSTANTIATE_TEST_SUITE_P(Groups, ReferenceFp8,

@@ -1,19 +1,22 @@
 // FP8 block-scaled experts through the public entry points (Config::gemm_precision =
 // fp8_block_scaled, docs/fp8.md): a GPU context's forward quantizes every call's weights (128 x 128
-// blocks), the received x rows and the SwiGLU output a (1 x 128 tiles) and runs FP8 GEMMs. Checked
-// against the CPU reference engine in FP8 mode, which quantizes the same operands the same way, so
-// what is left is fp32 summation order (and now and then an e4m3 value of a that rounds the other
-// way): out within kOutRelL2 in relative L2 and every element within kOutElement x (|want| + its
-// row's rms). Against the BF16 reference the same out is a few percent off (E4M3 keeps 3 mantissa
-// bits), printed and recorded (RecordProperty) for every rank.
+// blocks), the received x rows and the SwiGLU output a (1 x 128 tiles) and runs FP8 GEMMs; its
+// backward quantizes the weights transposed, grad_y and grad_h13 in row tiles (DGRAD) and every
+// WGRAD operand in column tiles. Checked against the CPU reference engine in FP8 mode, which
+// quantizes the same operands the same way, so what is left is fp32 summation order (and now and
+// then an e4m3 value that rounds the other way): out within kOutRelL2 in relative L2 and every
+// element within kOutElement x (|want| + its row's rms); grad_x, grad_scores and each expert's weight
+// gradients within kGradRelL2. Against the BF16 reference the same results are a few percent off
+// (E4M3 keeps 3 mantissa bits), printed and recorded (RecordProperty) for every rank.
 //
 // Cases: one rank (Context::create) and virtual ranks (R = 2, 4) in exact balance and capacity mode,
 // a hot expert (exact balance replicates it), the last expert given no rows, D = 192 and F = 320
 // (64 mod 128: a last scale block 64 wide), swiglu and swiglu_clamped, two layers in a row on one
-// context (the second with other weights: quantized again). Also: the backward is refused
-// (NotAvailable naming gemm_precision) before any kernel and leaves the context usable; the call
-// options the FP8 GEMMs do not take (interleaved W13, transposed weights, biases) are refused by
-// name, before any kernel; the device bytes a context holds against its plan (FP8 operands included).
+// context (the second with other weights: quantized again), the first layer's backward right after
+// its forward and again after the second forward (restored: the same bits). Also: the call options
+// the FP8 GEMMs do not take (interleaved W13, transposed weights, biases) are refused by name, before
+// any kernel; prepared weights give the bits of the call's quantization, forward and backward; the
+// device bytes a context holds against its plan (FP8 operands included).
 // Fresh inputs every run (seed in the trace; POISE_TEST_SEED replays); outputs poisoned (NaN) first.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
@@ -49,6 +52,11 @@ constexpr double kOutElement = 0.1;  // |got - want| <= kOutElement * (|want| + 
 // the GPU adds its distance to the FP8 reference (< kOutRelL2) either way.
 constexpr double kFp8GapLow = 4e-2;  // below: not the FP8 GEMMs (BF16 is ~0.3% from float64)
 constexpr double kFp8GapHigh = 9e-2;
+// The backward against the FP8 reference (which runs the GPU's steps, docs/fp8.md): grad_x,
+// grad_scores and each expert's weight gradients, relative L2.
+constexpr double kGradRelL2 = 1.5e-2;
+// Against the BF16 reference: what E4M3 costs the gradients (a few percent; printed).
+constexpr double kFp8GradGapHigh = 0.15;
 
 Config fp8_config(int64_t ranks, Balance balance, Activation activation) {
   Config c;
@@ -107,17 +115,22 @@ std::vector<reference::RankInputs> fp8_inputs(const Config& c, int64_t R, uint64
 struct Want {
   std::vector<std::vector<float>> fp8, bf16;
   reference::RoutingStats stats;
+  std::vector<reference::RankGradients> fp8_grads, bf16_grads;  // of grad_out
 };
 
-Want reference_outputs(const Config& c, int64_t R, const std::vector<reference::RankInputs>& inputs) {
+Want reference_outputs(const Config& c, int64_t R, const std::vector<reference::RankInputs>& inputs,
+                       const std::vector<std::vector<float>>& grad_out) {
   reference::Options options;
   options.replica_slots = plan_memory(c, R).num_replica_slots;
   reference::Engine fp8(c, R, options);
-  Want want{fp8.forward(inputs), {}, fp8.routing_stats()};
+  Want want{fp8.forward(inputs), {}, fp8.routing_stats(), {}, {}};
+  fp8.backward(inputs, grad_out, want.fp8_grads);
   Config bf16 = c;
   bf16.gemm_precision = GemmPrecision::bf16;
   options.replica_slots = plan_memory(bf16, R).num_replica_slots;
-  want.bf16 = reference::Engine(bf16, R, options).forward(inputs);
+  reference::Engine bf16_engine(bf16, R, options);
+  want.bf16 = bf16_engine.forward(inputs);
+  bf16_engine.backward(inputs, grad_out, want.bf16_grads);
   return want;
 }
 
@@ -187,6 +200,79 @@ void expect_out_matches(const std::vector<std::vector<float>>& got, const Want& 
   }
 }
 
+// got against want, one block of `block` values at a time (an expert's weight gradient): the largest
+// relative L2 over the blocks; a block the reference leaves zero (an expert without rows) must be
+// zero, else it counts as infinitely far.
+double worst_block_error(const std::vector<float>& got, const std::vector<float>& want, size_t block) {
+  double worst = 0;
+  for (size_t first = 0; first < want.size(); first += block) {
+    const std::vector<float> g(got.begin() + first, got.begin() + first + block);
+    const std::vector<float> w(want.begin() + first, want.begin() + first + block);
+    const bool zero = std::all_of(w.begin(), w.end(), [](float v) { return v == 0.0f; });
+    const double e = zero ? (std::all_of(g.begin(), g.end(), [](float v) { return v == 0.0f; })
+                                 ? 0.0
+                                 : std::numeric_limits<double>::infinity())
+                          : relative_error_to(g, w);
+    worst = std::isnan(e) ? std::numeric_limits<double>::infinity() : std::max(worst, e);
+  }
+  return worst;
+}
+
+// Every rank's gradients against the FP8 reference (kGradRelL2; weight gradients per expert) and
+// the BF16 one (kFp8GradGapHigh), printed and recorded as test properties.
+void expect_grads_match(const DeviceLayer& device, const Want& want, const Config& c, const std::string& label) {
+  const auto grad_x = device.grad_x_TD(), grad_scores = device.grad_scores_TK();
+  const auto grad_w13 = device.grad_w13(), grad_w2 = device.grad_w2();
+  const size_t block13 = size_t(2 * c.intermediate_dim * c.hidden_dim), block2 = size_t(c.hidden_dim * c.intermediate_dim);
+  for (size_t r = 0; r < grad_x.size(); ++r) {
+    SCOPED_TRACE(label + ", rank " + std::to_string(r));
+    const reference::RankGradients &f = want.fp8_grads[r], &b = want.bf16_grads[r];
+    struct Row {
+      const char* name;
+      double vs_fp8, vs_bf16;
+    };
+    const Row rows[] = {
+        {"grad_x_TD", relative_error_to(grad_x[r], f.grad_x_TD), relative_error_to(grad_x[r], b.grad_x_TD)},
+        {"grad_scores_TK", relative_error_to(grad_scores[r], f.grad_scores_TK),
+         relative_error_to(grad_scores[r], b.grad_scores_TK)},
+        {"grad_w13 (worst expert)", worst_block_error(grad_w13[r], f.grad_w13, block13),
+         worst_block_error(grad_w13[r], b.grad_w13, block13)},
+        {"grad_w2 (worst expert)", worst_block_error(grad_w2[r], f.grad_w2, block2),
+         worst_block_error(grad_w2[r], b.grad_w2, block2)}};
+    for (const Row& row : rows) {
+      EXPECT_LT(row.vs_fp8, kGradRelL2) << row.name << " against the FP8 reference (relative L2)";
+      EXPECT_LT(row.vs_bf16, kFp8GradGapHigh) << row.name << " against the BF16 reference (relative L2)";
+      std::printf("[ fp8      ] %s rank %zu: %s vs FP8 reference %.3e rel L2, vs BF16 reference %.3e\n", label.c_str(),
+                  r, row.name, row.vs_fp8, row.vs_bf16);
+      const std::string key = label + "_rank" + std::to_string(r) + "_" + std::string(row.name).substr(0, 8);
+      ::testing::Test::RecordProperty(key + "_vs_fp8_reference", format_double(row.vs_fp8));
+      ::testing::Test::RecordProperty(key + "_vs_bf16_reference", format_double(row.vs_bf16));
+    }
+  }
+}
+
+// Two sets of per-rank results with the same bits (NaN matching NaN).
+int64_t differing_values(const std::vector<std::vector<float>>& a, const std::vector<std::vector<float>>& b) {
+  int64_t differing = 0;
+  for (size_t r = 0; r < a.size(); ++r)
+    for (size_t i = 0; i < a[r].size(); ++i) differing += !(a[r][i] == b[r][i] || (std::isnan(a[r][i]) && std::isnan(b[r][i])));
+  return differing;
+}
+
+// The gradients of one backward, to compare another's bits with.
+struct Grads {
+  std::vector<std::vector<float>> grad_x, grad_scores, grad_w13, grad_w2;
+  explicit Grads(const DeviceLayer& d)
+      : grad_x(d.grad_x_TD()), grad_scores(d.grad_scores_TK()), grad_w13(d.grad_w13()), grad_w2(d.grad_w2()) {}
+};
+
+void expect_same_bits(const Grads& got, const Grads& want, const std::string& what) {
+  EXPECT_EQ(differing_values(got.grad_x, want.grad_x), 0) << "grad_x_TD " << what;
+  EXPECT_EQ(differing_values(got.grad_scores, want.grad_scores), 0) << "grad_scores_TK " << what;
+  EXPECT_EQ(differing_values(got.grad_w13, want.grad_w13), 0) << "grad_w13 " << what;
+  EXPECT_EQ(differing_values(got.grad_w2, want.grad_w2), 0) << "grad_w2 " << what;
+}
+
 // Context::device_bytes (per rank, after a call) against the plan, FP8 operands included: never
 // more than the plan beyond 1% + 1 MiB of bookkeeping, not grossly less (the plan rounds the window
 // to 2 MiB granules). As tests/python/test_torch_gpu.py checks it for BF16 contexts.
@@ -208,9 +294,10 @@ struct Layer {
 
 Layer make_layer(const Config& c, int64_t R, uint64_t seed, bool hot) {
   Layer l{fp8_inputs(c, R, seed, hot), {}, nullptr};
-  l.want = reference_outputs(c, R, l.inputs);
+  const auto grad_out = reference::random_grad_out(c, R, seed + 1);
+  l.want = reference_outputs(c, R, l.inputs, grad_out);
   expect_routing_exercised(c, R, hot, l.want);
-  l.device = std::make_unique<DeviceLayer>(c, R, l.inputs, reference::random_grad_out(c, R, seed + 1), DType::fp32);
+  l.device = std::make_unique<DeviceLayer>(c, R, l.inputs, grad_out, DType::fp32);
   l.device->poison_outputs();
   return l;
 }
@@ -230,8 +317,10 @@ void PrintTo(const Fp8Case& c, std::ostream* os) { *os << c.name; }
 class ContextFp8 : public ::testing::TestWithParam<Fp8Case> {};
 
 // Two layers on one context, each against the reference; the second has other weights (each call
-// quantizes its own) and runs without keeping state for backward.
-TEST_P(ContextFp8, ForwardMatchesTheFp8Reference) {
+// quantizes its own) and runs without keeping state for backward. The first layer's backward runs
+// right after its forward and again after the second forward, from its record (restored: recomputed
+// or dispatched again), with the same bits.
+TEST_P(ContextFp8, ForwardAndBackwardMatchTheFp8Reference) {
   if (!testing::have_sm90_gpu()) GTEST_SKIP() << "needs an SM90 GPU";
   const Fp8Case& fc = GetParam();
   const uint64_t seed = testing::fresh_seed();
@@ -243,12 +332,21 @@ TEST_P(ContextFp8, ForwardMatchesTheFp8Reference) {
 
   auto context = testing::make_context(c, R);
   testing::TestStream stream;
-  routed_experts_forward(*context, first.device->forward_args(), stream);
+  const ActivationRecord record = routed_experts_forward(*context, first.device->forward_args(), stream);
   context->check(stream);
   expect_out_matches(first.device->out_TD(), first.want, c, fc.name + "_layer0");
+  routed_experts_backward(*context, first.device->backward_args(), stream);
+  context->check(stream);
+  expect_grads_match(*first.device, first.want, c, fc.name + "_layer0");
+  const Grads right_after(*first.device);
+
   routed_experts_forward(*context, second.device->forward_args(), stream, /*keep_for_backward=*/false);
   context->check(stream);
   expect_out_matches(second.device->out_TD(), second.want, c, fc.name + "_layer1");
+  first.device->poison_outputs();
+  routed_experts_backward(*context, first.device->backward_args(), stream, &record);
+  context->check(stream);
+  expect_same_bits(Grads(*first.device), right_after, "of the restored record");
   expect_holds_its_plan(*context);
 }
 
@@ -289,40 +387,6 @@ std::string refusal(Call&& call) {
 bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
 
 class ContextFp8Refusals : public ::testing::TestWithParam<int64_t> {};
-
-// The FP8 backward GEMMs are not built: routed_experts_backward raises NotAvailable naming
-// gemm_precision before anything is enqueued (every gradient keeps its poison), for the latest
-// forward and for an explicit record alike; the context then runs the next forward correctly.
-TEST_P(ContextFp8Refusals, BackwardIsRefusedAndTheContextStaysUsable) {
-  if (!testing::have_sm90_gpu()) GTEST_SKIP() << "needs an SM90 GPU";
-  const int64_t R = GetParam();
-  const uint64_t seed = testing::fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed));
-  const Config c = fp8_config(R, Balance::exact, kClamped);
-  Layer layer = make_layer(c, R, seed, /*hot=*/true);
-  auto context = testing::make_context(c, R);
-  testing::TestStream stream;
-  const ActivationRecord record = routed_experts_forward(*context, layer.device->forward_args(), stream);
-  context->check(stream);
-  expect_out_matches(layer.device->out_TD(), layer.want, c, "backward_R" + std::to_string(R) + "_before");
-
-  layer.device->poison_outputs();
-  for (const ActivationRecord* r : {static_cast<const ActivationRecord*>(nullptr), &record}) {
-    const std::string why =
-        refusal([&] { routed_experts_backward(*context, layer.device->backward_args(), stream, r); });
-    EXPECT_TRUE(contains(why, "NotAvailable: ") && contains(why, "gemm_precision")) << why;
-  }
-  EXPECT_NO_THROW(context->check(stream));
-  testing::expect_all_nan(layer.device->grad_x_TD(), "grad_x_TD after the refused backward");
-  testing::expect_all_nan(layer.device->grad_scores_TK(), "grad_scores_TK after the refused backward");
-  testing::expect_all_nan(layer.device->grad_w13(), "grad_w13 after the refused backward");
-  testing::expect_all_nan(layer.device->grad_w2(), "grad_w2 after the refused backward");
-
-  Layer next = make_layer(c, R, seed + 7919, /*hot=*/true);
-  routed_experts_forward(*context, next.device->forward_args(), stream);
-  context->check(stream);
-  expect_out_matches(next.device->out_TD(), next.want, c, "backward_R" + std::to_string(R) + "_after");
-}
 
 // A device buffer of `bytes` zero bytes, freed with it.
 class DeviceBytes {
@@ -438,6 +502,11 @@ TEST_P(ContextFp8Refusals, PreparedWeightsGiveTheBitsOfTheCallsQuantization) {
     }
   };
   expect_bits_of_the_call(layer.device->out_TD(), "from prepared weights");
+  // Its backward (the BF16 weights quantized transposed in the call), against the reference.
+  routed_experts_backward(*context, layer.device->backward_args(), stream);
+  context->check(stream);
+  expect_grads_match(*layer.device, layer.want, c, "prepared_R" + std::to_string(R));
+  const Grads per_call(*layer.device);
 
   layer.device->poison_outputs();
   auto refused = [&](auto&& mutate, const Context& on) {
@@ -453,10 +522,12 @@ TEST_P(ContextFp8Refusals, PreparedWeightsGiveTheBitsOfTheCallsQuantization) {
     }, *context);
     EXPECT_TRUE(contains(one_rank, "InvalidArgument: ") && contains(one_rank, "args[1].w13_fp8")) << one_rank;
   }
-  // Config::prepared_fp8_weights: the plan drops the own experts' weight scratch (the replica
-  // slots keep theirs, at its start), the same bits come out, and a call without them is refused.
+  // Config::prepared_fp8_weights of an inference context: the plan drops the own experts' weight
+  // scratch (the replica slots keep theirs, at its start), the same bits come out, and a call
+  // without them is refused.
   Config prepared_only = c;
   prepared_only.prepared_fp8_weights = true;
+  prepared_only.inference = true;
   auto lean = testing::make_context(prepared_only, R);
   EXPECT_LT(lean->plan().fp8_operand_bytes, context->plan().fp8_operand_bytes - E * 3 * F * D + 1);
   routed_experts_forward(*lean, args, stream);
@@ -467,6 +538,18 @@ TEST_P(ContextFp8Refusals, PreparedWeightsGiveTheBitsOfTheCallsQuantization) {
   EXPECT_TRUE(contains(unprepared, "InvalidArgument: ") && contains(unprepared, "args[0].w13_fp8") &&
               contains(unprepared, "prepared_fp8_weights"))
       << unprepared;
+  // A training context with prepared_fp8_weights keeps the weight scratch (its backward quantizes
+  // the transposed copies there) and gives the same bits forward and backward.
+  Config prepared_training = c;
+  prepared_training.prepared_fp8_weights = true;
+  auto kept = testing::make_context(prepared_training, R);
+  EXPECT_EQ(kept->plan().fp8_operand_bytes, context->plan().fp8_operand_bytes);
+  routed_experts_forward(*kept, args, stream);
+  routed_experts_backward(*kept, layer.device->backward_args(), stream);
+  kept->check(stream);
+  expect_bits_of_the_call(layer.device->out_TD(), "of a training prepared_fp8_weights context");
+  expect_same_bits(Grads(*layer.device), per_call, "of a training prepared_fp8_weights context");
+  layer.device->poison_outputs();
 
   Config bf16 = c;
   bf16.gemm_precision = GemmPrecision::bf16;

@@ -6,7 +6,7 @@ CPU (run everywhere): the argument checks by name (type, format, each tensor's d
 and contiguity), InvalidArgument on a BF16 context, NotAvailable on a CPU context (the reference
 engine quantizes w13 / w2 itself), and the ops' wiring (schemas, autograd of the prepared forwards,
 opcheck) with a stand-in engine. GPU (pytest -m gpu): the bits of the call without them, a refill
-with out= after a weight change, the refused backward."""
+with out= after a weight change, the backward's bits after a prepared forward."""
 
 import dataclasses
 
@@ -295,24 +295,26 @@ def test_gpu_the_forward_reads_the_prepared_weights_and_out_refills_them(path):
 
 
 @pytest.mark.gpu
-def test_gpu_backward_after_a_prepared_forward_is_refused_and_the_context_stays_usable(path):
-    """The FP8 backward is not built on the GPU: NotAvailable naming gemm_precision (not an autograd
-    error about the prepared inputs), no grads, and the next forward is right."""
-    inputs = layer_inputs(CONFIG, seed=63, device=cuda())
+def test_gpu_backward_after_a_prepared_forward_gives_the_grads_of_the_per_call_quantization(path):
+    """The backward after a prepared forward (which reads w13 / w2 themselves, as BF16, for the
+    transposed FP8 copies) gives the grads of the call without prepared weights, bit for bit, each on
+    a fresh context; the prepared tensors get no grad."""
+    inputs = layer_inputs(CONFIG, seed=63, device=cuda(), routing="one_expert")
     prepared = poise.prepare_weights(inputs["w13"], inputs["w2"])
-    leaves = leaves_of(inputs)
-    grad_out = torch.randn(CONFIG.num_local_input_tokens, D, device=cuda()).bfloat16()
-    with poise.create_context(config=CONFIG, device=cuda()) as context:
-        out = call(leaves, context, prepared=prepared)
-        with pytest.raises(poise.NotAvailable, match="gemm_precision"):
+    grad_out = torch.randn(CONFIG.num_local_input_tokens, D, generator=torch.Generator().manual_seed(4))
+    grad_out = grad_out.bfloat16().to(cuda())
+    results = []
+    for with_prepared in (False, True):
+        leaves = leaves_of(inputs)
+        with poise.create_context(config=CONFIG, device=cuda()) as context:
+            out = call(leaves, context, prepared=prepared if with_prepared else None)
             out.backward(grad_out)
-        context.check()
-        for name in ("x_TD", "scores_TK", "w13", "w2"):
-            assert leaves[name].grad is None, name
-        assert prepared.w13.grad is None and prepared.w2_scales.grad is None
-        with torch.no_grad():
-            assert torch.equal(call(inputs, context, prepared=prepared), out.detach())
-            assert torch.equal(call(inputs, context), out.detach())
+            context.check()
+        results.append([out.detach()] + [leaves[n].grad for n in ("x_TD", "scores_TK", "w13", "w2")])
+    for name, want, got in zip(("out", "x_TD", "scores_TK", "w13", "w2"), *results):
+        assert got is not None and torch.isfinite(got.float()).all(), name
+        assert torch.equal(got, want), name
+    assert all(t.grad is None for t in (prepared.w13, prepared.w2, prepared.w13_scales, prepared.w2_scales))
 
 
 @pytest.mark.gpu

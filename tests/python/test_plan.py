@@ -219,7 +219,8 @@ def test_capacity_mode_plans_every_received_row_on_the_device():
 def test_fp8_plans_its_operands_in_device_scratch(changes, ep_size):
     """gemm_precision='fp8_block_scaled': the call's FP8 operands (e4m3 tokens and a of every device
     row, every expert group's W13 and W2, fp32 scales per 128 of K, each region padded to 256 bytes)
-    are device scratch on top of the BF16 plan's, and fp8_operand_bytes says how much; 0 in bf16.
+    are device scratch on top of the BF16 plan's (a training context's also the backward's tiles of
+gradient and activation rows), and fp8_operand_bytes says how much; 0 in bf16.
     The x rows cross the wire (and are kept in activation records) in FP8 with their scales, so the
     window and the activation slots shrink."""
     bf16 = plan(ep_size, **changes)
@@ -240,17 +241,25 @@ def test_fp8_plans_its_operands_in_device_scratch(changes, ep_size):
     values = T * D + fp8.device_rows * F + groups * 3 * F * D
     scales = 4 * (T * blocks(D) + fp8.device_rows * blocks(F)
                   + groups * (blocks(2 * F) * blocks(D) + blocks(D) * blocks(F)))
-    assert values + scales <= fp8.fp8_operand_bytes < values + scales + 8 * 256
+    if not fp8.config.inference:  # the backward's row / column tiles of gradients and activations
+        rows = fp8.device_rows
+        for cols in (max(D, 2 * F), max(F, D)):
+            values += rows * cols
+            scales += 4 * max(rows * blocks(cols), rows // 128 * cols)
+    assert values + scales <= fp8.fp8_operand_bytes < values + scales + 12 * 256
     assert "of which FP8 operands" in fp8.explain()
     assert "FP8" not in bf16.explain()
 
 
 @pytest.mark.parametrize("ep_size", [1, 8])
 def test_prepared_fp8_weights_drop_the_own_experts_weight_scratch(ep_size):
-    """prepared_fp8_weights=True: every forward brings the local experts' prepared FP8 weights, so the
-    plan holds scratch for the replica slots' weights only; it needs fp8_block_scaled."""
-    per_call = plan(ep_size, gemm_precision="fp8_block_scaled")
-    lean = plan(ep_size, gemm_precision="fp8_block_scaled", prepared_fp8_weights=True)
+    """prepared_fp8_weights=True: every forward brings the local experts' prepared FP8 weights, so an
+    inference plan holds scratch for the replica slots' weights only; it needs fp8_block_scaled."""
+    per_call = plan(ep_size, gemm_precision="fp8_block_scaled", inference=True)
+    lean = plan(ep_size, gemm_precision="fp8_block_scaled", prepared_fp8_weights=True, inference=True)
+    # A training context keeps the scratch: its backward writes the weights' transposed copies there.
+    training = plan(ep_size, gemm_precision="fp8_block_scaled", prepared_fp8_weights=True)
+    assert training.fp8_operand_bytes == plan(ep_size, gemm_precision="fp8_block_scaled").fp8_operand_bytes
     D, F = lean.config.hidden_dim, lean.config.intermediate_dim
     own = lean.num_local_experts
     blocks = lambda n: -(-n // 128)  # noqa: E731
