@@ -36,11 +36,10 @@ import torch.nn.functional as Fn
 
 BENCH = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(BENCH))
-from fp8_forward.bench import PEER_ROW_ALIGN, gather_rows_fp8, quantize_rows  # noqa: E402
+from fp8_forward.bench import PEER_ROW_ALIGN, gather_rows_fp8, quantize_rows, timed_blocks  # noqa: E402
 from routed_experts.bench import (  # noqa: E402
     LEAVES, SHAPES, TOLERANCE as BF16_TOLERANCE, baseline_forward, case_arguments, make_inputs,
     outputs_and_grads, parse_case_arguments, poise_config, rel_err, routing_name, run_benchmark, training_step)
-from timing import time_block  # noqa: E402
 
 DEFAULT_OUT = "bench/results/fp8_step_h200.json"
 # FP8 against the BF16 baseline (docs/fp8.md: 6-8% from float64 on one expert group for y and every
@@ -213,16 +212,6 @@ def tolerance(side):
     return FP8_TOLERANCE if side in FP8_SIDES else BF16_TOLERANCE
 
 
-def timed_blocks(steps, args):
-    ms, spans = {}, {}
-    for _ in range(args.blocks):
-        for side, step in steps.items():
-            block_ms, span = time_block(step, args.reps, args.settle_s, args.warm_ms)
-            ms.setdefault(f"{side}_ms", []).append(block_ms)
-            spans.setdefault(f"{side}_ms", []).append(span)
-    return ms, spans
-
-
 # ---------------------------------------------------------------- records
 def case_record(name, skew_target, skew, block_ms, errors, prep_same_bits, unavailable):
     T, D, F, E, K = SHAPES[name]
@@ -254,14 +243,14 @@ def report(records, args, commit, device, started):
                        "method": "forward+backward (grads set to None, autograd grads of x, scores, w13, w2); "
                                  "CUDA events around each step from an idle GPU; per block the median of reps "
                                  "steps; the sides' blocks alternated; records hold the median over blocks"},
-            "sides": {s: line.strip() for s, line in zip(SIDES, [
+            "sides": dict(zip(SIDES, [
                 "eager BF16 sort-permute + torch._grouped_mm + SwiGLU + torch._grouped_mm + scores + index_add_, "
                 "autograd",
                 "eager FP8: rowwise torch._scaled_grouped_mm forward and DGRAD (weights and transposed copies "
                 "quantized in the step), BF16 torch._grouped_mm WGRAD; rows padded to peer_align per expert",
                 "poise.routed_experts, one-rank BF16 context",
                 "the same with gemm_precision='fp8_block_scaled' (weights quantized in the call)",
-                "poise_fp8 with weights prepared once, untimed"])},
+                "poise_fp8 with weights prepared once, untimed"])),
             "config": {"ep_size": 1, "balance": "capacity", "receive_capacity_factor": 1.0, "scores": "fp32",
                        "peer_align": args.peer_align},
             "tolerance": {"bf16": BF16_TOLERANCE, "fp8": FP8_TOLERANCE},
