@@ -86,6 +86,22 @@ void quantize_group_weights(const bf16* w13, const bf16* w2, int64_t groups, con
   if (w2) quantize(w2, groups, D, F, values(into.w2), scales(into.w2), stream, rows_G);
 }
 
+// Rank s's FP8 weights for the call: its own experts' from the call's BF16 weights into `own` (unless
+// they came prepared), its replica slots' from the workspace (their owners' BF16 weights: the same
+// bits as the owner's own quantization) into `replica`; W2 too when with_w2.
+void quantize_rank_weights(const EpLaunch& l, const RankIo& in, int s, const sm90::GroupedRows& rows, bool own_too,
+                           bool with_w2, bool transposed, const Fp8GroupWeights& own, const Fp8GroupWeights& replica,
+                           cudaStream_t stream) {
+  const int64_t D = l.dims.D, F = l.dims.F, own_groups = l.dims.E_local;
+  if (own_too) {
+    quantize_group_weights(in.w13_E2FD, with_w2 ? in.w2_EDF : nullptr, own_groups, rows.row_counts_E, D, F, transposed,
+                           own, stream);
+  }
+  if (rows.first_replica < 0) return;
+  quantize_group_weights(replica_w13(l, s), with_w2 ? replica_w2(l, s) : nullptr, l.dims.groups - own_groups,
+                         rows.row_counts_E + own_groups, D, F, transposed, replica, stream);
+}
+
 }  // namespace
 
 void quantize_tokens_fp8(const EpLaunch& l, const LaunchIo& io, cudaStream_t stream) {
@@ -110,12 +126,7 @@ void fp8_forward(const EpLaunch& l, const LaunchIo& io, int s, const sm90::Group
   const Fp8GroupWeights own_w = prepared ? Fp8GroupWeights{{in.w13_fp8, in.w13_fp8_scales}, {in.w2_fp8, in.w2_fp8_scales}}
                                          : fp8_weights_from(q, 0, D, F);
   const Fp8GroupWeights replica_w = fp8_weights_from(q, l.dims.fp8_weights_prepared ? 0 : own, D, F);
-  const bf16* w2 = with_w2 ? in.w2_EDF : nullptr;
-  if (!prepared) quantize_group_weights(in.w13_E2FD, w2, own, rows.row_counts_E, D, F, false, own_w, stream);
-  if (replicas) {
-    quantize_group_weights(replica_w13(l, s), with_w2 ? replica_w2(l, s) : nullptr, l.dims.groups - own,
-                           rows.row_counts_E + own, D, F, /*transposed=*/false, replica_w, stream);
-  }
+  quantize_rank_weights(l, in, s, rows, !prepared, with_w2, /*transposed=*/false, own_w, replica_w, stream);
   // x rows arrived in FP8 (quantize_tokens_fp8 before dispatch); a is quantized up to the last
   // group's end, rows past it are read by no GEMM.
   const int32_t* rows_end = rs.group_offsets + l.dims.groups;
@@ -194,11 +205,8 @@ void fp8_backward(const EpLaunch& l, const LaunchIo& io, int s, const sm90::Grou
   const int64_t D = l.dims.D, F = l.dims.F, own = l.dims.E_local, capacity = l.dims.capacity_rows;
   const bool replicas = rows.first_replica >= 0;
   const Fp8GroupWeights own_t = fp8_weights_from(q, 0, D, F), replica_t = fp8_weights_from(q, own, D, F);
-  quantize_group_weights(io.rank[s].w13_E2FD, io.rank[s].w2_EDF, own, rows.row_counts_E, D, F, true, own_t, stream);
-  if (replicas) {
-    quantize_group_weights(replica_w13(l, s), replica_w2(l, s), l.dims.groups - own, rows.row_counts_E + own, D, F,
-                           /*transposed=*/true, replica_t, stream);
-  }
+  quantize_rank_weights(l, io.rank[s], s, rows, /*own_too=*/true, /*with_w2=*/true, /*transposed=*/true, own_t, replica_t,
+                        stream);
   const int32_t* rows_end = rs.group_offsets + l.dims.groups;
   const sm90::Fp8Rows grad_rows{q.grad_tiles, q.grad_tile_scales};
   const sm90::DgradW2Args& b = bf16_dgrad_w2;

@@ -6,7 +6,7 @@
 // quantizes the same operands the same way, so what is left is fp32 summation order (and now and
 // then an e4m3 value that rounds the other way): out within kOutRelL2 in relative L2 and every
 // element within kOutElement x (|want| + its row's rms); grad_x, grad_scores and each expert's weight
-// gradients within kGradRelL2. Against the BF16 reference the same results are a few percent off
+// gradients within GradBounds (wider for grad_x and grad_w13 behind the clamps' masks: see there). Against the BF16 reference the same results are a few percent off
 // (E4M3 keeps 3 mantissa bits), printed and recorded (RecordProperty) for every rank.
 //
 // Cases: one rank (Context::create) and virtual ranks (R = 2, 4) in exact balance and capacity mode,
@@ -53,10 +53,25 @@ constexpr double kOutElement = 0.1;  // |got - want| <= kOutElement * (|want| + 
 constexpr double kFp8GapLow = 4e-2;  // below: not the FP8 GEMMs (BF16 is ~0.3% from float64)
 constexpr double kFp8GapHigh = 9e-2;
 // The backward against the FP8 reference (which runs the GPU's steps, docs/fp8.md): grad_x,
-// grad_scores and each expert's weight gradients, relative L2.
-constexpr double kGradRelL2 = 1.5e-2;
-// Against the BF16 reference: what E4M3 costs the gradients (a few percent; printed).
-constexpr double kFp8GradGapHigh = 0.15;
+// grad_scores and each expert's weight gradients, relative L2. Against the BF16 reference: what E4M3
+// costs the gradients (a few percent; printed).
+struct GradBounds {
+  double vs_fp8;        // grad_scores, grad_w2 always; grad_x, grad_w13 with plain SwiGLU
+  double masked_vs_fp8;  // grad_x, grad_w13: behind the clamps' gradient masks
+  double vs_bf16;
+};
+// Plain SwiGLU: measured on the H200 4e-3 - 6.3e-3 against the FP8 reference, ~7% against BF16.
+constexpr GradBounds kSwigluGradBounds{1.5e-2, 1.5e-2, 0.15};
+// Clamped SwiGLU: its derivative jumps at +-limit, and the H200's FP8 MMA sums with fewer mantissa
+// bits than the reference's fp32, so now and then an h13 value (bf16) lands on the other side of the
+// limit and one grad_h13 element is zero in one and whole in the other: it moves its token's grad_x
+// row and its grad_w13 row. Emulated on the CPU (the reference's partial sums truncated to 14 mantissa
+// bits, which gives plain SwiGLU the H200's 4e-3 - 8e-3) at limit 1.5 (h13 ~ N(0, 1)): grad_x up to
+// 3.0e-2 and the worst expert's grad_w13 up to 7.3e-2 over 60 seeds, and up to 21% against BF16
+// (whose h13 differs everywhere); grad_scores and grad_w2 (continuous in h13) stay below 7e-3. The
+// FP8 DGRAD W2 epilogue's clamped path is checked against float64 on given h13 in
+// test_expert_mlp_fp8 (DgradW2MatchesFloat64OnDequantizedOperands).
+constexpr GradBounds kClampedGradBounds{1.5e-2, 0.15, 0.3};
 
 Config fp8_config(int64_t ranks, Balance balance, Activation activation) {
   Config c;
@@ -218,30 +233,33 @@ double worst_block_error(const std::vector<float>& got, const std::vector<float>
   return worst;
 }
 
-// Every rank's gradients against the FP8 reference (kGradRelL2; weight gradients per expert) and
-// the BF16 one (kFp8GradGapHigh), printed and recorded as test properties.
+// Every rank's gradients against the FP8 reference (weight gradients per expert) and the BF16 one,
+// within the activation's GradBounds, printed and recorded as test properties.
 void expect_grads_match(const DeviceLayer& device, const Want& want, const Config& c, const std::string& label) {
   const auto grad_x = device.grad_x_TD(), grad_scores = device.grad_scores_TK();
   const auto grad_w13 = device.grad_w13(), grad_w2 = device.grad_w2();
   const size_t block13 = size_t(2 * c.intermediate_dim * c.hidden_dim), block2 = size_t(c.hidden_dim * c.intermediate_dim);
+  const GradBounds& bounds = c.activation == Activation::swiglu_clamped ? kClampedGradBounds : kSwigluGradBounds;
   for (size_t r = 0; r < grad_x.size(); ++r) {
     SCOPED_TRACE(label + ", rank " + std::to_string(r));
     const reference::RankGradients &f = want.fp8_grads[r], &b = want.bf16_grads[r];
     struct Row {
       const char* name;
+      bool masked;  // behind the clamps' gradient masks
       double vs_fp8, vs_bf16;
     };
     const Row rows[] = {
-        {"grad_x_TD", relative_error_to(grad_x[r], f.grad_x_TD), relative_error_to(grad_x[r], b.grad_x_TD)},
-        {"grad_scores_TK", relative_error_to(grad_scores[r], f.grad_scores_TK),
+        {"grad_x_TD", true, relative_error_to(grad_x[r], f.grad_x_TD), relative_error_to(grad_x[r], b.grad_x_TD)},
+        {"grad_scores_TK", false, relative_error_to(grad_scores[r], f.grad_scores_TK),
          relative_error_to(grad_scores[r], b.grad_scores_TK)},
-        {"grad_w13 (worst expert)", worst_block_error(grad_w13[r], f.grad_w13, block13),
+        {"grad_w13 (worst expert)", true, worst_block_error(grad_w13[r], f.grad_w13, block13),
          worst_block_error(grad_w13[r], b.grad_w13, block13)},
-        {"grad_w2 (worst expert)", worst_block_error(grad_w2[r], f.grad_w2, block2),
+        {"grad_w2 (worst expert)", false, worst_block_error(grad_w2[r], f.grad_w2, block2),
          worst_block_error(grad_w2[r], b.grad_w2, block2)}};
     for (const Row& row : rows) {
-      EXPECT_LT(row.vs_fp8, kGradRelL2) << row.name << " against the FP8 reference (relative L2)";
-      EXPECT_LT(row.vs_bf16, kFp8GradGapHigh) << row.name << " against the BF16 reference (relative L2)";
+      EXPECT_LT(row.vs_fp8, row.masked ? bounds.masked_vs_fp8 : bounds.vs_fp8)
+          << row.name << " against the FP8 reference (relative L2)";
+      EXPECT_LT(row.vs_bf16, bounds.vs_bf16) << row.name << " against the BF16 reference (relative L2)";
       std::printf("[ fp8      ] %s rank %zu: %s vs FP8 reference %.3e rel L2, vs BF16 reference %.3e\n", label.c_str(),
                   r, row.name, row.vs_fp8, row.vs_bf16);
       const std::string key = label + "_rank" + std::to_string(r) + "_" + std::string(row.name).substr(0, 8);
