@@ -13,10 +13,12 @@ Sides:
                   every step), DGRAD of W2 and W13 in FP8 (gradient rows rowwise, the weights' transposed
                   copies rowwise), WGRAD in BF16 (torch._grouped_mm with the groups along K)
   poise_bf16      poise.routed_experts on a one-rank BF16 context
-  poise_fp8       the same with gemm_precision='fp8_block_scaled': every GEMM of forward and backward in
-                  FP8, the weights quantized inside the call (forward blocks and backward transposed copies)
+  poise_fp8       the same with gemm_precision='fp8_block_scaled': FPROP and DGRAD in FP8, WGRAD in BF16
+                  (the default, fp8_wgrad=False), the weights quantized inside the call (forward blocks and
+                  backward transposed copies)
   poise_fp8_prep  poise_fp8 with prepared weights (poise.prepare_weights outside the timing, as with
                   many micro-batches per optimizer step); the backward still quantizes its transposed copies
+  poise_fp8_w8    poise_fp8 with fp8_wgrad=True: WGRAD in FP8 too (DeepSeek-V3's recipe)
 Every side's blocks alternate (bench/timing.py's time_block). Also recorded: each side's out and grads
 against the baseline's (relative L2; weights per expert, the worst), each side's TFLOP/s (3 x the
 forward's 6 T K D F).
@@ -45,10 +47,11 @@ DEFAULT_OUT = "bench/results/fp8_step_h200.json"
 # FP8 against the BF16 baseline (docs/fp8.md: 6-8% from float64 on one expert group for y and every
 # gradient); a broken kernel or a wrong scale is far beyond.
 FP8_TOLERANCE = 0.15
-SIDES = ("baseline", "peer_fp8", "poise_bf16", "poise_fp8", "poise_fp8_prep")
-FP8_SIDES = ("peer_fp8", "poise_fp8", "poise_fp8_prep")
+SIDES = ("baseline", "peer_fp8", "poise_bf16", "poise_fp8", "poise_fp8_prep", "poise_fp8_w8")
+FP8_SIDES = ("peer_fp8", "poise_fp8", "poise_fp8_prep", "poise_fp8_w8")
 RATIOS = (("poise_fp8", "poise_bf16"), ("poise_fp8", "peer_fp8"), ("poise_fp8", "baseline"),
-          ("poise_fp8_prep", "poise_bf16"), ("poise_fp8_prep", "peer_fp8"), ("poise_bf16", "baseline"))
+          ("poise_fp8_prep", "poise_bf16"), ("poise_fp8_prep", "peer_fp8"), ("poise_fp8_w8", "poise_bf16"),
+          ("poise_bf16", "baseline"))
 GOALS = {("deepseek_v3_ep8_rank", "poise_fp8_vs_poise_bf16"): 1.5,  # issue 41
          ("qwen3_30b_a3b", "poise_fp8_vs_poise_bf16"): 1.3}
 OUTPUTS = ("out", "grad_x", "grad_scores", "grad_w13", "grad_w2")
@@ -167,7 +170,8 @@ def build_sides(name, inputs, args):
                 calls[side] = lambda: PeerFp8Experts.apply(x, s, w13, w2, inputs["ids_TK"], args.peer_align)
             else:
                 config = dataclasses.replace(poise_config(T, D, F, E, K),
-                                             gemm_precision="bf16" if side == "poise_bf16" else "fp8_block_scaled")
+                                             gemm_precision="bf16" if side == "poise_bf16" else "fp8_block_scaled",
+                                             fp8_wgrad=side == "poise_fp8_w8")
                 ctx = contexts[side] = poise.create_context(config=config, device="cuda")
                 prepared = poise.prepare_weights(w13.detach(), w2.detach()) if side == "poise_fp8_prep" else None
                 calls[side] = lambda ctx=ctx, prepared=prepared: poise.routed_experts(
@@ -249,8 +253,9 @@ def report(records, args, commit, device, started):
                 "eager FP8: rowwise torch._scaled_grouped_mm forward and DGRAD (weights and transposed copies "
                 "quantized in the step), BF16 torch._grouped_mm WGRAD; rows padded to peer_align per expert",
                 "poise.routed_experts, one-rank BF16 context",
-                "the same with gemm_precision='fp8_block_scaled' (weights quantized in the call)",
-                "poise_fp8 with weights prepared once, untimed"])),
+                "the same with gemm_precision='fp8_block_scaled', WGRAD in BF16 (weights quantized in the call)",
+                "poise_fp8 with weights prepared once, untimed",
+                "poise_fp8 with fp8_wgrad=True (WGRAD in FP8 too)"])),
             "config": {"ep_size": 1, "balance": "capacity", "receive_capacity_factor": 1.0, "scores": "fp32",
                        "peer_align": args.peer_align},
             "tolerance": {"bf16": BF16_TOLERANCE, "fp8": FP8_TOLERANCE},

@@ -45,6 +45,12 @@ struct Config {
   // scales per local expert; replica slots keep theirs); a training context keeps it for the
   // backward's transposed copies.
   bool prepared_fp8_weights = false;
+  // fp8_block_scaled only: the weight gradients' GEMMs in FP8 too (DeepSeek-V3's recipe: grad_y,
+  // score * a, grad_h13 and x in 128 x 1 column tiles). Off: WGRAD in BF16 on the bf16 rows backward
+  // has (grad_y, score * a, grad_h13) and x's FP8 rows dequantized to bf16: faster on the H200 (its
+  // FP8 WGRAD GEMMs ran at 0.89x / 0.85x the BF16 ones before their four quantization passes,
+  // docs/performance.md) and closer to BF16.
+  bool fp8_wgrad = false;
 
   DType wgrad_dtype = DType::fp32;
   bool inference = false;  // no backward: no activation slots, no weight-grad buffers

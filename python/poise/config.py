@@ -75,6 +75,11 @@ class Config:
     into per call (3 * intermediate_dim * hidden_dim bytes and their scales per local expert: 1.4 GB
     at a DeepSeek-V3 EP8 rank); a training context keeps it for the backward's transposed copies."""
 
+    fp8_wgrad: bool = False
+    """With gemm_precision='fp8_block_scaled': the weight gradients' GEMMs in FP8 too (DeepSeek-V3's
+    recipe). False: WGRAD in BF16 on the bf16 gradient rows and x's FP8 rows dequantized, faster on
+    the H200 and closer to BF16 (docs/fp8.md); FPROP and DGRAD run in FP8 either way."""
+
     wgrad_dtype: WgradDType = "fp32"
     """Weight-gradient dtype: 'fp32' or 'bf16' ('float32', 'bfloat16' and torch dtypes are accepted)."""
     inference: bool = False

@@ -106,6 +106,8 @@ void Config::validate(int64_t ep_size) const {
           "must be >= 0, got " + show(host_overflow_scratch_factor));
   require(!prepared_fp8_weights || gemm_precision == GemmPrecision::fp8_block_scaled, "prepared_fp8_weights",
           "needs gemm_precision fp8_block_scaled (only FP8 GEMMs read prepared weights)");
+  require(!fp8_wgrad || gemm_precision == GemmPrecision::fp8_block_scaled, "fp8_wgrad",
+          "needs gemm_precision fp8_block_scaled (BF16 GEMMs have no FP8 WGRAD)");
   if (inference) {
     require(!activation_slot_capacity_factor && !activation_slot_bytes, "activation_slot_bytes",
             "must be unset when inference=true (inference saves nothing for backward)");

@@ -195,7 +195,10 @@ std::string MemoryPlan::explain() const {
         std::string("e4m3 tokens (T x D), a rows (device rows x F), ") +
             (c.prepared_fp8_weights && c.inference ? "the replica slots' weights (3 F D; the own experts' come prepared)"
                                                    : "every group's weights (3 F D; the backward's transposed copies too)") +
-            (c.inference ? "" : ", the backward's tiles (device rows x (max(D, 2F) + max(F, D)))") +
+            (c.inference ? ""
+                         : c.fp8_wgrad ? ", the backward's tiles (device rows x (max(D, 2F) + max(F, D)))"
+                                       : ", the backward's row tiles (device rows x max(D, 2F)) and x rows in bf16 for "
+                                         "the BF16 WGRAD (device rows x 2D)") +
             ", fp32 scales per 128; quantized per call (docs/fp8.md)");
   }
   row("total device", total_device_bytes, "");

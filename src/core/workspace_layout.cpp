@@ -32,7 +32,7 @@ class Block {
 struct Dims {
   int64_t T, K, D, F, E, R, TK, groups, B, capacity, score_partials;
   int64_t fp8_weight_groups;  // groups whose weights are quantized into the rank's scratch
-  bool exact, training, fp8;
+  bool exact, training, fp8, fp8_wgrad;
 };
 
 Dims dims_of(const Config& c, int64_t ep_size, int64_t replica_slots) {
@@ -46,6 +46,7 @@ Dims dims_of(const Config& c, int64_t ep_size, int64_t replica_slots) {
   d.exact = c.balance == Balance::exact;
   d.training = !c.inference;
   d.fp8 = fp8_gemms(c);
+  d.fp8_wgrad = c.fp8_wgrad;
   // Prepared weights (inference): the replica slots only. Training keeps every group: the backward
   // writes the transposed copies of the weights it reads there (docs/fp8.md).
   d.fp8_weight_groups = c.prepared_fp8_weights && c.inference ? d.B : d.groups;
@@ -144,7 +145,8 @@ RankBuffers rank_buffers(const Dims& d, const Keep& k) {
     r.fp8_w2_scales = b.add(kFp32 * d.fp8_weight_groups * scale_blocks(d.D) * scale_blocks(d.F));
     if (d.training) {
       r.fp8_grad_tiles = fp8_tiles(b, d.capacity, std::max(d.D, 2 * d.F));
-      r.fp8_activation_tiles = fp8_tiles(b, d.capacity, std::max(d.F, d.D));
+      if (d.fp8_wgrad) r.fp8_activation_tiles = fp8_tiles(b, d.capacity, std::max(d.F, d.D));
+      else r.wgrad_x_RD = b.add(kBf16 * d.capacity * d.D);
     }
   }
   r.bytes = b.end();

@@ -115,15 +115,17 @@ struct RankBuffers {
   Region fp8_w13, fp8_w13_scales;     // u8 [groups][2F][D], fp32 [groups][2F/128][D/128]
   Region fp8_w2, fp8_w2_scales;       // u8 [groups][D][F], fp32 [groups][D/128][F/128]
   // [capacity] rows of up to max(D, 2F) values: row tiles of grad_y, then of grad_h13 (DGRAD),
-  // then column tiles of grad_y, then of grad_h13 (WGRAD).
+  // then (Config::fp8_wgrad) column tiles of grad_y, then of grad_h13 (WGRAD).
   Fp8Tiles fp8_grad_tiles;
-  // [capacity] rows of up to max(F, D) values: column tiles of a, then of x (WGRAD).
+  // Config::fp8_wgrad: [capacity] rows of up to max(F, D) values: column tiles of a, then of x.
   Fp8Tiles fp8_activation_tiles;
+  // Otherwise bf16 [capacity][D]: x's FP8 rows dequantized for the BF16 WGRAD of W13.
+  Region wgrad_x_RD;
   int64_t bytes = 0;
   int64_t fp8_bytes() const {
     return fp8_x_TD.bytes + fp8_x_scales.bytes + fp8_a_RF.bytes + fp8_a_scales.bytes + fp8_w13.bytes +
            fp8_w13_scales.bytes + fp8_w2.bytes + fp8_w2_scales.bytes + fp8_grad_tiles.bytes() +
-           fp8_activation_tiles.bytes();
+           fp8_activation_tiles.bytes() + wgrad_x_RD.bytes;
   }
 };
 

@@ -53,6 +53,7 @@ struct EpDims {
   // Config::prepared_fp8_weights of an inference context: Fp8Scratch holds the replica slots'
   // weights only (training keeps every group's, for the backward's transposed copies).
   int32_t fp8_weights_prepared = 0;
+  int32_t fp8_wgrad = 0;  // Config::fp8_wgrad: the FP8 backward's WGRAD in FP8 too (else BF16)
   int32_t swiglu_clamped = 0;
   float swiglu_alpha = 1.702f;
   float swiglu_limit = 7.0f;
@@ -100,8 +101,9 @@ struct Fp8Scratch {
   // Training: the backward's operands (core/workspace_layout.hpp RankBuffers::fp8_grad_tiles ...).
   uint8_t* grad_tiles = nullptr;  // [capacity][max(D, 2F)]: grad_y, then grad_h13, row then column tiles
   float* grad_tile_scales = nullptr;
-  uint8_t* activation_tiles = nullptr;  // [max(F, D)][capacity]: column tiles of a, then of x
+  uint8_t* activation_tiles = nullptr;  // EpDims::fp8_wgrad: [max(F, D)][capacity]: column tiles of a, then of x
   float* activation_tile_scales = nullptr;
+  __nv_bfloat16* wgrad_x_RD = nullptr;  // otherwise [capacity][D]: x's rows dequantized for the BF16 WGRAD
 };
 
 // One x row on the wire: BF16 values, or (EpDims::fp8, forward) e4m3 values and then, in their own

@@ -192,10 +192,36 @@ void bias_backward(const EpLaunch& l, const LaunchIo& io, int s, const sm90::Gro
   sm90::expert_mlp_bias_grads(rows, shape, a, stream);
 }
 
+// Config::fp8_wgrad: grad_W2 = grad_y^T . (score * a), grad_W13 = grad_h13^T . x in FP8, both
+// operands quantized in 128 x 1 column tiles, written [cols][rows]; x from its FP8 rows.
+void fp8_wgrad(const EpLaunch& l, int s, const sm90::GroupedRows& rows, const sm90::DgradW2Args& b,
+               const sm90::WgradOutput& wgrad_w2, const sm90::WgradOutput& wgrad_w13, cudaStream_t stream) {
+  const sm90::ExpertMlpShape shape = expert_mlp_shape(l.dims);
+  const RankScratch& rs = l.scratch.rank[s];
+  const Fp8Scratch& q = rs.fp8;
+  const int64_t D = l.dims.D, F = l.dims.F, capacity = l.dims.capacity_rows;
+  const quant::RowGroups groups{rs.group_offsets, rs.group_counts, l.dims.groups};
+  const sm90::Fp8ColumnTiles grad_cols{q.grad_tiles, q.grad_tile_scales};
+  const sm90::Fp8ColumnTiles activation_cols{q.activation_tiles, q.activation_tile_scales};
+  auto column_tiles = [&](const void* rows_RC, int64_t cols, const sm90::Fp8ColumnTiles& into) {
+    quant::launch_column_tiles_transposed(static_cast<const bf16*>(rows_RC), capacity, cols, groups,
+                                          static_cast<uint8_t*>(const_cast<void*>(into.values_CR)),
+                                          const_cast<float*>(into.scales_BC), stream);
+  };
+  column_tiles(b.grad_y_RD, D, grad_cols);
+  column_tiles(rs.a_RF, F, activation_cols);
+  sm90::expert_mlp_wgrad_w2_fp8(rows, shape, grad_cols, activation_cols, wgrad_w2, stream);
+  column_tiles(rs.grad_h13_R2F, 2 * F, grad_cols);
+  quant::launch_column_tiles_transposed(reinterpret_cast<const uint8_t*>(rs.workspace + l.ws.recv_x),
+                                        reinterpret_cast<const float*>(rs.workspace + l.ws.recv_x_scales), capacity,
+                                        D, groups, q.activation_tiles, q.activation_tile_scales, stream);
+  sm90::expert_mlp_wgrad_w13_fp8(rows, shape, grad_cols, activation_cols, wgrad_w13, stream);
+}
+
 // The FP8 backward (docs/fp8.md steps 5-8) through the rank's Fp8Scratch: the weights' transposed
 // copies (the own experts' from the call's BF16 weights, the replica slots' from the workspace) for
-// DGRAD, which reads grad_y and then grad_h13 in row tiles; then WGRAD's operands in column tiles,
-// x dequantized from the FP8 rows that crossed the wire.
+// DGRAD, which reads grad_y and then grad_h13 in row tiles; then WGRAD: in BF16 on the bf16 rows and
+// x's FP8 rows (as they crossed the wire) dequantized, or (Config::fp8_wgrad) fp8_wgrad.
 void fp8_backward(const EpLaunch& l, const LaunchIo& io, int s, const sm90::GroupedRows& rows,
                   const sm90::DgradW2Args& bf16_dgrad_w2, const sm90::WgradOutput& wgrad_w2,
                   const sm90::WgradOutput& wgrad_w13, cudaStream_t stream) {
@@ -219,24 +245,16 @@ void fp8_backward(const EpLaunch& l, const LaunchIo& io, int s, const sm90::Grou
   sm90::expert_mlp_dgrad_w2_fp8(rows, shape, dgrad_w2, stream);
   quant::launch_row_tiles(static_cast<const bf16*>(rs.grad_h13_R2F), capacity, 2 * F, q.grad_tiles, q.grad_tile_scales, stream, rows_end);
   sm90::expert_mlp_dgrad_w13_fp8(rows, shape, dgrad_w13, stream);
-
-  // WGRAD: grad_W2 = grad_y^T . (score * a), grad_W13 = grad_h13^T . x, both operands [cols][rows].
-  const quant::RowGroups groups{rs.group_offsets, rs.group_counts, l.dims.groups};
-  const sm90::Fp8ColumnTiles grad_cols{q.grad_tiles, q.grad_tile_scales};
-  const sm90::Fp8ColumnTiles activation_cols{q.activation_tiles, q.activation_tile_scales};
-  auto column_tiles = [&](const void* rows_RC, int64_t cols, const sm90::Fp8ColumnTiles& into) {
-    quant::launch_column_tiles_transposed(static_cast<const bf16*>(rows_RC), capacity, cols, groups,
-                                          static_cast<uint8_t*>(const_cast<void*>(into.values_CR)),
-                                          const_cast<float*>(into.scales_BC), stream);
-  };
-  column_tiles(b.grad_y_RD, D, grad_cols);
-  column_tiles(rs.a_RF, F, activation_cols);
-  sm90::expert_mlp_wgrad_w2_fp8(rows, shape, grad_cols, activation_cols, wgrad_w2, stream);
-  column_tiles(rs.grad_h13_R2F, 2 * F, grad_cols);
-  quant::launch_column_tiles_transposed(reinterpret_cast<const uint8_t*>(rs.workspace + l.ws.recv_x),
-                                        reinterpret_cast<const float*>(rs.workspace + l.ws.recv_x_scales), capacity,
-                                        D, groups, q.activation_tiles, q.activation_tile_scales, stream);
-  sm90::expert_mlp_wgrad_w13_fp8(rows, shape, grad_cols, activation_cols, wgrad_w13, stream);
+  if (l.dims.fp8_wgrad) {
+    fp8_wgrad(l, s, rows, b, wgrad_w2, wgrad_w13, stream);
+    return;
+  }
+  // BF16 WGRAD on the bf16 rows backward has, x's FP8 rows dequantized (Config::fp8_wgrad off).
+  const uint8_t* x_values = reinterpret_cast<const uint8_t*>(rs.workspace + l.ws.recv_x);
+  const float* x_scales = reinterpret_cast<const float*>(rs.workspace + l.ws.recv_x_scales);
+  quant::launch_dequantize_row_tiles(x_values, x_scales, capacity, D, q.wgrad_x_RD, stream, rows_end);
+  sm90::expert_mlp_wgrad_w2(rows, shape, b.grad_y_RD, rs.a_RF, wgrad_w2, stream);
+  sm90::expert_mlp_wgrad_w13(rows, shape, rs.grad_h13_R2F, q.wgrad_x_RD, wgrad_w13, stream);
 }
 
 // grad_y rows are the dispatched grad_out rows, unscaled, in the receive buffer: DGRAD W2 applies

@@ -81,6 +81,7 @@ EpDims make_dims(const Config& c, int64_t ep_size, const layout::WorkspaceLayout
   d.num_chunks = (d.T + kTokensPerChunk - 1) / kTokensPerChunk;
   d.fp8 = c.gemm_precision == GemmPrecision::fp8_block_scaled;
   d.fp8_weights_prepared = c.prepared_fp8_weights && c.inference ? 1 : 0;
+  d.fp8_wgrad = d.fp8 && c.fp8_wgrad ? 1 : 0;
   d.swiglu_clamped = c.activation == Activation::swiglu_clamped;
   d.swiglu_alpha = static_cast<float>(c.swiglu_alpha);
   d.swiglu_limit = static_cast<float>(c.swiglu_limit);
@@ -241,7 +242,8 @@ void StagedPipeline::allocate_rank_buffers(int s) {
             at<float>(base, lb.fp8_a_scales), at<uint8_t>(base, lb.fp8_w13),   at<float>(base, lb.fp8_w13_scales),
             at<uint8_t>(base, lb.fp8_w2),   at<float>(base, lb.fp8_w2_scales),
             at<uint8_t>(base, lb.fp8_grad_tiles.values), at<float>(base, lb.fp8_grad_tiles.scales),
-            at<uint8_t>(base, lb.fp8_activation_tiles.values), at<float>(base, lb.fp8_activation_tiles.scales)};
+            at<uint8_t>(base, lb.fp8_activation_tiles.values), at<float>(base, lb.fp8_activation_tiles.scales),
+            at<bf16>(base, lb.wgrad_x_RD)};
 }
 
 StagedPipeline::~StagedPipeline() {

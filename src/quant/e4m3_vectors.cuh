@@ -2,6 +2,8 @@
 // a time, with the bits of the host's numerics (src/numerics/block_scaling.hpp).
 #pragma once
 
+#include <cuda_fp16.h>
+
 #include <cstdint>
 
 namespace poise::quant {
@@ -21,6 +23,14 @@ __device__ __forceinline__ uint32_t to_e4m3x2(float lo, float hi) {
   uint16_t bits;
   asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(bits) : "f"(hi), "f"(lo));
   return bits;
+}
+
+// Two E4M3 values (`lo` in the low byte) to fp32, exactly (numerics::from_e4m3's values), through
+// one conversion to f16x2.
+__device__ __forceinline__ float2 e4m3x2_to_float2(uint16_t bits) {
+  uint32_t halves;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(halves) : "h"(bits));
+  return __half22float2(*reinterpret_cast<const __half2*>(&halves));
 }
 
 // numerics::quantize of two bf16 (one 32-bit word): e4m3(v / scale), the division IEEE's.

@@ -17,4 +17,10 @@ namespace poise::quant {
 void launch_row_tiles(const __nv_bfloat16* x_RC, int64_t rows, int64_t cols, uint8_t* values_RC, float* scales_RT,
                       cudaStream_t stream, const int32_t* rows_end = nullptr);
 
+// The way back: out_RC = bf16(e4m3(values_RC) * scale of its tile), the product in fp32 rounded to
+// nearest (numerics::dequantize, then round to bf16: the reference's bits). values_RC 8-byte and
+// out_RC 16-byte aligned; cols a multiple of 64; rows_end as above.
+void launch_dequantize_row_tiles(const uint8_t* values_RC, const float* scales_RT, int64_t rows, int64_t cols,
+                                 __nv_bfloat16* out_RC, cudaStream_t stream, const int32_t* rows_end = nullptr);
+
 }  // namespace poise::quant

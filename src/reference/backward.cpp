@@ -126,7 +126,7 @@ void group_backward(const EngineState& s, const RankState& st, const RankInputs&
   if (s.config.gemm_precision == GemmPrecision::fp8_block_scaled) {
     expert_backward_fp8(s.shape, s.act, group.rows, numerics::quantize_row_tiles(x, group.rows, D),
                         st.h13_G2F.data() + first * 2 * F, grad_y_GD.data() + first * D, score_G.data() + first,
-                        quantize_expert_weights(s.shape, w13, w2), grad_x_GD.data() + first * D,
+                        quantize_expert_weights(s.shape, w13, w2), s.config.fp8_wgrad, grad_x_GD.data() + first * D,
                         grad_score_G.data() + first, grad_w13, grad_w2);
   } else {
     expert_backward(s.shape, s.act, group.rows, x, st.h13_G2F.data() + first * 2 * F, st.a_GF.data() + first * F,

@@ -50,6 +50,13 @@ void add_wgrad(const BlockScaled& a, int64_t m_dim, const BlockScaled& b, int64_
           [&](int64_t t) { return a.scales[t * m_dim + m]; }, [&](int64_t t) { return b.scales[t * n_dim + n]; });
 }
 
+// The BF16 WGRAD of one weight: grad[m][n] += a[row][m] * b[row][n], row by row in fp32.
+void add_wgrad_bf16(const float* a_RM, int64_t m_dim, const float* b_RN, int64_t n_dim, int64_t rows, float* grad) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t m = 0; m < m_dim; ++m)
+      for (int64_t n = 0; n < n_dim; ++n) grad[m * n_dim + n] += a_RM[r * m_dim + m] * b_RN[r * n_dim + n];
+}
+
 }  // namespace
 
 Fp8ExpertWeights quantize_expert_weights(const ExpertShape& shape, const float* w13_2FD, const float* w2_DF) {
@@ -83,8 +90,8 @@ void expert_forward_fp8(const ExpertShape& shape, const SwigluParams& act, int64
 
 void expert_backward_fp8(const ExpertShape& shape, const SwigluParams& act, int64_t rows, const BlockScaled& x_rows,
                          const float* h13_R2F, const float* grad_out_RD, const float* scores_R,
-                         const Fp8ExpertWeights& w, float* grad_x_RD, float* grad_score_R, float* grad_w13_2FD,
-                         float* grad_w2_DF) {
+                         const Fp8ExpertWeights& w, bool fp8_wgrad, float* grad_x_RD, float* grad_score_R,
+                         float* grad_w13_2FD, float* grad_w2_DF) {
   const int64_t D = shape.hidden, F = shape.intermediate, d_blocks = scale_blocks(D), f_blocks = scale_blocks(F);
   std::vector<float> g(F), a(F), grad_a(F), grad_h13_R2F(rows * 2 * F), score_a_RF(rows * F), x_RD(rows * D);
   for (int64_t r = 0; r < rows; ++r) {
@@ -112,6 +119,12 @@ void expert_backward_fp8(const ExpertShape& shape, const SwigluParams& act, int6
           [&](int64_t kb) { return gh_q.scales[kb]; },
           [&](int64_t kb) { return w.w13.scales[kb * d_blocks + d / kScaleBlock]; }));
     for (int64_t d = 0; d < D; ++d) x_RD[r * D + d] = numerics::dequantize(x_rows.values[r * D + d], x_rows.scales[r * d_blocks + d / kScaleBlock]);
+  }
+  if (!fp8_wgrad) {
+    for (float& v : x_RD) v = round_to_bf16(v);  // the dequantized rows the BF16 WGRAD reads
+    add_wgrad_bf16(grad_out_RD, D, score_a_RF.data(), F, rows, grad_w2_DF);
+    add_wgrad_bf16(grad_h13_R2F.data(), 2 * F, x_RD.data(), D, rows, grad_w13_2FD);
+    return;
   }
   const std::vector<float> grad_out(grad_out_RD, grad_out_RD + rows * D);
   add_wgrad(column_tiles(grad_out, rows, D), D, column_tiles(score_a_RF, rows, F), F, rows, grad_w2_DF);

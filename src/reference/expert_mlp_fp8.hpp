@@ -28,12 +28,13 @@ void expert_forward_fp8(const ExpertShape& shape, const SwigluParams& act, int64
 // values) as they crossed, not yet scaled by their scores_R; h13_R2F as saved. Per row, g =
 // FP8 GEMM(row_tiles(grad_out), W2^T), grad_a = score * g, grad_h13 = SwiGLU backward in bf16,
 // grad_x_RD = FP8 GEMM(row_tiles(grad_h13), W13^T) (bf16 values) and grad_score_R = sum_f g a (a in
-// fp32 from h13). Adds the group's weight gradients into grad_w13_2FD and grad_w2_DF (fp32): WGRAD
-// over 128 x 1 column tiles of the group's rows, of grad_out and bf16(score * a) for W2, of
-// grad_h13 and x (dequantized from x_rows) for W13.
+// fp32 from h13). Adds the group's weight gradients into grad_w13_2FD and grad_w2_DF (fp32), of
+// grad_out and bf16(score * a) for W2, of grad_h13 and x (dequantized from x_rows) for W13: with
+// fp8_wgrad (Config::fp8_wgrad) over 128 x 1 column tiles of the group's rows, else in fp32 over
+// the bf16 values (x dequantized and rounded to bf16), row by row.
 void expert_backward_fp8(const ExpertShape& shape, const SwigluParams& act, int64_t rows,
                          const numerics::BlockScaled& x_rows, const float* h13_R2F, const float* grad_out_RD,
-                         const float* scores_R, const Fp8ExpertWeights& w, float* grad_x_RD, float* grad_score_R,
-                         float* grad_w13_2FD, float* grad_w2_DF);
+                         const float* scores_R, const Fp8ExpertWeights& w, bool fp8_wgrad, float* grad_x_RD,
+                         float* grad_score_R, float* grad_w13_2FD, float* grad_w2_DF);
 
 }  // namespace poise::reference

@@ -112,8 +112,9 @@ TEST(Context, CallsWithoutTheRightPathFailLoudly) {
 TEST(Context, Fp8ContextsPlanTheirFp8Operands) {
   // gemm_precision = fp8_block_scaled: the rank's buffers gain the call's FP8 operands (e4m3 tokens
   // and a rows, every expert group's weights, fp32 scales per 128 of K; training adds the backward's
-  // tiles: device rows of max(D, 2F) and of max(F, D) values), each region padded to 256 bytes; the
-  // x rows cross the wire in FP8, so each received row holds D + 4 bytes (D = 64) where BF16 holds 2D.
+  // row tiles of device rows of max(D, 2F) values, and for the BF16 WGRAD x's device rows in bf16 or
+  // with fp8_wgrad column tiles of max(F, D) values), each region padded to 256 bytes; the x rows
+  // cross the wire in FP8, so each received row holds D + 4 bytes (D = 64) where BF16 holds 2D.
   Config c = small_config();
   c.gemm_precision = GemmPrecision::fp8_block_scaled;
   auto ctx = Context::create(c, 1, 0);  // plans only
@@ -124,10 +125,15 @@ TEST(Context, Fp8ContextsPlanTheirFp8Operands) {
   const int64_t forward = padded(T * D) + padded(4 * T) + padded(rows * F) + padded(4 * rows) +
                           padded(groups * 2 * F * D) + padded(4 * groups) + padded(groups * D * F) + padded(4 * groups);
   // grad tiles: rows x 2F values, a scale per row (row tiles) or per 128 rows and column (as many);
-  // activation tiles: rows x D values, a scale per row (more than column tiles' rows / 128 x D).
-  const int64_t backward = padded(rows * 2 * F) + padded(4 * rows) + padded(rows * D) + padded(4 * rows);
+  // x rows in bf16; fp8_wgrad: activation tiles instead, rows x D values, a scale per row (more than
+  // column tiles' rows / 128 x D).
+  const int64_t grad_tiles = padded(rows * 2 * F) + padded(4 * rows);
+  const int64_t backward = grad_tiles + padded(2 * rows * D);
   const int64_t expected = forward + backward;
   EXPECT_EQ(p.fp8_operand_bytes, expected);
+  Config fp8_wgrad = c;
+  fp8_wgrad.fp8_wgrad = true;
+  EXPECT_EQ(plan_memory(fp8_wgrad, 1).fp8_operand_bytes, forward + grad_tiles + padded(rows * D) + padded(4 * rows));
   Config inference = c;
   inference.inference = true;
   EXPECT_EQ(plan_memory(inference, 1).fp8_operand_bytes, forward);
@@ -172,6 +178,9 @@ TEST(Context, PreparedFp8WeightsDropTheOwnExpertsWeightScratch) {
   Config bf16 = small_config();
   bf16.prepared_fp8_weights = true;
   EXPECT_EQ(rejected_name([&] { bf16.validate(1); }), "prepared_fp8_weights");
+  Config bf16_fp8_wgrad = small_config();
+  bf16_fp8_wgrad.fp8_wgrad = true;  // FP8 WGRAD without FP8 GEMMs
+  EXPECT_EQ(rejected_name([&] { bf16_fp8_wgrad.validate(1); }), "fp8_wgrad");
 }
 
 TEST(Context, Fp8RowsCrossTheWireAtAboutHalfTheBf16Bytes) {

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdio>
 #include <tuple>
+#include <utility>
 #include <random>
 #include <vector>
 
@@ -101,16 +102,18 @@ struct Fp8Results {
   std::vector<float> h13, y, grad_x, grad_w13, grad_w2, grad_score;
 };
 
-// The forward, then the backward of grad_y (unscaled) with every row's score `score`.
-Fp8Results run_fp8(const Layer& l, const numerics::BlockScaled& x_rows, const Fp8ExpertWeights& w, float score = 1.0f) {
+// The forward, then the backward of grad_y (unscaled) with every row's score `score`, WGRAD in FP8
+// (Config::fp8_wgrad) or BF16.
+Fp8Results run_fp8(const Layer& l, const numerics::BlockScaled& x_rows, const Fp8ExpertWeights& w, float score = 1.0f,
+                   bool fp8_wgrad = true) {
   const int64_t R = l.rows, D = l.shape.hidden, F = l.shape.intermediate;
   const float nan = std::nanf("");
   Fp8Results o{std::vector<float>(R * 2 * F, nan), std::vector<float>(R * D, nan), std::vector<float>(R * D, nan),
                std::vector<float>(2 * F * D, 0.0f), std::vector<float>(D * F, 0.0f), std::vector<float>(R, nan)};
   expert_forward_fp8(l.shape, {}, R, x_rows, w, o.h13.data(), o.y.data());
   const std::vector<float> scores(R, score);
-  expert_backward_fp8(l.shape, {}, R, x_rows, o.h13.data(), l.grad_y.data(), scores.data(), w, o.grad_x.data(),
-                      o.grad_score.data(), o.grad_w13.data(), o.grad_w2.data());
+  expert_backward_fp8(l.shape, {}, R, x_rows, o.h13.data(), l.grad_y.data(), scores.data(), w, fp8_wgrad,
+                      o.grad_x.data(), o.grad_score.data(), o.grad_w13.data(), o.grad_w2.data());
   return o;
 }
 
@@ -155,6 +158,17 @@ TEST_P(ReferenceFp8, ErrorAgainstFloat64IsWhatFp8Costs) {
   EXPECT_EQ(half.grad_w13, halved(got.grad_w13));
   EXPECT_EQ(half.grad_w2, halved(got.grad_w2));
   EXPECT_EQ(half.grad_score, got.grad_score);
+
+  // WGRAD in BF16 (Config::fp8_wgrad off): the same rows (grad_x, grad_score bit for bit), weight
+  // gradients from unquantized bf16 operands but x (its FP8 rows dequantized): closer to float64.
+  const Fp8Results bf16_wgrad = run_fp8(l, x_rows, w, 1.0f, /*fp8_wgrad=*/false);
+  EXPECT_EQ(bf16_wgrad.grad_x, got.grad_x);
+  EXPECT_EQ(bf16_wgrad.grad_score, got.grad_score);
+  if (rows > 1) {
+    EXPECT_LT(relative_error(bf16_wgrad.grad_w2, exact.grad_w2), relative_error(got.grad_w2, exact.grad_w2));
+    EXPECT_LT(relative_error(bf16_wgrad.grad_w13, exact.grad_w13), relative_error(got.grad_w13, exact.grad_w13));
+    EXPECT_LT(relative_error(bf16_wgrad.grad_w13, exact.grad_w13), 0.11);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Groups, ReferenceFp8,
@@ -178,19 +192,21 @@ TEST(ReferenceFp8Nan, ANanInXReachesItsRowOnly) {
 // float64, and visibly not the BF16 engine's results.
 TEST(ReferenceFp8Engine, BalanceModesAgreeAndFloat64IsAFewPercentAway) {
   using namespace testing;
-  for (int64_t ranks : {1, 4}) {
+  for (auto [ranks, fp8_wgrad] : {std::pair{int64_t{1}, true}, {int64_t{4}, true}, {int64_t{4}, false}}) {
     Config config = small_config(48, 192, 128, 8, 2);
     config.gemm_precision = GemmPrecision::fp8_block_scaled;
+    config.fp8_wgrad = fp8_wgrad;
     const auto inputs = random_inputs(config, ranks, {.seed = 3, .skew = 3.0, .padding_rows = 2}, {});
     const auto grad_out = random_grad_out(config, ranks, 5);
     Config capacity = config, bf16 = config;
     capacity.balance = Balance::capacity;
     bf16.gemm_precision = GemmPrecision::bf16;
+    bf16.fp8_wgrad = false;
     const RunResult exact_run = run_engine(config, ranks, {}, inputs, grad_out);
     const RunResult capacity_run = run_engine(capacity, ranks, {}, inputs, grad_out);
     const RunResult bf16_run = run_engine(bf16, ranks, {}, inputs, grad_out);
     const DenseFloat64Result want = dense_float64(config, ranks, inputs, grad_out, {});
-    const std::string at = "R=" + std::to_string(ranks) + " ";
+    const std::string at = "R=" + std::to_string(ranks) + (fp8_wgrad ? " fp8_wgrad " : " ");
     expect_matches_dense(exact_run, want, 0.12, at + "exact");
     expect_matches_dense(capacity_run, want, 0.12, at + "capacity");
     EXPECT_GT(relative_error(exact_run.out_TD, widened(bf16_run.out_TD)), 1e-2) << "the FP8 run must not be the BF16 one";

@@ -1,22 +1,25 @@
 // FP8 block-scaled experts through the public entry points (Config::gemm_precision =
 // fp8_block_scaled, docs/fp8.md): a GPU context's forward quantizes every call's weights (128 x 128
 // blocks), the received x rows and the SwiGLU output a (1 x 128 tiles) and runs FP8 GEMMs; its
-// backward quantizes the weights transposed, grad_y and grad_h13 in row tiles (DGRAD) and every
-// WGRAD operand in column tiles. Checked against the CPU reference engine in FP8 mode, which
-// quantizes the same operands the same way, so what is left is fp32 summation order (and now and
-// then an e4m3 value that rounds the other way): out within kOutRelL2 in relative L2 and every
-// element within kOutElement x (|want| + its row's rms); grad_x, grad_scores and each expert's weight
-// gradients within GradBounds (wider for grad_x and grad_w13 behind the clamps' masks: see there). Against the BF16 reference the same results are a few percent off
-// (E4M3 keeps 3 mantissa bits), printed and recorded (RecordProperty) for every rank.
+// backward quantizes the weights transposed, grad_y and grad_h13 in row tiles (DGRAD), and runs
+// WGRAD in BF16 on x's FP8 rows dequantized or (Config::fp8_wgrad) on column tiles of every WGRAD
+// operand. Checked against the CPU reference engine in FP8 mode, which quantizes the same operands
+// the same way, so what is left is fp32 summation order (and now and then an e4m3 value that rounds
+// the other way): out within kOutRelL2 in relative L2 and every element within kOutElement x (|want|
+// + its row's rms); grad_x, grad_scores and each expert's weight gradients within GradBounds (wider
+// for grad_x and grad_w13 behind the clamps' masks: see there). Against the BF16 reference the same
+// results are a few percent off (E4M3 keeps 3 mantissa bits), printed and recorded (RecordProperty)
+// for every rank.
 //
 // Cases: one rank (Context::create) and virtual ranks (R = 2, 4) in exact balance and capacity mode,
-// a hot expert (exact balance replicates it), the last expert given no rows, D = 192 and F = 320
-// (64 mod 128: a last scale block 64 wide), swiglu and swiglu_clamped, two layers in a row on one
-// context (the second with other weights: quantized again), the first layer's backward right after
-// its forward and again after the second forward (restored: the same bits). Also: the call options
-// the FP8 GEMMs do not take (interleaved W13, transposed weights, biases) are refused by name, before
-// any kernel; prepared weights give the bits of the call's quantization, forward and backward; the
-// device bytes a context holds against its plan (FP8 operands included).
+// WGRAD in BF16 (the default) or FP8, a hot expert (exact balance replicates it), the last expert
+// given no rows, D = 192 and F = 320 (64 mod 128: a last scale block 64 wide), swiglu and
+// swiglu_clamped, two layers in a row on one context (the second with other weights: quantized
+// again), the first layer's backward right after its forward and again after the second forward
+// (restored: the same bits). Also: the call options the FP8 GEMMs do not take (interleaved W13,
+// transposed weights, biases) are refused by name, before any kernel; prepared weights give the bits
+// of the call's quantization, forward and backward; the device bytes a context holds against its
+// plan (FP8 operands included).
 // Fresh inputs every run (seed in the trace; POISE_TEST_SEED replays); outputs poisoned (NaN) first.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
@@ -73,8 +76,9 @@ constexpr GradBounds kSwigluGradBounds{1.5e-2, 1.5e-2, 0.15};
 // test_expert_mlp_fp8 (DgradW2MatchesFloat64OnDequantizedOperands).
 constexpr GradBounds kClampedGradBounds{1.5e-2, 0.15, 0.3};
 
-Config fp8_config(int64_t ranks, Balance balance, Activation activation) {
+Config fp8_config(int64_t ranks, Balance balance, Activation activation, bool fp8_wgrad = false) {
   Config c;
+  c.fp8_wgrad = fp8_wgrad;
   c.num_local_input_tokens = 96;
   c.hidden_dim = 192;        // 64 mod 128: the last scale block of x, W13 and W2 is 64 wide
   c.intermediate_dim = 320;  // 64 mod 128 too (a's last tile, W2's last block column)
@@ -328,6 +332,7 @@ struct Fp8Case {
   Balance balance;
   Activation activation;
   bool hot_expert;
+  bool fp8_wgrad = false;  // Config::fp8_wgrad: WGRAD in FP8 too (else BF16)
 };
 
 void PrintTo(const Fp8Case& c, std::ostream* os) { *os << c.name; }
@@ -343,7 +348,7 @@ TEST_P(ContextFp8, ForwardAndBackwardMatchTheFp8Reference) {
   const Fp8Case& fc = GetParam();
   const uint64_t seed = testing::fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
-  const Config c = fp8_config(fc.ranks, fc.balance, fc.activation);
+  const Config c = fp8_config(fc.ranks, fc.balance, fc.activation, fc.fp8_wgrad);
   const int64_t R = fc.ranks;
   Layer first = make_layer(c, R, seed, fc.hot_expert);
   Layer second = make_layer(c, R, seed + 7919, fc.hot_expert);
@@ -374,13 +379,13 @@ constexpr auto kClamped = Activation::swiglu_clamped;
 INSTANTIATE_TEST_SUITE_P(
     RanksAndBalance, ContextFp8,
     ::testing::Values(
-        // name, ranks, balance, activation, hot expert
+        // name, ranks, balance, activation, hot expert, WGRAD in FP8
         Fp8Case{"R1_swiglu", 1, Balance::exact, kSwiglu, false},
-        Fp8Case{"R1_clamped_hot", 1, Balance::capacity, kClamped, true},
-        Fp8Case{"R2_exact_hot_swiglu", 2, Balance::exact, kSwiglu, true},
+        Fp8Case{"R1_clamped_hot_fp8wgrad", 1, Balance::capacity, kClamped, true, true},
+        Fp8Case{"R2_exact_hot_swiglu_fp8wgrad", 2, Balance::exact, kSwiglu, true, true},
         Fp8Case{"R2_capacity_hot_clamped", 2, Balance::capacity, kClamped, true},
         Fp8Case{"R4_exact_hot_clamped", 4, Balance::exact, kClamped, true},
-        Fp8Case{"R4_exact_skewed_swiglu", 4, Balance::exact, kSwiglu, false},
+        Fp8Case{"R4_exact_skewed_swiglu_fp8wgrad", 4, Balance::exact, kSwiglu, false, true},
         Fp8Case{"R4_capacity_hot_swiglu", 4, Balance::capacity, kSwiglu, true}),
     [](const ::testing::TestParamInfo<Fp8Case>& info) { return info.param.name; });
 

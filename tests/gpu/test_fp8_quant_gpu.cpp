@@ -2,7 +2,7 @@
 // (the host's and the device's NaNs differ in their bits): the weights' 128 x 128 blocks (the public
 // poise::quantize_fp8_weight_blocks, and quant::launch_weight_blocks_transposed against the
 // reference's blocks transposed on the host) and the activations' 1 x 128 row tiles
-// (quant::launch_row_tiles).
+// (quant::launch_row_tiles, and back: quant::launch_dequantize_row_tiles).
 // Random bf16 values with an all-zero tile, a NaN (its whole tile NaN), a value far beyond 448, dims
 // that are multiples of 64 but not of 128; outputs poisoned first. Buffers `misalign` values past an
 // aligned address take the kernels' scalar path (the vector loads need 16-byte aligned bf16).
@@ -252,6 +252,58 @@ TEST_P(Fp8RowTilesGpu, StopAtTheRowsEnd) {
     }
   }
   EXPECT_EQ(wrong, 0) << "rows past the end written, or rows before it differing from the reference";
+}
+
+// The way back (the FP8 backward's x rows for a BF16 WGRAD): quant::launch_dequantize_row_tiles of
+// the reference's tiles gives bf16(dequantize(q, scale)) bit for bit (a NaN for a NaN) for rows
+// [0, rows_end), and leaves the rows past it poisoned. Aligned buffers (the kernel's contract).
+TEST_P(Fp8RowTilesGpu, DequantizeToTheReferenceBf16) {
+  if (!testing::have_sm90_gpu()) GTEST_SKIP() << "needs an SM90 GPU";
+  const Shape s = GetParam();
+  const uint64_t seed = testing::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const std::vector<float> x = test_values(s, seed);
+  const numerics::BlockScaled tiles = numerics::quantize_row_tiles(x.data(), s.rows, s.cols);
+  const int32_t end = static_cast<int32_t>(s.rows - s.rows / 3);
+  const size_t n = size_t(s.rows * s.cols);
+  uint8_t* values = nullptr;
+  float* scales = nullptr;
+  uint16_t* out = nullptr;
+  int32_t* end_dev = nullptr;
+  ASSERT_EQ(cudaMalloc(&values, n), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&scales, tiles.scales.size() * sizeof(float)), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&out, n * 2), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&end_dev, sizeof end), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(values, tiles.values.data(), n, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(scales, tiles.scales.data(), tiles.scales.size() * sizeof(float), cudaMemcpyHostToDevice),
+            cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(end_dev, &end, sizeof end, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemset(out, 0xFF, n * 2), cudaSuccess);  // bf16 NaN with every payload bit set
+  quant::launch_dequantize_row_tiles(values, scales, s.rows, s.cols, reinterpret_cast<__nv_bfloat16*>(out), nullptr,
+                                     end_dev);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  std::vector<uint16_t> got(n);
+  ASSERT_EQ(cudaMemcpy(got.data(), out, n * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+  cudaFree(values), cudaFree(scales), cudaFree(out), cudaFree(end_dev);
+  const int64_t tiles_per_row = numerics::scale_blocks(s.cols);
+  auto is_nan = [](uint16_t b) { return (b & 0x7F80) == 0x7F80 && (b & 0x7F) != 0; };
+  int64_t wrong = 0, nonzero = 0;
+  for (int64_t r = 0; r < s.rows; ++r) {
+    for (int64_t c = 0; c < s.cols; ++c) {
+      const uint16_t g = got[r * s.cols + c];
+      if (r >= end) {
+        wrong += g != 0xFFFF;
+        continue;
+      }
+      const float v = numerics::dequantize(tiles.values[r * s.cols + c],
+                                           tiles.scales[r * tiles_per_row + c / numerics::kScaleBlock]);
+      const uint16_t want = reference::bf16_bits(v);
+      wrong += g != want && !(is_nan(g) && is_nan(want));
+      nonzero += v != 0.0f;
+    }
+  }
+  EXPECT_EQ(wrong, 0) << "dequantized values differ from the reference, or rows past the end written";
+  if (end > 0) EXPECT_GT(nonzero, 0) << "the inputs dequantize to zeros only";
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, Fp8RowTilesGpu,

@@ -128,20 +128,25 @@ def per_expert_error(got, want):
     return relative_error(got, want)
 
 
+@pytest.mark.parametrize("fp8_wgrad", [False, True], ids=["bf16_wgrad", "fp8_wgrad"])
 @pytest.mark.parametrize("routing", ["uniform", "one_expert"])
-def test_one_rank_backward_matches_a_cpu_context(routing):
-    """torch autograd through a GPU FP8 context: every gradient (weights per expert) against a CPU
-    context's FP8 backward (GRAD_REL_L2) and a CPU BF16 context's (FP8_GRAD_GAP)."""
-    inputs = one_rank_inputs(CONFIG, seed=50, routing=routing)[0]
-    grad_out = torch.randn(CONFIG.num_local_input_tokens, CONFIG.hidden_dim, generator=torch.Generator().manual_seed(5))
+def test_one_rank_backward_matches_a_cpu_context(routing, fp8_wgrad):
+    """torch autograd through a GPU FP8 context, WGRAD in BF16 or FP8 (Config.fp8_wgrad): every
+    gradient (weights per expert) against a CPU context's FP8 backward (GRAD_REL_L2) and a CPU BF16
+    context's (FP8_GRAD_GAP)."""
+    config = dataclasses.replace(CONFIG, fp8_wgrad=fp8_wgrad)
+    inputs = one_rank_inputs(config, seed=50, routing=routing)[0]
+    grad_out = torch.randn(config.num_local_input_tokens, config.hidden_dim, generator=torch.Generator().manual_seed(5))
     grad_out = grad_out.bfloat16()
     poison_allocator(device(), [inputs["x_TD"]])
-    _, got = autograd_grads(CONFIG, device(), inputs, grad_out)
-    _, want = autograd_grads(CONFIG, "cpu", inputs, grad_out)
-    _, want_bf16 = autograd_grads(dataclasses.replace(CONFIG, gemm_precision="bf16"), "cpu", inputs, grad_out)
+    _, got = autograd_grads(config, device(), inputs, grad_out)
+    _, want = autograd_grads(config, "cpu", inputs, grad_out)
+    _, want_bf16 = autograd_grads(dataclasses.replace(config, gemm_precision="bf16", fp8_wgrad=False), "cpu", inputs,
+                                  grad_out)
     for name in GRAD_NAMES:
         error, gap = per_expert_error(got[name], want[name]), per_expert_error(got[name], want_bf16[name])
-        print(f"[fp8] R1 {routing} grad of {name}: vs FP8 reference {error:.3e} rel L2, vs BF16 reference {gap:.3e}")
+        print(f"[fp8] R1 {routing} {'fp8' if fp8_wgrad else 'bf16'} WGRAD grad of {name}: vs FP8 reference "
+              f"{error:.3e} rel L2, vs BF16 reference {gap:.3e}")
         assert error < GRAD_REL_L2, (name, error)
         assert gap < FP8_GRAD_GAP, (name, gap)
 

@@ -215,16 +215,18 @@ def test_capacity_mode_plans_every_received_row_on_the_device():
                                      dict(balance="capacity", receive_capacity_factor=3.0),
                                      dict(hidden_dim=64 * 15, intermediate_dim=64 * 7, top_k=1)],
                          ids=["training", "inference", "capacity", "odd_dims"])
+@pytest.mark.parametrize("fp8_wgrad", [False, True])
 @pytest.mark.parametrize("ep_size", [1, 8])
-def test_fp8_plans_its_operands_in_device_scratch(changes, ep_size):
+def test_fp8_plans_its_operands_in_device_scratch(changes, ep_size, fp8_wgrad):
     """gemm_precision='fp8_block_scaled': the call's FP8 operands (e4m3 tokens and a of every device
     row, every expert group's W13 and W2, fp32 scales per 128 of K, each region padded to 256 bytes)
-    are device scratch on top of the BF16 plan's (a training context's also the backward's tiles of
-gradient and activation rows), and fp8_operand_bytes says how much; 0 in bf16.
+    are device scratch on top of the BF16 plan's, and fp8_operand_bytes says how much; 0 in bf16. A
+    training context's also: the backward's row tiles of gradient rows, and for its WGRAD the device
+    rows of x in bf16 (BF16 WGRAD) or (fp8_wgrad) column tiles of gradient and activation rows.
     The x rows cross the wire (and are kept in activation records) in FP8 with their scales, so the
     window and the activation slots shrink."""
     bf16 = plan(ep_size, **changes)
-    fp8 = plan(ep_size, **changes, gemm_precision="fp8_block_scaled")
+    fp8 = plan(ep_size, **changes, gemm_precision="fp8_block_scaled", fp8_wgrad=fp8_wgrad)
     assert bf16.fp8_operand_bytes == 0
     assert fp8.fp8_operand_bytes > 0
     assert fp8.device_rows == bf16.device_rows and fp8.num_replica_slots == bf16.num_replica_slots
@@ -243,11 +245,18 @@ gradient and activation rows), and fp8_operand_bytes says how much; 0 in bf16.
                   + groups * (blocks(2 * F) * blocks(D) + blocks(D) * blocks(F)))
     if not fp8.config.inference:  # the backward's row / column tiles of gradients and activations
         rows = fp8.device_rows
-        for cols in (max(D, 2 * F), max(F, D)):
+        for cols in (max(D, 2 * F), max(F, D)) if fp8_wgrad else (max(D, 2 * F),):
             values += rows * cols
             scales += 4 * max(rows * blocks(cols), rows // 128 * cols)
+        if not fp8_wgrad:
+            values += rows * 2 * D  # x's rows dequantized to bf16
     assert values + scales <= fp8.fp8_operand_bytes < values + scales + 12 * 256
     assert "of which FP8 operands" in fp8.explain()
+    if not fp8.config.inference:
+        assert ("max(F, D)" if fp8_wgrad else "for the BF16 WGRAD") in fp8.explain()
+    if fp8_wgrad:  # FP8 WGRAD needs the FP8 GEMMs
+        with pytest.raises(poise.InvalidArgument, match="fp8_wgrad"):
+            poise.Config(**{**dataclasses.asdict(fp8.config), "gemm_precision": "bf16"})
     assert "FP8" not in bf16.explain()
 
 

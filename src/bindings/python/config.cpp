@@ -40,6 +40,7 @@ void bind_config(nb::module_& m) {
           "gemm_precision", [](const Config& c) { return std::string(to_string(c.gemm_precision)); },
           [](Config& c, const std::string& s) { c.gemm_precision = gemm_precision_from_string(s); })
       .def_rw("prepared_fp8_weights", &Config::prepared_fp8_weights)
+      .def_rw("fp8_wgrad", &Config::fp8_wgrad)
       .def_prop_rw(
           "wgrad_dtype", [](const Config& c) { return std::string(to_string(c.wgrad_dtype)); },
           [](Config& c, const std::string& s) { c.wgrad_dtype = dtype_from_string(s, "wgrad_dtype"); })
