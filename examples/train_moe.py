@@ -47,6 +47,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--routing-plot", default=None, help="write a PNG of the routing over the steps (rank 0)")
     parser.add_argument("--gemm-precision", choices=["bf16", "fp8_block_scaled"], default="bf16",
                         help="the student's expert GEMMs (docs/fp8.md); the teacher stays bf16")
+    parser.add_argument("--fp8-wgrad", action="store_true",
+                        help="with fp8_block_scaled: the weight gradients' GEMMs in FP8 too (Config.fp8_wgrad)")
     parser.add_argument("--losses", default=None, help="write every step's loss as a JSON list (rank 0)")
     return parser.parse_args()
 
@@ -87,8 +89,9 @@ def main() -> None:
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
 
     config = poise.Config(num_local_input_tokens=args.tokens, hidden_dim=args.hidden, intermediate_dim=args.intermediate,
-                          top_k=args.topk, num_experts=args.experts, gemm_precision=args.gemm_precision)
-    teacher_config = poise.Config(**{**config.__dict__, "inference": True, "gemm_precision": "bf16"})
+                          top_k=args.topk, num_experts=args.experts, gemm_precision=args.gemm_precision,
+                          fp8_wgrad=args.fp8_wgrad)
+    teacher_config = poise.Config(**{**config.__dict__, "inference": True, "gemm_precision": "bf16", "fp8_wgrad": False})
     if rank == 0:
         print(poise.plan_memory(config, world).explain(), flush=True)
 

@@ -33,6 +33,8 @@
 #     fp8step    bench/fp8_step/bench.py: forward+backward, poise.routed_experts on an FP8 context vs a BF16
 #                one, an eager torch._scaled_grouped_mm FP8 step and the eager BF16 baseline
 #                -> $OUT/fp8_step_h200.json ($FP8STEP_ARGS: more arguments; needs python first)
+#     fp8train   bench/fp8_training/curve.py --device cuda: 300 training steps of examples/train_moe.py in BF16,
+#                FP8 and FP8 with fp8_wgrad -> $OUT/fp8_training_h200.json and .png (needs python first)
 #     multigpu   torchrun, one process per GPU: bench/multigpu/multigpu_bench.py -> $OUT/multigpu_h200.json
 #                ($MULTIGPU_ARGS, e.g. --quick; needs python first)
 set -uo pipefail
@@ -129,6 +131,11 @@ part_fp8step() {
   PYTHONUNBUFFERED=1 timeout 300 python3 bench/fp8_step/bench.py --out "$OUT/fp8_step_h200.json" \
     --commit "$commit" ${FP8STEP_ARGS:-} > "$OUT/fp8_step.log" 2>&1
   echo "fp8step rc=$?"; tail -24 "$OUT/fp8_step.log"
+}
+part_fp8train() {
+  PYTHONUNBUFFERED=1 timeout 300 python3 bench/fp8_training/curve.py --device cuda --commit "$commit" \
+    --out "$OUT/fp8_training_h200.json" --png "$OUT/fp8_training_h200.png" > "$OUT/fp8_training.log" 2>&1
+  echo "fp8train rc=$?"; tail -3 "$OUT/fp8_training.log"
 }
 part_multigpu() {
   local n; n=$(nvidia-smi -L | wc -l)

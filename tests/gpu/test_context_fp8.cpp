@@ -146,6 +146,7 @@ Want reference_outputs(const Config& c, int64_t R, const std::vector<reference::
   fp8.backward(inputs, grad_out, want.fp8_grads);
   Config bf16 = c;
   bf16.gemm_precision = GemmPrecision::bf16;
+  bf16.fp8_wgrad = false;
   options.replica_slots = plan_memory(bf16, R).num_replica_slots;
   reference::Engine bf16_engine(bf16, R, options);
   want.bf16 = bf16_engine.forward(inputs);
