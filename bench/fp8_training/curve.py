@@ -68,7 +68,7 @@ def main():
     ax.set_xlabel("step")
     ax.set_ylabel("loss (MSE to the teacher)")
     ax.set_yscale("log")
-    ax.set_title(f"examples/train_moe.py on {args.device}: FP8 vs BF16 experts (largest gap {gap:.2%})")
+    ax.set_title(f"train_moe.py on {args.device}: FP8 vs BF16 experts (largest gap {gap:.2%})", fontsize=10)
     ax.legend()
     fig.tight_layout()
     fig.savefig(args.png, dpi=100)
