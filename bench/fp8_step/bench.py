@@ -16,8 +16,9 @@ Sides:
   poise_fp8       the same with gemm_precision='fp8_block_scaled': FPROP and DGRAD in FP8, WGRAD in BF16
                   (the default, fp8_wgrad=False), the weights quantized inside the call (forward blocks and
                   backward transposed copies)
-  poise_fp8_prep  poise_fp8 with prepared weights (poise.prepare_weights outside the timing, as with
-                  many micro-batches per optimizer step); the backward still quantizes its transposed copies
+  poise_fp8_prep  poise_fp8 with prepared weights (poise.prepare_weights(..., transposed=True) outside the
+                  timing, as with many micro-batches per optimizer step): the forward's blocks and the
+                  backward's transposed copies, so no weight is quantized in the step
   poise_fp8_w8    poise_fp8 with fp8_wgrad=True: WGRAD in FP8 too (DeepSeek-V3's recipe)
 Every side's blocks alternate (bench/timing.py's time_block). Also recorded: each side's out and grads
 against the baseline's (relative L2; weights per expert, the worst), each side's TFLOP/s (3 x the
@@ -173,7 +174,8 @@ def build_sides(name, inputs, args):
                                              gemm_precision="bf16" if side == "poise_bf16" else "fp8_block_scaled",
                                              fp8_wgrad=side == "poise_fp8_w8")
                 ctx = contexts[side] = poise.create_context(config=config, device="cuda")
-                prepared = poise.prepare_weights(w13.detach(), w2.detach()) if side == "poise_fp8_prep" else None
+                prepared = (poise.prepare_weights(w13.detach(), w2.detach(), transposed=True)
+                            if side == "poise_fp8_prep" else None)
                 calls[side] = lambda ctx=ctx, prepared=prepared: poise.routed_experts(
                     x, inputs["ids32_TK"], s, w13, w2, ctx, prepared=prepared)
         except Exception as e:  # noqa: BLE001  recorded, the rest goes on
@@ -254,7 +256,7 @@ def report(records, args, commit, device, started):
                 "quantized in the step), BF16 torch._grouped_mm WGRAD; rows padded to peer_align per expert",
                 "poise.routed_experts, one-rank BF16 context",
                 "the same with gemm_precision='fp8_block_scaled', WGRAD in BF16 (weights quantized in the call)",
-                "poise_fp8 with weights prepared once, untimed",
+                "poise_fp8 with weights prepared once (both orientations), untimed",
                 "poise_fp8 with fp8_wgrad=True (WGRAD in FP8 too)"])),
             "config": {"ep_size": 1, "balance": "capacity", "receive_capacity_factor": 1.0, "scores": "fp32",
                        "peer_align": args.peer_align},

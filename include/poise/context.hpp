@@ -85,6 +85,15 @@ struct BackwardArgs {
   // without main_grad) asks for bf16: the GEMMs round their fp32 sums once, to the same bits the
   // cast gives, and write half the bytes.
   std::optional<DType> wgrad_dtype;
+  // Config::gemm_precision fp8_block_scaled, optional (all four or none, on every rank or none): the
+  // local experts' weights transposed as quantize_fp8_weight_blocks_transposed prepared them
+  // (poise/fp8.hpp: w13 e4m3 [E_local, D, 2F] with fp32 scales [E_local, D/128, 2F/128], w2
+  // [E_local, F, D] with [E_local, F/128, D/128]), current for forward.w13 / w2: DGRAD reads them
+  // instead of quantizing its transposed copies from the BF16 weights (the same bits).
+  const void* w13_fp8_t = nullptr;
+  const float* w13_fp8_t_scales = nullptr;
+  const void* w2_fp8_t = nullptr;
+  const float* w2_fp8_t_scales = nullptr;
 };
 
 // Where a GPU call's time went, stage by stage (route, dispatch, fanout, experts, combine_push, ...),

@@ -17,4 +17,10 @@ namespace poise {
 void quantize_fp8_weight_blocks(const void* w_MRC, int64_t matrices, int64_t rows, int64_t cols, uint8_t* values_MRC,
                                 float* scales, Stream stream);
 
+// The same blocks transposed, the K-major weights the FP8 DGRAD GEMMs read (BackwardArgs::w13_fp8_t
+// ...): values_MCR e4m3 [matrices][cols][rows], scales fp32 [matrices][ceil(cols/128)][ceil(rows/128)]:
+// quantize_fp8_weight_blocks' bits transposed (a block's scale does not depend on its orientation).
+void quantize_fp8_weight_blocks_transposed(const void* w_MRC, int64_t matrices, int64_t rows, int64_t cols,
+                                           uint8_t* values_MCR, float* scales, Stream stream);
+
 }  // namespace poise

@@ -158,6 +158,11 @@ struct RankIo {
   const float* w13_fp8_scales = nullptr;
   const uint8_t* w2_fp8 = nullptr;
   const float* w2_fp8_scales = nullptr;
+  // Backward, nullable (all four or none): the prepared transposed copies (BackwardArgs::w13_fp8_t ...).
+  const uint8_t* w13_fp8_t = nullptr;
+  const float* w13_fp8_t_scales = nullptr;
+  const uint8_t* w2_fp8_t = nullptr;
+  const float* w2_fp8_t_scales = nullptr;
   const bf16* b13_E2F = nullptr;  // EpDims::biased
   const bf16* b2_ED = nullptr;
   bf16* out_TD = nullptr;

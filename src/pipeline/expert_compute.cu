@@ -219,7 +219,8 @@ void fp8_wgrad(const EpLaunch& l, int s, const sm90::GroupedRows& rows, const sm
 }
 
 // The FP8 backward (docs/fp8.md steps 5-8) through the rank's Fp8Scratch: the weights' transposed
-// copies (the own experts' from the call's BF16 weights, the replica slots' from the workspace) for
+// copies (the own experts' prepared or from the call's BF16 weights, the replica slots' from the
+// workspace) for
 // DGRAD, which reads grad_y and then grad_h13 in row tiles; then WGRAD: in BF16 on the bf16 rows and
 // x's FP8 rows (as they crossed the wire) dequantized, or (Config::fp8_wgrad) fp8_wgrad.
 void fp8_backward(const EpLaunch& l, const LaunchIo& io, int s, const sm90::GroupedRows& rows,
@@ -230,8 +231,12 @@ void fp8_backward(const EpLaunch& l, const LaunchIo& io, int s, const sm90::Grou
   const Fp8Scratch& q = rs.fp8;
   const int64_t D = l.dims.D, F = l.dims.F, own = l.dims.E_local, capacity = l.dims.capacity_rows;
   const bool replicas = rows.first_replica >= 0;
-  const Fp8GroupWeights own_t = fp8_weights_from(q, 0, D, F), replica_t = fp8_weights_from(q, own, D, F);
-  quantize_rank_weights(l, io.rank[s], s, rows, /*own_too=*/true, /*with_w2=*/true, /*transposed=*/true, own_t, replica_t,
+  const RankIo& in = io.rank[s];
+  const bool prepared = in.w13_fp8_t != nullptr;  // else quantized here, into the scratch
+  const Fp8GroupWeights own_t = prepared ? Fp8GroupWeights{{in.w13_fp8_t, in.w13_fp8_t_scales}, {in.w2_fp8_t, in.w2_fp8_t_scales}}
+                                         : fp8_weights_from(q, 0, D, F);
+  const Fp8GroupWeights replica_t = fp8_weights_from(q, own, D, F);
+  quantize_rank_weights(l, in, s, rows, /*own_too=*/!prepared, /*with_w2=*/true, /*transposed=*/true, own_t, replica_t,
                         stream);
   const int32_t* rows_end = rs.group_offsets + l.dims.groups;
   const sm90::Fp8Rows grad_rows{q.grad_tiles, q.grad_tile_scales};

@@ -49,6 +49,9 @@ void validate_forward_args(const ForwardArgs& a, int slot, const ForwardArgs& fi
 }
 
 bool has_prepared_fp8(const ForwardArgs& a) { return a.w13_fp8 || a.w13_fp8_scales || a.w2_fp8 || a.w2_fp8_scales; }
+bool has_prepared_fp8_t(const BackwardArgs& a) {
+  return a.w13_fp8_t || a.w13_fp8_t_scales || a.w2_fp8_t || a.w2_fp8_t_scales;
+}
 
 // Prepared FP8 weights (ForwardArgs::w13_fp8 ...): only where the GEMMs are FP8, all four (the
 // missing one named), values 16-byte aligned (TMA), scales 4; on every rank or none.
@@ -67,6 +70,20 @@ void validate_prepared_fp8(const ForwardArgs& a, int slot, const ForwardArgs& fi
     require_pointer(a.w2_fp8_scales, slot, "w2_fp8_scales", 4);
   }
   require(prepared == has_prepared_fp8(first), arg_name(slot, "w13_fp8"),
+          "prepared FP8 weights must be set on every rank of one call or on none");
+}
+
+// The prepared transposed copies (BackwardArgs::w13_fp8_t ...): as the forward's, on every rank or none.
+void validate_prepared_fp8_t(const BackwardArgs& a, int slot, const BackwardArgs& first, bool fp8) {
+  const bool prepared = has_prepared_fp8_t(a);
+  if (prepared) {
+    require(fp8, arg_name(slot, "w13_fp8_t"), "prepared FP8 weights are read only with gemm_precision fp8_block_scaled");
+    require_pointer(a.w13_fp8_t, slot, "w13_fp8_t", 16);
+    require_pointer(a.w13_fp8_t_scales, slot, "w13_fp8_t_scales", 4);
+    require_pointer(a.w2_fp8_t, slot, "w2_fp8_t", 16);
+    require_pointer(a.w2_fp8_t_scales, slot, "w2_fp8_t_scales", 4);
+  }
+  require(prepared == has_prepared_fp8_t(first), arg_name(slot, "w13_fp8_t"),
           "prepared FP8 weights must be set on every rank of one call or on none");
 }
 
@@ -202,7 +219,12 @@ LaunchIo StagedPipeline::backward_io(std::span<const BackwardArgs> args) const {
             "must be the same for every slot of one call");
     require(a.wgrad_dtype == args[0].wgrad_dtype, arg_name(s, "wgrad_dtype"),
             "must be the same for every slot of one call");
+    validate_prepared_fp8_t(a, s, args[0], launch_.dims.fp8 != 0);
     RankIo& r = io.rank[s];
+    r.w13_fp8_t = static_cast<const uint8_t*>(a.w13_fp8_t);
+    r.w13_fp8_t_scales = a.w13_fp8_t_scales;
+    r.w2_fp8_t = static_cast<const uint8_t*>(a.w2_fp8_t);
+    r.w2_fp8_t_scales = a.w2_fp8_t_scales;
     r.grad_out_TD = static_cast<const bf16*>(a.grad_out_TD);
     r.grad_x_TD = static_cast<bf16*>(a.grad_x_TD);
     r.grad_scores_TK = a.grad_scores_TK;

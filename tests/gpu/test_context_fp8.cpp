@@ -472,8 +472,9 @@ TEST_P(ContextFp8Refusals, UnbuiltCallOptionsAreRefusedByName) {
 
 // Prepared weights (ForwardArgs::w13_fp8 ..., quantized by poise::quantize_fp8_weight_blocks as an
 // optimizer step would) give the bits of the call's own quantization: the same kernel, the same
-// blocks. Then a half-set, a set on one rank only, and prepared weights on a BF16 context are
-// refused by name before anything is enqueued.
+// blocks; so do the backward's prepared transposed copies (BackwardArgs::w13_fp8_t ...). Then a
+// half-set, a set on one rank only, and prepared weights on a BF16 context are refused by name
+// before anything is enqueued.
 TEST_P(ContextFp8Refusals, PreparedWeightsGiveTheBitsOfTheCallsQuantization) {
   if (!testing::have_sm90_gpu()) GTEST_SKIP() << "needs an SM90 GPU";
   const int64_t R = GetParam();
@@ -574,6 +575,37 @@ TEST_P(ContextFp8Refusals, PreparedWeightsGiveTheBitsOfTheCallsQuantization) {
   expect_bits_of_the_call(layer.device->out_TD(), "of a training prepared_fp8_weights context");
   expect_same_bits(Grads(*layer.device), per_call, "of a training prepared_fp8_weights context");
   layer.device->poison_outputs();
+  // The backward's transposed copies prepared too (BackwardArgs::w13_fp8_t ...,
+  // poise::quantize_fp8_weight_blocks_transposed): DGRAD reads them, the same bits; a half-set is
+  // refused by name.
+  std::vector<Prepared> transposed(R);
+  std::vector<BackwardArgs> backward_args(layer.device->backward_args().begin(), layer.device->backward_args().end());
+  for (int64_t r = 0; r < R; ++r) {
+    Prepared& t = transposed[r];
+    t.w13 = std::make_unique<DeviceBytes>(size_t(E * 2 * F * D));
+    t.w13_scales = std::make_unique<DeviceBytes>(size_t(E * blocks(D) * blocks(2 * F)) * 4);
+    t.w2 = std::make_unique<DeviceBytes>(size_t(E * D * F));
+    t.w2_scales = std::make_unique<DeviceBytes>(size_t(E * blocks(F) * blocks(D)) * 4);
+    quantize_fp8_weight_blocks_transposed(args[r].w13, E, 2 * F, D, static_cast<uint8_t*>(t.w13->data()),
+                                          static_cast<float*>(t.w13_scales->data()), stream);
+    quantize_fp8_weight_blocks_transposed(args[r].w2, E, D, F, static_cast<uint8_t*>(t.w2->data()),
+                                          static_cast<float*>(t.w2_scales->data()), stream);
+    BackwardArgs& b = backward_args[r];
+    b.w13_fp8_t = t.w13->data();
+    b.w13_fp8_t_scales = static_cast<const float*>(t.w13_scales->data());
+    b.w2_fp8_t = t.w2->data();
+    b.w2_fp8_t_scales = static_cast<const float*>(t.w2_scales->data());
+  }
+  routed_experts_forward(*kept, args, stream);
+  routed_experts_backward(*kept, backward_args, stream);
+  kept->check(stream);
+  expect_same_bits(Grads(*layer.device), per_call, "with prepared transposed copies");
+  layer.device->poison_outputs();
+  std::vector<BackwardArgs> half_t = backward_args;
+  half_t[0].w2_fp8_t_scales = nullptr;
+  const std::string half_backward = refusal([&] { routed_experts_backward(*kept, half_t, stream); });
+  EXPECT_TRUE(contains(half_backward, "InvalidArgument: ") && contains(half_backward, "args[0].w2_fp8_t_scales"))
+      << half_backward;
 
   Config bf16 = c;
   bf16.gemm_precision = GemmPrecision::bf16;

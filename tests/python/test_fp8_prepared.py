@@ -153,13 +153,21 @@ def test_virtual_ranks_take_no_prepared_weights(inputs, prepared):
 # ---- CPU: the ops' wiring, with a stand-in for the GPU engine ------------------------------------
 
 
-def test_the_prepared_ops_take_four_tensors_after_w2_and_no_defaults():
+TRANSPOSED_NAMES = ["w13_fp8_t", "w13_fp8_t_scales", "w2_fp8_t", "w2_fp8_t_scales"]
+
+
+def test_the_prepared_ops_take_four_tensors_after_w2_and_the_transposed_copies_last():
     for name in ("routed_experts_prepared_forward", "routed_experts_prepared_forward_clip_counts"):
         schema = getattr(torch.ops.poise, name).default._schema
         assert [a.name for a in schema.arguments] == [
             *NAMES, "w13_fp8", "w13_fp8_scales", "w2_fp8", "w2_fp8_scales", "context_handle", "w13_layout",
-            "weights_transposed", "accumulate_wgrad"]
-        assert not any(a.has_default_value() for a in schema.arguments), name
+            "weights_transposed", "accumulate_wgrad", *TRANSPOSED_NAMES]
+        # Only the transposed copies are optional (None: the backward quantizes its own).
+        assert [a.name for a in schema.arguments if a.has_default_value()] == TRANSPOSED_NAMES, name
+    for name in ("routed_experts_backward", "routed_experts_backward_accumulate"):
+        schema = getattr(torch.ops.poise, name).default._schema
+        assert [a.name for a in schema.arguments][-4:] == TRANSPOSED_NAMES, name
+        assert [a.name for a in schema.arguments if a.has_default_value()] == TRANSPOSED_NAMES, name
     # The other ops' schemas keep their arguments (callers pass them positionally).
     assert len(torch.ops.poise.routed_experts_forward.default._schema.arguments) == 9
     assert len(torch.ops.poise.routed_experts_biased_forward.default._schema.arguments) == 11
@@ -172,13 +180,18 @@ def stand_in(monkeypatch, context):
     the CPU refusal, and the prepared tensors each forward got."""
     monkeypatch.setattr(ops, "check_prepared", checks.check_prepared_arguments)
     engine = engines.engine_of(context)
-    forward, seen = engine.forward, []
+    forward, backward, seen = engine.forward, engine.backward, []
 
     def forward_taking_prepared(*args, prepared=None, **kwargs):
         seen.append(prepared)
         return forward(*args, **kwargs)
 
+    def backward_taking_prepared_t(*args, prepared_t=None, **kwargs):
+        seen.append(("backward", prepared_t))
+        return backward(*args, **kwargs)
+
     monkeypatch.setattr(engine, "forward", forward_taking_prepared)
+    monkeypatch.setattr(engine, "backward", backward_taking_prepared_t)
     return context, seen
 
 
@@ -207,8 +220,9 @@ def test_the_prepared_forward_differentiates_its_five_tensors(inputs, prepared, 
         grads = [leaves[n].grad for n in ("x_TD", "scores_TK")]
         grads += [leaves[n].main_grad if accumulate_wgrad else leaves[n].grad for n in ("w13", "w2")]
         results.append((out.detach(), counts, grads))
-    assert [p is not None for p in seen[-2:]] == [False, True]
-    assert all(a is b for a, b in zip(seen[-1], (prepared.w13, prepared.w13_scales, prepared.w2, prepared.w2_scales)))
+    forwards = [p for p in seen if not (isinstance(p, tuple) and p[0] == "backward")]
+    assert [p is not None for p in forwards[-2:]] == [False, True]
+    assert all(a is b for a, b in zip(forwards[-1], (prepared.w13, prepared.w13_scales, prepared.w2, prepared.w2_scales)))
     (out, counts, grads), (out_p, counts_p, grads_p) = results
     assert torch.equal(out, out_p)
     if clip_statistics:
@@ -216,6 +230,43 @@ def test_the_prepared_forward_differentiates_its_five_tensors(inputs, prepared, 
     for g, g_p in zip(grads, grads_p):
         assert g is not None and torch.equal(g, g_p)
     assert all(t.grad is None and not t.requires_grad for t in (prepared.w13, prepared.w2, prepared.w13_scales))
+
+
+@pytest.mark.parametrize("accumulate_wgrad", [False, True])
+def test_the_transposed_copies_reach_the_backward(inputs, stand_in, path, accumulate_wgrad):
+    """prepare_weights(..., transposed=True): the forward takes the four copies too, keeps them (not
+    differentiated) and hands them to its backward's engine call, whose grads are those of the
+    call without them."""
+    context, seen = stand_in
+    prepared_t = poise.prepare_weights(inputs["w13"], inputs["w2"], transposed=True)
+    options = poise.ExecutionOptions(accumulate_wgrad=accumulate_wgrad)
+    grad_out = torch.randn(CONFIG.num_local_input_tokens, D, generator=torch.Generator().manual_seed(5)).bfloat16()
+    grads = []
+    for with_t in (False, True):
+        leaves = leaves_of(inputs)
+        if accumulate_wgrad:
+            for name in ("w13", "w2"):
+                leaves[name].main_grad = torch.zeros(leaves[name].shape, dtype=torch.float32)
+        prepared = prepared_t if with_t else poise.prepare_weights(inputs["w13"], inputs["w2"])
+        call(leaves, context, options=options, prepared=prepared).backward(grad_out)
+        grads.append([leaves[n].grad for n in ("x_TD", "scores_TK")] +
+                     [leaves[n].main_grad if accumulate_wgrad else leaves[n].grad for n in ("w13", "w2")])
+    backwards = [p[1] for p in seen if isinstance(p, tuple) and p[0] == "backward"]
+    assert backwards[-2] is None
+    assert all(a is b for a, b in zip(backwards[-1], (prepared_t.w13_t, prepared_t.w13_t_scales, prepared_t.w2_t,
+                                                      prepared_t.w2_t_scales)))
+    for g, g_t in zip(*grads):
+        assert g is not None and torch.equal(g, g_t)
+    assert all(t.grad is None for t in (prepared_t.w13_t, prepared_t.w2_t))
+
+
+def test_transposed_copies_of_the_wrong_shape_are_named(inputs, stand_in, path):
+    context, _ = stand_in
+    prepared_t = poise.prepare_weights(inputs["w13"], inputs["w2"], transposed=True)
+    bad = dataclasses.replace(prepared_t, w2_t=prepared_t.w2)  # [E, D, F] where [E, F, D] belongs
+    with pytest.raises(poise.InvalidArgument) as raised, torch.no_grad():
+        call(inputs, context, prepared=bad)
+    assert raised.value.name == "prepared.w2_t"
 
 
 def test_opcheck_the_prepared_forwards(inputs, prepared, stand_in):
@@ -295,12 +346,13 @@ def test_gpu_the_forward_reads_the_prepared_weights_and_out_refills_them(path):
 
 
 @pytest.mark.gpu
-def test_gpu_backward_after_a_prepared_forward_gives_the_grads_of_the_per_call_quantization(path):
-    """The backward after a prepared forward (which reads w13 / w2 themselves, as BF16, for the
-    transposed FP8 copies) gives the grads of the call without prepared weights, bit for bit, each on
-    a fresh context; the prepared tensors get no grad."""
+@pytest.mark.parametrize("transposed", [False, True])
+def test_gpu_backward_after_a_prepared_forward_gives_the_grads_of_the_per_call_quantization(path, transposed):
+    """The backward after a prepared forward (which quantizes w13 / w2 transposed for DGRAD, or with
+    transposed=True reads the prepared transposed copies) gives the grads of the call without
+    prepared weights, bit for bit, each on a fresh context; the prepared tensors get no grad."""
     inputs = layer_inputs(CONFIG, seed=63, device=cuda(), routing="one_expert")
-    prepared = poise.prepare_weights(inputs["w13"], inputs["w2"])
+    prepared = poise.prepare_weights(inputs["w13"], inputs["w2"], transposed=transposed)
     grad_out = torch.randn(CONFIG.num_local_input_tokens, D, generator=torch.Generator().manual_seed(4))
     grad_out = grad_out.bfloat16().to(cuda())
     results = []

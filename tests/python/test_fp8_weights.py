@@ -49,6 +49,35 @@ def test_out_refills_in_place():
     assert torch.equal(again.w2_scales, fresh.w2_scales)
 
 
+def test_transposed_copies_are_the_blocks_transposed():
+    """transposed=True: each expert's matrix's blocks transposed (a block's scale does not depend on
+    its orientation), w13 from its [E, 2, F, D] view too; out= refills them, and asks for the same
+    transposed."""
+    w13, w2 = weights(3)
+    plain = poise.prepare_weights(w13, w2)
+    as_gate_up = lambda w: w.view(w.shape[0], 2, -1, w.shape[2])  # noqa: E731  [E, 2, F, D]
+    both = poise.prepare_weights(as_gate_up(w13), w2, transposed=True)
+    assert not plain.transposed and plain.w13_t is None and both.transposed
+    for name in ("w13", "w2"):
+        values, scales = getattr(plain, name), getattr(plain, f"{name}_scales")
+        values_t, scales_t = getattr(both, f"{name}_t"), getattr(both, f"{name}_t_scales")
+        flat = values.view(torch.uint8).reshape(values.shape[0], -1, values.shape[-1])
+        assert torch.equal(values_t.view(torch.uint8), flat.transpose(1, 2))
+        assert torch.equal(scales_t, scales.transpose(1, 2))
+    pointers = [t.data_ptr() for t in (both.w13_t, both.w13_t_scales, both.w2_t, both.w2_t_scales)]
+    w13_new, w2_new = weights(4)
+    again = poise.prepare_weights(as_gate_up(w13_new), w2_new, transposed=True, out=both)
+    assert [t.data_ptr() for t in (again.w13_t, again.w13_t_scales, again.w2_t, again.w2_t_scales)] == pointers
+    fresh = poise.prepare_weights(w13_new, w2_new, transposed=True)
+    assert torch.equal(again.w13_t.view(torch.uint8), fresh.w13_t.view(torch.uint8))
+    with pytest.raises(poise.InvalidArgument) as raised:
+        poise.prepare_weights(as_gate_up(w13), w2, out=both)  # holds transposed copies: refilled with transposed=True
+    assert raised.value.name == "out"
+    with pytest.raises(poise.InvalidArgument) as raised:
+        poise.prepare_weights(w13, w2, transposed=1)
+    assert raised.value.name == "transposed"
+
+
 def test_errors_name_the_argument():
     w13, w2 = weights()
 

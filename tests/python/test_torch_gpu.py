@@ -213,17 +213,21 @@ def test_a_context_holds_what_its_memory_plan_says(ep_size, changes):
     assert held >= planned * 0.9 - 4 * mib, (held, planned)
 
 
-def test_prepare_weights_on_the_gpu_equals_the_cpu_bit_for_bit_and_refills_under_a_graph():
-    """poise.prepare_weights: the GPU kernel's e4m3 bits and scales are the CPU reference's, and out=
-    refills the same buffers inside a captured CUDA graph after the weights change in place."""
+@pytest.mark.parametrize("transposed", [False, True])
+def test_prepare_weights_on_the_gpu_equals_the_cpu_bit_for_bit_and_refills_under_a_graph(transposed):
+    """poise.prepare_weights: the GPU kernel's e4m3 bits and scales are the CPU reference's (with
+    transposed=True the backward's transposed copies too), and out= refills the same buffers inside a
+    captured CUDA graph after the weights change in place."""
     device = torch.device("cuda", torch.cuda.current_device())
     generator = torch.Generator().manual_seed(7)
     w13 = (torch.randn(4, 384, 320, generator=generator) * 0.05).bfloat16()
     w2 = (torch.randn(4, 320, 192, generator=generator) * 0.05).bfloat16()
     w13[1, 5, 7] = float("nan")  # its block: NaN scale and NaN values, as on the CPU
 
+    names = ("w13", "w2", "w13_t", "w2_t") if transposed else ("w13", "w2")
+
     def same(gpu, cpu):  # bit for bit, a NaN's payload aside (host and device NaNs differ in their bits)
-        for name in ("w13", "w2"):
+        for name in names:
             a, b = getattr(gpu, name).view(torch.uint8).cpu(), getattr(cpu, name).view(torch.uint8)
             both_nan = ((a & 0x7F) == 0x7F) & ((b & 0x7F) == 0x7F)
             assert bool(((a == b) | both_nan).all()), name
@@ -232,15 +236,15 @@ def test_prepare_weights_on_the_gpu_equals_the_cpu_bit_for_bit_and_refills_under
         assert bool(cpu.w13_scales.isnan().any())
 
     w13_gpu, w2_gpu = w13.to(device), w2.to(device)
-    prepared = poise.prepare_weights(w13_gpu, w2_gpu)
-    same(prepared, poise.prepare_weights(w13, w2))
+    prepared = poise.prepare_weights(w13_gpu, w2_gpu, transposed=transposed)
+    same(prepared, poise.prepare_weights(w13, w2, transposed=transposed))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        poise.prepare_weights(w13_gpu, w2_gpu, out=prepared)
+        poise.prepare_weights(w13_gpu, w2_gpu, transposed=transposed, out=prepared)
     w13_gpu.mul_(3)  # an optimizer step, in place
     graph.replay()
     torch.cuda.synchronize()
-    same(prepared, poise.prepare_weights(w13 * 3, w2))
+    same(prepared, poise.prepare_weights(w13 * 3, w2, transposed=transposed))
 
 
 BIASED_CASES = [  # (w13_layout, weights_transposed, routing, free_fraction)

@@ -14,7 +14,8 @@ from ..context import Context
 from ..errors import InvalidArgument, NotAvailable
 from ..options import ExecutionOptions
 from . import autograd
-from .checks import INPUT_NAMES, PREPARED_FIELDS, check_prepared, check_rank_lists, check_weights_transposed
+from .checks import (INPUT_NAMES, PREPARED_FIELDS, PREPARED_T_FIELDS, check_prepared, check_rank_lists,
+                     check_weights_transposed)
 from .fp8_weights import FORMATS, PreparedWeights
 
 
@@ -66,6 +67,7 @@ def routed_experts(
         raise InvalidArgument("b13" if b13 is None else "b2", "expert biases go together: pass b13 and b2")
     tensors = (x_TD, ids_TK, scores_TK, w13, w2) + (() if b13 is None else (b13, b2))
     fp8 = None if prepared is None else _prepared_tensors(prepared)  # the op checks the rest (check_prepared)
+    fp8_t = None if prepared is None else _prepared_tensors(prepared, transposed=True)  # None: not prepared
     if torch.compiler.is_compiling():
         # Dynamo cannot trace into the C++ objects: the op's fake implementation checks instead.
         _refuse_compiled_accumulation(options)
@@ -75,14 +77,15 @@ def routed_experts(
             raise InvalidArgument("prepared", "this context's Config has prepared_fp8_weights=True: every call "
                                               "passes poise.prepare_weights' tensors (the plan holds no scratch to "
                                               "quantize w13 and w2 into)")
-        if autograd.plain_eager(tensors + (fp8 or ())):
+        if autograd.plain_eager(tensors + (fp8 or ()) + (fp8_t or ())):
             call = autograd.EagerCall(context.handle, w13_layout, options.accumulate_wgrad, weights_transposed,
-                                      options.clip_statistics, options.sync_check or context.sync_check, fp8)
+                                      options.clip_statistics, options.sync_check or context.sync_check, fp8, fp8_t)
             return _sync_checked(autograd.EagerForward.apply(call, *tensors), context, options)
     if fp8 is not None and b13 is not None:
         raise _biases_with_prepared()
     op = getattr(torch.ops.poise, _FORWARD_OPS[(b13 is not None, fp8 is not None, options.clip_statistics)])
-    result = op(*tensors, *(fp8 or ()), context.handle, w13_layout, weights_transposed, options.accumulate_wgrad)
+    result = op(*tensors, *(fp8 or ()), context.handle, w13_layout, weights_transposed, options.accumulate_wgrad,
+                *(fp8_t or ()))
     return result if torch.compiler.is_compiling() else _sync_checked(result, context, options)
 
 
@@ -95,15 +98,19 @@ _FORWARD_OPS = {  # (biased, prepared, clip_statistics): the forward op
 }
 
 
-def _prepared_tensors(prepared) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """A PreparedWeights' tensors in the ops' order (checks.PREPARED_FIELDS)."""
+def _prepared_tensors(prepared, transposed: bool = False) -> Optional[tuple[Tensor, Tensor, Tensor, Tensor]]:
+    """A PreparedWeights' tensors in the ops' order (checks.PREPARED_FIELDS), or with ``transposed``
+    its transposed copies (checks.PREPARED_T_FIELDS; None when it holds none)."""
     if not isinstance(prepared, PreparedWeights):
         raise InvalidArgument("prepared", f"must be a poise.PreparedWeights (from poise.prepare_weights) or None, "
                                           f"got {type(prepared).__name__}")
     if prepared.format not in FORMATS:
         raise InvalidArgument("prepared", f"holds format {prepared.format!r}, not one of {', '.join(FORMATS)}")
-    tensors = tuple(getattr(prepared, field) for field in PREPARED_FIELDS)
-    for field, value in zip(PREPARED_FIELDS, tensors):
+    fields = PREPARED_T_FIELDS if transposed else PREPARED_FIELDS
+    tensors = tuple(getattr(prepared, field) for field in fields)
+    if transposed and all(t is None for t in tensors):
+        return None
+    for field, value in zip(fields, tensors):
         if not isinstance(value, Tensor):  # the op's schema would reject it less helpfully
             raise InvalidArgument(f"prepared.{field}", f"must be a torch.Tensor, got {type(value).__name__}")
     return tensors

@@ -40,6 +40,7 @@ def _setup_one_rank(ctx, inputs, output) -> None:
     ctx.call = (handle, w13_layout, weights_transposed)
     # With accumulation the parameters themselves are needed: their .main_grad / .grad.
     ctx.parameters = tuple(tensors[3:]) if accumulate_wgrad else None
+    ctx.prepared_t = None  # the prepared forwards' transposed FP8 copies, for DGRAD (_setup_prepared)
 
 
 def _tensor_grads(ctx, grad_out_TD, needs: Sequence[bool]) -> tuple:
@@ -48,10 +49,10 @@ def _tensor_grads(ctx, grad_out_TD, needs: Sequence[bool]) -> tuple:
     # Autograd may hand a broadcast (stride 0) or otherwise strided gradient: the ops need rows.
     grad_out_TD = grad_out_TD.contiguous()
     if ctx.parameters is None:
-        grad_x, grad_scores, *parameter_grads = run_backward(grad_out_TD, tensors, ctx.call, None)
+        grad_x, grad_scores, *parameter_grads = run_backward(grad_out_TD, tensors, ctx.call, None, ctx.prepared_t)
     else:
         buffers = _accumulation_buffers(ctx.parameters, ctx.call[0], needs[3:])
-        grad_x, grad_scores = run_backward(grad_out_TD, tensors, ctx.call, buffers)
+        grad_x, grad_scores = run_backward(grad_out_TD, tensors, ctx.call, buffers, ctx.prepared_t)
         parameter_grads = [None] * len(ctx.parameters)  # already added into the buffers: not again by autograd
     grads = (grad_x, None, grad_scores, *parameter_grads)
     return tuple(g if need else None for g, need in zip(grads, needs))
@@ -70,20 +71,21 @@ _BACKWARD_OPS = {  # (biased, accumulating): the backward op
 
 
 def run_backward(grad_out_TD: Tensor, tensors: Sequence[Tensor], call: tuple,
-                 accumulate: Optional[Sequence[Tensor]]) -> tuple:
+                 accumulate: Optional[Sequence[Tensor]], prepared_t: Optional[Sequence[Tensor]] = None) -> tuple:
     """The backward op of a forward's ``tensors`` and ``call`` (context_handle, w13_layout,
     weights_transposed) and of the accumulation buffers, or in plain eager mode its engine call
     directly. The inputs were checked by the forward whose graph this is (autograd refuses saved
-    tensors modified in place since), so only grad_out and the buffers are checked here."""
+    tensors modified in place since), so only grad_out and the buffers are checked here.
+    ``prepared_t``: the prepared transposed FP8 copies DGRAD reads (one rank, no biases), or None."""
     handle, w13_layout, weights_transposed = call
     buffers = tuple(accumulate or ())
     # Grad mode on in a backward means create_graph=True: the ops' autograd fallback marks what a
     # second differentiation cannot go through; a direct call would hand back plain tensors.
-    if torch.is_grad_enabled() or not plain_eager((grad_out_TD, *tensors, *buffers)):
+    if torch.is_grad_enabled() or not plain_eager((grad_out_TD, *tensors, *buffers, *(prepared_t or ()))):
         op = getattr(torch.ops.poise, _BACKWARD_OPS[(len(tensors) > 5, accumulate is not None)])
-        return op(grad_out_TD, *tensors, handle, w13_layout, weights_transposed, *buffers)
+        return op(grad_out_TD, *tensors, handle, w13_layout, weights_transposed, *buffers, *(prepared_t or ()))
     return ops.backward_on_engine(grad_out_TD, tensors, handle, w13_layout, weights_transposed, accumulate,
-                                  inputs_checked=True)
+                                  inputs_checked=True, prepared_t=prepared_t)
 
 
 def _accumulation_buffers(parameters: tuple[Tensor, ...], handle: int, needs: Sequence[bool]) -> tuple:
@@ -123,18 +125,23 @@ for _name in ("routed_experts_forward", "routed_experts_forward_clip_counts", "r
 
 # ---- one rank with prepared FP8 weights ----------------------------------------------------------
 # The inputs: the five tensors, the four prepared ones (read by the forward only: neither saved nor
-# differentiated), then the non-tensor inputs. Backward is the five tensors' (routed_experts_backward).
+# differentiated), the non-tensor inputs, then optionally the four transposed copies DGRAD reads
+# (kept for the backward, not differentiated). Backward is the five tensors' (routed_experts_backward).
 
 _PREPARED_INPUTS = 4
 
 
 def _setup_prepared(ctx, inputs, output) -> None:
-    _setup_one_rank(ctx, (*inputs[:5], *inputs[5 + _PREPARED_INPUTS:]), output)
+    non_tensor_end = 5 + _PREPARED_INPUTS + _NON_TENSOR_INPUTS
+    _setup_one_rank(ctx, (*inputs[:5], *inputs[5 + _PREPARED_INPUTS:non_tensor_end]), output)
+    transposed = tuple(inputs[non_tensor_end:])
+    ctx.prepared_t = transposed if transposed and transposed[0] is not None else None
+    ctx.num_inputs = len(inputs)
 
 
 def _backward_prepared(ctx, grad_out_TD, *_grad_counts):
     grads = _tensor_grads(ctx, grad_out_TD, ctx.needs_input_grad[:5])
-    return (*grads, *[None] * (_PREPARED_INPUTS + _NON_TENSOR_INPUTS))
+    return (*grads, *[None] * (ctx.num_inputs - 5))
 
 
 for _name in ("routed_experts_prepared_forward", "routed_experts_prepared_forward_clip_counts"):
@@ -203,8 +210,10 @@ class EagerCall(NamedTuple):
     clip_counts: bool
     sync_check: bool
     # Prepared FP8 weights (checks.PREPARED_FIELDS' order), read by the forward only: not inputs of
-    # the autograd.Function (no grads, not saved).
+    # the autograd.Function (no grads, not saved); their transposed copies (PREPARED_T_FIELDS'), kept
+    # for the backward's DGRAD.
     prepared: Optional[tuple[Tensor, ...]] = None
+    prepared_t: Optional[tuple[Tensor, ...]] = None
 
 
 class EagerForward(torch.autograd.Function):
@@ -216,9 +225,10 @@ class EagerForward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, call: EagerCall, *tensors):
         result = ops.forward_on_engine(tensors, call.context_handle, call.w13_layout, call.weights_transposed,
-                                       call.clip_counts, call.prepared)
+                                       call.clip_counts, call.prepared, call.prepared_t)
         _setup_one_rank(ctx, (*tensors, call.context_handle, call.w13_layout, call.weights_transposed,
                               call.accumulate_wgrad), result)
+        ctx.prepared_t = call.prepared_t
         ctx.sync_check = call.sync_check
         if call.clip_counts:
             ctx.mark_non_differentiable(result[1])  # integers: no gradient flows back through them

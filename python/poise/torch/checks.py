@@ -197,23 +197,28 @@ def check_biases(config: Any, ep_size: int, device: str, b13: Any, b2: Any, pref
 
 
 PREPARED_FIELDS = ("w13", "w13_scales", "w2", "w2_scales")  # PreparedWeights' tensors, in the ops' order
+# The backward's transposed copies (poise.prepare_weights(..., transposed=True)), in the ops' order.
+PREPARED_T_FIELDS = ("w13_t", "w13_t_scales", "w2_t", "w2_t_scales")
 
 
-def check_prepared(context: Context, weights_transposed: bool, prepared: Sequence[Any]) -> None:
+def check_prepared(context: Context, weights_transposed: bool, prepared: Sequence[Any],
+                   transposed: bool = False) -> None:
     """Prepared FP8 weights of a one-rank call (poise.prepare_weights' tensors, PREPARED_FIELDS'
-    order): check_prepared_arguments, then a CPU context refuses them (NotAvailable: the reference
-    engine quantizes w13 / w2 itself)."""
-    check_prepared_arguments(context, weights_transposed, prepared)
+    order, or with ``transposed`` the backward's copies, PREPARED_T_FIELDS'): check_prepared_arguments,
+    then a CPU context refuses them (NotAvailable: the reference engine quantizes w13 / w2 itself)."""
+    check_prepared_arguments(context, weights_transposed, prepared, transposed)
     if context.device == "cpu":
         raise NotAvailable("prepared: the CPU reference engine does not take prepared FP8 weights yet (it quantizes "
                            "w13 and w2 itself, bit for bit as poise.prepare_weights does): call without prepared")
 
 
-def check_prepared_arguments(context: Context, weights_transposed: bool, prepared: Sequence[Any]) -> None:
+def check_prepared_arguments(context: Context, weights_transposed: bool, prepared: Sequence[Any],
+                             transposed: bool = False) -> None:
     """Only on a gemm_precision='fp8_block_scaled' context (else InvalidArgument naming ``prepared``),
     not with transposed weights (NotAvailable); each tensor on the context's device, contiguous, e4m3
     values in w13's / w2's shape ([E_local, 2F, D] or [E_local, 2, F, D] / [E_local, D, F]) and fp32
-    scales [E_local, ceil(rows/128), ceil(cols/128)] (InvalidArgument naming ``prepared.<field>``)."""
+    scales [E_local, ceil(rows/128), ceil(cols/128)], or with ``transposed`` each matrix transposed
+    ([E_local, D, 2F] / [E_local, F, D]) (InvalidArgument naming ``prepared.<field>``)."""
     config = context._cpp.config
     if config.gemm_precision != "fp8_block_scaled":
         raise InvalidArgument("prepared", "prepared FP8 weights are read only with gemm_precision="
@@ -224,17 +229,23 @@ def check_prepared_arguments(context: Context, weights_transposed: bool, prepare
     L, D, F = config.num_experts // context.ep_size, config.hidden_dim, config.intermediate_dim
     dims = f"E_local={L}, D={D}, F={F}"
     w13_blocks, w2_blocks = scales_shape((L, 2 * F, D)), scales_shape((L, D, F))
+    w13_t_blocks, w2_t_blocks = scales_shape((L, D, 2 * F)), scales_shape((L, F, D))
     expected = {  # field: (dtype, shapes, the rule for the message)
         "w13": (torch.float8_e4m3fn, [(L, 2 * F, D), (L, 2, F, D)],
                 f"[E_local, 2F, D] or [E_local, 2, F, D] with {dims}"),
         "w13_scales": (torch.float32, [w13_blocks], f"[E_local, ceil(2F/128), ceil(D/128)] = {list(w13_blocks)}"),
         "w2": (torch.float8_e4m3fn, [(L, D, F)], f"[E_local, D, F] with {dims}"),
         "w2_scales": (torch.float32, [w2_blocks], f"[E_local, ceil(D/128), ceil(F/128)] = {list(w2_blocks)}"),
+        "w13_t": (torch.float8_e4m3fn, [(L, D, 2 * F)], f"[E_local, D, 2F] with {dims}"),
+        "w13_t_scales": (torch.float32, [w13_t_blocks],
+                         f"[E_local, ceil(D/128), ceil(2F/128)] = {list(w13_t_blocks)}"),
+        "w2_t": (torch.float8_e4m3fn, [(L, F, D)], f"[E_local, F, D] with {dims}"),
+        "w2_t_scales": (torch.float32, [w2_t_blocks], f"[E_local, ceil(F/128), ceil(D/128)] = {list(w2_t_blocks)}"),
     }
-    if len(prepared) != len(PREPARED_FIELDS):
-        raise InvalidArgument("prepared", f"needs the {len(PREPARED_FIELDS)} tensors {PREPARED_FIELDS}, "
-                                          f"got {len(prepared)}")
-    for field, value in zip(PREPARED_FIELDS, prepared):
+    fields = PREPARED_T_FIELDS if transposed else PREPARED_FIELDS
+    if len(prepared) != len(fields):
+        raise InvalidArgument("prepared", f"needs the {len(fields)} tensors {fields}, got {len(prepared)}")
+    for field, value in zip(fields, prepared):
         dtype, shapes, rule = expected[field]
         check_tensor(f"prepared.{field}", value, device=context.device, dtypes=(dtype,), shapes=shapes,
                      shape_rule=lambda rule=rule: rule)

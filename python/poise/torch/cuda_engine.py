@@ -68,10 +68,13 @@ class CudaEngine:
         return (outs[0][0], outs[1][0]) if clip_counts else outs[0]
 
     def backward(self, grad_out_TD, x_TD, ids_TK, scores_TK, w13, w2, w13_layout: str, accumulate,
-                 biases: Optional[tuple[Tensor, Tensor]] = None, weights_transposed: bool = False):
-        """(grad_x_TD, grad_scores_TK, grad_w13, grad_w2), and with ``biases`` (grad_b13, grad_b2)."""
+                 biases: Optional[tuple[Tensor, Tensor]] = None, weights_transposed: bool = False,
+                 prepared_t: Optional[tuple[Tensor, ...]] = None):
+        """(grad_x_TD, grad_scores_TK, grad_w13, grad_w2), and with ``biases`` (grad_b13, grad_b2).
+        ``prepared_t``: the weights' prepared transposed FP8 copies (w13_fp8_t, w13_fp8_t_scales,
+        w2_fp8_t, w2_fp8_t_scales), which DGRAD reads instead of quantizing its own, or None."""
         grads = self.backward_ranks([grad_out_TD], [(x_TD, ids_TK, scores_TK, w13, w2, *(biases or ()))], w13_layout,
-                                    None if accumulate is None else [accumulate], weights_transposed)
+                                    None if accumulate is None else [accumulate], weights_transposed, prepared_t)
         return tuple(per_rank[0] for per_rank in grads)
 
     # ---- every launch rank ---------------------------------------------------------------------------
@@ -95,7 +98,8 @@ class CudaEngine:
         return (out_TD, counts) if clip_counts else out_TD
 
     def backward_ranks(self, grad_out_TD: list[Tensor], ranks: list[tuple], w13_layout: str,
-                       accumulate: Optional[list[tuple]], weights_transposed: bool = False):
+                       accumulate: Optional[list[tuple]], weights_transposed: bool = False,
+                       prepared_t: Optional[tuple[Tensor, ...]] = None):
         """Returns per-rank lists (grad_x_TD, grad_scores_TK, grad_w13, grad_w2), with biases also
         (grad_b13, grad_b2); the weight and bias grads in their tensors' dtype, or with ``accumulate``
         (per rank a tuple of Config.wgrad_dtype buffers, one per weight and bias) added into those
@@ -107,7 +111,7 @@ class CudaEngine:
         # bf16 instead (the same bits, half the bytes, no cast pass). None: Config.wgrad_dtype.
         wgrad_dtype_name = WEIGHT_GRAD_DTYPE_NAME if accumulate is None else None
         self._launch_backward(ranks, _Weights(w13_layout, weights_transposed), grad_out_TD, grads,
-                              accumulate is not None, record, wgrad_dtype_name)
+                              accumulate is not None, record, wgrad_dtype_name, prepared_t)
         self.backward_calls += 1
         return grads
 
@@ -145,13 +149,15 @@ class CudaEngine:
                 w13_fp8, w13_fp8_scales, w2_fp8, w2_fp8_scales)
 
     def _launch_backward(self, ranks: list[tuple], weights: "_Weights", grad_out_TD: list[Tensor], grads: tuple,
-                         accumulate: bool, record: tuple[int, int], wgrad_dtype_name: Optional[str]) -> None:
+                         accumulate: bool, record: tuple[int, int], wgrad_dtype_name: Optional[str],
+                         prepared_t: Optional[tuple[Tensor, ...]] = None) -> None:
         grad_x_TD, grad_scores_TK, grad_w13, grad_w2, *grad_biases = grads
         device = ranks[0][0].device
         stream = torch.cuda.current_stream(device).cuda_stream
         scores_dtype = SCORES_DTYPES[ranks[0][2].dtype]
         with torch.cuda.device(device):
             if self._virtual_ranks:
+                assert prepared_t is None, "prepared FP8 weights: one-rank contexts only"
                 grad_b13, grad_b2 = (_addresses(g) for g in grad_biases) if grad_biases else ([], [])
                 _poise.routed_experts_backward_ranks(
                     self._cpp, _column(ranks, 0), _column(ranks, 1), _column(ranks, 2), scores_dtype, _column(ranks, 3),
@@ -168,7 +174,8 @@ class CudaEngine:
                 self._cpp, x.data_ptr(), ids.data_ptr(), scores.data_ptr(), scores_dtype, w13.data_ptr(),
                 weights.w13_layout, w2.data_ptr(), grad_out_TD[0].data_ptr(), grad_x_TD[0].data_ptr(),
                 grad_scores_TK[0].data_ptr(), grad_w13[0].data_ptr(), grad_w2[0].data_ptr(),
-                accumulate, stream, record, wgrad_dtype_name, b13, b2, weights.transposed, grad_b13, grad_b2)
+                accumulate, stream, record, wgrad_dtype_name, b13, b2, weights.transposed, grad_b13, grad_b2,
+                *(_addresses(prepared_t) if prepared_t else (0, 0, 0, 0)))
 
 
 class _Weights(NamedTuple):

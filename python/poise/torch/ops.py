@@ -72,11 +72,14 @@ def _clip_counts_shape(context: Context) -> tuple[int, int]:
 
 
 def forward_on_engine(tensors: Sequence[Tensor], context_handle: int, w13_layout: str, weights_transposed: bool,
-                      clip_counts: bool, prepared: Optional[Sequence[Tensor]] = None):
+                      clip_counts: bool, prepared: Optional[Sequence[Tensor]] = None,
+                      prepared_t: Optional[Sequence[Tensor]] = None):
     """The forward ops' implementation (and the plain-eager bypass's): out_TD, or with clip_counts
     (out_TD, clip_counts_E2). ``prepared``: the prepared FP8 weights (checks.PREPARED_FIELDS' order),
-    or None."""
+    or None; ``prepared_t``: their transposed copies for the backward (checked here, read there)."""
     context = _open_call(context_handle, tensors, w13_layout, weights_transposed, prepared)
+    if prepared_t is not None:
+        check_prepared(context, weights_transposed, prepared_t, transposed=True)
     x_TD, ids_TK, scores_TK, w13, w2, *biases = tensors
     # Only a CUDA engine takes prepared weights (check_prepared refuses them on a CPU context).
     extra = {} if prepared is None else {"prepared": tuple(prepared)}
@@ -86,17 +89,22 @@ def forward_on_engine(tensors: Sequence[Tensor], context_handle: int, w13_layout
 
 def backward_on_engine(grad_out_TD: Tensor, tensors: Sequence[Tensor], context_handle: int, w13_layout: str,
                        weights_transposed: bool, accumulate: Optional[Sequence[Tensor]],
-                       inputs_checked: bool = False):
+                       inputs_checked: bool = False, prepared_t: Optional[Sequence[Tensor]] = None):
     """The backward ops' implementation (and the plain-eager bypass's, whose forward checked the
     inputs). Returns (grad_x_TD, grad_scores_TK, grad_w13, grad_w2[, grad_b13, grad_b2]), or with
-    ``accumulate`` (the buffers the weight and bias grads are added into) (grad_x_TD, grad_scores_TK)."""
+    ``accumulate`` (the buffers the weight and bias grads are added into) (grad_x_TD, grad_scores_TK).
+    ``prepared_t``: the weights' prepared transposed FP8 copies (checks.PREPARED_T_FIELDS' order), or None."""
     context = _open_backward(context_handle, grad_out_TD, tensors, w13_layout, weights_transposed, inputs_checked)
     if accumulate is not None:
         check_accumulation(context, tensors[3:], accumulate)
     x_TD, ids_TK, scores_TK, w13, w2, *biases = tensors
+    extra = {}
+    if prepared_t is not None:  # only a CUDA engine takes them (check_prepared refuses them on a CPU context)
+        check_prepared(context, weights_transposed, prepared_t, transposed=True)
+        extra = {"prepared_t": tuple(prepared_t)}
     grads = engine_of(context).backward(grad_out_TD, x_TD, ids_TK, scores_TK, w13, w2, w13_layout,
                                         None if accumulate is None else tuple(accumulate),
-                                        biases=tuple(biases) or None, weights_transposed=weights_transposed)
+                                        biases=tuple(biases) or None, weights_transposed=weights_transposed, **extra)
     return grads if accumulate is None else grads[:2]
 
 
@@ -120,14 +128,20 @@ def _open_backward(context_handle: int, grad_out_TD: Tensor, tensors: Sequence[T
     return context
 
 
-def _fake_forward(tensors, context_handle, w13_layout, weights_transposed, clip_counts: bool, prepared=None):
+def _fake_forward(tensors, context_handle, w13_layout, weights_transposed, clip_counts: bool, prepared=None,
+                  prepared_t=None):
     context = _open_call(context_handle, tensors, w13_layout, weights_transposed, prepared)
+    if prepared_t is not None:
+        check_prepared(context, weights_transposed, prepared_t, transposed=True)
     out = torch.empty_like(tensors[0])
     return (out, out.new_empty(_clip_counts_shape(context), dtype=torch.int64)) if clip_counts else out
 
 
-def _fake_backward(grad_out_TD, tensors, context_handle, w13_layout, weights_transposed, accumulate):
+def _fake_backward(grad_out_TD, tensors, context_handle, w13_layout, weights_transposed, accumulate,
+                   prepared_t=None):
     context = _open_backward(context_handle, grad_out_TD, tensors, w13_layout, weights_transposed)
+    if prepared_t is not None:
+        check_prepared(context, weights_transposed, prepared_t, transposed=True)
     if accumulate is not None:
         check_accumulation(context, tensors[3:], accumulate)
         return torch.empty_like(tensors[0]), torch.empty_like(tensors[2])
@@ -165,35 +179,50 @@ def _(x_TD, ids_TK, scores_TK, w13, w2, context_handle, w13_layout, weights_tran
     return _fake_forward((x_TD, ids_TK, scores_TK, w13, w2), context_handle, w13_layout, weights_transposed, True)
 
 
+def _prepared_t(w13_fp8_t, w13_fp8_t_scales, w2_fp8_t, w2_fp8_t_scales) -> Optional[tuple]:
+    """The backward ops' optional prepared transposed copies: all four, or None (check_prepared
+    names the missing one)."""
+    tensors = (w13_fp8_t, w13_fp8_t_scales, w2_fp8_t, w2_fp8_t_scales)
+    return None if all(t is None for t in tensors) else tensors
+
+
 @torch.library.custom_op("poise::routed_experts_backward", mutates_args=())
 def routed_experts_backward(
     grad_out_TD: Tensor, x_TD: Tensor, ids_TK: Tensor, scores_TK: Tensor, w13: Tensor, w2: Tensor,
-    context_handle: int, w13_layout: str, weights_transposed: bool,
+    context_handle: int, w13_layout: str, weights_transposed: bool, w13_fp8_t: Optional[Tensor] = None,
+    w13_fp8_t_scales: Optional[Tensor] = None, w2_fp8_t: Optional[Tensor] = None,
+    w2_fp8_t_scales: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return backward_on_engine(grad_out_TD, (x_TD, ids_TK, scores_TK, w13, w2), context_handle, w13_layout,
-                              weights_transposed, None)
+                              weights_transposed, None,
+                              prepared_t=_prepared_t(w13_fp8_t, w13_fp8_t_scales, w2_fp8_t, w2_fp8_t_scales))
 
 
 @routed_experts_backward.register_fake
-def _(grad_out_TD, x_TD, ids_TK, scores_TK, w13, w2, context_handle, w13_layout, weights_transposed):
+def _(grad_out_TD, x_TD, ids_TK, scores_TK, w13, w2, context_handle, w13_layout, weights_transposed, w13_fp8_t=None,
+      w13_fp8_t_scales=None, w2_fp8_t=None, w2_fp8_t_scales=None):
     return _fake_backward(grad_out_TD, (x_TD, ids_TK, scores_TK, w13, w2), context_handle, w13_layout,
-                          weights_transposed, None)
+                          weights_transposed, None, _prepared_t(w13_fp8_t, w13_fp8_t_scales, w2_fp8_t, w2_fp8_t_scales))
 
 
 @torch.library.custom_op("poise::routed_experts_backward_accumulate", mutates_args=("grad_w13_acc", "grad_w2_acc"))
 def routed_experts_backward_accumulate(
     grad_out_TD: Tensor, x_TD: Tensor, ids_TK: Tensor, scores_TK: Tensor, w13: Tensor, w2: Tensor,
     context_handle: int, w13_layout: str, weights_transposed: bool, grad_w13_acc: Tensor, grad_w2_acc: Tensor,
+    w13_fp8_t: Optional[Tensor] = None, w13_fp8_t_scales: Optional[Tensor] = None, w2_fp8_t: Optional[Tensor] = None,
+    w2_fp8_t_scales: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
     return backward_on_engine(grad_out_TD, (x_TD, ids_TK, scores_TK, w13, w2), context_handle, w13_layout,
-                              weights_transposed, (grad_w13_acc, grad_w2_acc))
+                              weights_transposed, (grad_w13_acc, grad_w2_acc),
+                              prepared_t=_prepared_t(w13_fp8_t, w13_fp8_t_scales, w2_fp8_t, w2_fp8_t_scales))
 
 
 @routed_experts_backward_accumulate.register_fake
 def _(grad_out_TD, x_TD, ids_TK, scores_TK, w13, w2, context_handle, w13_layout, weights_transposed, grad_w13_acc,
-      grad_w2_acc):
+      grad_w2_acc, w13_fp8_t=None, w13_fp8_t_scales=None, w2_fp8_t=None, w2_fp8_t_scales=None):
     return _fake_backward(grad_out_TD, (x_TD, ids_TK, scores_TK, w13, w2), context_handle, w13_layout,
-                          weights_transposed, (grad_w13_acc, grad_w2_acc))
+                          weights_transposed, (grad_w13_acc, grad_w2_acc),
+                          _prepared_t(w13_fp8_t, w13_fp8_t_scales, w2_fp8_t, w2_fp8_t_scales))
 
 
 # ---- one rank with expert biases (gpt-oss) -------------------------------------------------------
@@ -273,16 +302,20 @@ def routed_experts_prepared_forward(
     x_TD: Tensor, ids_TK: Tensor, scores_TK: Tensor, w13: Tensor, w2: Tensor, w13_fp8: Tensor,
     w13_fp8_scales: Tensor, w2_fp8: Tensor, w2_fp8_scales: Tensor,
     context_handle: int, w13_layout: str, weights_transposed: bool, accumulate_wgrad: bool,
+    w13_fp8_t: Optional[Tensor] = None, w13_fp8_t_scales: Optional[Tensor] = None, w2_fp8_t: Optional[Tensor] = None,
+    w2_fp8_t_scales: Optional[Tensor] = None,
 ) -> Tensor:
     return forward_on_engine((x_TD, ids_TK, scores_TK, w13, w2), context_handle, w13_layout, weights_transposed,
-                             clip_counts=False, prepared=(w13_fp8, w13_fp8_scales, w2_fp8, w2_fp8_scales))
+                             clip_counts=False, prepared=(w13_fp8, w13_fp8_scales, w2_fp8, w2_fp8_scales),
+                             prepared_t=_prepared_t(w13_fp8_t, w13_fp8_t_scales, w2_fp8_t, w2_fp8_t_scales))
 
 
 @routed_experts_prepared_forward.register_fake
 def _(x_TD, ids_TK, scores_TK, w13, w2, w13_fp8, w13_fp8_scales, w2_fp8, w2_fp8_scales, context_handle, w13_layout,
-      weights_transposed, accumulate_wgrad):
+      weights_transposed, accumulate_wgrad, w13_fp8_t=None, w13_fp8_t_scales=None, w2_fp8_t=None, w2_fp8_t_scales=None):
     return _fake_forward((x_TD, ids_TK, scores_TK, w13, w2), context_handle, w13_layout, weights_transposed, False,
-                         (w13_fp8, w13_fp8_scales, w2_fp8, w2_fp8_scales))
+                         (w13_fp8, w13_fp8_scales, w2_fp8, w2_fp8_scales),
+                         _prepared_t(w13_fp8_t, w13_fp8_t_scales, w2_fp8_t, w2_fp8_t_scales))
 
 
 @torch.library.custom_op("poise::routed_experts_prepared_forward_clip_counts", mutates_args=())
@@ -290,16 +323,20 @@ def routed_experts_prepared_forward_clip_counts(
     x_TD: Tensor, ids_TK: Tensor, scores_TK: Tensor, w13: Tensor, w2: Tensor, w13_fp8: Tensor,
     w13_fp8_scales: Tensor, w2_fp8: Tensor, w2_fp8_scales: Tensor,
     context_handle: int, w13_layout: str, weights_transposed: bool, accumulate_wgrad: bool,
+    w13_fp8_t: Optional[Tensor] = None, w13_fp8_t_scales: Optional[Tensor] = None, w2_fp8_t: Optional[Tensor] = None,
+    w2_fp8_t_scales: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
     return forward_on_engine((x_TD, ids_TK, scores_TK, w13, w2), context_handle, w13_layout, weights_transposed,
-                             clip_counts=True, prepared=(w13_fp8, w13_fp8_scales, w2_fp8, w2_fp8_scales))
+                             clip_counts=True, prepared=(w13_fp8, w13_fp8_scales, w2_fp8, w2_fp8_scales),
+                             prepared_t=_prepared_t(w13_fp8_t, w13_fp8_t_scales, w2_fp8_t, w2_fp8_t_scales))
 
 
 @routed_experts_prepared_forward_clip_counts.register_fake
 def _(x_TD, ids_TK, scores_TK, w13, w2, w13_fp8, w13_fp8_scales, w2_fp8, w2_fp8_scales, context_handle, w13_layout,
-      weights_transposed, accumulate_wgrad):
+      weights_transposed, accumulate_wgrad, w13_fp8_t=None, w13_fp8_t_scales=None, w2_fp8_t=None, w2_fp8_t_scales=None):
     return _fake_forward((x_TD, ids_TK, scores_TK, w13, w2), context_handle, w13_layout, weights_transposed, True,
-                         (w13_fp8, w13_fp8_scales, w2_fp8, w2_fp8_scales))
+                         (w13_fp8, w13_fp8_scales, w2_fp8, w2_fp8_scales),
+                         _prepared_t(w13_fp8_t, w13_fp8_t_scales, w2_fp8_t, w2_fp8_t_scales))
 
 
 # ---- virtual ranks -------------------------------------------------------------------------------

@@ -100,7 +100,8 @@ void backward(Context& context, uintptr_t x_TD, uintptr_t ids_TK, uintptr_t scor
               uintptr_t w13, const std::string& w13_layout, uintptr_t w2, uintptr_t grad_out_TD, uintptr_t grad_x_TD,
               uintptr_t grad_scores_TK, uintptr_t grad_w13, uintptr_t grad_w2, bool accumulate_wgrad,
               uintptr_t stream, const std::optional<Record>& record, const std::optional<std::string>& wgrad_dtype,
-              uintptr_t b13, uintptr_t b2, bool weights_transposed, uintptr_t grad_b13, uintptr_t grad_b2) {
+              uintptr_t b13, uintptr_t b2, bool weights_transposed, uintptr_t grad_b13, uintptr_t grad_b2,
+              uintptr_t w13_fp8_t, uintptr_t w13_fp8_t_scales, uintptr_t w2_fp8_t, uintptr_t w2_fp8_t_scales) {
   BackwardArgs args;
   args.forward = forward_args(x_TD, ids_TK, scores_TK, scores_dtype, {w13, w13_layout, w2, weights_transposed, b13, b2});
   args.grad_out_TD = pointer<const void>(grad_out_TD);
@@ -112,6 +113,10 @@ void backward(Context& context, uintptr_t x_TD, uintptr_t ids_TK, uintptr_t scor
   args.grad_b2 = pointer<void>(grad_b2);
   args.accumulate_wgrad = accumulate_wgrad;
   args.wgrad_dtype = call_wgrad_dtype(wgrad_dtype);
+  args.w13_fp8_t = pointer<const void>(w13_fp8_t);
+  args.w13_fp8_t_scales = pointer<const float>(w13_fp8_t_scales);
+  args.w2_fp8_t = pointer<const void>(w2_fp8_t);
+  args.w2_fp8_t_scales = pointer<const float>(w2_fp8_t_scales);
   const std::optional<ActivationRecord> r = from_python(record);
   nb::gil_scoped_release release;
   routed_experts_backward(context, args, pointer<CUstream_st>(stream), r ? &*r : nullptr);
@@ -251,11 +256,14 @@ void bind_routed_experts(nb::module_& m) {
         "w13"_a, "w13_layout"_a, "w2"_a, "grad_out_TD"_a, "grad_x_TD"_a, "grad_scores_TK"_a, "grad_w13"_a,
         "grad_w2"_a, "accumulate_wgrad"_a, "stream"_a, "record"_a = nb::none(), "wgrad_dtype"_a = nb::none(),
         "b13"_a = 0, "b2"_a = 0, "weights_transposed"_a = false, "grad_b13"_a = 0, "grad_b2"_a = 0,
+        "w13_fp8_t"_a = 0, "w13_fp8_t_scales"_a = 0, "w2_fp8_t"_a = 0, "w2_fp8_t_scales"_a = 0,
         "poise::routed_experts_backward on device addresses (integers) and a cudaStream_t (integer); record: the "
         "forward's (index, generation), None for the latest forward (recomputed when overwritten); wgrad_dtype: "
         "'bf16' or 'fp32' for the weight (and bias) grads, None for Config.wgrad_dtype; b13 / b2 / "
         "weights_transposed as for routed_experts_forward; grad_b13 / grad_b2: the bias grads ([E_local, 2F] / "
-        "[E_local, D] in wgrad_dtype), required with biases, else 0.");
+        "[E_local, D] in wgrad_dtype), required with biases, else 0; w13_fp8_t / w13_fp8_t_scales / w2_fp8_t / "
+        "w2_fp8_t_scales: the weights' prepared transposed FP8 copies (quantize_fp8_weight_blocks_transposed), "
+        "all four or 0.");
   m.def("routed_experts_forward_ranks", &forward_ranks, "context"_a, "x_TD"_a, "ids_TK"_a, "scores_TK"_a,
         "scores_dtype"_a, "w13"_a, "w13_layout"_a, "w2"_a, "out_TD"_a, "stream"_a,
         "clip_counts_E2"_a = Addresses{}, "keep_for_backward"_a = true, "b13"_a = Addresses{}, "b2"_a = Addresses{},
@@ -283,6 +291,17 @@ void bind_routed_experts(nb::module_& m) {
       },
       "w"_a, "matrices"_a, "rows"_a, "cols"_a, "values"_a, "scales"_a, "stream"_a,
       "poise::quantize_fp8_weight_blocks on device addresses (integers) and a cudaStream_t (integer).");
+  m.def(
+      "quantize_fp8_weight_blocks_transposed",
+      [](uintptr_t w, int64_t matrices, int64_t rows, int64_t cols, uintptr_t values, uintptr_t scales,
+         uintptr_t stream) {
+        nb::gil_scoped_release release;
+        quantize_fp8_weight_blocks_transposed(reinterpret_cast<const void*>(w), matrices, rows, cols,
+                                              reinterpret_cast<uint8_t*>(values), reinterpret_cast<float*>(scales),
+                                              reinterpret_cast<Stream>(stream));
+      },
+      "w"_a, "matrices"_a, "rows"_a, "cols"_a, "values"_a, "scales"_a, "stream"_a,
+      "poise::quantize_fp8_weight_blocks_transposed on device addresses (integers) and a cudaStream_t (integer).");
   m.def("context_check", &check, "context"_a, "stream"_a,
         "Context::check: waits for the stream, then raises DeviceError for a device-side fault of the last calls.");
 }
