@@ -15,6 +15,7 @@
 #include <string>
 #include <utility>
 #include <vector>
+#include <vector>
 
 #include "poise/poise.hpp"
 #include "poise/reference.hpp"
@@ -143,18 +144,33 @@ inline void zero_outputs(const DeviceLayer& layer, const Config& c) {
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
 }
 
-// Every output of every rank within `tolerance` of the reference (relative L2; a NaN fails).
-inline void expect_matches_reference(const DeviceLayer& got, const ReferenceLayer& want, double tolerance = 1e-2) {
+// One output of one rank against the reference: relative L2 (NaN when got holds a NaN).
+struct OutputError {
+  int64_t rank;
+  const char* output;
+  double error;
+};
+
+// Every output of every rank against the reference.
+inline std::vector<OutputError> reference_errors(const DeviceLayer& got, const ReferenceLayer& want) {
   const auto out = got.out_TD(), grad_x = got.grad_x_TD(), grad_scores = got.grad_scores_TK();
   const auto grad_w13 = got.grad_w13(), grad_w2 = got.grad_w2();
+  std::vector<OutputError> errors;
   for (int64_t r = 0; r < want.ranks; ++r) {
-    SCOPED_TRACE("rank " + std::to_string(r));
-    EXPECT_LT(relative_error_to(out[r], want.out[r]), tolerance) << "out_TD";
-    EXPECT_LT(relative_error_to(grad_x[r], want.grads[r].grad_x_TD), tolerance) << "grad_x_TD";
-    EXPECT_LT(relative_error_to(grad_scores[r], want.grads[r].grad_scores_TK), tolerance) << "grad_scores_TK";
-    EXPECT_LT(relative_error_to(grad_w13[r], want.grads[r].grad_w13), tolerance) << "grad_w13";
-    EXPECT_LT(relative_error_to(grad_w2[r], want.grads[r].grad_w2), tolerance) << "grad_w2";
+    const reference::RankGradients& g = want.grads[r];
+    errors.push_back({r, "out_TD", relative_error_to(out[r], want.out[r])});
+    errors.push_back({r, "grad_x_TD", relative_error_to(grad_x[r], g.grad_x_TD)});
+    errors.push_back({r, "grad_scores_TK", relative_error_to(grad_scores[r], g.grad_scores_TK)});
+    errors.push_back({r, "grad_w13", relative_error_to(grad_w13[r], g.grad_w13)});
+    errors.push_back({r, "grad_w2", relative_error_to(grad_w2[r], g.grad_w2)});
   }
+  return errors;
+}
+
+// Every output of every rank within `tolerance` of the reference (relative L2; a NaN fails).
+inline void expect_matches_reference(const DeviceLayer& got, const ReferenceLayer& want, double tolerance = 1e-2) {
+  for (const OutputError& e : reference_errors(got, want))
+    EXPECT_LT(e.error, tolerance) << e.output << " of rank " << e.rank;
 }
 
 }  // namespace poise::testing
