@@ -2,6 +2,8 @@
 // (pipeline/staged_pipeline.hpp), each stage announced to the hook before it is enqueued.
 #include "pipeline/staged_pipeline.hpp"
 
+#include <algorithm>
+#include <array>
 #include <string>
 #include <utility>
 #include <vector>
@@ -48,43 +50,41 @@ void validate_forward_args(const ForwardArgs& a, int slot, const ForwardArgs& fi
   if (a.clip_counts_E2) require_pointer(a.clip_counts_E2, slot, "clip_counts_E2", 8);
 }
 
-bool has_prepared_fp8(const ForwardArgs& a) { return a.w13_fp8 || a.w13_fp8_scales || a.w2_fp8 || a.w2_fp8_scales; }
-bool has_prepared_fp8_t(const BackwardArgs& a) {
-  return a.w13_fp8_t || a.w13_fp8_t_scales || a.w2_fp8_t || a.w2_fp8_t_scales;
+// One set of prepared FP8 weights: w13's values and scales, then w2's, each with its field name.
+struct PreparedSet {
+  std::array<const void*, 4> pointers;
+  std::array<const char*, 4> names;
+  bool set() const { return std::any_of(pointers.begin(), pointers.end(), [](const void* p) { return p != nullptr; }); }
+};
+PreparedSet forward_set(const ForwardArgs& a) {
+  return {{a.w13_fp8, a.w13_fp8_scales, a.w2_fp8, a.w2_fp8_scales},
+          {"w13_fp8", "w13_fp8_scales", "w2_fp8", "w2_fp8_scales"}};
+}
+PreparedSet transposed_set(const BackwardArgs& a) {
+  return {{a.w13_fp8_t, a.w13_fp8_t_scales, a.w2_fp8_t, a.w2_fp8_t_scales},
+          {"w13_fp8_t", "w13_fp8_t_scales", "w2_fp8_t", "w2_fp8_t_scales"}};
 }
 
-// Prepared FP8 weights (ForwardArgs::w13_fp8 ...): only where the GEMMs are FP8, all four (the
-// missing one named), values 16-byte aligned (TMA), scales 4; on every rank or none.
-// Config::prepared_fp8_weights (`required`): every forward passes them (no scratch to quantize into).
+// Prepared FP8 weights (ForwardArgs::w13_fp8 ..., BackwardArgs::w13_fp8_t ...): only where the GEMMs
+// are FP8, all four (the missing one named), values 16-byte aligned (TMA), scales 4; on every rank
+// or none.
+void validate_prepared_set(const PreparedSet& p, int slot, const PreparedSet& first, bool fp8) {
+  if (p.set()) {
+    require(fp8, arg_name(slot, p.names[0]), "prepared FP8 weights are read only with gemm_precision fp8_block_scaled");
+    for (int i = 0; i < 4; ++i) require_pointer(p.pointers[i], slot, p.names[i], i % 2 == 0 ? 16 : 4);
+  }
+  require(p.set() == first.set(), arg_name(slot, p.names[0]),
+          "prepared FP8 weights must be set on every rank of one call or on none");
+}
+
+// The forward's; Config::prepared_fp8_weights (`required`): every forward passes them (no scratch
+// to quantize into).
 void validate_prepared_fp8(const ForwardArgs& a, int slot, const ForwardArgs& first, bool fp8, bool required) {
-  const bool prepared = has_prepared_fp8(a);
-  require(prepared || !required, arg_name(slot, "w13_fp8"),
+  const PreparedSet set = forward_set(a);
+  require(set.set() || !required, arg_name(slot, "w13_fp8"),
           "Config::prepared_fp8_weights: every forward passes the prepared FP8 weights (w13_fp8, w13_fp8_scales, "
           "w2_fp8, w2_fp8_scales); the plan holds no scratch to quantize w13 and w2 into");
-  if (prepared) {
-    require(fp8, arg_name(slot, "w13_fp8"),
-            "prepared FP8 weights are read only with gemm_precision fp8_block_scaled");
-    require_pointer(a.w13_fp8, slot, "w13_fp8", 16);
-    require_pointer(a.w13_fp8_scales, slot, "w13_fp8_scales", 4);
-    require_pointer(a.w2_fp8, slot, "w2_fp8", 16);
-    require_pointer(a.w2_fp8_scales, slot, "w2_fp8_scales", 4);
-  }
-  require(prepared == has_prepared_fp8(first), arg_name(slot, "w13_fp8"),
-          "prepared FP8 weights must be set on every rank of one call or on none");
-}
-
-// The prepared transposed copies (BackwardArgs::w13_fp8_t ...): as the forward's, on every rank or none.
-void validate_prepared_fp8_t(const BackwardArgs& a, int slot, const BackwardArgs& first, bool fp8) {
-  const bool prepared = has_prepared_fp8_t(a);
-  if (prepared) {
-    require(fp8, arg_name(slot, "w13_fp8_t"), "prepared FP8 weights are read only with gemm_precision fp8_block_scaled");
-    require_pointer(a.w13_fp8_t, slot, "w13_fp8_t", 16);
-    require_pointer(a.w13_fp8_t_scales, slot, "w13_fp8_t_scales", 4);
-    require_pointer(a.w2_fp8_t, slot, "w2_fp8_t", 16);
-    require_pointer(a.w2_fp8_t_scales, slot, "w2_fp8_t_scales", 4);
-  }
-  require(prepared == has_prepared_fp8_t(first), arg_name(slot, "w13_fp8_t"),
-          "prepared FP8 weights must be set on every rank of one call or on none");
+  validate_prepared_set(set, slot, forward_set(first), fp8);
 }
 
 // gemm_precision fp8_block_scaled: what the FP8 GEMMs do not take yet (sm90/expert_mlp_fp8.hpp).
@@ -219,7 +219,7 @@ LaunchIo StagedPipeline::backward_io(std::span<const BackwardArgs> args) const {
             "must be the same for every slot of one call");
     require(a.wgrad_dtype == args[0].wgrad_dtype, arg_name(s, "wgrad_dtype"),
             "must be the same for every slot of one call");
-    validate_prepared_fp8_t(a, s, args[0], launch_.dims.fp8 != 0);
+    validate_prepared_set(transposed_set(a), s, transposed_set(args[0]), launch_.dims.fp8 != 0);
     RankIo& r = io.rank[s];
     r.w13_fp8_t = static_cast<const uint8_t*>(a.w13_fp8_t);
     r.w13_fp8_t_scales = a.w13_fp8_t_scales;

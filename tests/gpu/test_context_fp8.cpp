@@ -470,6 +470,25 @@ TEST_P(ContextFp8Refusals, UnbuiltCallOptionsAreRefusedByName) {
   expect_out_matches(layer.device->out_TD(), layer.want, c, "options_R" + std::to_string(R));
 }
 
+// One rank's prepared FP8 weights in device buffers: its w13 and w2 (ForwardArgs) quantized by
+// poise::quantize_fp8_weight_blocks, or each matrix transposed (quantize_fp8_weight_blocks_transposed).
+struct Prepared {
+  std::unique_ptr<DeviceBytes> w13, w13_scales, w2, w2_scales;
+};
+Prepared prepare(const ForwardArgs& a, int64_t E, int64_t D, int64_t F, bool transposed, cudaStream_t stream) {
+  const auto quantize = transposed ? quantize_fp8_weight_blocks_transposed : quantize_fp8_weight_blocks;
+  auto blocks = [](int64_t n) { return (n + 127) / 128; };
+  Prepared p;
+  p.w13 = std::make_unique<DeviceBytes>(size_t(E * 2 * F * D));
+  p.w13_scales = std::make_unique<DeviceBytes>(size_t(E * blocks(2 * F) * blocks(D)) * 4);
+  p.w2 = std::make_unique<DeviceBytes>(size_t(E * D * F));
+  p.w2_scales = std::make_unique<DeviceBytes>(size_t(E * blocks(D) * blocks(F)) * 4);
+  quantize(a.w13, E, 2 * F, D, static_cast<uint8_t*>(p.w13->data()), static_cast<float*>(p.w13_scales->data()),
+           stream);
+  quantize(a.w2, E, D, F, static_cast<uint8_t*>(p.w2->data()), static_cast<float*>(p.w2_scales->data()), stream);
+  return p;
+}
+
 // Prepared weights (ForwardArgs::w13_fp8 ..., quantized by poise::quantize_fp8_weight_blocks as an
 // optimizer step would) give the bits of the call's own quantization: the same kernel, the same
 // blocks; so do the backward's prepared transposed copies (BackwardArgs::w13_fp8_t ...). Then a
@@ -483,24 +502,10 @@ TEST_P(ContextFp8Refusals, PreparedWeightsGiveTheBitsOfTheCallsQuantization) {
   const Config c = fp8_config(R, Balance::exact, kSwiglu);
   Layer layer = make_layer(c, R, seed, /*hot=*/true);
   const int64_t E = c.num_local_experts(R), D = c.hidden_dim, F = c.intermediate_dim;
-  auto blocks = [](int64_t n) { return (n + 127) / 128; };
   testing::TestStream stream;
-  struct Prepared {
-    std::unique_ptr<DeviceBytes> w13, w13_scales, w2, w2_scales;
-  };
-  std::vector<Prepared> prepared(R);
+  std::vector<Prepared> prepared;
   std::vector<ForwardArgs> args(layer.device->forward_args().begin(), layer.device->forward_args().end());
-  for (int64_t r = 0; r < R; ++r) {
-    Prepared& p = prepared[r];
-    p.w13 = std::make_unique<DeviceBytes>(size_t(E * 2 * F * D));
-    p.w13_scales = std::make_unique<DeviceBytes>(size_t(E * blocks(2 * F) * blocks(D)) * 4);
-    p.w2 = std::make_unique<DeviceBytes>(size_t(E * D * F));
-    p.w2_scales = std::make_unique<DeviceBytes>(size_t(E * blocks(D) * blocks(F)) * 4);
-    quantize_fp8_weight_blocks(args[r].w13, E, 2 * F, D, static_cast<uint8_t*>(p.w13->data()),
-                               static_cast<float*>(p.w13_scales->data()), stream);
-    quantize_fp8_weight_blocks(args[r].w2, E, D, F, static_cast<uint8_t*>(p.w2->data()),
-                               static_cast<float*>(p.w2_scales->data()), stream);
-  }
+  for (int64_t r = 0; r < R; ++r) prepared.push_back(prepare(args[r], E, D, F, /*transposed=*/false, stream));
   auto context = testing::make_context(c, R);
   routed_experts_forward(*context, layer.device->forward_args(), stream);
   context->check(stream);
@@ -578,18 +583,10 @@ TEST_P(ContextFp8Refusals, PreparedWeightsGiveTheBitsOfTheCallsQuantization) {
   // The backward's transposed copies prepared too (BackwardArgs::w13_fp8_t ...,
   // poise::quantize_fp8_weight_blocks_transposed): DGRAD reads them, the same bits; a half-set is
   // refused by name.
-  std::vector<Prepared> transposed(R);
+  std::vector<Prepared> transposed;
   std::vector<BackwardArgs> backward_args(layer.device->backward_args().begin(), layer.device->backward_args().end());
   for (int64_t r = 0; r < R; ++r) {
-    Prepared& t = transposed[r];
-    t.w13 = std::make_unique<DeviceBytes>(size_t(E * 2 * F * D));
-    t.w13_scales = std::make_unique<DeviceBytes>(size_t(E * blocks(D) * blocks(2 * F)) * 4);
-    t.w2 = std::make_unique<DeviceBytes>(size_t(E * D * F));
-    t.w2_scales = std::make_unique<DeviceBytes>(size_t(E * blocks(F) * blocks(D)) * 4);
-    quantize_fp8_weight_blocks_transposed(args[r].w13, E, 2 * F, D, static_cast<uint8_t*>(t.w13->data()),
-                                          static_cast<float*>(t.w13_scales->data()), stream);
-    quantize_fp8_weight_blocks_transposed(args[r].w2, E, D, F, static_cast<uint8_t*>(t.w2->data()),
-                                          static_cast<float*>(t.w2_scales->data()), stream);
+    const Prepared& t = transposed.emplace_back(prepare(args[r], E, D, F, /*transposed=*/true, stream));
     BackwardArgs& b = backward_args[r];
     b.w13_fp8_t = t.w13->data();
     b.w13_fp8_t_scales = static_cast<const float*>(t.w13_scales->data());

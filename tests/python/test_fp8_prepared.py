@@ -195,8 +195,19 @@ def stand_in(monkeypatch, context):
     return context, seen
 
 
-def leaves_of(inputs):
-    return {n: t.clone().requires_grad_(n != "ids_TK") for n, t in inputs.items()}
+def leaves_of(inputs, accumulate_wgrad=False):
+    """Fresh leaves of the inputs; with accumulate_wgrad, w13 and w2 get zero fp32 .main_grad buffers."""
+    leaves = {n: t.clone().requires_grad_(n != "ids_TK") for n, t in inputs.items()}
+    if accumulate_wgrad:
+        for name in ("w13", "w2"):
+            leaves[name].main_grad = torch.zeros(leaves[name].shape, dtype=torch.float32)
+    return leaves
+
+
+def grads_of(leaves, accumulate_wgrad):
+    """The grads the step left: x_TD's, scores_TK's, and w13's / w2's (.main_grad with accumulate_wgrad)."""
+    return ([leaves[n].grad for n in ("x_TD", "scores_TK")] +
+            [leaves[n].main_grad if accumulate_wgrad else leaves[n].grad for n in ("w13", "w2")])
 
 
 @pytest.mark.parametrize("accumulate_wgrad", [False, True])
@@ -210,16 +221,11 @@ def test_the_prepared_forward_differentiates_its_five_tensors(inputs, prepared, 
     grad_out = torch.randn(CONFIG.num_local_input_tokens, D, generator=torch.Generator().manual_seed(3)).bfloat16()
     results = []
     for with_prepared in (False, True):
-        leaves = leaves_of(inputs)
-        if accumulate_wgrad:
-            for name in ("w13", "w2"):
-                leaves[name].main_grad = torch.zeros(leaves[name].shape, dtype=torch.float32)
+        leaves = leaves_of(inputs, accumulate_wgrad)
         result = call(leaves, context, options=options, prepared=prepared if with_prepared else None)
         out, counts = result if clip_statistics else (result, None)
         out.backward(grad_out)
-        grads = [leaves[n].grad for n in ("x_TD", "scores_TK")]
-        grads += [leaves[n].main_grad if accumulate_wgrad else leaves[n].grad for n in ("w13", "w2")]
-        results.append((out.detach(), counts, grads))
+        results.append((out.detach(), counts, grads_of(leaves, accumulate_wgrad)))
     forwards = [p for p in seen if not (isinstance(p, tuple) and p[0] == "backward")]
     assert [p is not None for p in forwards[-2:]] == [False, True]
     assert all(a is b for a, b in zip(forwards[-1], (prepared.w13, prepared.w13_scales, prepared.w2, prepared.w2_scales)))
@@ -243,14 +249,10 @@ def test_the_transposed_copies_reach_the_backward(inputs, stand_in, path, accumu
     grad_out = torch.randn(CONFIG.num_local_input_tokens, D, generator=torch.Generator().manual_seed(5)).bfloat16()
     grads = []
     for with_t in (False, True):
-        leaves = leaves_of(inputs)
-        if accumulate_wgrad:
-            for name in ("w13", "w2"):
-                leaves[name].main_grad = torch.zeros(leaves[name].shape, dtype=torch.float32)
+        leaves = leaves_of(inputs, accumulate_wgrad)
         prepared = prepared_t if with_t else poise.prepare_weights(inputs["w13"], inputs["w2"])
         call(leaves, context, options=options, prepared=prepared).backward(grad_out)
-        grads.append([leaves[n].grad for n in ("x_TD", "scores_TK")] +
-                     [leaves[n].main_grad if accumulate_wgrad else leaves[n].grad for n in ("w13", "w2")])
+        grads.append(grads_of(leaves, accumulate_wgrad))
     backwards = [p[1] for p in seen if isinstance(p, tuple) and p[0] == "backward"]
     assert backwards[-2] is None
     assert all(a is b for a, b in zip(backwards[-1], (prepared_t.w13_t, prepared_t.w13_t_scales, prepared_t.w2_t,

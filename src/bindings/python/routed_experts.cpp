@@ -240,6 +240,22 @@ const char* to_string(W13Layout layout) {
   return layout == W13Layout::gate_up_blocked ? "gate_up_blocked" : "gate_up_interleaved";
 }
 
+// poise::quantize_fp8_weight_blocks or its transposed twin on device addresses.
+using WeightBlocks = void (*)(const void*, int64_t, int64_t, int64_t, uint8_t*, float*, Stream);
+template <WeightBlocks kQuantize>
+void bind_weight_blocks(nb::module_& m, const char* name, const char* doc) {
+  m.def(
+      name,
+      [](uintptr_t w, int64_t matrices, int64_t rows, int64_t cols, uintptr_t values, uintptr_t scales,
+         uintptr_t stream) {
+        nb::gil_scoped_release release;
+        kQuantize(reinterpret_cast<const void*>(w), matrices, rows, cols, reinterpret_cast<uint8_t*>(values),
+                  reinterpret_cast<float*>(scales), reinterpret_cast<Stream>(stream));
+      },
+      "w"_a, "matrices"_a, "rows"_a, "cols"_a, "values"_a, "scales"_a, "stream"_a,
+      doc);
+}
+
 void bind_routed_experts(nb::module_& m) {
   m.def("routed_experts_forward", &forward, "context"_a, "x_TD"_a, "ids_TK"_a, "scores_TK"_a, "scores_dtype"_a,
         "w13"_a, "w13_layout"_a, "w2"_a, "out_TD"_a, "stream"_a, "clip_counts_E2"_a = 0, "keep_for_backward"_a = true,
@@ -280,27 +296,11 @@ void bind_routed_experts(nb::module_& m) {
         "poise::routed_experts_backward over the launch ranks of a virtual-ranks context: one address per rank "
         "in each list (wgrad_dtype as for routed_experts_backward; b13, b2, grad_b13, grad_b2: empty, or one "
         "per rank).");
-  m.def(
-      "quantize_fp8_weight_blocks",
-      [](uintptr_t w, int64_t matrices, int64_t rows, int64_t cols, uintptr_t values, uintptr_t scales,
-         uintptr_t stream) {
-        nb::gil_scoped_release release;
-        quantize_fp8_weight_blocks(reinterpret_cast<const void*>(w), matrices, rows, cols,
-                                   reinterpret_cast<uint8_t*>(values), reinterpret_cast<float*>(scales),
-                                   reinterpret_cast<Stream>(stream));
-      },
-      "w"_a, "matrices"_a, "rows"_a, "cols"_a, "values"_a, "scales"_a, "stream"_a,
+  bind_weight_blocks<quantize_fp8_weight_blocks>(
+      m, "quantize_fp8_weight_blocks",
       "poise::quantize_fp8_weight_blocks on device addresses (integers) and a cudaStream_t (integer).");
-  m.def(
-      "quantize_fp8_weight_blocks_transposed",
-      [](uintptr_t w, int64_t matrices, int64_t rows, int64_t cols, uintptr_t values, uintptr_t scales,
-         uintptr_t stream) {
-        nb::gil_scoped_release release;
-        quantize_fp8_weight_blocks_transposed(reinterpret_cast<const void*>(w), matrices, rows, cols,
-                                              reinterpret_cast<uint8_t*>(values), reinterpret_cast<float*>(scales),
-                                              reinterpret_cast<Stream>(stream));
-      },
-      "w"_a, "matrices"_a, "rows"_a, "cols"_a, "values"_a, "scales"_a, "stream"_a,
+  bind_weight_blocks<quantize_fp8_weight_blocks_transposed>(
+      m, "quantize_fp8_weight_blocks_transposed",
       "poise::quantize_fp8_weight_blocks_transposed on device addresses (integers) and a cudaStream_t (integer).");
   m.def("context_check", &check, "context"_a, "stream"_a,
         "Context::check: waits for the stream, then raises DeviceError for a device-side fault of the last calls.");
