@@ -60,7 +60,8 @@ def routed_experts(
     and a backward read them). Not on BF16 contexts (InvalidArgument naming ``prepared``), not on CPU
     contexts yet (NotAvailable naming ``prepared``: the reference engine quantizes w13 and w2
     itself), not with expert biases or transposed weights (not built in FP8); the prepared tensors
-    get no grads.
+    get no grads. Prepared with ``transposed=True``, its transposed copies are kept for the backward,
+    whose DGRAD reads them instead of quantizing w13 and w2 transposed (the same bits).
     """
     options = ExecutionOptions() if options is None else options
     if (b13 is None) != (b2 is None):  # the op checks the rest (check_biases)
