@@ -155,6 +155,9 @@ class Engine {
 struct DenseFloat64Result {
   std::vector<std::vector<double>> out_TD, grad_x_TD, grad_scores_TK, grad_w13, grad_w2;  // per rank
   std::vector<std::vector<double>> grad_b13, grad_b2;  // per rank, layers with biases (else empty)
+  // Per rank [T, K]: sum_d |grad_out[t,d] y[t,k,d]|, the magnitude of the terms of each score's
+  // gradient (a dot product): what its rounding errors are relative to where it cancels.
+  std::vector<std::vector<double>> grad_score_terms_TK;
 };
 
 // Backward is computed when grad_out_TD_per_rank is not empty.

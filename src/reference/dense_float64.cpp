@@ -76,6 +76,7 @@ DenseFloat64Result dense_float64(const Config& config, int64_t ep_size,
   if (with_backward) {
     result.grad_x_TD.assign(ep_size, std::vector<double>(T * D, 0.0));
     result.grad_scores_TK.assign(ep_size, std::vector<double>(T * K, 0.0));
+    result.grad_score_terms_TK.assign(ep_size, std::vector<double>(T * K, 0.0));
     result.grad_w13.assign(ep_size, std::vector<double>(local * 2 * F * D, 0.0));
     result.grad_w2.assign(ep_size, std::vector<double>(local * D * F, 0.0));
     if (biased) {
@@ -112,9 +113,13 @@ DenseFloat64Result dense_float64(const Config& config, int64_t ep_size,
         if (!with_backward) continue;
 
         const float* grad_out = grad_out_TD_per_rank[r].data() + t * D;
-        double grad_score = 0.0;
-        for (int64_t d = 0; d < D; ++d) grad_score += double{grad_out[d]} * y[d];
+        double grad_score = 0.0, terms = 0.0;
+        for (int64_t d = 0; d < D; ++d) {
+          grad_score += double{grad_out[d]} * y[d];
+          terms += std::abs(double{grad_out[d]} * y[d]);
+        }
         result.grad_scores_TK[r][t * K + k] = grad_score;
+        result.grad_score_terms_TK[r][t * K + k] = terms;
         // grad_y = score * grad_out
         std::fill(grad_a.begin(), grad_a.end(), 0.0);
         for (int64_t d = 0; d < D; ++d) {

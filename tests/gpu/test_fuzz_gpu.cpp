@@ -10,7 +10,7 @@
 // (gemm_precision fp8_block_scaled, WGRAD in BF16 or FP8; blocked W13, clamp limits 3 and 7) against
 // the FP8 reference, within kFp8Tolerance: the H200's FP8 MMA sums with fewer bits than the
 // reference's fp32, and in small tensors one e4m3 value rounding the other way weighs more (the
-// worst FP8 error of the run is printed).
+// worst FP8 error of the run is printed). BF16 score gradients that cancel: scores_within_their_terms.
 //
 // POISE_FUZZ_CASES cases (default 200) from POISE_FUZZ_SEED (default fixed). A case is built from its
 // own seed alone (case 0's is the base seed), printed on failure: POISE_FUZZ_SEED=<seed>
@@ -29,6 +29,7 @@
 #include <future>
 #include <limits>
 #include <map>
+#include <optional>
 #include <random>
 #include <string>
 #include <thread>
@@ -311,6 +312,23 @@ double worst_error(const DeviceLayer& got, const ReferenceLayer& want) {
   return worst;
 }
 
+// grad_scores_TK are dot products over D that may cancel: there the BF16 reference's own rounding
+// (its y rows are bf16) is a large part of the result (seen: 1.26e-2 from float64 over a rank's two
+// scores at T = 2). A rank of a BF16 case beyond the tolerance in relative L2 still passes when every
+// score lies within kTolerance x sum_d |grad_out_d y_d| of float64 (dense_float64, computed once per
+// case when needed): the scale a dot product's rounding errors are relative to.
+bool scores_within_their_terms(const DeviceLayer& got, const ReferenceLayer& want, int64_t rank,
+                               std::optional<reference::DenseFloat64Result>& exact) {
+  if (want.config.gemm_precision != GemmPrecision::bf16) return false;  // FP8: float64 is not the oracle
+  if (!exact) exact = reference::dense_float64(want.config, want.ranks, want.inputs, want.grad_out, want.options);
+  const std::vector<float> scores = got.grad_scores_TK()[rank];
+  const std::vector<double>& value = exact->grad_scores_TK[rank];
+  const std::vector<double>& terms = exact->grad_score_terms_TK[rank];
+  for (size_t i = 0; i < scores.size(); ++i)
+    if (!(std::abs(double(scores[i]) - value[i]) <= kTolerance * terms[i])) return false;  // a NaN fails
+  return true;
+}
+
 // Returns the case's worst error (0 when it raised).
 double run_case(const FuzzCase& fc, const ReferenceLayer& want, cudaStream_t stream) {
   auto context = testing::make_context(want.config, want.ranks);
@@ -323,7 +341,17 @@ double run_case(const FuzzCase& fc, const ReferenceLayer& want, cudaStream_t str
     return 0;
   }
   const bool fp8 = want.config.gemm_precision == GemmPrecision::fp8_block_scaled;
-  testing::expect_matches_reference(layer, want, fp8 ? kFp8Tolerance : kTolerance);
+  const double tolerance = fp8 ? kFp8Tolerance : kTolerance;
+  std::optional<reference::DenseFloat64Result> exact;
+  for (const testing::OutputError& e : testing::reference_errors(layer, want)) {
+    if (e.error < tolerance) continue;
+    if (std::string(e.output) == "grad_scores_TK" && scores_within_their_terms(layer, want, e.rank, exact)) {
+      std::printf("fuzz: grad_scores_TK of rank %lld %.2e from the reference, within its terms of float64\n",
+                  static_cast<long long>(e.rank), e.error);
+      continue;
+    }
+    ADD_FAILURE() << e.output << " of rank " << e.rank << ": " << e.error << " relative L2, bound " << tolerance;
+  }
   return worst_error(layer, want);
 }
 
