@@ -86,20 +86,34 @@ void quantize_group_weights(const bf16* w13, const bf16* w2, int64_t groups, con
   if (w2) quantize(w2, groups, D, F, values(into.w2), scales(into.w2), stream, rows_G);
 }
 
-// Rank s's FP8 weights for the call: its own experts' from the call's BF16 weights into `own` (unless
-// they came prepared), its replica slots' from the workspace (their owners' BF16 weights: the same
-// bits as the owner's own quantization) into `replica`; W2 too when with_w2.
-void quantize_rank_weights(const EpLaunch& l, const RankIo& in, int s, const sm90::GroupedRows& rows, bool own_too,
-                           bool with_w2, bool transposed, const Fp8GroupWeights& own, const Fp8GroupWeights& replica,
-                           cudaStream_t stream) {
+// Rank s's FP8 weights for the call, as stored (the forward's) or transposed (DGRAD's): its own
+// experts' as the caller prepared them (ForwardArgs::w13_fp8 ..., BackwardArgs::w13_fp8_t ...) or
+// else quantized here from the call's BF16 weights into the scratch; its replica slots' quantized
+// from the workspace (their owners' BF16 weights: the same bits as the owner's own quantization).
+// W2 too when with_w2.
+struct RankFp8Weights {
+  Fp8GroupWeights own, replica;
+};
+RankFp8Weights rank_fp8_weights(const EpLaunch& l, const RankIo& in, int s, const sm90::GroupedRows& rows,
+                                bool with_w2, bool transposed, cudaStream_t stream) {
   const int64_t D = l.dims.D, F = l.dims.F, own_groups = l.dims.E_local;
-  if (own_too) {
+  const Fp8Scratch& q = l.scratch.rank[s].fp8;
+  const Fp8GroupWeights prepared =
+      transposed ? Fp8GroupWeights{{in.w13_fp8_t, in.w13_fp8_t_scales}, {in.w2_fp8_t, in.w2_fp8_t_scales}}
+                 : Fp8GroupWeights{{in.w13_fp8, in.w13_fp8_scales}, {in.w2_fp8, in.w2_fp8_scales}};
+  const bool own_prepared = prepared.w13.values != nullptr;
+  // The scratch holds the replica slots' only where the own experts' always come prepared.
+  const RankFp8Weights w{own_prepared ? prepared : fp8_weights_from(q, 0, D, F),
+                         fp8_weights_from(q, l.dims.fp8_weights_prepared ? 0 : own_groups, D, F)};
+  if (!own_prepared) {
     quantize_group_weights(in.w13_E2FD, with_w2 ? in.w2_EDF : nullptr, own_groups, rows.row_counts_E, D, F, transposed,
-                           own, stream);
+                           w.own, stream);
   }
-  if (rows.first_replica < 0) return;
-  quantize_group_weights(replica_w13(l, s), with_w2 ? replica_w2(l, s) : nullptr, l.dims.groups - own_groups,
-                         rows.row_counts_E + own_groups, D, F, transposed, replica, stream);
+  if (rows.first_replica >= 0) {
+    quantize_group_weights(replica_w13(l, s), with_w2 ? replica_w2(l, s) : nullptr, l.dims.groups - own_groups,
+                           rows.row_counts_E + own_groups, D, F, transposed, w.replica, stream);
+  }
+  return w;
 }
 
 }  // namespace
@@ -119,22 +133,17 @@ void fp8_forward(const EpLaunch& l, const LaunchIo& io, int s, const sm90::Group
   const sm90::ExpertMlpShape shape = expert_mlp_shape(l.dims);
   const RankScratch& rs = l.scratch.rank[s];
   const Fp8Scratch& q = rs.fp8;
-  const int64_t D = l.dims.D, F = l.dims.F, own = l.dims.E_local, capacity = l.dims.capacity_rows;
+  const int64_t F = l.dims.F, capacity = l.dims.capacity_rows;
   const bool replicas = rows.first_replica >= 0;
-  const RankIo& in = io.rank[s];
-  const bool prepared = in.w13_fp8 != nullptr;  // else quantized here, into the scratch
-  const Fp8GroupWeights own_w = prepared ? Fp8GroupWeights{{in.w13_fp8, in.w13_fp8_scales}, {in.w2_fp8, in.w2_fp8_scales}}
-                                         : fp8_weights_from(q, 0, D, F);
-  const Fp8GroupWeights replica_w = fp8_weights_from(q, l.dims.fp8_weights_prepared ? 0 : own, D, F);
-  quantize_rank_weights(l, in, s, rows, !prepared, with_w2, /*transposed=*/false, own_w, replica_w, stream);
+  const RankFp8Weights w = rank_fp8_weights(l, io.rank[s], s, rows, with_w2, /*transposed=*/false, stream);
   // x rows arrived in FP8 (quantize_tokens_fp8 before dispatch); a is quantized up to the last
   // group's end, rows past it are read by no GEMM.
   const int32_t* rows_end = rs.group_offsets + l.dims.groups;
   const sm90::Fp8Rows x{rs.workspace + l.ws.recv_x, reinterpret_cast<const float*>(rs.workspace + l.ws.recv_x_scales)};
-  sm90::FpropW13Fp8Args a13{.x = x, .w13 = own_w.w13, .a_RF = rs.a_RF, .h13_R2F = rs.h13_R2F,
+  sm90::FpropW13Fp8Args a13{.x = x, .w13 = w.own.w13, .a_RF = rs.a_RF, .h13_R2F = rs.h13_R2F,
                             .h13_split = h13_split(l, rs)};
-  sm90::FpropW2Fp8Args a2{.a = {q.a_RF, q.a_scales}, .w2 = own_w.w2, .scatter = combine_scatter(l, s)};
-  if (replicas) a13.replica_w13 = replica_w.w13, a2.replica_w2 = replica_w.w2;
+  sm90::FpropW2Fp8Args a2{.a = {q.a_RF, q.a_scales}, .w2 = w.own.w2, .scatter = combine_scatter(l, s)};
+  if (replicas) a13.replica_w13 = w.replica.w13, a2.replica_w2 = w.replica.w2;
   sm90::expert_mlp_fprop_w13_fp8(rows, shape, a13, stream);
   if (!with_w2) return;
   quant::launch_row_tiles(rs.a_RF, capacity, F, q.a_RF, q.a_scales, stream, rows_end);
@@ -229,23 +238,17 @@ void fp8_backward(const EpLaunch& l, const LaunchIo& io, int s, const sm90::Grou
   const sm90::ExpertMlpShape shape = expert_mlp_shape(l.dims);
   const RankScratch& rs = l.scratch.rank[s];
   const Fp8Scratch& q = rs.fp8;
-  const int64_t D = l.dims.D, F = l.dims.F, own = l.dims.E_local, capacity = l.dims.capacity_rows;
+  const int64_t D = l.dims.D, F = l.dims.F, capacity = l.dims.capacity_rows;
   const bool replicas = rows.first_replica >= 0;
-  const RankIo& in = io.rank[s];
-  const bool prepared = in.w13_fp8_t != nullptr;  // else quantized here, into the scratch
-  const Fp8GroupWeights own_t = prepared ? Fp8GroupWeights{{in.w13_fp8_t, in.w13_fp8_t_scales}, {in.w2_fp8_t, in.w2_fp8_t_scales}}
-                                         : fp8_weights_from(q, 0, D, F);
-  const Fp8GroupWeights replica_t = fp8_weights_from(q, own, D, F);
-  quantize_rank_weights(l, in, s, rows, /*own_too=*/!prepared, /*with_w2=*/true, /*transposed=*/true, own_t, replica_t,
-                        stream);
+  const RankFp8Weights w_t = rank_fp8_weights(l, io.rank[s], s, rows, /*with_w2=*/true, /*transposed=*/true, stream);
   const int32_t* rows_end = rs.group_offsets + l.dims.groups;
   const sm90::Fp8Rows grad_rows{q.grad_tiles, q.grad_tile_scales};
   const sm90::DgradW2Args& b = bf16_dgrad_w2;
-  sm90::DgradW2Fp8Args dgrad_w2{.grad_y = grad_rows, .w2_t = own_t.w2, .h13_R2F = b.h13_R2F, .scores_R = b.scores_R,
+  sm90::DgradW2Fp8Args dgrad_w2{.grad_y = grad_rows, .w2_t = w_t.own.w2, .h13_R2F = b.h13_R2F, .scores_R = b.scores_R,
                                 .grad_h13_R2F = b.grad_h13_R2F, .a_RF = b.a_RF,
                                 .grad_score_partials_RP = b.grad_score_partials_RP, .h13_split = b.h13_split};
-  sm90::DgradW13Fp8Args dgrad_w13{.grad_h13 = grad_rows, .w13_t = own_t.w13, .scatter = combine_scatter(l, s)};
-  if (replicas) dgrad_w2.replica_w2_t = replica_t.w2, dgrad_w13.replica_w13_t = replica_t.w13;
+  sm90::DgradW13Fp8Args dgrad_w13{.grad_h13 = grad_rows, .w13_t = w_t.own.w13, .scatter = combine_scatter(l, s)};
+  if (replicas) dgrad_w2.replica_w2_t = w_t.replica.w2, dgrad_w13.replica_w13_t = w_t.replica.w13;
   quant::launch_row_tiles(static_cast<const bf16*>(b.grad_y_RD), capacity, D, q.grad_tiles, q.grad_tile_scales, stream, rows_end);
   sm90::expert_mlp_dgrad_w2_fp8(rows, shape, dgrad_w2, stream);
   quant::launch_row_tiles(static_cast<const bf16*>(rs.grad_h13_R2F), capacity, 2 * F, q.grad_tiles, q.grad_tile_scales, stream, rows_end);
