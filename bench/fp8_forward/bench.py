@@ -41,7 +41,7 @@ sys.path.insert(0, str(BENCH))  # bench/: the routed-experts bench, the FP8 ceil
 from fp8_gemm.ceiling import measure as measure_ceiling  # noqa: E402
 from routed_experts.bench import (  # noqa: E402
     SHAPES, TOLERANCE as BF16_TOLERANCE, baseline_forward, case_arguments, make_inputs, parse_case_arguments,
-    poise_config, rel_err, routing_name, run_benchmark)
+    poise_config, rel_err, routing_name, run_benchmark, timing_record)
 from timing import time_block  # noqa: E402
 
 DEFAULT_OUT = "bench/results/fp8_forward_h200.json"
@@ -196,6 +196,22 @@ def build_sides(name, inputs, args):
     return calls, contexts, unavailable
 
 
+def run_checked(side, run, calls, contexts, unavailable):
+    """run() for one side, then its context's check(): the result, or None when either raised (the
+    side then moves from calls to unavailable)."""
+    try:
+        result = run()
+        torch.cuda.synchronize()
+        if side in contexts:
+            contexts[side].check()
+        return result
+    except Exception as e:  # noqa: BLE001  recorded, the rest goes on
+        unavailable[side] = f"{type(e).__name__}: {e}"
+        print(f"{side} unavailable: {unavailable[side]}", flush=True)
+        del calls[side]
+        return None
+
+
 def check_sides(calls, contexts, unavailable):
     """Relative L2 of each side's out against the baseline's (and poise_fp8's against peer_fp8's and
     poise_fp8_prep's, which must be the same bits);
@@ -203,15 +219,8 @@ def check_sides(calls, contexts, unavailable):
     want = calls["baseline"]()
     outs, errors = {}, {}
     for side in [s for s in calls if s != "baseline"]:
-        try:
-            out = calls[side]()
-            torch.cuda.synchronize()
-            if side in contexts:
-                contexts[side].check()
-        except Exception as e:  # noqa: BLE001
-            unavailable[side] = f"{type(e).__name__}: {e}"
-            print(f"{side} unavailable: {unavailable[side]}", flush=True)
-            del calls[side]
+        out = run_checked(side, calls[side], calls, contexts, unavailable)
+        if out is None:
             continue
         errors[side] = rel_err(out, want)
         if side in ("poise_fp8", "peer_fp8", "poise_fp8_prep"):
@@ -252,20 +261,26 @@ def ceiling(name, args):
 
 
 # ---------------------------------------------------------------- records
+def timed_entries(block_ms, sides, flops):
+    """{side: {"ms": median over blocks, "tflops", "block_ms"}} for the sides that were timed."""
+    entries = {}
+    for side in sides:
+        if f"{side}_ms" in block_ms:
+            ms = statistics.median(block_ms[f"{side}_ms"])
+            entries[side] = {"ms": ms, "tflops": flops / ms / 1e9, "block_ms": block_ms[f"{side}_ms"]}
+    return entries
+
+
 def case_record(name, skew_target, skew, block_ms, errors, unavailable, ceiling_row, args):
     T, D, F, E, K = SHAPES[name]
     flops = 2.0 * T * K * D * 2 * F + 2.0 * T * K * F * D
     rec = {"shape": name, "T": T, "D": D, "F": F, "E_local": E, "K": K, "routing": routing_name(skew_target),
-           "skew": round(skew, 3), "flops_fwd": flops, "peer_align": args.peer_align, "sides": {}}
-    for side in SIDES:
-        if f"{side}_ms" not in block_ms:
-            continue
-        ms = statistics.median(block_ms[f"{side}_ms"])
-        entry = {"ms": ms, "tflops": flops / ms / 1e9, "block_ms": block_ms[f"{side}_ms"]}
+           "skew": round(skew, 3), "flops_fwd": flops, "peer_align": args.peer_align,
+           "sides": timed_entries(block_ms, SIDES, flops)}
+    for side, entry in rec["sides"].items():
         if side != "baseline":
             entry.update(rel_err_out_vs_baseline=errors[side], tolerance=tolerance(side),
                          correct=errors[side] < tolerance(side))
-        rec["sides"][side] = entry
     rec["unavailable"] = unavailable
     for pair in ("poise_fp8_vs_peer_fp8", "poise_fp8_prep_vs_poise_fp8"):
         if pair in errors:
@@ -281,18 +296,24 @@ def case_record(name, skew_target, skew, block_ms, errors, unavailable, ceiling_
             rec[f"poise_fp8_of_{key.removesuffix('_tflops')}"] = rec["sides"]["poise_fp8"]["tflops"] / ceiling_row[key]
     # the Poise sides must run and be right; an unavailable peer is recorded, not a failure
     # prepared weights give the call's own quantization's bits
-    rec["correct"] = (all(s in rec["sides"] for s in args.sides if s.startswith("poise"))
-                      and all(v.get("correct", True) for v in rec["sides"].values())
+    rec["correct"] = (poise_sides_ran_and_correct(rec, args.sides)
                       and errors.get("poise_fp8_prep_vs_poise_fp8", 0.0) == 0.0)
     return rec
 
 
+def poise_sides_ran_and_correct(rec, sides):
+    """Every Poise side among ``sides`` ran, and no side that ran is wrong (an unavailable peer is
+    recorded, not a failure)."""
+    return (all(s in rec["sides"] for s in sides if s.startswith("poise"))
+            and all(v.get("correct", True) for v in rec["sides"].values()))
+
+
 def report(records, args, commit, device, started):
     return {"benchmark": "fp8_forward", "commit": commit, "device": device, "torch": torch.__version__,
-            "timing": {"blocks": args.blocks, "reps": args.reps, "settle_s": args.settle_s, "warm_ms": args.warm_ms,
-                       "method": "forward under torch.no_grad; CUDA events around each call from an idle GPU; "
-                                 "per block the median of reps calls after settle_s idle and warm_ms of "
-                                 "warm-up; the sides' blocks alternated; records hold the median over blocks"},
+            "timing": timing_record(args, "forward under torch.no_grad; CUDA events around each call from an idle "
+                                          "GPU; per block the median of reps calls after settle_s idle and warm_ms "
+                                          "of warm-up; the sides' blocks alternated; records hold the median over "
+                                          "blocks"),
             "sides": {
                 "baseline": "bench/routed_experts/bench.py baseline_forward: eager BF16 sort-permute + "
                             "torch._grouped_mm + SwiGLU + torch._grouped_mm + scores + index_add_",

@@ -30,7 +30,6 @@ Needs an SM90 GPU and the poise module built (pip install .).
 from __future__ import annotations
 
 import pathlib
-import statistics
 import sys
 import time
 
@@ -39,10 +38,13 @@ import torch.nn.functional as Fn
 
 BENCH = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(BENCH))
-from fp8_forward.bench import PEER_ROW_ALIGN, gather_rows_fp8, quantize_rows, timed_blocks  # noqa: E402
+from fp8_forward.bench import (  # noqa: E402
+    PEER_ROW_ALIGN, gather_rows_fp8, poise_sides_ran_and_correct, quantize_rows, run_checked, timed_blocks,
+    timed_entries)
 from routed_experts.bench import (  # noqa: E402
     LEAVES, SHAPES, TOLERANCE as BF16_TOLERANCE, baseline_forward, case_arguments, make_inputs,
-    outputs_and_grads, parse_case_arguments, poise_config, rel_err, routing_name, run_benchmark, training_step)
+    outputs_and_grads, parse_case_arguments, poise_config, rel_err, routing_name, run_benchmark, timing_record,
+    training_step)
 
 DEFAULT_OUT = "bench/results/fp8_step_h200.json"
 # FP8 against the BF16 baseline (docs/fp8.md: 6-8% from float64 on one expert group for y and every
@@ -195,15 +197,8 @@ def check_sides(calls, contexts, unavailable, inputs):
     want = outputs_and_grads(calls["baseline"], inputs)
     errors, got_of = {}, {}
     for side in [s for s in calls if s != "baseline"]:
-        try:
-            got = outputs_and_grads(calls[side], inputs)
-            torch.cuda.synchronize()
-            if side in contexts:
-                contexts[side].check()
-        except Exception as e:  # noqa: BLE001
-            unavailable[side] = f"{type(e).__name__}: {e}"
-            print(f"{side} unavailable: {unavailable[side]}", flush=True)
-            del calls[side]
+        got = run_checked(side, lambda side=side: outputs_and_grads(calls[side], inputs), calls, contexts, unavailable)
+        if got is None:
             continue
         got_of[side] = got
         errors[side] = {k: (worst_expert if k in ("grad_w13", "grad_w2") else rel_err)(got[k], want[k])
@@ -223,32 +218,26 @@ def case_record(name, skew_target, skew, block_ms, errors, prep_same_bits, unava
     T, D, F, E, K = SHAPES[name]
     flops = 3 * 6.0 * T * K * D * F  # forward W13 + W2, and twice that backward (DGRAD + WGRAD)
     rec = {"shape": name, "T": T, "D": D, "F": F, "E_local": E, "K": K, "routing": routing_name(skew_target),
-           "skew": round(skew, 3), "flops_fwdbwd": flops, "sides": {}, "unavailable": unavailable}
-    for side in SIDES:
-        if f"{side}_ms" not in block_ms:
-            continue
-        ms = statistics.median(block_ms[f"{side}_ms"])
-        entry = {"ms": ms, "tflops": flops / ms / 1e9, "block_ms": block_ms[f"{side}_ms"]}
+           "skew": round(skew, 3), "flops_fwdbwd": flops, "sides": timed_entries(block_ms, SIDES, flops),
+           "unavailable": unavailable}
+    for side, entry in rec["sides"].items():
         if side != "baseline":
             entry.update(rel_err_vs_baseline=errors[side], tolerance=tolerance(side),
                          correct=all(v < tolerance(side) for v in errors[side].values()))
-        rec["sides"][side] = entry
     rec["poise_fp8_prep_same_bits_as_poise_fp8"] = prep_same_bits
     rec["ratios"] = {f"{a}_vs_{b}": rec["sides"][b]["ms"] / rec["sides"][a]["ms"]
                      for a, b in RATIOS if a in rec["sides"] and b in rec["sides"]}
     rec["goals"] = {k: v for (shape, k), v in GOALS.items() if shape == name}
-    rec["correct"] = (all(s in rec["sides"] for s in SIDES if s.startswith("poise"))
-                      and all(v.get("correct", True) for v in rec["sides"].values())
-                      and prep_same_bits is not False)
+    rec["correct"] = poise_sides_ran_and_correct(rec, SIDES) and prep_same_bits is not False
     return rec
 
 
 def report(records, args, commit, device, started):
     return {"benchmark": "fp8_step", "commit": commit, "device": device, "torch": torch.__version__,
-            "timing": {"blocks": args.blocks, "reps": args.reps, "settle_s": args.settle_s, "warm_ms": args.warm_ms,
-                       "method": "forward+backward (grads set to None, autograd grads of x, scores, w13, w2); "
-                                 "CUDA events around each step from an idle GPU; per block the median of reps "
-                                 "steps; the sides' blocks alternated; records hold the median over blocks"},
+            "timing": timing_record(args, "forward+backward (grads set to None, autograd grads of x, scores, w13, "
+                                          "w2); CUDA events around each step from an idle GPU; per block the median "
+                                          "of reps steps; the sides' blocks alternated; records hold the median over "
+                                          "blocks"),
             "sides": dict(zip(SIDES, [
                 "eager BF16 sort-permute + torch._grouped_mm + SwiGLU + torch._grouped_mm + scores + index_add_, "
                 "autograd",

@@ -76,6 +76,12 @@ def parse_case_arguments(ap, argv, positive=("blocks", "reps")):
     return args
 
 
+def timing_record(args, method):
+    """The report's "timing" entry: case_arguments' timing arguments and how the blocks were timed."""
+    return {"blocks": args.blocks, "reps": args.reps, "settle_s": args.settle_s, "warm_ms": args.warm_ms,
+            "method": method}
+
+
 def parse_args(argv=None):
     return parse_case_arguments(case_arguments(DEFAULT_OUT, "1,3"), argv)
 
@@ -259,10 +265,9 @@ def case_record(name, skew_target, skew, block_ms, errors):
 
 def report(records, args, commit, device, started):
     return {"benchmark": "routed_experts", "commit": commit, "device": device, "torch": torch.__version__,
-            "timing": {"blocks": args.blocks, "reps": args.reps, "settle_s": args.settle_s, "warm_ms": args.warm_ms,
-                       "method": "CUDA events around each call from an idle GPU; per block the median of reps "
-                                 "calls after settle_s idle and warm_ms of warm-up; baseline and Poise blocks "
-                                 "alternated; records hold the median over blocks"},
+            "timing": timing_record(args, "CUDA events around each call from an idle GPU; per block the median of "
+                                          "reps calls after settle_s idle and warm_ms of warm-up; baseline and "
+                                          "Poise blocks alternated; records hold the median over blocks"),
             "config": {"ep_size": 1, "balance": "capacity", "receive_capacity_factor": 1.0,
                        "scores": "fp32", "weight_grads": "bf16 (autograd, nn.Parameter)"},
             "tolerance": TOLERANCE, "seconds": round(time.perf_counter() - started, 1), "cases": records}
