@@ -47,13 +47,15 @@ TEST(Fp8WeightBlocks, ErrorsNameTheArgument) {
   EXPECT_EQ(rejected_name([&] { reference::quantize_fp8_weight_blocks(w, 2, 64, 64); }), "w");
   w[5] = 0.1f;  // not a bf16 value
   EXPECT_EQ(rejected_name([&] { reference::quantize_fp8_weight_blocks(w, 1, 64, 64); }), "w");
-  // The GPU entry point checks on the host first: no CUDA call is made for these.
+  // The GPU entry points (and the transposed one) check on the host first: no CUDA call is made for these.
   uint8_t values[1];
   float scales[1];
-  EXPECT_EQ(rejected_name([&] { quantize_fp8_weight_blocks(nullptr, 1, 64, 64, values, scales, nullptr); }), "w");
-  EXPECT_EQ(rejected_name([&] { quantize_fp8_weight_blocks(w.data(), 1, 64, 64, nullptr, scales, nullptr); }), "values");
-  EXPECT_EQ(rejected_name([&] { quantize_fp8_weight_blocks(w.data(), 1, 64, 64, values, nullptr, nullptr); }), "scales");
-  EXPECT_EQ(rejected_name([&] { quantize_fp8_weight_blocks(w.data(), 1, 64, 100, values, scales, nullptr); }), "cols");
+  for (auto quantize : {quantize_fp8_weight_blocks, quantize_fp8_weight_blocks_transposed}) {
+    EXPECT_EQ(rejected_name([&] { quantize(nullptr, 1, 64, 64, values, scales, nullptr); }), "w");
+    EXPECT_EQ(rejected_name([&] { quantize(w.data(), 1, 64, 64, nullptr, scales, nullptr); }), "values");
+    EXPECT_EQ(rejected_name([&] { quantize(w.data(), 1, 64, 64, values, nullptr, nullptr); }), "scales");
+    EXPECT_EQ(rejected_name([&] { quantize(w.data(), 1, 64, 100, values, scales, nullptr); }), "cols");
+  }
 }
 
 }  // namespace
