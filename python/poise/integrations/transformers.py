@@ -33,6 +33,7 @@ import functools
 from typing import Any, Callable, Optional
 
 import torch
+from torch import Tensor
 from transformers.activations import SiLUActivation
 from transformers.integrations.moe import ExpertsInterface, _default_apply_gate
 
@@ -106,6 +107,7 @@ class ContextCache:
     def __init__(self) -> None:
         self._contexts: dict[tuple, Context] = {}
         self._pass_opener: dict[tuple, int] = {}
+        self._inference_inputs: dict[tuple, PaddedInputs] = {}
 
     def get(self, key: tuple, make_config: Callable[[], Config], device: str) -> Context:
         """The context of ``key``; on the first call of a key, created from ``make_config()``."""
@@ -123,11 +125,22 @@ class ContextCache:
         if opener == id(module):
             context.select_activation_slot(0, context.config.max_moe_layers_per_activation_slot)
 
+    def inference_inputs(self, key: tuple, hidden_states: Tensor, top_k_index: Tensor, scores_dtype: torch.dtype,
+                         tokens: int) -> "PaddedInputs":
+        """The padded input buffers of inference calls of ``key`` with scores of ``scores_dtype``."""
+        buffers = self._inference_inputs.get((key, scores_dtype))
+        if buffers is None:
+            buffers = PaddedInputs(tokens, hidden_states.shape[1], top_k_index.shape[1], scores_dtype,
+                                   hidden_states.device)
+            self._inference_inputs[(key, scores_dtype)] = buffers
+        return buffers
+
     def release(self) -> None:
         for context in self._contexts.values():
             context.close()
         self._contexts.clear()
         self._pass_opener.clear()
+        self._inference_inputs.clear()
 
     def __len__(self) -> int:
         return len(self._contexts)
@@ -186,7 +199,11 @@ def poise_experts_forward(module: torch.nn.Module, hidden_states: torch.Tensor, 
     context = contexts.get(key, lambda: _layer_config(module, w13, form, tokens, top_k, training, layers), device)
     if training:
         contexts.open_pass_if_first_layer(key, context, module)
-    x_TD, ids_TK, scores_TK = _padded(hidden_states, top_k_index, top_k_weights, tokens)
+    if training or tokens == num_tokens or torch.compiler.is_compiling():
+        x_TD, ids_TK, scores_TK = _padded(hidden_states, top_k_index, top_k_weights, tokens)
+    else:
+        inputs = contexts.inference_inputs(key, hidden_states, top_k_index, _scores_dtype(top_k_weights), tokens)
+        x_TD, ids_TK, scores_TK = inputs.fill(hidden_states, top_k_index, top_k_weights)
     out_TD = routed_experts(x_TD, ids_TK, scores_TK, w13, w2, context, w13_layout=form.w13_layout,
                             weights_transposed=form.transposed, **biases)
     if _settings.record_routing:
@@ -212,18 +229,46 @@ def _layer_config(module: torch.nn.Module, w13: torch.Tensor, form: "ExpertsForm
                   max_moe_layers_per_activation_slot=layers, activation=activation, **clamp)
 
 
+def _scores_dtype(top_k_weights: Tensor) -> torch.dtype:
+    return top_k_weights.dtype if top_k_weights.dtype in (torch.bfloat16, torch.float32) else torch.float32
+
+
 def _padded(hidden_states, top_k_index, top_k_weights, tokens: int):
     """The call's rows, then padding rows up to ``tokens`` whose expert ids are -1 (no expert): they
-    are not dispatched or computed, so padding costs nothing but its bytes of x. Three ops, each one
-    kernel: at decode the host time per layer is what a step costs."""
+    are not dispatched or computed, so padding costs nothing but its bytes of x. New tensors, as
+    autograd keeps them for the backward (inference calls use PaddedInputs)."""
     pad = tokens - top_k_index.shape[0]
     ids_TK = top_k_index.to(torch.int32)
-    scores_TK = top_k_weights if top_k_weights.dtype in (torch.bfloat16, torch.float32) else top_k_weights.float()
+    scores_TK = top_k_weights.to(_scores_dtype(top_k_weights))
     if pad == 0:
         return hidden_states.contiguous(), ids_TK.contiguous(), scores_TK.contiguous()
     return (torch.nn.functional.pad(hidden_states, (0, 0, 0, pad)),
             torch.nn.functional.pad(ids_TK, (0, 0, 0, pad), value=-1),
             torch.nn.functional.pad(scores_TK, (0, 0, 0, pad)))
+
+
+class PaddedInputs:
+    """An inference context's padded inputs, kept between calls: each call copies its rows in (three
+    copies, no allocation), and the padding rows keep ids of -1, so their x and scores are never read.
+    At decode the host time per layer is what a step costs: a new padded set took seven kernels and
+    three allocations. Calls run in stream order (as the context's do), so a copy never overtakes
+    the previous call's reads."""
+
+    def __init__(self, tokens: int, hidden: int, top_k: int, scores_dtype: torch.dtype, device: torch.device):
+        self.x_TD = torch.empty(tokens, hidden, dtype=torch.bfloat16, device=device)
+        self.ids_TK = torch.full((tokens, top_k), -1, dtype=torch.int32, device=device)
+        self.scores_TK = torch.zeros(tokens, top_k, dtype=scores_dtype, device=device)
+        self._rows = 0  # rows the last call wrote: those past the next call's are reset to -1
+
+    def fill(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        rows = top_k_index.shape[0]
+        if rows < self._rows:
+            self.ids_TK[rows:self._rows].fill_(-1)
+        self._rows = rows
+        self.x_TD[:rows].copy_(hidden_states)
+        self.ids_TK[:rows].copy_(top_k_index)
+        self.scores_TK[:rows].copy_(top_k_weights)
+        return self.x_TD, self.ids_TK, self.scores_TK
 
 
 @dataclasses.dataclass(frozen=True)

@@ -74,13 +74,15 @@ def routed_experts(
         _refuse_compiled_accumulation(options)
     else:
         _check_before_the_op(tensors, context, options, weights_transposed, fp8)
-        if fp8 is None and context.config.prepared_fp8_weights:
+        if fp8 is None and context._cpp.config.prepared_fp8_weights:  # not .config: a Python copy per call
             raise InvalidArgument("prepared", "this context's Config has prepared_fp8_weights=True: every call "
                                               "passes poise.prepare_weights' tensors (the plan holds no scratch to "
                                               "quantize w13 and w2 into)")
         if autograd.plain_eager(tensors + (fp8 or ()) + (fp8_t or ())):
             call = autograd.EagerCall(context.handle, w13_layout, options.accumulate_wgrad, weights_transposed,
                                       options.clip_statistics, options.sync_check or context.sync_check, fp8, fp8_t)
+            if not _wants_grad(tensors[:1] + tensors[2:]):  # nothing to differentiate: no autograd node
+                return _sync_checked(autograd.eager_forward_without_grad(call, tensors), context, options)
             return _sync_checked(autograd.EagerForward.apply(call, *tensors), context, options)
     if fp8 is not None and b13 is not None:
         raise _biases_with_prepared()

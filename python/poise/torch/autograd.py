@@ -216,6 +216,13 @@ class EagerCall(NamedTuple):
     prepared_t: Optional[tuple[Tensor, ...]] = None
 
 
+def eager_forward_without_grad(call: EagerCall, tensors: Sequence[Tensor]):
+    """EagerForward's forward when no grad is wanted (inference, torch.no_grad): the engine call
+    alone, without an autograd node or saved state (their host time is what a decode step costs)."""
+    return ops.forward_on_engine(tensors, call.context_handle, call.w13_layout, call.weights_transposed,
+                                 call.clip_counts, call.prepared, call.prepared_t)
+
+
 class EagerForward(torch.autograd.Function):
     """poise::routed_experts_(biased_)forward(_clip_counts) called directly: the op's implementation,
     saved state and backward (_setup_one_rank, _tensor_grads) under a plain autograd.Function.
