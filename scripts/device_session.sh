@@ -21,6 +21,8 @@
 #                gpt-oss-20b-dims model (--family gpt_oss) -> $OUT/transformers_gpt_oss_h200.json
 #                (needs python first; $TRANSFORMERS_ARGS: more arguments to both;
 #                $TRANSFORMERS_FAMILIES: which, default "qwen3_moe gpt_oss"; at most 3 + 3 minutes)
+#     decodecall bench/transformers/decode_call.py: one Experts call at decode (8 tokens), host time per
+#                call of "poise" against "grouped_mm" -> $OUT/transformers_decode_call_h200.json (needs python first)
 #     padding    bench/free_padding/bench.py: a context of 8192 tokens serving 1024 (ids -1 padding)
 #                against one of 1024 -> $OUT/free_padding_h200.json (needs python first)
 #     fp8        bench/fp8_weights/bench.py: poise.prepare_weights refilling FP8 weights in place
@@ -106,6 +108,11 @@ part_transformers() {
       --commit "$commit" ${TRANSFORMERS_ARGS:-} > "$OUT/$log" 2>&1
     echo "transformers $family rc=$?"; grep -v "^\[transformers\]" "$OUT/$log" | tail -6
   done
+}
+part_decodecall() {
+  PYTHONUNBUFFERED=1 timeout 120 python3 bench/transformers/decode_call.py --out "$OUT/transformers_decode_call_h200.json" \
+    --commit "$commit" > "$OUT/decode_call.log" 2>&1
+  echo "decodecall rc=$?"; grep -E '"(host_us_median|grouped_mm_host_over_poise|poise_rel_l2_vs_grouped_mm)"' "$OUT/decode_call.log"
 }
 part_padding() {
   PYTHONUNBUFFERED=1 timeout 240 python3 bench/free_padding/bench.py --out "$OUT/free_padding_h200.json" \
