@@ -189,6 +189,32 @@ def test_padding_rows_get_no_gradient_and_add_nothing():
         assert relative_error(actual, expected) < TOLERANCE
 
 
+def test_inference_calls_reuse_their_padded_inputs_and_route_only_their_rows():
+    """Inference calls of 12, 3 and 9 tokens on one 16-token context: each copies its rows into the
+    padded inputs the context keeps (no new ones), the rows a larger call left behind name no expert
+    again (routing counts the call's own rows only), and the outputs equal eager's."""
+    model = tiny_model("qwen3_moe")
+    experts = model.model.layers[0].mlp.experts
+    poise_hf.configure(min_bucket_tokens=16, max_tokens=100, record_routing=True)
+    generator = torch.Generator().manual_seed(8)
+    addresses = set()
+    for num_tokens in (12, 3, 9):
+        x = torch.randn(num_tokens, 128, generator=generator).to(torch.bfloat16)
+        ids = torch.stack([torch.randperm(8, generator=generator)[:2] for _ in range(num_tokens)])
+        scores = torch.rand(num_tokens, 2, generator=generator)
+        with torch.no_grad():
+            experts.config._experts_implementation = "eager"
+            expected = experts(x, ids, scores).float()
+            experts.config._experts_implementation = "poise"
+            actual = experts(x, ids, scores)
+        assert relative_error(actual.float(), expected) < TOLERANCE
+        assert poise_hf.routing_history()[-1][0].expert_rows.sum().item() == num_tokens * 2
+        (inputs,) = poise_hf.contexts._inference_inputs.values()
+        assert bool((inputs.ids_TK[num_tokens:] == -1).all())
+        addresses.add(inputs.x_TD.data_ptr())
+    assert len(addresses) == 1
+
+
 def test_routing_history_records_every_layer_of_every_pass(tmp_path):
     """configure(record_routing=True): one row per forward pass (recomputes in backward are not
     passes), one RoutingStats per MoE layer, counting each layer's tokens * top_k rows."""
