@@ -23,6 +23,9 @@
 #                $TRANSFORMERS_FAMILIES: which, default "qwen3_moe gpt_oss"; at most 3 + 3 minutes)
 #     decodecall bench/transformers/decode_call.py: one Experts call at decode (8 tokens), host time per
 #                call of "poise" against "grouped_mm" -> $OUT/transformers_decode_call_h200.json (needs python first)
+#     decodetrace bench/transformers/decode_trace.py: inside the model's generate(), each MoE call's host
+#                time and the synchronizing CUDA calls per step -> $OUT/transformers_decode_trace_h200.json
+#                (needs python first)
 #     padding    bench/free_padding/bench.py: a context of 8192 tokens serving 1024 (ids -1 padding)
 #                against one of 1024 -> $OUT/free_padding_h200.json (needs python first)
 #     fp8        bench/fp8_weights/bench.py: poise.prepare_weights refilling FP8 weights in place
@@ -113,6 +116,11 @@ part_decodecall() {
   PYTHONUNBUFFERED=1 timeout 120 python3 bench/transformers/decode_call.py --out "$OUT/transformers_decode_call_h200.json" \
     --commit "$commit" > "$OUT/decode_call.log" 2>&1
   echo "decodecall rc=$?"; grep -E '"(host_us_median|grouped_mm_host_over_poise|poise_rel_l2_vs_grouped_mm)"' "$OUT/decode_call.log"
+}
+part_decodetrace() {
+  PYTHONUNBUFFERED=1 timeout 240 python3 bench/transformers/decode_trace.py --out "$OUT/transformers_decode_trace_h200.json" \
+    --commit "$commit" > "$OUT/decode_trace.log" 2>&1
+  echo "decodetrace rc=$?"; grep -E '"(decode_step_ms_median|moe_call_host_us_median)"' "$OUT/decode_trace.log"
 }
 part_padding() {
   PYTHONUNBUFFERED=1 timeout 240 python3 bench/free_padding/bench.py --out "$OUT/free_padding_h200.json" \

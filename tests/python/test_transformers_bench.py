@@ -46,4 +46,19 @@ def test_tiny_run_writes_every_figure(bench, tmp_path):
         # CPU it may come out negative, so only its presence is checked.
         assert rows[name]["train_step_ms"] > 0 and math.isfinite(rows[name]["decode_step_ms"])
         assert set(rows[name]["moe_speedup_vs_grouped_mm"]) == {"train_moe_ms", "prefill_moe_ms", "decode_moe_step_ms"}
+        assert len(rows[name]["decode_step_ms_reps"]) == len(rows[name]["decode_moe_step_ms_reps"]) == 1
+        spread = rows[name]["decode_step_speedup_vs_grouped_mm_reps"]
+        assert spread["min"] <= spread["median"] <= spread["max"]
     assert result["model"]["tiny"] and result["model"]["num_hidden_layers"] == 2
+
+
+def test_decode_trace_tiny_run_times_every_moe_call(load_script, tmp_path):
+    """bench/transformers/decode_trace.py: every decode step's MoE calls (one per layer) timed."""
+    trace = load_script("bench/transformers/decode_trace.py", "transformers_decode_trace")
+    out = tmp_path / "trace.json"
+    assert trace.main(["--tiny", "--device", "cpu", "--decode-steps", "3", "--reps", "1", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["results"]
+    assert set(rows) == {"poise", "grouped_mm", "zero"}
+    for row in rows.values():
+        assert row["moe_calls_per_step"] == 2 and row["moe_call_host_us_median"] > 0
+        assert len(row["decode_step_ms_reps"]) == 1
