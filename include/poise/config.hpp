@@ -26,6 +26,15 @@ struct Config {
   // move to replicas, which cuts replica traffic under mild skew. 0 = exact balance.
   double balance_tolerance = 0.0;
   double receive_capacity_factor = 2.0;  // capacity mode: receive rows = factor * T*K
+  // Exact mode, cost-aware plan (issue 37, docs/balance.md "Cost-aware plan"): with both rates set
+  // (> 0), every call's planner tries row limits from T*K (exact balance) up to
+  // max(receive_capacity_factor, 1 + balance_tolerance) * T*K (where nothing moves: capacity mode)
+  // and keeps the plan of least predicted time: the slowest rank's rows x ns_per_row (+ expert groups
+  // x ns_per_group) plus the busiest link's replica bytes (weights out, gradients back) / its rate.
+  // The receive buffers are sized for the largest limit. 0 (default): plain exact balance.
+  double balance_cost_ns_per_row = 0.0;    // forward + backward expert work per computed row
+  double balance_cost_ns_per_group = 0.0;  // and per expert group computed (own with rows, or replica)
+  double balance_link_gb_per_s = 0.0;      // one rank's link, one direction (NVLink on H200: ~450)
 
   // Activation slots: where forward keeps what backward needs. A slot serves up to
   // max_moe_layers_per_activation_slot layers; what does not fit is recomputed in backward.
@@ -57,8 +66,11 @@ struct Config {
 
   // Throws InvalidArgument naming the field and the rule.
   void validate(int64_t ep_size) const;
+  void validate_balance_cost() const;  // part of validate: the cost-aware plan's rates
 
   int64_t num_local_experts(int64_t ep_size) const { return num_experts / ep_size; }
+  // Exact balance with the cost-aware plan (both rates set).
+  bool cost_aware_balance() const;
 };
 
 // Rows of one expert group are padded to this height so GEMM tiles never straddle experts.

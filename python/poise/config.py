@@ -51,7 +51,17 @@ class Config:
     balance_tolerance: float = 0.0
     """Exact mode: a rank may compute up to (1 + tolerance) * T*K rows; only rows beyond move. 0 = exact."""
     receive_capacity_factor: float = 2.0
-    """Capacity mode: a rank receives up to factor * T*K rows."""
+    """Capacity mode: a rank receives up to factor * T*K rows (also the cost-aware plan's largest row limit)."""
+    balance_cost_ns_per_row: float = 0.0
+    """Exact mode, cost-aware plan (docs/balance.md): with this and balance_link_gb_per_s > 0, each call's
+    planner tries row limits from T*K (exact balance) to max(receive_capacity_factor, 1 + balance_tolerance)
+    * T*K (capacity mode) and keeps the plan of least predicted time: the slowest rank's computed rows x
+    this (forward + backward expert work per row) + its expert groups x balance_cost_ns_per_group, plus the
+    busiest link's replica bytes (weights out, gradients back) / balance_link_gb_per_s. 0: plain exact balance."""
+    balance_cost_ns_per_group: float = 0.0
+    """Cost-aware plan: expert work per expert group a rank computes (own expert with rows, or replica)."""
+    balance_link_gb_per_s: float = 0.0
+    """Cost-aware plan: one rank's link rate, one direction, GB/s (NVLink on an H200: about 450)."""
 
     num_activation_slots: int = 1
     """Where forward keeps what backward needs; each slot serves max_moe_layers_per_activation_slot layers."""

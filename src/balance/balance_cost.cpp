@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <tuple>
 
+#include "core/workspace_layout.hpp"
 #include "poise/errors.hpp"
 
 namespace poise::plan {
@@ -62,6 +63,31 @@ CostAwareChoice choose_row_limit(std::span<const int64_t> counts_E, int64_t num_
     }
   }
   return best;
+}
+
+BalancePlan cost_aware_plan(std::span<const int64_t> counts_E, int64_t num_ranks, int64_t rows_per_rank,
+                            int64_t replica_slots, int64_t max_row_limit, const shared::BalanceCostRates& rates) {
+  CostAwareChoice choice = choose_row_limit(counts_E, num_ranks, rows_per_rank, replica_slots, max_row_limit, rates);
+  return plan_from_pieces(counts_E, num_ranks, rows_per_rank, replica_slots, std::move(choice.plan.pieces));
+}
+
+BalancePlan exact_mode_plan(const Config& config, std::span<const int64_t> counts_E, int64_t num_ranks,
+                            int64_t rows_per_rank, int64_t replica_slots) {
+  if (!config.cost_aware_balance()) return plan_exact_balance(counts_E, num_ranks, rows_per_rank, replica_slots);
+  return cost_aware_plan(counts_E, num_ranks, rows_per_rank, replica_slots, layout::row_limit(config),
+                         balance_cost_rates(config));
+}
+
+shared::BalanceCostRates balance_cost_rates(const Config& c) {
+  if (!c.cost_aware_balance()) throw InvalidArgument("balance_cost_ns_per_row", "the cost-aware plan is not configured");
+  const double weights = 3.0 * double(c.intermediate_dim) * double(c.hidden_dim);  // W13 (2 F D) and W2 (F D)
+  const double grad_bytes = c.inference ? 0.0 : (c.wgrad_dtype == DType::bf16 ? 2.0 : 4.0);
+  shared::BalanceCostRates rates;
+  rates.expert_ns_per_row = float(c.balance_cost_ns_per_row);
+  rates.expert_ns_per_group = float(c.balance_cost_ns_per_group);
+  rates.link_bytes_per_ns = float(c.balance_link_gb_per_s);  // 1 GB/s = 1 byte/ns
+  rates.replica_bytes = float(weights * (2.0 + grad_bytes));
+  return rates;
 }
 
 }  // namespace poise::plan

@@ -20,6 +20,24 @@ struct BalanceCostRates {
   float replica_bytes = 0.0f;       // one replica over a call: its weights out and its gradients back
 };
 
+// Products and sums rounded one by one on host and device alike: the device compiler would fuse
+// them into FMAs, and a plan chosen on the GPU must be the one the host (the reference engine, the
+// tests) chooses from the same counts.
+POISE_HD inline float mul_rounded(float a, float b) {
+#ifdef __CUDA_ARCH__
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+POISE_HD inline float add_rounded(float a, float b) {
+#ifdef __CUDA_ARCH__
+  return __fadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+
 // A plan's predicted forward + backward time (ns), after plan_balance_serial or the planner kernel:
 // max over ranks of (computed rows x expert_ns_per_row + groups x expert_ns_per_group), plus max
 // over ranks of the replicas it sends (as owner) or receives (as taker), whichever is more, x
@@ -36,13 +54,13 @@ POISE_HD inline float predicted_ns(const BalanceProblem& p, const BalanceScratch
   float slowest_experts = 0.0f;
   int32_t busiest_link = 0;
   for (int32_t r = 0; r < R; ++r) {
-    const float experts = float(s.remaining_R[r] + s.received_R[r]) * rates.expert_ns_per_row +
-                          float(groups_R[r]) * rates.expert_ns_per_group;
+    const float experts = add_rounded(mul_rounded(float(s.remaining_R[r] + s.received_R[r]), rates.expert_ns_per_row),
+                                      mul_rounded(float(groups_R[r]), rates.expert_ns_per_group));
     const int32_t link = sent_R[r] > s.replicas_R[r] ? sent_R[r] : s.replicas_R[r];
     slowest_experts = experts > slowest_experts ? experts : slowest_experts;
     busiest_link = link > busiest_link ? link : busiest_link;
   }
-  return slowest_experts + float(busiest_link) * (rates.replica_bytes / rates.link_bytes_per_ns);
+  return add_rounded(slowest_experts, mul_rounded(float(busiest_link), rates.replica_bytes / rates.link_bytes_per_ns));
 }
 
 // The row limits a cost-aware plan tries, in order: C (exact balance), C + C * 2^i / 64 for

@@ -10,6 +10,7 @@
 
 #include "balance/balance_cost.cuh"
 #include "balance/balance_plan.hpp"
+#include "poise/config.hpp"
 
 namespace poise::plan {
 
@@ -40,5 +41,19 @@ struct CostAwareChoice {
 
 CostAwareChoice choose_row_limit(std::span<const int64_t> counts_E, int64_t num_ranks, int64_t rows_per_rank,
                                  int64_t replica_slots, int64_t max_row_limit, const shared::BalanceCostRates& rates);
+
+// The cost-aware choice as a BalancePlan (the reference engine's plan when a Config asks for it).
+BalancePlan cost_aware_plan(std::span<const int64_t> counts_E, int64_t num_ranks, int64_t rows_per_rank,
+                            int64_t replica_slots, int64_t max_row_limit, const shared::BalanceCostRates& rates);
+
+// The plan a Config's exact balance makes on the GPU for these counts: exact balance, or with
+// Config::cost_aware_balance the cost-aware choice among row limits up to layout::row_limit.
+BalancePlan exact_mode_plan(const Config& config, std::span<const int64_t> counts_E, int64_t num_ranks,
+                            int64_t rows_per_rank, int64_t replica_slots);
+
+// The cost-aware plan's rates of a Config (Config::cost_aware_balance): its per-row and per-group
+// expert costs and link rate, and the bytes one replica moves over a call: its bf16 weights out and,
+// in training, its gradients (Config::wgrad_dtype) back.
+shared::BalanceCostRates balance_cost_rates(const Config& config);
 
 }  // namespace poise::plan

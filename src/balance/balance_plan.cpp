@@ -234,6 +234,18 @@ void plan_within_slots(PlanBuilder& b, int64_t num_ranks, int64_t C) {
 
 }  // namespace
 
+BalancePlan plan_from_pieces(std::span<const int64_t> counts_E, int64_t num_ranks, int64_t rows_per_rank,
+                             int64_t replica_slots, std::vector<ExpertPiece> pieces) {
+  validate_counts(counts_E, num_ranks, rows_per_rank);
+  BalancePlan plan = start_plan(counts_E, num_ranks, balanced_rows_per_rank(counts_E, num_ranks), replica_slots);
+  plan.pieces = std::move(pieces);
+  for (const ExpertPiece& piece : plan.pieces) {
+    if (piece.rank != plan.owner_of(piece.expert)) plan.replicas[piece.rank] += 1;
+  }
+  finish_plan(plan);
+  return plan;
+}
+
 BalancePlan plan_owner_only(std::span<const int64_t> counts_E, int64_t num_ranks, int64_t rows_per_rank) {
   validate_counts(counts_E, num_ranks, rows_per_rank);
   BalancePlan plan = start_plan(counts_E, num_ranks, rows_per_rank, 0);

@@ -68,6 +68,11 @@ int64_t balanced_rows_per_rank(std::span<const int64_t> counts_E, int64_t num_ra
 BalancePlan plan_exact_balance(std::span<const int64_t> counts_E, int64_t num_ranks,
                                int64_t rows_per_rank, int64_t replica_slots);
 
+// A plan from its pieces (owners' kept prefixes and replica pieces, in any order), such as the
+// shared planner's (balance_cost.hpp): sorted, indexed and summed as the planners' own plans.
+BalancePlan plan_from_pieces(std::span<const int64_t> counts_E, int64_t num_ranks, int64_t rows_per_rank,
+                             int64_t replica_slots, std::vector<ExpertPiece> pieces);
+
 // No balancing (capacity mode): every expert's rows on its owner, in its own slot.
 BalancePlan plan_owner_only(std::span<const int64_t> counts_E, int64_t num_ranks, int64_t rows_per_rank);
 

@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <sstream>
+#include <utility>
 
 #include "poise/errors.hpp"
 
@@ -66,6 +67,28 @@ void require_finite_positive(double v, const char* field) {
 
 }  // namespace
 
+bool Config::cost_aware_balance() const {
+  return balance == Balance::exact && balance_cost_ns_per_row > 0 && balance_link_gb_per_s > 0;
+}
+
+void Config::validate_balance_cost() const {
+  const std::pair<const char*, double> rates[] = {{"balance_cost_ns_per_row", balance_cost_ns_per_row},
+                                                  {"balance_cost_ns_per_group", balance_cost_ns_per_group},
+                                                  {"balance_link_gb_per_s", balance_link_gb_per_s}};
+  for (const auto& [field, value] : rates) {
+    require(std::isfinite(value) && value >= 0, field, "must be a finite number >= 0, got " + show(value));
+  }
+  const bool any = balance_cost_ns_per_row > 0 || balance_cost_ns_per_group > 0 || balance_link_gb_per_s > 0;
+  if (!any) return;
+  require(balance == Balance::exact, "balance_cost_ns_per_row",
+          "the cost-aware plan chooses among exact-balance plans: set balance='exact' or leave the rates at 0");
+  require(balance_cost_ns_per_row > 0, "balance_cost_ns_per_row",
+          "must be > 0 when balance_link_gb_per_s or balance_cost_ns_per_group is set (the cost-aware plan needs "
+          "the expert work per row)");
+  require(balance_link_gb_per_s > 0, "balance_link_gb_per_s",
+          "must be > 0 when balance_cost_ns_per_row is set (the cost-aware plan weighs replica bytes by it)");
+}
+
 void Config::validate(int64_t ep_size) const {
   require(ep_size > 0, "ep_size", "must be > 0, got " + show(ep_size));
   require_positive(num_local_input_tokens, "num_local_input_tokens");
@@ -83,7 +106,8 @@ void Config::validate(int64_t ep_size) const {
   }
   require(std::isfinite(balance_tolerance) && balance_tolerance >= 0, "balance_tolerance",
           "must be a finite number >= 0, got " + show(balance_tolerance));
-  if (balance == Balance::capacity) {
+  validate_balance_cost();
+  if (balance == Balance::capacity || cost_aware_balance()) {
     require(std::isfinite(receive_capacity_factor) && receive_capacity_factor >= 1.0,
             "receive_capacity_factor", "must be >= 1, got " + show(receive_capacity_factor));
   }

@@ -157,6 +157,15 @@ std::string MemoryPlan::explain() const {
      << " + expert padding to " << kExpertRowAlignment << "), device " << device_rows
      << " (every row the dispatch accepts), total " << total_rows
      << "\n";
+  if (c.cost_aware_balance()) {
+    std::snprintf(line, sizeof line,
+                  "  balance plan: cost-aware, row limits %lld (exact) to %lld (capacity mode), each call the least "
+                  "predicted: rows x %g ns + expert groups x %g ns + replica bytes / %g GB/s\n",
+                  static_cast<long long>(c.num_local_input_tokens * c.top_k),
+                  static_cast<long long>(layout::row_limit(c)), c.balance_cost_ns_per_row, c.balance_cost_ns_per_group,
+                  c.balance_link_gb_per_s);
+    os << line;
+  }
   const bool fp8 = c.gemm_precision == GemmPrecision::fp8_block_scaled;
   os << "  x rows on the wire: " << x_row_wire_bytes << " bytes each ("
      << (fp8 ? "e4m3 values + fp32 scales per 128, each token quantized once before dispatch" : "bf16") << ")\n";

@@ -162,7 +162,10 @@ int64_t RecordBuffers::layout_bytes() const {
 
 int64_t row_limit(const Config& c) {
   const int64_t routed = c.num_local_input_tokens * c.top_k;
-  return routed + static_cast<int64_t>(std::floor(c.balance_tolerance * static_cast<double>(routed)));
+  const int64_t tolerated = routed + static_cast<int64_t>(std::floor(c.balance_tolerance * static_cast<double>(routed)));
+  if (!c.cost_aware_balance()) return tolerated;
+  // The cost-aware plan may leave up to capacity mode's rows on a rank.
+  return std::max(tolerated, static_cast<int64_t>(std::ceil(c.receive_capacity_factor * static_cast<double>(routed))));
 }
 
 int64_t padded_rows(int64_t routed, int64_t groups) {

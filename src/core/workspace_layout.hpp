@@ -16,7 +16,7 @@ namespace poise::layout {
 // Sizes owned by the layers above, as plain numbers (src/pipeline checks them against its types).
 inline constexpr int64_t kSignalBytes = 512;       // comm::kSignalBytes: signal words at offset 0
 inline constexpr int64_t kReplicaPieceBytes = 20;  // sizeof(plan::shared::ReplicaPiece)
-inline constexpr int64_t kPlanStats = 4;           // ep::kPlanStats
+inline constexpr int64_t kPlanStats = 5;           // ep::kPlanStats
 inline constexpr int64_t kTokensPerChunk = 32;     // ep::kTokensPerChunk
 // DGRAD W2 writes each row's score gradient in one piece per tile of activation columns; its tiles
 // are at least this wide, so F / kScorePieceColumns pieces always fit, plus one for expert biases.
@@ -138,7 +138,8 @@ struct WorkspaceLayout {
   RankBuffers buffers;
 };
 
-// T*K + floor(balance_tolerance * T*K): the most rows exact balance puts on a rank.
+// T*K + floor(balance_tolerance * T*K): the most rows exact balance puts on a rank; with the
+// cost-aware plan (Config::cost_aware_balance) at least ceil(receive_capacity_factor * T*K).
 int64_t row_limit(const Config& config);
 // `routed` rows in `groups` expert groups, each group starting on a kExpertRowAlignment row.
 int64_t padded_rows(int64_t routed, int64_t groups);

@@ -32,8 +32,8 @@ using plan::shared::ReplicaPiece;
 constexpr int kPlanThreads = 512;
 
 struct PlanSmem {  // offsets (in int32 words) of the shared-memory arrays
-  int counts, position, sequence, start, remaining, received, replicas, donors, takers, group_rows, needed, pieces,
-      words;
+  int counts, position, sequence, start, remaining, received, replicas, donors, takers, group_rows, needed, sent,
+      group_count, pieces, words;
 };
 
 __host__ __device__ inline PlanSmem plan_smem(const EpDims& d) {
@@ -51,6 +51,8 @@ __host__ __device__ inline PlanSmem plan_smem(const EpDims& d) {
   m.takers = at, at += 2 * R;
   m.group_rows = at, at += R * G;
   m.needed = at, at += R;
+  m.sent = at, at += R;         // the cost-aware plan's scratch (shared::predicted_ns)
+  m.group_count = at, at += R;
   m.pieces = at, at += (R * B > 0 ? R * B : 1) * static_cast<int>(sizeof(ReplicaPiece) / sizeof(int32_t));
   m.words = at;
   return m;
@@ -58,6 +60,27 @@ __host__ __device__ inline PlanSmem plan_smem(const EpDims& d) {
 
 __device__ __forceinline__ int padded_rows(int rows) {
   return (rows + kGroupAlignment - 1) / kGroupAlignment * kGroupAlignment;
+}
+
+// The cost-aware plan (EpDims::cost_aware, thread 0): the row limit among
+// shared::candidate_row_limit's, from T*K to dims.row_limit (shifted as `p` is when free entries
+// left fewer rows), whose plan has the least predicted time (the first such), as
+// plan::choose_row_limit chooses on the host. Leaves the state fresh for the chosen run.
+__device__ int32_t cost_aware_row_limit(BalanceProblem p, const BalanceScratch& s, const EpDims& dims, int32_t* sent,
+                                        int32_t* group_count) {
+  const int32_t routed = dims.T * dims.K, shift = p.row_limit - dims.row_limit;
+  int32_t best = p.row_limit;
+  float best_ns = 0.0f;
+  for (int32_t i = 0; i < plan::shared::kCostCandidates; ++i) {
+    p.row_limit = plan::shared::candidate_row_limit(routed, dims.row_limit, i) + shift;
+    for (int32_t r = 0; r < p.num_ranks; ++r) plan::shared::start_rank(p, s, r);
+    Planner planner(p, s);
+    planner.run();
+    const float ns = plan::shared::predicted_ns(p, s, planner.num_pieces(), dims.cost_rates, sent, group_count);
+    if (i == 0 || ns < best_ns) best = p.row_limit, best_ns = ns;
+  }
+  for (int32_t r = 0; r < p.num_ranks; ++r) plan::shared::start_rank(p, s, r);
+  return best;
 }
 
 __global__ void __launch_bounds__(kPlanThreads)
@@ -97,8 +120,12 @@ __global__ void __launch_bounds__(kPlanThreads)
   __syncthreads();
   for (int r = threadIdx.x; r < R; r += blockDim.x) plan::shared::start_rank(problem, state, r);
   __syncthreads();
+  __shared__ int row_limit;
   if (threadIdx.x == 0) {
-    Planner planner(problem, state);
+    BalanceProblem chosen = problem;
+    if (dims.cost_aware) chosen.row_limit = cost_aware_row_limit(problem, state, dims, smem + m.sent, smem + m.group_count);
+    row_limit = chosen.row_limit;
+    Planner planner(chosen, state);
     exact = planner.run() ? 1 : 0;
     num_pieces = planner.num_pieces();
     moved = 0;
@@ -158,6 +185,7 @@ __global__ void __launch_bounds__(kPlanThreads)
     rs.plan_stats[kPlanMovedRows] = moved;
     rs.plan_stats[kPlanPieces] = P;
     rs.plan_stats[kPlanMaxRankRows] = max_rows;
+    rs.plan_stats[kPlanRowLimit] = row_limit;
   }
   __syncthreads();
   const bool ok = overflow_rank < 0;

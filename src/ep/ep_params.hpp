@@ -10,7 +10,7 @@
 
 #include "comm/transport.hpp"
 #include "poise/types.hpp"  // kNoExpert, RoutingStatsOut
-#include "balance/balance_plan_device.cuh"  // ReplicaPiece
+#include "balance/balance_cost.cuh"  // BalanceCostRates, and ReplicaPiece (balance_plan_device.cuh)
 #include "numerics/block_scaling.hpp"
 
 namespace poise::ep {
@@ -39,6 +39,10 @@ struct EpDims {
   int32_t balanced = 0;      // 1: exact balance (planner, replicas), 0: capacity (every row on its owner)
   int32_t replica_slots = 0; // B: replica slots per rank (exact balance)
   int32_t row_limit = 0;     // U = T*K + tolerance rows: the most rows the planner puts on a rank
+  // Config::cost_aware_balance: the planner tries row limits from T*K to row_limit and keeps the
+  // plan of least predicted time under these rates (plan::balance_cost_rates).
+  int32_t cost_aware = 0;
+  plan::shared::BalanceCostRates cost_rates;
   int32_t num_chunks = 0;    // ceil(T / kTokensPerChunk)
   int32_t scores_bf16 = 0;   // scores_TK dtype: 1 bf16, 0 fp32 (per call)
   int32_t w13_interleaved = 0;  // W13 rows: 1 gate/up interleaved, 0 blocked (per call)
@@ -182,6 +186,7 @@ enum PlanStat : int {
   kPlanMovedRows,     // rows computed away from their owner
   kPlanPieces,        // replica pieces (= replica weight copies)
   kPlanMaxRankRows,   // most rows any rank computes
+  kPlanRowLimit,      // the row limit the plan was made with (the cost-aware choice, or row_limit)
   kPlanStats,
 };
 

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "runtime/cuda_check.hpp"
+#include "balance/balance_cost.hpp"
 #include "comm/virtual_transport.hpp"
 #include "ep/data_path.hpp"
 #include "gemm/sm90/expert_mlp.hpp"
@@ -77,6 +78,10 @@ EpDims make_dims(const Config& c, int64_t ep_size, const layout::WorkspaceLayout
   d.groups = static_cast<int32_t>(l.groups);
   d.replica_slots = d.groups - d.E_local;
   d.row_limit = static_cast<int32_t>(l.row_limit);
+  if (c.cost_aware_balance()) {
+    d.cost_aware = 1;
+    d.cost_rates = plan::balance_cost_rates(c);
+  }
   d.capacity_rows = static_cast<int32_t>(l.capacity_rows);
   d.num_chunks = (d.T + kTokensPerChunk - 1) / kTokensPerChunk;
   d.fp8 = c.gemm_precision == GemmPrecision::fp8_block_scaled;

@@ -110,6 +110,7 @@ struct PlanSnapshot {
   std::vector<int32_t> group_offsets_RG;               // [R][groups+1]
   bool exact = false;
   int64_t moved_rows = 0, max_rank_rows = 0;
+  int64_t row_limit = 0;  // the planner's row limit (with the cost-aware plan, its choice; free entries shift it)
 };
 
 class StagedPipeline {

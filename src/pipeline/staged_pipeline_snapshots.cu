@@ -69,6 +69,7 @@ PlanSnapshot StagedPipeline::plan_snapshot(int slot) const {
   p.exact = stats[kPlanExact] != 0;
   p.moved_rows = stats[kPlanMovedRows];
   p.max_rank_rows = stats[kPlanMaxRankRows];
+  p.row_limit = stats[kPlanRowLimit];
   return p;
 }
 

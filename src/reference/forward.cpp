@@ -3,6 +3,7 @@
 #include <cmath>
 #include <stdexcept>
 
+#include "balance/balance_cost.hpp"
 #include "reference/engine_state.hpp"
 #include "reference/expert_mlp_fp8.hpp"
 
@@ -25,7 +26,7 @@ void route(EngineState& s, int rank, InProcessTransport& transport, const RankIn
   }
   const int64_t rows_per_rank = s.T() * s.K();
   if (s.config.balance == Balance::exact) {
-    st.plan = plan::plan_exact_balance(expert_rows, s.ep_size, rows_per_rank, s.replica_slots);
+    st.plan = plan::exact_mode_plan(s.config, expert_rows, s.ep_size, rows_per_rank, s.replica_slots);
   } else {
     st.plan = plan::plan_owner_only(expert_rows, s.ep_size, rows_per_rank);
     // Rows beyond the receive capacity are reported, never dropped. Each rank checks its own.

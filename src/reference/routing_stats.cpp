@@ -6,6 +6,7 @@
 #include <string>
 #include <utility>
 
+#include "balance/balance_cost.hpp"
 #include "reference/validate.hpp"
 
 namespace poise::reference {
@@ -47,7 +48,7 @@ RoutingStats routing_stats(const Config& config, int64_t ep_size,
   }
   const int64_t replica_slots = options.replica_slots < 0 ? config.num_local_experts(ep_size) : options.replica_slots;
   const plan::BalancePlan plan = config.balance == Balance::exact
-                                     ? plan::plan_exact_balance(expert_rows, ep_size, rows_per_rank, replica_slots)
+                                     ? plan::exact_mode_plan(config, expert_rows, ep_size, rows_per_rank, replica_slots)
                                      : plan::plan_owner_only(expert_rows, ep_size, rows_per_rank);
   const GroupedLayout grouped = make_grouped_layout(plan);
   RoutingStats stats = plan_stats(plan, grouped, expert_rows, rows_per_rank, ep_size);

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "balance/balance_cost.hpp"
+#include "core/workspace_layout.hpp"
 #include "poise/errors.hpp"
 #include "testing/rejected_name.hpp"
 
@@ -120,6 +121,67 @@ TEST(BalanceCost, AFreeLinkMeansExactBalance) {
   const CostAwareChoice choice = choose_row_limit(counts, 4, kC, 16, 2 * kC, free_link);
   EXPECT_EQ(choice.row_limit, kC);
   for (int64_t rows : choice.plan.computed_rows) EXPECT_EQ(rows, kC);
+}
+
+// A Config with the cost-aware rates: its plan is the cost-aware choice among row limits up to the
+// receive buffers' (layout::row_limit), the plan the planner kernel makes (tests/gpu/test_ep_balance).
+Config deepseek_rank_config(double link_gb_per_s) {
+  Config c;
+  c.num_local_input_tokens = 4096;
+  c.hidden_dim = int64_t(kD);
+  c.intermediate_dim = int64_t(kF);
+  c.top_k = 8;
+  c.num_experts = 256;
+  c.balance_cost_ns_per_row = 414;
+  c.balance_cost_ns_per_group = 46600;
+  c.balance_link_gb_per_s = link_gb_per_s;
+  return c;
+}
+
+TEST(BalanceCost, ConfigRatesCountAReplicasBytesBothWays) {
+  Config c = deepseek_rank_config(385);
+  const shared::BalanceCostRates rates = balance_cost_rates(c);
+  EXPECT_FLOAT_EQ(rates.replica_bytes, deepseek_rates().replica_bytes);  // bf16 weights out, fp32 grads back
+  EXPECT_FLOAT_EQ(rates.link_bytes_per_ns, 385.0f);
+  EXPECT_FLOAT_EQ(rates.expert_ns_per_group, 46600.0f);
+  c.wgrad_dtype = DType::bf16;
+  EXPECT_FLOAT_EQ(balance_cost_rates(c).replica_bytes, float(3 * kF * kD * 4));
+  c.inference = true;
+  EXPECT_FLOAT_EQ(balance_cost_rates(c).replica_bytes, float(3 * kF * kD * 2));  // weights only
+  c.balance_link_gb_per_s = 0;
+  EXPECT_EQ(rejected_name([&] { balance_cost_rates(c); }), "balance_cost_ns_per_row");
+}
+
+TEST(BalanceCost, ExactModePlanFollowsTheConfig) {
+  auto counts = uniform_counts(8, 256);  // 1024 rows per expert
+  counts[0] += 6000;  // one hot expert: its owner holds kC + 6000 rows
+  for (int64_t e = 1; e <= 6; ++e) counts[e * 32 + 5] -= 1000;
+  Config plain = deepseek_rank_config(385);
+  plain.balance_cost_ns_per_row = plain.balance_link_gb_per_s = 0;
+  const BalancePlan exact = plan_exact_balance(counts, 8, kC, 32);
+  const BalancePlan got_plain = exact_mode_plan(plain, counts, 8, kC, 32);
+  EXPECT_EQ(got_plain.computed_rows, exact.computed_rows);
+  EXPECT_EQ(got_plain.pieces.size(), exact.pieces.size());
+
+  // The cost-aware choice, as a BalancePlan: the same pieces as the shared planner's run.
+  const Config cost = deepseek_rank_config(385);
+  EXPECT_EQ(layout::row_limit(cost), 2 * kC);  // receive_capacity_factor 2: capacity mode's rows
+  const CostAwareChoice choice = choose_row_limit(counts, 8, kC, 32, 2 * kC, balance_cost_rates(cost));
+  const BalancePlan got = exact_mode_plan(cost, counts, 8, kC, 32);
+  EXPECT_EQ(got.computed_rows, choice.plan.computed_rows);
+  EXPECT_EQ(got.replicas, choice.plan.replicas);
+  EXPECT_EQ(got.moved_rows, choice.plan.moved_rows);
+  ASSERT_EQ(got.pieces.size(), choice.plan.pieces.size());
+  for (size_t i = 0; i < got.pieces.size(); ++i) {
+    EXPECT_EQ(got.pieces[i].expert, choice.plan.pieces[i].expert);
+    EXPECT_EQ(got.pieces[i].rank, choice.plan.pieces[i].rank);
+    EXPECT_EQ(got.pieces[i].begin, choice.plan.pieces[i].begin);
+  }
+  // A dear link keeps every row home (the owner's 1.18 C rows fit the limit); a free one balances exactly.
+  const BalancePlan dear = exact_mode_plan(deepseek_rank_config(0.001), counts, 8, kC, 32);
+  EXPECT_EQ(dear.moved_rows, 0);
+  const BalancePlan free_link = exact_mode_plan(deepseek_rank_config(1e9), counts, 8, kC, 32);
+  for (int64_t rows : free_link.computed_rows) EXPECT_EQ(rows, kC);
 }
 
 TEST(BalanceCost, BadArgumentsAreNamed) {

@@ -1,6 +1,7 @@
 // Config validation: every rule rejects with an InvalidArgument naming the field.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <functional>
 
 #include "poise/config.hpp"
@@ -58,8 +59,31 @@ TEST(Config, RejectsEachBrokenRule) {
   expect_rejected([](Config& c) { c.activation_slot_capacity_factor = -0.5; }, "activation_slot_capacity_factor");
   expect_rejected([](Config& c) { c.activation_slot_bytes = -1; }, "activation_slot_bytes");
   expect_rejected([](Config& c) { c.host_overflow_scratch_factor = -1; }, "host_overflow_scratch_factor");
+  // The cost-aware plan: finite rates >= 0, both the row cost and the link set, exact mode only.
+  expect_rejected([](Config& c) { c.balance_cost_ns_per_row = -1; }, "balance_cost_ns_per_row");
+  expect_rejected([](Config& c) { c.balance_cost_ns_per_group = std::nan(""); }, "balance_cost_ns_per_group");
+  expect_rejected([](Config& c) { c.balance_link_gb_per_s = 1.0 / 0.0; }, "balance_link_gb_per_s");
+  expect_rejected([](Config& c) { c.balance_cost_ns_per_row = 400; }, "balance_link_gb_per_s");
+  expect_rejected([](Config& c) { c.balance_link_gb_per_s = 450; }, "balance_cost_ns_per_row");
+  expect_rejected([](Config& c) { c.balance_cost_ns_per_group = 4e4; c.balance_link_gb_per_s = 450; },
+                  "balance_cost_ns_per_row");
+  expect_rejected([](Config& c) { c.balance = Balance::capacity; c.balance_cost_ns_per_row = 400; c.balance_link_gb_per_s = 450; },
+                  "balance_cost_ns_per_row");
+  expect_rejected([](Config& c) { c.balance_cost_ns_per_row = 400; c.balance_link_gb_per_s = 450; c.receive_capacity_factor = 0.5; },
+                  "receive_capacity_factor");
   expect_rejected([](Config& c) { c.inference = true; c.activation_slot_bytes = 4096; }, "activation_slot_bytes");
   expect_rejected([](Config&) {}, "ep_size", 0);
+}
+
+TEST(Config, CostAwareBalanceNeedsBothRatesInExactMode) {
+  Config c = valid_config();
+  EXPECT_FALSE(c.cost_aware_balance());
+  c.balance_cost_ns_per_row = 400;
+  c.balance_link_gb_per_s = 450;
+  EXPECT_TRUE(c.cost_aware_balance());
+  EXPECT_NO_THROW(c.validate(4));
+  c.balance = Balance::capacity;
+  EXPECT_FALSE(c.cost_aware_balance());
 }
 
 TEST(Config, EnumStringsRoundTrip) {

@@ -12,6 +12,8 @@
 
 #include <set>
 
+#include "balance/balance_cost.hpp"
+#include "core/workspace_layout.hpp"
 #include "runtime/device_info.hpp"
 #include "poise/errors.hpp"
 #include "test_ep_world.hpp"
@@ -88,11 +90,11 @@ HostPlan host_plan(const EpWorld& w, int row_limit, int B) {
   return h;
 }
 
-// The device plan equals the host's; each (t, k) sits in a group of its own expert; rows unique;
-// every rank computes C rows (at most row_limit with a tolerance).
-void check_plan_and_layout(EpWorld& w, double tolerance) {
+// The device plan equals the host's with row limit U; each (t, k) sits in a group of its own
+// expert; rows unique; every rank computes C rows (at most U when U > C).
+void check_plan_with_limit(EpWorld& w, int U) {
   const LayerCase& c = w.c();
-  const int R = c.R, L = c.E / R, C = c.T * c.K, U = C + int(std::floor(tolerance * C)), B = L;
+  const int R = c.R, L = c.E / R, C = c.T * c.K, B = L;
   const HostPlan want = host_plan(w, U, B);
   std::vector<LayoutSnapshot> snaps;
   for (int r = 0; r < R; ++r) {
@@ -106,6 +108,7 @@ void check_plan_and_layout(EpWorld& w, double tolerance) {
           << "rank " << r << " piece " << i;
     }
     EXPECT_LE(got.max_rank_rows, U);
+    EXPECT_EQ(got.row_limit, U) << "rank " << r;
     snaps.push_back(w.pipeline().snapshot(r));
   }
   const int G = L + B;
@@ -120,7 +123,7 @@ void check_plan_and_layout(EpWorld& w, double tolerance) {
       EXPECT_EQ(snaps[d].group_offsets[g] % 128, 0);
       rows += snaps[d].group_counts[g];
     }
-    if (tolerance == 0) EXPECT_EQ(rows, C) << "rank " << d << " must compute exactly T*K rows";
+    if (U == C) EXPECT_EQ(rows, C) << "rank " << d << " must compute exactly T*K rows";
     EXPECT_LE(rows, U) << "rank " << d;
   }
   std::set<std::pair<int, int>> used;
@@ -138,6 +141,11 @@ void check_plan_and_layout(EpWorld& w, double tolerance) {
       EXPECT_EQ(s.row_origin[row], src * c.T * c.K + int(i));
     }
   }
+}
+
+void check_plan_and_layout(EpWorld& w, double tolerance) {
+  const int C = w.c().T * w.c().K;
+  check_plan_with_limit(w, C + int(std::floor(tolerance * C)));
 }
 
 void check_against_model(EpWorld& w, const std::vector<ModelOut>& model) {
@@ -218,6 +226,64 @@ INSTANTIATE_TEST_SUITE_P(
                       BalanceCase{LayerCase{8, 40, 128, 128, 32, 4}, true, 0.25},
                       BalanceCase{LayerCase{4, 64, 128, 128, 16, 4, Routing::hot_expert}, false, 0.1}),
     balance_case_name);
+
+// The cost-aware plan (Config::balance_cost_*): the planner kernel picks the row limit the host
+// picks from the same counts (plan::choose_row_limit over layout::row_limit, the same rates), its
+// plan is the host's at that limit, and the layer still matches the float64 model. A fast link makes
+// replicas cheap (exact balance, U = T*K); a slow one makes them dear (a larger U, fewer moved rows).
+struct CostCase {
+  LayerCase layer;
+  double link_gb_per_s = 0.0;
+  bool expect_exact_balance = false;
+};
+
+class EpBalanceCostAware : public ::testing::TestWithParam<CostCase> {};
+
+TEST_P(EpBalanceCostAware, KernelChoosesTheHostsRowLimitAndPlan) {
+  if (!have_sm90_gpu()) GTEST_SKIP() << "needs an SM90 GPU";
+  const CostCase& k = GetParam();
+  const LayerCase& c = k.layer;
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  Config chosen_config;
+  PipelineOptions o;
+  o.timeout_ns = 2'000'000'000ull;
+  EpWorld w(c, seed, o.timeout_ns, [&](const Config& config) {
+    Config x = config;
+    x.balance = Balance::exact;
+    x.receive_capacity_factor = 2.0;
+    x.balance_cost_ns_per_row = 400.0;
+    x.balance_cost_ns_per_group = 0.0;  // rows alone: a free link then makes U = T*K the only best
+    x.balance_link_gb_per_s = k.link_gb_per_s;
+    chosen_config = x;
+    return StagedPipeline::create_virtual(x, c.R, o);
+  });
+  const auto model = run_model(w.shape(), w.host());
+  cudaStream_t stream;
+  EP_CUDA_OK(cudaStreamCreate(&stream));
+  run_pass(w, stream);
+  std::vector<int64_t> counts(c.E, 0);
+  for (int r = 0; r < c.R; ++r)
+    for (int32_t e : w.host()[r].ids_TK) counts[e] += 1;
+  const int C = c.T * c.K;
+  const plan::CostAwareChoice want = plan::choose_row_limit(counts, c.R, C, c.E / c.R, layout::row_limit(chosen_config),
+                                                            plan::balance_cost_rates(chosen_config));
+  if (k.expect_exact_balance) EXPECT_EQ(want.row_limit, C);
+  else EXPECT_GT(want.row_limit, C);
+  check_plan_with_limit(w, int(want.row_limit));
+  check_against_model(w, model);
+  EP_CUDA_OK(cudaStreamDestroy(stream));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Links, EpBalanceCostAware,
+    ::testing::Values(CostCase{LayerCase{4, 64, 128, 128, 16, 4, Routing::hot_expert}, 1e6, true},
+                      CostCase{LayerCase{4, 64, 128, 128, 16, 4, Routing::hot_expert}, 0.001, false},
+                      CostCase{LayerCase{8, 40, 128, 192, 32, 4, Routing::hot_expert}, 0.001, false},
+                      CostCase{LayerCase{2, 77, 128, 192, 8, 3}, 1e6, true}),
+    [](const ::testing::TestParamInfo<CostCase>& info) {
+      return case_name(info.param.layer) + (info.param.expect_exact_balance ? "_fastLink" : "_slowLink");
+    });
 
 TEST(EpBalanceGraph, ReplayFollowsNewRoutingWithStaticMemory) {
   if (!have_sm90_gpu()) GTEST_SKIP() << "needs an SM90 GPU";

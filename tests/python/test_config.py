@@ -48,6 +48,8 @@ def test_round_trip_of_every_field_through_cpp():
     assert from_cpp(to_cpp(config)) == config
     other = make(activation_slot_capacity_factor=0.75)
     assert from_cpp(to_cpp(other)).activation_slot_capacity_factor == 0.75
+    cost_aware = make(balance_cost_ns_per_row=414.0, balance_cost_ns_per_group=4.66e4, balance_link_gb_per_s=385.0)
+    assert from_cpp(to_cpp(cost_aware)) == cost_aware
 
 
 @pytest.mark.parametrize("spelling", ["bf16", "bfloat16", "torch.bfloat16"])
@@ -103,6 +105,15 @@ RULES = [
     (dict(balance_tolerance=math.inf), EP_SIZE, "balance_tolerance"),
     (dict(balance="capacity", receive_capacity_factor=0.5), EP_SIZE, "receive_capacity_factor"),
     (dict(balance="capacity", receive_capacity_factor=math.nan), EP_SIZE, "receive_capacity_factor"),
+    (dict(balance_cost_ns_per_row=-1.0), EP_SIZE, "balance_cost_ns_per_row"),
+    (dict(balance_cost_ns_per_group=math.nan), EP_SIZE, "balance_cost_ns_per_group"),
+    (dict(balance_link_gb_per_s=math.inf), EP_SIZE, "balance_link_gb_per_s"),
+    (dict(balance_cost_ns_per_row=400.0), EP_SIZE, "balance_link_gb_per_s"),
+    (dict(balance_link_gb_per_s=450.0), EP_SIZE, "balance_cost_ns_per_row"),
+    (dict(balance="capacity", balance_cost_ns_per_row=400.0, balance_link_gb_per_s=450.0), EP_SIZE,
+     "balance_cost_ns_per_row"),
+    (dict(balance_cost_ns_per_row=400.0, balance_link_gb_per_s=450.0, receive_capacity_factor=0.5), EP_SIZE,
+     "receive_capacity_factor"),
     (dict(num_activation_slots=-1), EP_SIZE, "num_activation_slots"),
     (dict(max_moe_layers_per_activation_slot=0), EP_SIZE, "max_moe_layers_per_activation_slot"),
     (dict(activation_slot_capacity_factor=1.0, activation_slot_bytes=1 << 20), EP_SIZE, "activation_slot_bytes"),

@@ -35,6 +35,7 @@ VARIANTS = [
     dict(activation_slot_capacity_factor=0.0),
     dict(num_activation_slots=0),
     dict(activation="swiglu_clamped", num_experts=8, top_k=8),
+    dict(balance_cost_ns_per_row=414.0, balance_cost_ns_per_group=4.66e4, balance_link_gb_per_s=385.0),
 ]
 
 
@@ -53,6 +54,18 @@ def test_every_cpp_field_is_an_attribute(cpp_fields):
     for name, value in numbers(p).items():
         assert type(value) is int, name
         assert value >= 0, name
+
+
+def test_the_cost_aware_plan_sizes_rows_for_capacity_mode_and_says_so():
+    """With the cost-aware rates the receive rows hold receive_capacity_factor * T*K (the largest row
+    limit the plan may choose), and explain() names the rates and the limits."""
+    exact = plan()
+    cost = plan(balance_cost_ns_per_row=414.0, balance_link_gb_per_s=385.0, receive_capacity_factor=1.5)
+    routed = BASE["num_local_input_tokens"] * BASE["top_k"]
+    assert cost.balanced_rows >= int(1.5 * routed) > exact.balanced_rows
+    assert cost.device_rows > exact.device_rows
+    assert f"cost-aware, row limits {routed} (exact) to {int(1.5 * routed)}" in cost.explain()
+    assert "cost-aware" not in exact.explain()
 
 
 def test_the_plan_carries_its_config_and_ep_size():
