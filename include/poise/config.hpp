@@ -62,6 +62,10 @@ struct Config {
   bool fp8_wgrad = false;
 
   DType wgrad_dtype = DType::fp32;
+  // Exact balance, training: the dtype in which a replica's weight gradients travel back to their
+  // owner (issue 37): bf16 halves the bytes on the link (a DeepSeek-V3 replica: 88 instead of 176 MB);
+  // the owner adds them to its own in fp32. fp32: the replica's sums exactly as computed.
+  DType replica_grad_dtype = DType::bf16;
   bool inference = false;  // no backward: no activation slots, no weight-grad buffers
 
   // Throws InvalidArgument naming the field and the rule.

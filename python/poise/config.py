@@ -92,6 +92,9 @@ class Config:
 
     wgrad_dtype: WgradDType = "fp32"
     """Weight-gradient dtype: 'fp32' or 'bf16' ('float32', 'bfloat16' and torch dtypes are accepted)."""
+    replica_grad_dtype: WgradDType = "bf16"
+    """Exact balance, training: the dtype in which a replica's weight gradients travel back to their owner
+    (bf16 halves the link bytes; the owner adds them in fp32), or 'fp32' (the replica's sums as computed)."""
     inference: bool = False
     """No backward: no activation slots, no weight-gradient buffers."""
 
@@ -132,7 +135,7 @@ def to_cpp(config: Config) -> _poise.Config:
     cpp = _poise.Config()
     for field in dataclasses.fields(Config):
         value = getattr(config, field.name)
-        if field.name == "wgrad_dtype":
+        if field.name in ("wgrad_dtype", "replica_grad_dtype"):
             value = _dtype_name(value)
         try:
             setattr(cpp, field.name, value)

@@ -81,7 +81,7 @@ BalancePlan exact_mode_plan(const Config& config, std::span<const int64_t> count
 shared::BalanceCostRates balance_cost_rates(const Config& c) {
   if (!c.cost_aware_balance()) throw InvalidArgument("balance_cost_ns_per_row", "the cost-aware plan is not configured");
   const double weights = 3.0 * double(c.intermediate_dim) * double(c.hidden_dim);  // W13 (2 F D) and W2 (F D)
-  const double grad_bytes = c.inference ? 0.0 : (c.wgrad_dtype == DType::bf16 ? 2.0 : 4.0);
+  const double grad_bytes = c.inference ? 0.0 : (c.replica_grad_dtype == DType::bf16 ? 2.0 : 4.0);
   shared::BalanceCostRates rates;
   rates.expert_ns_per_row = float(c.balance_cost_ns_per_row);
   rates.expert_ns_per_group = float(c.balance_cost_ns_per_group);

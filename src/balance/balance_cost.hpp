@@ -53,7 +53,7 @@ BalancePlan exact_mode_plan(const Config& config, std::span<const int64_t> count
 
 // The cost-aware plan's rates of a Config (Config::cost_aware_balance): its per-row and per-group
 // expert costs and link rate, and the bytes one replica moves over a call: its bf16 weights out and,
-// in training, its gradients (Config::wgrad_dtype) back.
+// in training, its gradients (Config::replica_grad_dtype) back.
 shared::BalanceCostRates balance_cost_rates(const Config& config);
 
 }  // namespace poise::plan

@@ -176,7 +176,8 @@ std::string MemoryPlan::explain() const {
                          : "received rows x (4D+12) + T*K x (2D+4) combine + counts + signals, 2 MiB granules");
   row("communication window", communication_bytes, window_rule);
   row("replica experts", replica_weight_bytes,
-      c.inference ? "B x 3FD bf16 weights" : "B x 3FD x (bf16 weights + fp32 grads)");
+      c.inference ? "B x 3FD bf16 weights"
+                  : std::string("B x 3FD x (bf16 weights + ") + to_string(c.replica_grad_dtype) + " grads)");
   if (!c.inference) {
     std::snprintf(line, sizeof line, "%lld slot(s) x %lld layer(s); min %s, full save %s, max useful %s",
                   static_cast<long long>(c.num_activation_slots),

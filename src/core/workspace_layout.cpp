@@ -32,6 +32,7 @@ class Block {
 struct Dims {
   int64_t T, K, D, F, E, R, TK, groups, B, capacity, score_partials;
   int64_t fp8_weight_groups;  // groups whose weights are quantized into the rank's scratch
+  int64_t replica_grad_bytes; // per element of a replica's weight gradients (Config::replica_grad_dtype)
   bool exact, training, fp8, fp8_wgrad;
 };
 
@@ -47,6 +48,7 @@ Dims dims_of(const Config& c, int64_t ep_size, int64_t replica_slots) {
   d.training = !c.inference;
   d.fp8 = fp8_gemms(c);
   d.fp8_wgrad = c.fp8_wgrad;
+  d.replica_grad_bytes = c.replica_grad_dtype == DType::bf16 ? kBf16 : kFp32;
   // Prepared weights (inference): the replica slots only. Training keeps every group: the backward
   // writes the transposed copies of the weights it reads there (docs/fp8.md).
   d.fp8_weight_groups = c.prepared_fp8_weights && c.inference ? d.B : d.groups;
@@ -79,8 +81,8 @@ Window window(const Dims& d, const Keep& k) {
     const int64_t w13 = 2 * d.F * d.D, w2 = d.D * d.F;
     w.replica_w13 = b.add(kBf16 * d.B * w13);
     w.replica_w2 = b.add(kBf16 * d.B * w2);
-    if (d.training) w.replica_grad_w13 = b.add(kFp32 * d.B * w13);
-    if (d.training) w.replica_grad_w2 = b.add(kFp32 * d.B * w2);
+    if (d.training) w.replica_grad_w13 = b.add(d.replica_grad_bytes * d.B * w13);
+    if (d.training) w.replica_grad_w2 = b.add(d.replica_grad_bytes * d.B * w2);
     // Expert biases travel with their weights (a call may pass them or not).
     w.replica_b13 = b.add(kBf16 * d.B * 2 * d.F);
     w.replica_b2 = b.add(kBf16 * d.B * d.D);

@@ -49,6 +49,7 @@ struct EpDims {
   int32_t weights_transposed = 0;  // 1: w13 [E_local][D][2F], w2 [E_local][F][D] (per call)
   int32_t biased = 0;        // 1: expert biases b13, b2 (per call)
   int32_t wgrad_bf16 = 0;    // the call's weight gradients: 1 bf16, 0 fp32 (per backward call: BackwardArgs / Config)
+  int32_t replica_grad_bf16 = 0;  // Config::replica_grad_dtype: replica weight gradients travel in bf16
   // Backward: grad_out rows go to the experts unscaled; DGRAD W2 applies the scores and computes
   // the scores' gradients per row in score_partials pieces, which combine-push sums and sends to
   // the owners (grad_scores_TK window region).
@@ -81,8 +82,8 @@ struct WorkspaceOffsets {
   // dispatch, and their weight gradients, read by the owners after the backward combine barrier.
   size_t replica_w13 = 0;       // bf16 [B][2F][D]
   size_t replica_w2 = 0;        // bf16 [B][D][F]
-  size_t replica_grad_w13 = 0;  // fp32 [B][2F][D] (training)
-  size_t replica_grad_w2 = 0;   // fp32 [B][D][F]  (training)
+  size_t replica_grad_w13 = 0;  // fp32 or bf16 (EpDims::replica_grad_bf16) [B][2F][D] (training)
+  size_t replica_grad_w2 = 0;   // fp32 or bf16 [B][D][F]  (training)
   // With expert biases (per call; the regions are always there under exact balance).
   size_t replica_b13 = 0;       // bf16 [B][2F]
   size_t replica_b2 = 0;        // bf16 [B][D]

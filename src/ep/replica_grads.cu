@@ -1,8 +1,9 @@
-// Exact balance, backward: replica weight (and bias) gradients back to their owners, in fp32 (the owner's
-// gradient may be bf16: then it is rounded once more, after the fp32 sum).
+// Exact balance, backward: replica weight (and bias) gradients back to their owners, summed in fp32
+// (the owner's gradient may be bf16: then it is rounded once more, after the fp32 sum).
 //
 // A rank that computed rows of another rank's expert in a replica slot wrote that slot's weight
-// gradients (fp32, overwritten each backward) into its workspace (replica_grad_w13 / _w2). After
+// gradients (in Config::replica_grad_dtype, bf16 by default: half the bytes on the link; biases in
+// fp32; overwritten each backward) into its workspace (replica_grad_w13 / _w2). After
 // the backward combine-push barrier every rank's expert backward is complete, so each owner reads
 // them from its peers and adds them to its own gradients: for every element, its own value, then
 // the replicas in plan order (expert, first row). Fixed order: deterministic, no atomics.
@@ -37,10 +38,11 @@ __device__ __forceinline__ void store4(bf16* p, size_t i, float4 v) {
                                               *reinterpret_cast<const uint32_t*>(&hi));
 }
 
-// own[i] += replica pieces' [i] (fp32), for i in this block's share of the expert's elements: the
-// whole grid shares every slot's work (with virtual ranks the hot owner alone would otherwise get
-// 1/R of the GPU). A bf16 owner gradient is read, summed in fp32 with the replicas, rounded once.
-template <class Grad>
+// own[i] += replica pieces' [i] (Replica: fp32 or bf16, added in fp32), for i in this block's share
+// of the expert's elements: the whole grid shares every slot's work (with virtual ranks the hot owner
+// alone would otherwise get 1/R of the GPU). A bf16 owner gradient is read, summed in fp32 with the
+// replicas, rounded once.
+template <class Replica, class Grad>
 __device__ void add_replicas(const comm::PeerTable& pt, const RankScratch& rs, const EpDims& dims, size_t region,
                              Grad* grad, size_t expert_elems, int first_piece, int end_piece, size_t local) {
   Grad* own = grad + local * expert_elems;
@@ -55,13 +57,13 @@ __device__ void add_replicas(const comm::PeerTable& pt, const RankScratch& rs, c
     }
     for (int q = first_piece; q < end_piece; ++q) {
       const plan::shared::ReplicaPiece p = rs.plan_pieces[q];
-      const float4* replica = comm::peer_ptr<const float4>(pt, p.rank, region) +
-                              size_t(p.slot - dims.E_local) * vecs;
+      const Replica* replica = comm::peer_ptr<const Replica>(pt, p.rank, region) +
+                               size_t(p.slot - dims.E_local) * expert_elems;
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const size_t i = base + size_t(u) * kThreads;
         if (i < vecs) {
-          const float4 v = replica[i];
+          const float4 v = load4(replica, i);
           acc[u].x += v.x, acc[u].y += v.y, acc[u].z += v.z, acc[u].w += v.w;
         }
       }
@@ -74,17 +76,26 @@ __device__ void add_replicas(const comm::PeerTable& pt, const RankScratch& rs, c
   }
 }
 
-template <class Grad>
+template <class Replica, class Grad>
 __device__ void add_expert_replicas(const comm::PeerTable& pt, const RankScratch& rs, const EpDims& dims,
                                     const WorkspaceOffsets& ws, const RankIo& rio, int first, int end, size_t local) {
   const size_t w13_elems = size_t(2) * dims.F * dims.D, w2_elems = size_t(dims.D) * dims.F;
-  add_replicas(pt, rs, dims, ws.replica_grad_w13, static_cast<Grad*>(rio.grad_w13_E2FD), w13_elems, first, end, local);
-  add_replicas(pt, rs, dims, ws.replica_grad_w2, static_cast<Grad*>(rio.grad_w2_EDF), w2_elems, first, end, local);
+  add_replicas<Replica>(pt, rs, dims, ws.replica_grad_w13, static_cast<Grad*>(rio.grad_w13_E2FD), w13_elems, first,
+                        end, local);
+  add_replicas<Replica>(pt, rs, dims, ws.replica_grad_w2, static_cast<Grad*>(rio.grad_w2_EDF), w2_elems, first, end,
+                        local);
   if (!dims.biased) return;
-  add_replicas(pt, rs, dims, ws.replica_grad_b13, static_cast<Grad*>(rio.grad_b13_E2F), size_t(2) * dims.F, first,
-               end, local);
-  add_replicas(pt, rs, dims, ws.replica_grad_b2, static_cast<Grad*>(rio.grad_b2_ED), size_t(dims.D), first, end,
-               local);
+  add_replicas<float>(pt, rs, dims, ws.replica_grad_b13, static_cast<Grad*>(rio.grad_b13_E2F), size_t(2) * dims.F,
+                      first, end, local);
+  add_replicas<float>(pt, rs, dims, ws.replica_grad_b2, static_cast<Grad*>(rio.grad_b2_ED), size_t(dims.D), first,
+                      end, local);
+}
+
+template <class Grad>
+__device__ void add_expert_replicas(const comm::PeerTable& pt, const RankScratch& rs, const EpDims& dims,
+                                    const WorkspaceOffsets& ws, const RankIo& rio, int first, int end, size_t local) {
+  if (dims.replica_grad_bf16) add_expert_replicas<bf16, Grad>(pt, rs, dims, ws, rio, first, end, local);
+  else add_expert_replicas<float, Grad>(pt, rs, dims, ws, rio, first, end, local);
 }
 
 __global__ void __launch_bounds__(kThreads) replica_grad_reduce_kernel(const comm::PeerTable* tables, EpDims dims,

@@ -288,8 +288,9 @@ void sm90_backward(const EpLaunch& l, const LaunchIo& io, bool accumulate, cudaS
     sm90::DgradW13Args dgrad_w13{rs.grad_h13_R2F, io.rank[s].w13_E2FD};
     dgrad_w13.scatter = combine_scatter(l, s);
     const DType own_dtype = l.dims.wgrad_bf16 ? DType::bf16 : DType::fp32;
-    sm90::WgradOutput wgrad_w2{io.rank[s].grad_w2_EDF, own_dtype, accumulate};
-    sm90::WgradOutput wgrad_w13{io.rank[s].grad_w13_E2FD, own_dtype, accumulate};
+    const DType replica_dtype = l.dims.replica_grad_bf16 ? DType::bf16 : DType::fp32;
+    sm90::WgradOutput wgrad_w2{io.rank[s].grad_w2_EDF, own_dtype, accumulate, nullptr, replica_dtype};
+    sm90::WgradOutput wgrad_w13{io.rank[s].grad_w13_E2FD, own_dtype, accumulate, nullptr, replica_dtype};
     if (has_replicas) {
       dgrad_w2.replica_w2_EDF = replica_w2(l, s);
       dgrad_w13.replica_w13_E2FD = replica_w13(l, s);

@@ -87,6 +87,7 @@ EpDims make_dims(const Config& c, int64_t ep_size, const layout::WorkspaceLayout
   d.fp8 = c.gemm_precision == GemmPrecision::fp8_block_scaled;
   d.fp8_weights_prepared = c.prepared_fp8_weights && c.inference ? 1 : 0;
   d.fp8_wgrad = d.fp8 && c.fp8_wgrad ? 1 : 0;
+  d.replica_grad_bf16 = c.replica_grad_dtype == DType::bf16 ? 1 : 0;
   d.swiglu_clamped = c.activation == Activation::swiglu_clamped;
   d.swiglu_alpha = static_cast<float>(c.swiglu_alpha);
   d.swiglu_limit = static_cast<float>(c.swiglu_limit);

@@ -1,6 +1,6 @@
 // Backward of one rank, the mirror of forward with the saved layout:
 // grad_y and grad_scores at the owner -> grad_y rows to the computing ranks -> expert backward ->
-// grad_x rows back and summed over k -> replica weight grads reduced to the owner in fp32.
+// grad_x rows back and summed over k -> replica weight grads (replica_grad_dtype) reduced to the owner in fp32.
 #include <algorithm>
 
 #include "reference/engine_state.hpp"
@@ -151,9 +151,11 @@ struct ExpertGrads {
   float* b13_of(int64_t i) { return bias13 ? b13.data() + i * bias13 : nullptr; }
   float* b2_of(int64_t i) { return bias2 ? b2.data() + i * bias2 : nullptr; }
 
-  void append_to(ExpertBlocksMessage& msg, int64_t i) const {
-    msg.w13.insert(msg.w13.end(), w13.begin() + i * block13, w13.begin() + (i + 1) * block13);
-    msg.w2.insert(msg.w2.end(), w2.begin() + i * block2, w2.begin() + (i + 1) * block2);
+  // The i-th slot's grads as they travel: weight grads in `weights` (Config::replica_grad_dtype),
+  // biases in fp32.
+  void append_to(ExpertBlocksMessage& msg, int64_t i, DType weights) const {
+    for (int64_t j = 0; j < block13; ++j) msg.w13.push_back(to_dtype(w13[i * block13 + j], weights));
+    for (int64_t j = 0; j < block2; ++j) msg.w2.push_back(to_dtype(w2[i * block2 + j], weights));
     msg.b13.insert(msg.b13.end(), b13.begin() + i * bias13, b13.begin() + (i + 1) * bias13);
     msg.b2.insert(msg.b2.end(), b2.begin() + i * bias2, b2.begin() + (i + 1) * bias2);
   }
@@ -196,14 +198,15 @@ void backward_rank(EngineState& s, int rank, InProcessTransport& transport, cons
   }
   return_grad_x(s, rank, transport, grad_x_GD, grad_score_G, grads);
 
-  // Replica grads travel to the owner in fp32 and are added there, by source rank.
+  // Replica grads travel to the owner (weights in replica_grad_dtype) and are added there in fp32,
+  // by source rank.
   std::vector<ExpertBlocksMessage> to_rank(s.ep_size);
   for (const ExpertGroup& group : st.grouped.groups_per_rank[rank]) {
     if (group.slot < local) continue;
     ExpertBlocksMessage& msg = to_rank[st.plan.owner_of(group.expert)];
     msg.experts.push_back(group.expert);
     msg.slots.push_back(group.slot);
-    replicas.append_to(msg, group.slot - local);
+    replicas.append_to(msg, group.slot - local, s.config.replica_grad_dtype);
   }
   std::vector<ExpertBlocksMessage> from_rank = transport.all_to_all(rank, std::move(to_rank));
   for (const ExpertBlocksMessage& msg : from_rank) {

@@ -140,11 +140,12 @@ Config deepseek_rank_config(double link_gb_per_s) {
 
 TEST(BalanceCost, ConfigRatesCountAReplicasBytesBothWays) {
   Config c = deepseek_rank_config(385);
+  c.replica_grad_dtype = DType::fp32;
   const shared::BalanceCostRates rates = balance_cost_rates(c);
   EXPECT_FLOAT_EQ(rates.replica_bytes, deepseek_rates().replica_bytes);  // bf16 weights out, fp32 grads back
   EXPECT_FLOAT_EQ(rates.link_bytes_per_ns, 385.0f);
   EXPECT_FLOAT_EQ(rates.expert_ns_per_group, 46600.0f);
-  c.wgrad_dtype = DType::bf16;
+  c.replica_grad_dtype = DType::bf16;  // the default
   EXPECT_FLOAT_EQ(balance_cost_rates(c).replica_bytes, float(3 * kF * kD * 4));
   c.inference = true;
   EXPECT_FLOAT_EQ(balance_cost_rates(c).replica_bytes, float(3 * kF * kD * 2));  // weights only

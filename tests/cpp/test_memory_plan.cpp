@@ -125,6 +125,17 @@ TEST(MemoryPlan, CapacityModeKeepsEveryReceivedRowOnTheDevice) {
   EXPECT_THROW(plan_memory(c, 8), NotAvailable);
 }
 
+TEST(MemoryPlan, ReplicaGradientsInBf16HalveTheirBytes) {
+  Config c = deepseek_v3();  // EP 8: B = 32 replica slots of 3 F D elements
+  const int64_t elems = 32 * 3 * c.intermediate_dim * c.hidden_dim;
+  const MemoryPlan bf16 = plan_memory(c, 8);
+  c.replica_grad_dtype = DType::fp32;
+  const MemoryPlan fp32 = plan_memory(c, 8);
+  EXPECT_EQ(fp32.replica_weight_bytes - bf16.replica_weight_bytes, 2 * elems);
+  EXPECT_NE(bf16.explain().find("bf16 weights + bf16 grads"), std::string::npos) << bf16.explain();
+  EXPECT_NE(fp32.explain().find("bf16 weights + fp32 grads"), std::string::npos) << fp32.explain();
+}
+
 TEST(MemoryPlan, InferenceSavesNothing) {
   Config c = deepseek_v3();
   c.inference = true;

@@ -47,6 +47,9 @@ void bind_config(nb::module_& m) {
       .def_prop_rw(
           "wgrad_dtype", [](const Config& c) { return std::string(to_string(c.wgrad_dtype)); },
           [](Config& c, const std::string& s) { c.wgrad_dtype = dtype_from_string(s, "wgrad_dtype"); })
+      .def_prop_rw(
+          "replica_grad_dtype", [](const Config& c) { return std::string(to_string(c.replica_grad_dtype)); },
+          [](Config& c, const std::string& s) { c.replica_grad_dtype = dtype_from_string(s, "replica_grad_dtype"); })
       .def_rw("inference", &Config::inference)
       .def("validate", &Config::validate, "ep_size"_a,
            "Raises poise.InvalidArgument naming the first field that breaks a rule.")
