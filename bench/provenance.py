@@ -1,4 +1,5 @@
-"""The commit a benchmark result records (shared by the benchmarks that write results)."""
+"""The commit a benchmark result records, and writing the result (shared by the benchmarks that write results)."""
+import json
 import os
 import pathlib
 import subprocess
@@ -16,3 +17,11 @@ def commit_of(explicit=None):
                               cwd=pathlib.Path(__file__).parent).stdout.strip() or "unknown"
     except OSError:
         return "unknown"
+
+
+def write_result(out, result: dict) -> None:
+    """Writes a benchmark's result as JSON to ``out`` (its folder created) and prints it."""
+    path = pathlib.Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result, indent=1))

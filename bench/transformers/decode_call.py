@@ -12,7 +12,6 @@ from grouped_mm's (bf16: a few 1e-3).
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 import statistics
 import sys
@@ -25,7 +24,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # bench/: provenance
 import poise.integrations.transformers as poise_hf  # noqa: E402  registers "poise"
-from provenance import commit_of  # noqa: E402
+from provenance import commit_of, write_result  # noqa: E402
 
 TOKENS = 8
 
@@ -78,9 +77,7 @@ def main(argv=None) -> int:
               "device": torch.cuda.get_device_name(), "tokens": TOKENS, "calls": args.calls,
               "poise_rel_l2_vs_grouped_mm": rel_err, "results": summary,
               "grouped_mm_host_over_poise": summary["grouped_mm"]["host_us_median"] / summary["poise"]["host_us_median"]}
-    pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    pathlib.Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps(result, indent=1))
+    write_result(args.out, result)
     return 0
 
 

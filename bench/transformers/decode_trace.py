@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import pathlib
 import statistics
 import sys
@@ -24,7 +23,7 @@ import torch
 from transformers.integrations.moe import ExpertsInterface
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # bench/: provenance
-from provenance import commit_of  # noqa: E402
+from provenance import commit_of, write_result  # noqa: E402
 
 
 def _load_model_bench():
@@ -111,9 +110,7 @@ def main(argv=None) -> int:
             "moe_calls_per_step": len(host) / (args.reps * (args.decode_steps - 1)),
             "sync_calls_per_generated_token": sync_calls_per_step(model, prompt, 8, args.device),
         }
-    pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    pathlib.Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps(result, indent=1))
+    write_result(args.out, result)
     return 0
 
 

@@ -134,20 +134,26 @@ def test_generation_runs_every_step_on_poise_and_matches_eager_logits(name, devi
     assert relative_error(logits_poise, logits_eager) < TOLERANCE
 
 
+def eager_and_poise(experts, num_tokens: int, generator):
+    """One inference call of ``num_tokens`` random tokens (top-2 of 8 experts) through "eager" and
+    "poise": (eager's output in fp32, poise's)."""
+    x = torch.randn(num_tokens, 128, generator=generator).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(8, generator=generator)[:2] for _ in range(num_tokens)])
+    scores = torch.rand(num_tokens, 2, generator=generator)
+    with torch.no_grad():
+        experts.config._experts_implementation = "eager"
+        expected = experts(x, ids, scores).float()
+        experts.config._experts_implementation = "poise"
+        return expected, experts(x, ids, scores)
+
+
 def test_calls_of_any_size_up_to_max_tokens_pad_to_their_bucket():
     model = tiny_model("qwen3_moe")
     experts = model.model.layers[0].mlp.experts
     poise_hf.configure(min_bucket_tokens=16, max_tokens=100)
     generator = torch.Generator().manual_seed(3)
     for num_tokens in (1, 16, 17, 100):
-        x = torch.randn(num_tokens, 128, generator=generator).to(torch.bfloat16)
-        ids = torch.stack([torch.randperm(8, generator=generator)[:2] for _ in range(num_tokens)])
-        scores = torch.rand(num_tokens, 2, generator=generator)
-        with torch.no_grad():
-            experts.config._experts_implementation = "eager"
-            expected = experts(x, ids, scores).float()
-            experts.config._experts_implementation = "poise"
-            actual = experts(x, ids, scores)
+        expected, actual = eager_and_poise(experts, num_tokens, generator)
         assert actual.shape == (num_tokens, 128)
         assert relative_error(actual.float(), expected) < TOLERANCE
     empty = experts(torch.zeros(0, 128, dtype=torch.bfloat16), torch.zeros(0, 2, dtype=torch.long), torch.zeros(0, 2))
@@ -199,14 +205,7 @@ def test_inference_calls_reuse_their_padded_inputs_and_route_only_their_rows():
     generator = torch.Generator().manual_seed(8)
     addresses = set()
     for num_tokens in (12, 3, 9):
-        x = torch.randn(num_tokens, 128, generator=generator).to(torch.bfloat16)
-        ids = torch.stack([torch.randperm(8, generator=generator)[:2] for _ in range(num_tokens)])
-        scores = torch.rand(num_tokens, 2, generator=generator)
-        with torch.no_grad():
-            experts.config._experts_implementation = "eager"
-            expected = experts(x, ids, scores).float()
-            experts.config._experts_implementation = "poise"
-            actual = experts(x, ids, scores)
+        expected, actual = eager_and_poise(experts, num_tokens, generator)
         assert relative_error(actual.float(), expected) < TOLERANCE
         assert poise_hf.routing_history()[-1][0].expert_rows.sum().item() == num_tokens * 2
         (inputs,) = poise_hf.contexts._inference_inputs.values()
