@@ -26,28 +26,38 @@ namespace poise::sm90 {
 // The scales one consumer thread reads per K block: its two fragment rows' A scales, and the
 // weight-block scale of each 64-column quarter of the tile. B rows are loaded as two halves of 128
 // (gate and up F apart for the blocked W13, else consecutive); a quarter never crosses a 128-row
-// block, a half may (the up half when F is 64 mod 128).
+// block, and the first half starts on a block, so its quarters share one scale; the second half
+// may straddle two blocks (the up half when F is 64 mod 128).
+//
+// Held as 32-bit element offsets from the kernel parameters' base pointers (BlockScales::a_RKb, and
+// b_own or b_replicas): 64-bit addresses per load took more registers than the SwiGLU FPROP kernel
+// had, which spilled seven of them and reloaded them from local memory every K block.
 struct Fp8ScaleRows {
-  const float* a;          // row r's scales; row r + 8's are 8 rows of scales further
-  const float* b_expert;   // the tile's expert's weight-block scales
-  int32_t b_quarter[4];    // offset of each quarter's scale row in b_expert
+  const float* b;       // b_own or b_replicas: where the tile's expert's weight-block scales are
+  uint32_t a_row;       // row r's first scale in a_RKb; row r + 8's are 8 rows of scales further
+  uint32_t b_first;     // quarters 0 and 1: their first scale in b
+  uint32_t b_second[2]; // quarters 2 and 3
 
   __device__ Fp8ScaleRows(const GroupedGemmShape& shape, const TileInfo& tile, int consumer, int thread) {
     const BlockScales& s = shape.scales;
-    const int64_t row = tile.row_begin + tile.m_block * kTileM + 64 * consumer + Fragment(thread).row;
-    a = s.a_RKb + row * s.k_blocks;
+    const int32_t row = tile.row_begin + tile.m_block * kTileM + 64 * consumer + Fragment(thread).row;
+    a_row = uint32_t(row) * uint32_t(s.k_blocks);
     const int32_t b_row_blocks = (shape.b_rows_per_expert + 127) / 128;
-    b_expert = s.b_expert(tile.expert, shape.first_replica, b_row_blocks);
+    const bool replica = tile.expert >= shape.first_replica;
+    b = replica ? s.b_replicas : s.b_own;
+    const uint32_t expert_first = uint32_t(tile.expert - (replica ? shape.first_replica : 0)) *
+                                  uint32_t(b_row_blocks) * uint32_t(s.k_blocks);
     const bool split = shape.b_gate_up_split > 0;
     const int32_t first = tile.n_block * (split ? kBlockN / 2 : kBlockN);
     const int32_t second = first + (split ? shape.b_gate_up_split : kBlockN / 2);
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      // A quarter past N (a last tile of a dimension 64 mod 128) is never stored: its scale row is
-      // clamped into the expert's rather than read past the scales.
-      const int32_t b_row = (q < 2 ? first : second) + 64 * (q % 2);
-      b_quarter[q] = min(b_row / 128, b_row_blocks - 1) * s.k_blocks;
-    }
+    // A quarter past N (a last tile of a dimension 64 mod 128) is never stored: its scale row is
+    // clamped into the expert's rather than read past the scales.
+    auto block_of = [&](int32_t b_row) {
+      return expert_first + uint32_t(min(b_row / 128, b_row_blocks - 1) * s.k_blocks);
+    };
+    b_first = block_of(first);
+    b_second[0] = block_of(second);
+    b_second[1] = block_of(second + 64);
   }
 };
 
@@ -85,13 +95,15 @@ __device__ __forceinline__ uint32_t mainloop_fp8(const Ring& ring, uint32_t it, 
 #pragma unroll
   for (int i = 0; i < kBlockN / 2; ++i) acc[i] = 0.0f;
   const Fp8ScaleRows scales(shape, tile, consumer, thread);
-  const int32_t row8 = 8 * shape.scales.k_blocks;
+  const float* const a_scales = shape.scales.a_RKb;
   for (int32_t kb = 0; kb < k_blocks; ++kb, ++it) {
     // Issued before the stage's wait, used after its wgmmas: the loads' latency hides behind both.
-    const float sa[2] = {__ldg(scales.a + kb), __ldg(scales.a + row8 + kb)};
+    const uint32_t a_at = scales.a_row + uint32_t(kb);
+    const float sa[2] = {__ldg(a_scales + a_at), __ldg(a_scales + (a_at + 8 * uint32_t(shape.scales.k_blocks)))};
     float sb[4];
-#pragma unroll
-    for (int q = 0; q < 4; ++q) sb[q] = __ldg(scales.b_expert + scales.b_quarter[q] + kb);
+    sb[0] = sb[1] = __ldg(scales.b + (scales.b_first + uint32_t(kb)));
+    sb[2] = __ldg(scales.b + (scales.b_second[0] + uint32_t(kb)));
+    sb[3] = __ldg(scales.b + (scales.b_second[1] + uint32_t(kb)));
     uint8_t* const a_smem = ring.wait(it);
     const uint64_t desc_a = ptx::make_k_major_desc(a_smem + consumer * 64 * 128);
     uint8_t* const b_smem = a_smem + kABytes;
