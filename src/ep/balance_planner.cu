@@ -6,7 +6,9 @@
 //
 //   1. per-expert totals, each rank's sequence (experts by rows, stable)  -- all threads
 //   2. sequence starts per rank                                          -- one thread per rank
-//   3. the donor/taker loop                                              -- thread 0 (<= R steps)
+//   3. the donor/taker loop                                              -- thread 0 (<= R steps);
+//      with the cost-aware plan (EpDims::cost_aware) first once per candidate row limit, scored
+//      by shared::predicted_ns, then with the best
 //   4. kept rows per expert, replica pieces sorted by (expert, begin),
 //      every rank's group sizes and offsets (E_local own + B replica slots), capacity check
 //
