@@ -245,6 +245,22 @@ def test_inference_context_evaluates_but_refuses_grad():
         assert raised.value.name == "context"
 
 
+def test_inference_mode_calls_give_the_no_grad_result(config, context):
+    """Under torch.inference_mode() (how serving stacks run models), inputs made there carry no
+    version counter; the call runs and gives the no_grad result, and a training backward after it
+    still works."""
+    inputs = layer_inputs(config, requires_grad=False)
+    with torch.no_grad():
+        want = call(inputs, context)
+    with torch.inference_mode():
+        made_here = {name: tensor.clone() for name, tensor in inputs.items()}
+        assert made_here["x_TD"].is_inference()
+        assert torch.equal(call(made_here, context), want)
+    trained = layer_inputs(config)
+    call(trained, context).float().square().sum().backward()
+    assert all(grad is not None for grad in grads_of(trained))
+
+
 def test_layers_sharing_a_context(config):
     """Two layers on one context, backward in reverse order: the first layer's backward recomputes."""
     layers = [layer_inputs(config, seed=s) for s in (1, 2)]

@@ -214,6 +214,21 @@ def test_inference_calls_reuse_their_padded_inputs_and_route_only_their_rows():
     assert len(addresses) == 1
 
 
+def test_inference_mode_then_no_grad_calls_share_the_padded_inputs():
+    """A first call under torch.inference_mode() makes the kept padded inputs; a later call under
+    plain no_grad writes them again (an inference tensor could not be), both equal to eager."""
+    model = tiny_model("qwen3_moe")
+    experts = model.model.layers[0].mlp.experts
+    generator = torch.Generator().manual_seed(9)
+    with torch.inference_mode():
+        expected, actual = eager_and_poise(experts, 5, generator)
+    assert relative_error(actual.float(), expected) < TOLERANCE
+    expected, actual = eager_and_poise(experts, 3, generator)  # eager_and_poise runs under no_grad
+    assert relative_error(actual.float(), expected) < TOLERANCE
+    (inputs,) = poise_hf.contexts._inference_inputs.values()
+    assert not inputs.x_TD.is_inference()
+
+
 def test_routing_history_records_every_layer_of_every_pass(tmp_path):
     """configure(record_routing=True): one row per forward pass (recomputes in backward are not
     passes), one RoutingStats per MoE layer, counting each layer's tokens * top_k rows."""

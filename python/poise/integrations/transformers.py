@@ -255,9 +255,12 @@ class PaddedInputs:
     the previous call's reads."""
 
     def __init__(self, tokens: int, hidden: int, top_k: int, scores_dtype: torch.dtype, device: torch.device):
-        self.x_TD = torch.empty(tokens, hidden, dtype=torch.bfloat16, device=device)
-        self.ids_TK = torch.full((tokens, top_k), -1, dtype=torch.int32, device=device)
-        self.scores_TK = torch.zeros(tokens, top_k, dtype=scores_dtype, device=device)
+        # Normal tensors even when the first call runs under torch.inference_mode(): an inference
+        # tensor could not be written by a later call outside it.
+        with torch.inference_mode(False):
+            self.x_TD = torch.empty(tokens, hidden, dtype=torch.bfloat16, device=device)
+            self.ids_TK = torch.full((tokens, top_k), -1, dtype=torch.int32, device=device)
+            self.scores_TK = torch.zeros(tokens, top_k, dtype=scores_dtype, device=device)
         self._rows = 0  # rows the last call wrote: those past the next call's are reset to -1
 
     def fill(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> tuple[Tensor, Tensor, Tensor]:

@@ -17,8 +17,9 @@ import torch
 
 def call_identity(tensors: Sequence[torch.Tensor]) -> tuple:
     """Tells whether a backward's inputs are those of a forward: same memory, shape, dtype and
-    version counter mean the same values (views share the version counter)."""
-    return tuple((t.data_ptr(), tuple(t.shape), t.dtype, t._version) for t in tensors)
+    version counter mean the same values (views share the version counter). Tensors made under
+    torch.inference_mode() keep no version counter, and no backward can take them: -1."""
+    return tuple((t.data_ptr(), tuple(t.shape), t.dtype, -1 if t.is_inference() else t._version) for t in tensors)
 
 
 class LatestForward:
