@@ -39,28 +39,36 @@ __device__ __forceinline__ void promote_fp8_columns(float (&acc)[kBlockN / 2], c
   }
 }
 
-// This warpgroup's scales of a tile: its two fragment rows' A scale rows and its two staged B columns.
+// This warpgroup's scales of a tile: its two fragment rows' A scale rows and its two staged B columns,
+// as 32-bit element offsets of row block kb from the parameters' base pointers (64-bit addresses per
+// load left the K loop one register short: it reloaded one from local memory every block).
 struct Fp8ColumnScaleRows {
   const ColumnScales& s;
-  int32_t block0;  // the expert's first 128-row block
-  int32_t a_row[2];
-  int32_t b_col[2];  // this thread's two of the tile's kBlockN columns (past N: scale 1)
+  uint32_t a_first;   // row block 0's scale of the first fragment row, in a_BM
+  uint32_t a_second;  // the second row's (8 rows further, clamped to M - 1) minus the first's
+  uint32_t b_first;   // row block 0's scale of this thread's first column, in b_BN; the second is kBlockN / 2 further
+  bool b_in[2];       // the columns lie below N (past N: scale 1)
 
   __device__ Fp8ColumnScaleRows(const GroupedGemmShape& shape, const TileInfo& tile, int consumer, int thread)
-      : s(shape.column_scales), block0(tile.row_begin / 128) {
+      : s(shape.column_scales) {
+    const uint32_t block0 = uint32_t(tile.row_begin / 128);  // the expert's first 128-row block
     const int32_t m = tile.m_block * kTileM + 64 * consumer + Fragment(thread).row;
     // Rows past M (a last M block of 64) are zero-filled by TMA: any finite scale serves them.
-    a_row[0] = min(m, s.M - 1), a_row[1] = min(m + 8, s.M - 1);
-    b_col[0] = tile.n_block * kBlockN + thread, b_col[1] = b_col[0] + kBlockN / 2;
+    const int32_t first_row = min(m, s.M - 1);
+    a_first = block0 * uint32_t(s.M) + uint32_t(first_row);
+    a_second = uint32_t(min(m + 8, s.M - 1) - first_row);
+    const int32_t b_col = tile.n_block * kBlockN + thread;
+    b_first = block0 * uint32_t(s.N) + uint32_t(b_col);
+    b_in[0] = b_col < s.N, b_in[1] = b_col + kBlockN / 2 < s.N;
   }
   __device__ __forceinline__ void load_a(int32_t kb, float (&sa)[2]) const {
-    const float* row = s.a_BM + int64_t(block0 + kb) * s.M;
-    sa[0] = __ldg(row + a_row[0]), sa[1] = __ldg(row + a_row[1]);
+    const uint32_t at = a_first + uint32_t(kb) * uint32_t(s.M);
+    sa[0] = __ldg(s.a_BM + at), sa[1] = __ldg(s.a_BM + (at + a_second));
   }
   __device__ __forceinline__ void load_b(int32_t kb, float (&sb)[2]) const {
-    const float* row = s.b_BN + int64_t(block0 + kb) * s.N;
-#pragma unroll
-    for (int i = 0; i < 2; ++i) sb[i] = b_col[i] < s.N ? __ldg(row + b_col[i]) : 1.0f;
+    const uint32_t at = b_first + uint32_t(kb) * uint32_t(s.N);
+    sb[0] = b_in[0] ? __ldg(s.b_BN + at) : 1.0f;
+    sb[1] = b_in[1] ? __ldg(s.b_BN + (at + kBlockN / 2)) : 1.0f;
   }
 };
 
