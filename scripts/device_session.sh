@@ -115,7 +115,7 @@ part_transformers() {
 part_decodecall() {
   PYTHONUNBUFFERED=1 timeout 120 python3 bench/transformers/decode_call.py --out "$OUT/transformers_decode_call_h200.json" \
     --commit "$commit" > "$OUT/decode_call.log" 2>&1
-  echo "decodecall rc=$?"; grep -E '"(host_us_median|grouped_mm_host_over_poise|poise_rel_l2_vs_grouped_mm)"' "$OUT/decode_call.log"
+  echo "decodecall rc=$?"; grep -E '"(host_us_median|graph_gpu_us|grouped_mm_host_over_poise|poise_rel_l2_vs_grouped_mm)"' "$OUT/decode_call.log"
 }
 part_decodetrace() {
   PYTHONUNBUFFERED=1 timeout 240 python3 bench/transformers/decode_trace.py --out "$OUT/transformers_decode_trace_h200.json" \

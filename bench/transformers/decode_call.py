@@ -4,7 +4,8 @@ A Qwen3-MoE Experts module at Qwen3-30B-A3B's dimensions (D=2048, F=768, E=128, 
 weights) called with 8 tokens under torch.no_grad(), as a decode step calls each MoE layer. Decode is
 host-bound, so what a layer costs there is its host time per call: the calls are queued back to back
 (--calls per round, --rounds rounds, implementations alternated) and timed on the host; "wall"
-includes draining the device after the last call. Also the relative L2 distance of poise's output
+includes draining the device after the last call; "graph_gpu_us" is one call's device time alone
+(a CUDA graph of it, replayed). Also the relative L2 distance of poise's output
 from grouped_mm's (bf16: a few 1e-3).
 
   python3 bench/transformers/decode_call.py [--out bench/results/transformers_decode_call_h200.json]
@@ -42,6 +43,27 @@ def host_and_wall_us(fn, calls: int) -> dict[str, float]:
     return {"host_us": 1e6 * (queued - start) / calls, "wall_us": 1e6 * (done - start) / calls}
 
 
+def graph_gpu_us(fn, replays: int = 50) -> float:
+    """Device time of one call, from a CUDA graph of it replayed back to back (no host time in it)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the capture stream, as torch.cuda.graphs asks
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return 1e3 * start.elapsed_time(end) / replays
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="bench/results/transformers_decode_call_h200.json")
@@ -71,8 +93,10 @@ def main(argv=None) -> int:
             for name, forward in implementations.items():
                 rounds[name].append(host_and_wall_us(lambda f=forward: f(module, hidden, top_k_index, top_k_weights),
                                                      args.calls))
-    summary = {name: {"host_us_median": statistics.median(r["host_us"] for r in rs), "rounds": rs}
-               for name, rs in rounds.items()}
+        graph_us = {name: graph_gpu_us(lambda f=forward: f(module, hidden, top_k_index, top_k_weights))
+                    for name, forward in implementations.items()}
+    summary = {name: {"host_us_median": statistics.median(r["host_us"] for r in rs), "graph_gpu_us": graph_us[name],
+                      "rounds": rs} for name, rs in rounds.items()}
     result = {"benchmark": "transformers_decode_call", "commit": commit_of(args.commit),
               "device": torch.cuda.get_device_name(), "tokens": TOKENS, "calls": args.calls,
               "poise_rel_l2_vs_grouped_mm": rel_err, "results": summary,
