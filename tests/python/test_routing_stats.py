@@ -55,6 +55,31 @@ def test_virtual_ranks_show_the_balance_plan():
     assert 4 * config.num_local_input_tokens <= received <= 4 * C
 
 
+@pytest.mark.parametrize("link_gb_per_s, balanced", [(1e9, True), (1e-3, False)])
+def test_the_cost_aware_plan_moves_rows_only_where_the_link_pays(link_gb_per_s, balanced):
+    """A hot expert on rank 0 (1.5x the mean): with a free link the cost-aware plan balances every
+    rank to T*K as exact balance does; with a dear one no replica pays and every row stays home
+    (the receive rows hold receive_capacity_factor * T*K)."""
+    config = poise.Config(**{**CONFIG.__dict__, "balance": "exact", "balance_cost_ns_per_row": 400.0,
+                             "balance_link_gb_per_s": link_gb_per_s})
+    inputs = reference.random_inputs(config, 4, seed=6)
+    C = config.num_local_input_tokens * config.top_k
+    for rank in range(4):  # half the tokens of every rank pick expert 0 first: rank 0 holds ~1.5 C rows
+        ids = inputs["ids_TK"][rank]
+        for t in range(0, config.num_local_input_tokens, 2):
+            if 0 not in ids[t].tolist():
+                ids[t, 0] = 0
+    with poise.create_context(config=config, device="cpu", ep_size=4, virtual_ranks=True) as context:
+        with torch.no_grad():
+            poise.routed_experts_virtual(*[inputs[n] for n in ("x_TD", "ids_TK", "scores_TK", "w13", "w2")], context)
+        stats = context.routing_stats()[0]
+    assert stats.owner_rows[0].item() > C
+    if balanced:
+        assert stats.computed_rows.tolist() == [C] * 4 and stats.replicas.sum().item() > 0
+    else:
+        assert torch.equal(stats.computed_rows, stats.owner_rows) and stats.replicas.sum().item() == 0
+
+
 def test_plot_routing_writes_a_png(tmp_path):
     history = []
     with poise.create_context(config=CONFIG, device="cpu") as first, \
