@@ -6,8 +6,9 @@ warpgroups cannot keep (they run at the edge of their 240 registers) is spilled 
 local memory there every time, with the latency of an L1 miss in front of the next wgmmas: the FP8
 FPROP W13 kernel reloaded seven scale offsets per K block and ran at 62% of the FP8 dense rate where
 the FP8 W2 kernel, without them, ran at 83% (docs/performance.md). This reads the kernels' SASS
-(cuobjdump and nvdisasm, from PyPI's nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm: requirements-dev.txt) and, for every grouped_gemm
-kernel, counts LDL / STL in its innermost loops that issue wgmmas (QGMMA / HGMMA).
+(cuobjdump and nvdisasm, from PyPI's nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm:
+requirements-dev.txt) and, for every grouped_gemm kernel, fails on any LDL / STL in its innermost
+loops that issue wgmmas (QGMMA / HGMMA).
 
   python3 tests/sass/kloop_local_memory.py LIBRARY   (ctest: sass_kloop_local_memory, label cpu)
 """
@@ -20,6 +21,7 @@ import re
 import shutil
 import subprocess
 import sys
+
 
 def cuda_tool(name: str) -> str:
     """cuobjdump or nvdisasm: on PATH, or from PyPI's nvidia-cuda-* wheels (requirements-dev.txt)."""
