@@ -40,6 +40,8 @@
 #                -> $OUT/fp8_step_h200.json ($FP8STEP_ARGS: more arguments; needs python first)
 #     fp8train   bench/fp8_training/curve.py --device cuda: 300 training steps of examples/train_moe.py in BF16,
 #                FP8 and FP8 with fp8_wgrad -> $OUT/fp8_training_h200.json and .png (needs python first)
+#     fuzz       .carry/test_fuzz_gpu with POISE_FUZZ_CASES=${FUZZ_CASES:-800}
+#     memcheck   compute-sanitizer memcheck over $MEMCHECK (default: test_ep_balance test_context_fp8)
 #     multigpu   torchrun, one process per GPU: bench/multigpu/multigpu_bench.py -> $OUT/multigpu_h200.json
 #                ($MULTIGPU_ARGS, e.g. --quick; needs python first)
 set -uo pipefail
@@ -160,9 +162,33 @@ part_multigpu() {
   echo "multigpu ($n GPUs) rc=$?"; grep -v "^\[W\|^W1" "$OUT/multigpu.log" | tail -40
 }
 
+part_fuzz() {
+  (time POISE_FUZZ_CASES=${FUZZ_CASES:-800} timeout 300 .carry/test_fuzz_gpu) > "$OUT/fuzz.log" 2>&1
+  echo "fuzz rc=$?"; grep -E "^fuzz: [0-9]+ cases|FAILED|POISE_FUZZ_SEED=.*CASES=1" "$OUT/fuzz.log" | head -8
+}
+part_memcheck() {  # $MEMCHECK: the test binaries (default: the exact-balance and FP8 layer tests)
+  for t in ${MEMCHECK:-test_ep_balance test_context_fp8}; do
+    timeout 300 compute-sanitizer --tool memcheck ".carry/$t" > "$OUT/memcheck_$t.log" 2>&1
+    echo "memcheck $t rc=$? $(grep -E 'ERROR SUMMARY' "$OUT/memcheck_$t.log" | tail -1)"
+  done
+}
+
+# The device tool returns at most 8 files from $OUT: past that the logs, then the JSON results,
+# travel in one archive each.
+out_files() { find "$OUT" -maxdepth 1 -type f | wc -l; }
+pack_out() {
+  if [ "$(out_files)" -gt 8 ] && ls "$OUT"/*.log > /dev/null 2>&1; then
+    (cd "$OUT" && tar czf logs.tgz ./*.log && rm -f ./*.log)
+  fi
+  if [ "$(out_files)" -gt 8 ] && ls "$OUT"/*.json > /dev/null 2>&1; then
+    (cd "$OUT" && tar czf results.tgz ./*.json && rm -f ./*.json)
+  fi
+}
+
 parts=("$@")
 [ ${#parts[@]} -eq 0 ] && parts=(tests demo python overhead)
 for p in "${parts[@]}"; do
   echo "=== $p ($(date +%T))"
   "part_$p"
 done
+pack_out
