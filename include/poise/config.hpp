@@ -70,7 +70,6 @@ struct Config {
 
   // Throws InvalidArgument naming the field and the rule.
   void validate(int64_t ep_size) const;
-  void validate_balance_cost() const;  // part of validate: the cost-aware plan's rates
 
   int64_t num_local_experts(int64_t ep_size) const { return num_experts / ep_size; }
   // Exact balance with the cost-aware plan (both rates set).

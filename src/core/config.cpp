@@ -65,28 +65,29 @@ void require_finite_positive(double v, const char* field) {
   require(std::isfinite(v) && v > 0, field, "must be a finite number > 0, got " + show(v));
 }
 
+// The cost-aware plan's rates: finite and >= 0; set, they need exact mode, the row cost and the link.
+void validate_balance_cost(const Config& c) {
+  const std::pair<const char*, double> rates[] = {{"balance_cost_ns_per_row", c.balance_cost_ns_per_row},
+                                                  {"balance_cost_ns_per_group", c.balance_cost_ns_per_group},
+                                                  {"balance_link_gb_per_s", c.balance_link_gb_per_s}};
+  for (const auto& [field, value] : rates) {
+    require(std::isfinite(value) && value >= 0, field, "must be a finite number >= 0, got " + show(value));
+  }
+  const bool any = c.balance_cost_ns_per_row > 0 || c.balance_cost_ns_per_group > 0 || c.balance_link_gb_per_s > 0;
+  if (!any) return;
+  require(c.balance == Balance::exact, "balance_cost_ns_per_row",
+          "the cost-aware plan chooses among exact-balance plans: set balance='exact' or leave the rates at 0");
+  require(c.balance_cost_ns_per_row > 0, "balance_cost_ns_per_row",
+          "must be > 0 when balance_link_gb_per_s or balance_cost_ns_per_group is set (the cost-aware plan needs "
+          "the expert work per row)");
+  require(c.balance_link_gb_per_s > 0, "balance_link_gb_per_s",
+          "must be > 0 when balance_cost_ns_per_row is set (the cost-aware plan weighs replica bytes by it)");
+}
+
 }  // namespace
 
 bool Config::cost_aware_balance() const {
   return balance == Balance::exact && balance_cost_ns_per_row > 0 && balance_link_gb_per_s > 0;
-}
-
-void Config::validate_balance_cost() const {
-  const std::pair<const char*, double> rates[] = {{"balance_cost_ns_per_row", balance_cost_ns_per_row},
-                                                  {"balance_cost_ns_per_group", balance_cost_ns_per_group},
-                                                  {"balance_link_gb_per_s", balance_link_gb_per_s}};
-  for (const auto& [field, value] : rates) {
-    require(std::isfinite(value) && value >= 0, field, "must be a finite number >= 0, got " + show(value));
-  }
-  const bool any = balance_cost_ns_per_row > 0 || balance_cost_ns_per_group > 0 || balance_link_gb_per_s > 0;
-  if (!any) return;
-  require(balance == Balance::exact, "balance_cost_ns_per_row",
-          "the cost-aware plan chooses among exact-balance plans: set balance='exact' or leave the rates at 0");
-  require(balance_cost_ns_per_row > 0, "balance_cost_ns_per_row",
-          "must be > 0 when balance_link_gb_per_s or balance_cost_ns_per_group is set (the cost-aware plan needs "
-          "the expert work per row)");
-  require(balance_link_gb_per_s > 0, "balance_link_gb_per_s",
-          "must be > 0 when balance_cost_ns_per_row is set (the cost-aware plan weighs replica bytes by it)");
 }
 
 void Config::validate(int64_t ep_size) const {
@@ -106,7 +107,7 @@ void Config::validate(int64_t ep_size) const {
   }
   require(std::isfinite(balance_tolerance) && balance_tolerance >= 0, "balance_tolerance",
           "must be a finite number >= 0, got " + show(balance_tolerance));
-  validate_balance_cost();
+  validate_balance_cost(*this);
   if (balance == Balance::capacity || cost_aware_balance()) {
     require(std::isfinite(receive_capacity_factor) && receive_capacity_factor >= 1.0,
             "receive_capacity_factor", "must be >= 1, got " + show(receive_capacity_factor));
