@@ -65,17 +65,12 @@ CostAwareChoice choose_row_limit(std::span<const int64_t> counts_E, int64_t num_
   return best;
 }
 
-BalancePlan cost_aware_plan(std::span<const int64_t> counts_E, int64_t num_ranks, int64_t rows_per_rank,
-                            int64_t replica_slots, int64_t max_row_limit, const shared::BalanceCostRates& rates) {
-  CostAwareChoice choice = choose_row_limit(counts_E, num_ranks, rows_per_rank, replica_slots, max_row_limit, rates);
-  return plan_from_pieces(counts_E, num_ranks, rows_per_rank, replica_slots, std::move(choice.plan.pieces));
-}
-
 BalancePlan exact_mode_plan(const Config& config, std::span<const int64_t> counts_E, int64_t num_ranks,
                             int64_t rows_per_rank, int64_t replica_slots) {
   if (!config.cost_aware_balance()) return plan_exact_balance(counts_E, num_ranks, rows_per_rank, replica_slots);
-  return cost_aware_plan(counts_E, num_ranks, rows_per_rank, replica_slots, layout::row_limit(config),
-                         balance_cost_rates(config));
+  CostAwareChoice choice = choose_row_limit(counts_E, num_ranks, rows_per_rank, replica_slots,
+                                            layout::row_limit(config), balance_cost_rates(config));
+  return plan_from_pieces(counts_E, num_ranks, rows_per_rank, replica_slots, std::move(choice.plan.pieces));
 }
 
 shared::BalanceCostRates balance_cost_rates(const Config& c) {

@@ -42,12 +42,9 @@ struct CostAwareChoice {
 CostAwareChoice choose_row_limit(std::span<const int64_t> counts_E, int64_t num_ranks, int64_t rows_per_rank,
                                  int64_t replica_slots, int64_t max_row_limit, const shared::BalanceCostRates& rates);
 
-// The cost-aware choice as a BalancePlan (the reference engine's plan when a Config asks for it).
-BalancePlan cost_aware_plan(std::span<const int64_t> counts_E, int64_t num_ranks, int64_t rows_per_rank,
-                            int64_t replica_slots, int64_t max_row_limit, const shared::BalanceCostRates& rates);
-
-// The plan a Config's exact balance makes on the GPU for these counts: exact balance, or with
-// Config::cost_aware_balance the cost-aware choice among row limits up to layout::row_limit.
+// The plan a Config's exact balance makes on the GPU for these counts (the reference engine's):
+// exact balance, or with Config::cost_aware_balance the cost-aware choice among row limits up to
+// layout::row_limit, as a BalancePlan.
 BalancePlan exact_mode_plan(const Config& config, std::span<const int64_t> counts_E, int64_t num_ranks,
                             int64_t rows_per_rank, int64_t replica_slots);
 
