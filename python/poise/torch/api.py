@@ -82,7 +82,7 @@ def routed_experts(
             call = autograd.EagerCall(context.handle, w13_layout, options.accumulate_wgrad, weights_transposed,
                                       options.clip_statistics, options.sync_check or context.sync_check, fp8, fp8_t)
             if not _wants_grad(tensors[:1] + tensors[2:]):  # nothing to differentiate: no autograd node
-                return _sync_checked(autograd.eager_forward_without_grad(call, tensors), context, options)
+                return _sync_checked(autograd.eager_forward_on_engine(call, tensors), context, options)
             return _sync_checked(autograd.EagerForward.apply(call, *tensors), context, options)
     if fp8 is not None and b13 is not None:
         raise _biases_with_prepared()

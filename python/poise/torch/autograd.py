@@ -216,9 +216,10 @@ class EagerCall(NamedTuple):
     prepared_t: Optional[tuple[Tensor, ...]] = None
 
 
-def eager_forward_without_grad(call: EagerCall, tensors: Sequence[Tensor]):
-    """EagerForward's forward when no grad is wanted (inference, torch.no_grad): the engine call
-    alone, without an autograd node or saved state (their host time is what a decode step costs)."""
+def eager_forward_on_engine(call: EagerCall, tensors: Sequence[Tensor]):
+    """The engine call of an eager forward: EagerForward's, and alone when no grad is wanted
+    (inference, torch.no_grad: no autograd node or saved state, whose host time is what a decode step
+    costs)."""
     return ops.forward_on_engine(tensors, call.context_handle, call.w13_layout, call.weights_transposed,
                                  call.clip_counts, call.prepared, call.prepared_t)
 
@@ -231,8 +232,7 @@ class EagerForward(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, call: EagerCall, *tensors):
-        result = ops.forward_on_engine(tensors, call.context_handle, call.w13_layout, call.weights_transposed,
-                                       call.clip_counts, call.prepared, call.prepared_t)
+        result = eager_forward_on_engine(call, tensors)
         _setup_one_rank(ctx, (*tensors, call.context_handle, call.w13_layout, call.weights_transposed,
                               call.accumulate_wgrad), result)
         ctx.prepared_t = call.prepared_t
