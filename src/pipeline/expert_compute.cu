@@ -229,9 +229,9 @@ void fp8_wgrad(const EpLaunch& l, int s, const sm90::GroupedRows& rows, const sm
 
 // The FP8 backward (docs/fp8.md steps 5-8) through the rank's Fp8Scratch: the weights' transposed
 // copies (the own experts' prepared or from the call's BF16 weights, the replica slots' from the
-// workspace) for
-// DGRAD, which reads grad_y and then grad_h13 in row tiles; then WGRAD: in BF16 on the bf16 rows and
-// x's FP8 rows (as they crossed the wire) dequantized, or (Config::fp8_wgrad) fp8_wgrad.
+// workspace) for DGRAD, which reads grad_y and then grad_h13 in row tiles; then WGRAD: in BF16 on
+// the bf16 rows and x's FP8 rows (as they crossed the wire) dequantized, or (Config::fp8_wgrad)
+// fp8_wgrad.
 void fp8_backward(const EpLaunch& l, const LaunchIo& io, int s, const sm90::GroupedRows& rows,
                   const sm90::DgradW2Args& bf16_dgrad_w2, const sm90::WgradOutput& wgrad_w2,
                   const sm90::WgradOutput& wgrad_w13, cudaStream_t stream) {
