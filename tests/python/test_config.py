@@ -125,6 +125,7 @@ RULES = [
     (dict(inference=True, activation_slot_capacity_factor=1.0), EP_SIZE, "activation_slot_bytes"),
     (dict(wgrad_dtype="fp16"), EP_SIZE, "wgrad_dtype"),
     (dict(wgrad_dtype="torch.float16"), EP_SIZE, "wgrad_dtype"),
+    (dict(replica_grad_dtype="fp16"), EP_SIZE, "replica_grad_dtype"),
     # Wrong Python types are named too (caught while converting to the C++ struct).
     (dict(hidden_dim=1024.0), EP_SIZE, "hidden_dim"),
     (dict(top_k="4"), EP_SIZE, "top_k"),
