@@ -18,7 +18,8 @@ The model (--family), with --layers decoder layers, random weights (bf16), rando
   implementation's MoE time is its step time minus that.
 - Generation: greedy prefill of batch x seq tokens, then --decode-steps steps of batch tokens; the
   decode time per step is (generate(decode-steps) - generate(1)) / (decode-steps - 1).
-Timings are medians of --reps, alternating implementations so that the card's drift hits all alike.
+Timings are medians of --reps, alternating implementations so that the card's drift hits all alike;
+the training steps are timed first, then the generations.
 
 Usage: python3 bench/transformers/bench.py [--family qwen3_moe|gpt_oss] [--out FILE]
   [--implementations poise,grouped_mm,eager] [--layers 2] [--batch 8] [--seq 1024] [--decode-steps 64]
@@ -163,11 +164,15 @@ def measure(model, args) -> dict[str, dict]:
         for job in jobs.values():
             job()
         peak[name] = peak_memory_of(jobs["train_s"], args.device)
-    for _ in range(args.reps):
-        for name in names:
-            model.set_experts_implementation(name)
-            for job, fn in jobs.items():
-                samples[name][job].append(timed(fn, args.device))
+    # Training, then generation, each its own phase, as a user runs them: each generate() timed right
+    # after a training step measured poise's decode 0.85-0.99x grouped_mm's (e55e237), generate()s
+    # timed back to back (decode_trace.py) 1.04-1.22x.
+    for phase in (("train_s",), ("prefill_s", "generate_s")):
+        for _ in range(args.reps):
+            for name in names:
+                model.set_experts_implementation(name)
+                for job in phase:
+                    samples[name][job].append(timed(jobs[job], args.device))
     return {name: {**{job: statistics.median(v) for job, v in samples[name].items()},
                    "train_peak_bytes": peak[name], "samples": samples[name]} for name in names}
 
