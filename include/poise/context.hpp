@@ -143,6 +143,10 @@ class Context {
   int64_t launch_ranks() const;  // argument sets per call: 1, or ep_size for virtual ranks
   // Waits for `stream`, then throws DeviceError for the first device-side fault of the last calls.
   void check(Stream stream);
+  // Throws DeviceError for a fault of an earlier call that has ended on the device, without waiting:
+  // what each call does at its entry, for a caller that replays captured calls as a CUDA graph (the
+  // replay runs no host code of the call).
+  void raise_if_faulted() const;
 
   const Config& config() const;
   const MemoryPlan& plan() const;

@@ -226,6 +226,13 @@ class Context:
         device = torch.device(self._device) if ":" in self._device else None
         _poise.context_check(self._cpp, torch.cuda.current_stream(device).cuda_stream)
 
+    def raise_if_faulted(self) -> None:
+        """Raises poise.DeviceError for a device-side fault of an earlier call that has ended on the
+        device, without waiting for the stream: what every call does at its entry. For callers that
+        replay captured calls as a CUDA graph, whose replay runs none of a call's host code."""
+        self._require_open()
+        self._cpp.raise_if_faulted()
+
     def reset(self) -> None:
         """Recovers after an aborted call (an exception, a device timeout). Raises once closed."""
         self._cpp.reset()

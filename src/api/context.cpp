@@ -212,6 +212,11 @@ void Context::check(Stream stream) {
   if (state_->pipeline) state_->pipeline->check(stream);
 }
 
+void Context::raise_if_faulted() const {
+  require_open(*this);
+  if (state_->pipeline) state_->pipeline->raise_if_faulted();
+}
+
 void Context::close() {
   state_->pipeline.reset();
   state_->release_after_pipeline.reset();  // after the pipeline: it may hold a window on it

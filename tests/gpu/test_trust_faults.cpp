@@ -144,7 +144,7 @@ void check_capacity_preconditions(const FaultCase& fc, const ReferenceLayer& goo
 }
 
 // After the faulted call: the next call raises at its entry naming the fault and launches nothing;
-// check() raises too; reset() then a good forward+backward matches the reference.
+// raise_if_faulted() and check() raise too; reset() then a good forward+backward matches the reference.
 void expect_sticky_fault_then_recovery(Context& context, const ReferenceLayer& good, const BadInputs& bad,
                                        cudaStream_t stream) {
   DeviceLayer next = testing::device_layer(good);
@@ -155,6 +155,7 @@ void expect_sticky_fault_then_recovery(Context& context, const ReferenceLayer& g
                       "the forward after the faulted one");
   expect_device_error([&] { routed_experts_backward(context, next.backward_args(), stream); }, entry,
                       "a backward after the faulted forward");
+  expect_device_error([&] { context.raise_if_faulted(); }, entry, "raise_if_faulted() (a call's entry check alone)");
   expect_all_zero(next.out_TD(), "out_TD of the raising forward");
   expect_all_zero(next.grad_x_TD(), "grad_x_TD of the raising backward");
   expect_device_error([&] { context.check(stream); }, bad.message, "check()");

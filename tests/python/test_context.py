@@ -24,6 +24,7 @@ def test_create_exposes_config_plan_and_rank():
 def test_close_twice_is_fine_and_use_after_close_raises():
     context = poise.create_context(config=CONFIG, ep_size=1, rank=0)
     context.reset()  # allowed while open
+    context.raise_if_faulted()  # nothing has run, so nothing has faulted
     context.close()
     assert context.closed
     context.close()
@@ -32,6 +33,8 @@ def test_close_twice_is_fine_and_use_after_close_raises():
     with pytest.raises(poise.InvalidArgument) as raised:
         context.reset()
     assert raised.value.name == "context"
+    with pytest.raises(poise.InvalidArgument, match="context"):
+        context.raise_if_faulted()
 
 
 def test_with_block_closes():

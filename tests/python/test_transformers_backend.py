@@ -229,6 +229,58 @@ def test_inference_mode_then_no_grad_calls_share_the_padded_inputs():
     assert not inputs.x_TD.is_inference()
 
 
+def decode_calls(experts, routings, device):
+    """Each (x, ids, scores) of ``routings`` through the module under no_grad: the outputs."""
+    with torch.no_grad():
+        return [experts(x.to(device), ids.to(device), scores.to(device)).float() for x, ids, scores in routings]
+
+
+def random_routings(count: int, num_tokens: int, generator):
+    return [(torch.randn(num_tokens, 128, generator=generator).to(torch.bfloat16),
+             torch.stack([torch.randperm(8, generator=generator)[:2] for _ in range(num_tokens)]),
+             torch.rand(num_tokens, 2, generator=generator)) for _ in range(count)]
+
+
+@pytest.mark.gpu
+def test_decode_calls_replay_a_cuda_graph_of_the_call():
+    """GPU inference calls of a small bucket replay a CUDA graph captured after the module's first
+    call: over fresh routings (and 8 then 3 tokens) the outputs equal those of calls made without
+    graphs (graph_max_tokens=0), bit for bit; weights updated in place are read, weights in new
+    storage are captured again; a device fault of a replayed call (an expert id out of range) raises
+    at the next call."""
+    model = tiny_model("qwen3_moe", "cuda")
+    experts = model.model.layers[0].mlp.experts
+    experts.config._experts_implementation = "poise"
+    routings = random_routings(4, 8, torch.Generator().manual_seed(12)) + random_routings(
+        2, 3, torch.Generator().manual_seed(13))
+    poise_hf.configure(graph_max_tokens=0)
+    without_graphs = decode_calls(experts, routings, "cuda")
+    assert len(poise_hf.contexts.graphs) == 0
+    poise_hf.configure(**DEFAULT_SETTINGS)
+    with_graphs = decode_calls(experts, routings, "cuda")
+    assert len(poise_hf.contexts.graphs) == 1  # one module, one context, one scores dtype
+    for got, want in zip(with_graphs, without_graphs):
+        assert torch.equal(got, want)
+
+    x, ids, scores = routings[0]
+    with torch.no_grad():
+        experts.down_proj.mul_(2)  # in place: the same storage, read by the next replay
+    (doubled,) = decode_calls(experts, [routings[0]], "cuda")
+    assert torch.equal(doubled, 2 * with_graphs[0])
+    experts.down_proj = torch.nn.Parameter(experts.down_proj.detach() / 2)  # new storage: captured again
+    (halved,) = decode_calls(experts, [routings[0]], "cuda")
+    assert torch.equal(halved, with_graphs[0])
+    (again,) = decode_calls(experts, [routings[1]], "cuda")  # a replay of the new graph
+    assert torch.equal(again, with_graphs[1])
+
+    bad_ids = ids.clone()
+    bad_ids[0, 0] = 8  # the model has experts 0..7
+    decode_calls(experts, [(x, bad_ids, scores)], "cuda")
+    torch.cuda.synchronize()  # the faulted replay has ended on the device
+    with pytest.raises(poise.DeviceError):
+        decode_calls(experts, [routings[1]], "cuda")
+
+
 def test_routing_history_records_every_layer_of_every_pass(tmp_path):
     """configure(record_routing=True): one row per forward pass (recomputes in backward are not
     passes), one RoutingStats per MoE layer, counting each layer's tokens * top_k rows."""

@@ -62,6 +62,11 @@ class Settings:
     record_routing: bool = False
     """Keep every Experts call's poise.RoutingStats (device tensors, no sync), one row per forward
     pass: ``routing_history()``, e.g. for ``poise.plot_routing``."""
+    graph_max_tokens: int = 256
+    """GPU inference calls on a context of at most this many tokens (decode steps) replay a CUDA graph
+    of the call, one per Experts module, captured after its first call: a layer's host time is then
+    the copies in and out and one replay instead of the call's launches (``CallGraphs``). 0: never.
+    Not with a group or sync_check, nor inside a graph the caller captures."""
     group: Any = None
     """A torch.distributed group: expert parallelism over its ranks, each holding E / ep_size experts
     (``shard_experts``). Every call then runs on the max_tokens context on every rank, so that the
@@ -97,6 +102,49 @@ def bucket_tokens(num_tokens: int, settings: Settings) -> int:
     return min(-(-num_tokens // step) * step, settings.max_tokens)
 
 
+class CallGraphs:
+    """Inference calls replayed as CUDA graphs (Settings.graph_max_tokens). A decode step calls each
+    layer with a few tokens, and its time is host time: the call's kernel launches are most of it.
+    The call reads only buffers whose addresses stay: the context's, its padded inputs (PaddedInputs)
+    and the module's weights. So each module's first call on a context runs as it is (it also makes
+    the context allocate) and is then captured once; later calls copy their rows in, replay it and
+    copy the rows of its output out. Weights are read where they are at each replay (in-place updates
+    are seen); weights moved to new storage are captured again. A replay runs none of the call's host
+    code, so the fault check of the call's entry is made here (``Context.raise_if_faulted``)."""
+
+    def __init__(self) -> None:
+        self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, tuple[int, ...], Tensor]] = {}
+
+    def run(self, slot: tuple, context: Context, weights: tuple[Tensor, ...], call: Callable[[], Tensor],
+            rows: int) -> Tensor:
+        """``call()``'s first ``rows`` rows, from the graph of ``slot`` (module, context key, scores
+        dtype) when one was captured on these ``weights``."""
+        addresses = tuple(w.data_ptr() for w in weights)
+        captured = self._graphs.get(slot)
+        if captured is not None and captured[1] == addresses:
+            graph, _, out_TD = captured
+            context.raise_if_faulted()
+            graph.replay()
+            return out_TD[:rows].clone()
+        out_TD = call()
+        self._graphs[slot] = self._captured(call, out_TD.device, addresses)
+        return out_TD[:rows]
+
+    def _captured(self, call: Callable[[], Tensor], device: torch.device, addresses: tuple[int, ...]):
+        graph = torch.cuda.CUDAGraph()
+        # Captured outside inference mode: the output it keeps is read by later calls under no_grad too.
+        with (torch.cuda.device(device), torch.inference_mode(False), torch.no_grad(),
+              torch.cuda.graph(graph, capture_error_mode="thread_local")):
+            out_TD = call()
+        return graph, addresses, out_TD
+
+    def clear(self) -> None:
+        self._graphs.clear()
+
+    def __len__(self) -> int:
+        return len(self._graphs)
+
+
 class ContextCache:
     """Contexts keyed by (layer shape, device, tokens, training): one serves every layer of that key.
 
@@ -108,6 +156,7 @@ class ContextCache:
         self._contexts: dict[tuple, Context] = {}
         self._pass_opener: dict[tuple, int] = {}
         self._inference_inputs: dict[tuple, PaddedInputs] = {}
+        self.graphs = CallGraphs()  # they read the contexts' buffers: released before them
 
     def get(self, key: tuple, make_config: Callable[[], Config], device: str) -> Context:
         """The context of ``key``; on the first call of a key, created from ``make_config()``."""
@@ -136,6 +185,7 @@ class ContextCache:
         return buffers
 
     def release(self) -> None:
+        self.graphs.clear()
         for context in self._contexts.values():
             context.close()
         self._contexts.clear()
@@ -199,16 +249,32 @@ def poise_experts_forward(module: torch.nn.Module, hidden_states: torch.Tensor, 
     context = contexts.get(key, lambda: _layer_config(module, w13, form, tokens, top_k, training, layers), device)
     if training:
         contexts.open_pass_if_first_layer(key, context, module)
-    if training or tokens == num_tokens or torch.compiler.is_compiling():
+    compiling = torch.compiler.is_compiling()
+    graphed = not training and not compiling and _replays_graphs(tokens, hidden_states.device)
+    if training or compiling or (tokens == num_tokens and not graphed):
         x_TD, ids_TK, scores_TK = _padded(hidden_states, top_k_index, top_k_weights, tokens)
     else:
         inputs = contexts.inference_inputs(key, hidden_states, top_k_index, _scores_dtype(top_k_weights), tokens)
         x_TD, ids_TK, scores_TK = inputs.fill(hidden_states, top_k_index, top_k_weights)
-    out_TD = routed_experts(x_TD, ids_TK, scores_TK, w13, w2, context, w13_layout=form.w13_layout,
-                            weights_transposed=form.transposed, **biases)
+
+    def call() -> Tensor:
+        return routed_experts(x_TD, ids_TK, scores_TK, w13, w2, context, w13_layout=form.w13_layout,
+                              weights_transposed=form.transposed, **biases)
+
+    if graphed:
+        out_TD = contexts.graphs.run((id(module), key, scores_TK.dtype), context, (w13, w2, *biases.values()), call,
+                                     num_tokens)
+    else:
+        out_TD = call()[:num_tokens]
     if _settings.record_routing:
         recorder.record(module, context)
-    return out_TD[:num_tokens]
+    return out_TD
+
+
+def _replays_graphs(tokens: int, device: torch.device) -> bool:
+    """Whether an inference call of a ``tokens`` context replays a graph (Settings.graph_max_tokens)."""
+    return (device.type == "cuda" and tokens <= _settings.graph_max_tokens and _settings.group is None
+            and not _settings.sync_check and not torch.cuda.is_current_stream_capturing())
 
 
 def _layer_config(module: torch.nn.Module, w13: torch.Tensor, form: "ExpertsForm", tokens: int, top_k: int,

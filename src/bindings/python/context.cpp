@@ -73,6 +73,8 @@ void bind_context(nb::module_& m) {
            "plan.activation_records_per_slot; the others recompute in backward).")
       .def_prop_ro("recomputed_forwards", &Context::recomputed_forwards,
                    "Backwards so far that rebuilt their forward (its activation record was overwritten).")
+      .def("raise_if_faulted", &Context::raise_if_faulted,
+           "Raises DeviceError for a fault of an earlier call that ended on the device, without waiting.")
       .def("reset", &Context::reset, release_gil())
       .def("close", &Context::close, release_gil());
 }
