@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Packs what a device call needs from this machine's build into .carry/ (see scripts/device_session.sh):
-# the C++ GPU test binaries, the demo and, with --bench, routed_experts_bench and fp8_gemm_bench,
+# the C++ GPU test binaries, the demo and, with --bench, routed_experts_bench, fp8_gemm_bench and
+# host_overflow_bench,
 # stripped and in one xz tarball (about 4 MB instead of about 58: the device tool carries at most
 # 64 MiB with the tree), plus
 # .carry/COMMIT. --extra FILE (repeatable) packs FILE too, under its own name: e.g. a
@@ -37,7 +38,7 @@ fi
 stage=$(mktemp -d)
 trap 'rm -rf "$stage"' EXIT
 cp "$build"/tests/gpu/test_* "$build"/apps/demo/poise_demo "$stage"/
-[ "$bench" = 1 ] && cp "$build"/bench/routed_experts_bench "$build"/bench/fp8_gemm_bench "$stage"/
+[ "$bench" = 1 ] && cp "$build"/bench/routed_experts_bench "$build"/bench/fp8_gemm_bench "$build"/bench/host_overflow_bench "$stage"/
 [ ${#extras[@]} -gt 0 ] && cp "${extras[@]}" "$stage"/
 strip --strip-unneeded "$stage"/*
 rm -rf "$root/.carry"
