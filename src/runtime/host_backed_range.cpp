@@ -4,16 +4,16 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
-#include <mutex>
 #include <string>
 
 #include "poise/errors.hpp"
 #include "runtime/current_device.hpp"
+#include "runtime/driver_entry_point.hpp"
 
 namespace poise::runtime {
 namespace {
 
-// The driver's VMM entry points, fetched through the runtime so that nothing links libcuda directly.
+// The driver's VMM entry points (driver_entry_point).
 struct Vmm {
   CUresult (*device_get)(CUdevice*, int) = nullptr;
   CUresult (*device_attribute)(int*, CUdevice_attribute, CUdevice) = nullptr;
@@ -30,28 +30,21 @@ struct Vmm {
 
 template <class Fn>
 bool fetch(const char* name, Fn& fn) {
-  void* ptr = nullptr;
-  cudaDriverEntryPointQueryResult status{};
-  if (cudaGetDriverEntryPointByVersion(name, &ptr, 12000, cudaEnableDefault, &status) != cudaSuccess ||
-      status != cudaDriverEntryPointSuccess) {
-    (void)cudaGetLastError();
-    return false;
-  }
-  fn = reinterpret_cast<Fn>(ptr);
-  return true;
+  fn = reinterpret_cast<Fn>(driver_entry_point(name));
+  return fn != nullptr;
 }
 
 const Vmm& vmm() {
-  static Vmm v;
-  static std::once_flag once;
-  std::call_once(once, [] {
+  static const Vmm fetched = [] {
+    Vmm v;
     v.complete = fetch("cuDeviceGet", v.device_get) && fetch("cuDeviceGetAttribute", v.device_attribute) &&
                  fetch("cuMemGetAllocationGranularity", v.granularity) &&
                  fetch("cuMemAddressReserve", v.reserve) && fetch("cuMemAddressFree", v.address_free) &&
                  fetch("cuMemCreate", v.create) && fetch("cuMemRelease", v.release) && fetch("cuMemMap", v.map) &&
                  fetch("cuMemUnmap", v.unmap) && fetch("cuMemSetAccess", v.set_access);
-  });
-  return v;
+    return v;
+  }();
+  return fetched;
 }
 
 void check(CUresult r, const char* call) {

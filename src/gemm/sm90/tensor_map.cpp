@@ -1,11 +1,9 @@
 #include "gemm/sm90/tensor_map.hpp"
 
-#include <cuda_runtime_api.h>
-
-#include <mutex>
 #include <string>
 
 #include "poise/errors.hpp"
+#include "runtime/driver_entry_point.hpp"
 
 namespace poise::sm90 {
 namespace {
@@ -15,21 +13,8 @@ using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t
                                    const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
                                    CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
 
-// The driver entry point is fetched through the runtime, so nothing links libcuda directly.
 EncodeTiledFn encode_tiled() {
-  static EncodeTiledFn fn = nullptr;
-  static std::once_flag once;
-  std::call_once(once, [] {
-    void* ptr = nullptr;
-    cudaDriverEntryPointQueryResult status{};
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault,
-                                         &status) == cudaSuccess &&
-        status == cudaDriverEntryPointSuccess) {
-      fn = reinterpret_cast<EncodeTiledFn>(ptr);
-    } else {
-      (void)cudaGetLastError();
-    }
-  });
+  static const auto fn = reinterpret_cast<EncodeTiledFn>(runtime::driver_entry_point("cuTensorMapEncodeTiled"));
   if (!fn) throw DeviceError("cuTensorMapEncodeTiled is not available from the CUDA driver");
   return fn;
 }
